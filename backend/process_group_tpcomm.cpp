@@ -1,0 +1,384 @@
+#include "backend/process_group_tpcomm.hpp"
+
+#include <torch/csrc/distributed/c10d/exception.h>
+
+#include "backend/validation.hpp"
+#include "backend/work.hpp"
+#include "coordinator/common/error.hpp"
+
+namespace tpcomm::backend {
+
+using c10d::OpType;
+using c10d::Work;
+using coord::Pending;
+using WorkPtr = c10::intrusive_ptr<Work>;
+
+namespace {
+
+// The boundary: argument errors become c10::Error, the rest DistBackendError.
+template <typename F>
+auto translateErrors(F&& f) -> decltype(f()) {
+  try {
+    return f();
+  } catch (const tpcomm::Error& e) {
+    if (e.code() == ErrorCode::kInvalidUsage) {
+      TORCH_CHECK(false, e.what());
+    }
+    C10_THROW_ERROR(DistBackendError, e.what());
+  }
+}
+
+std::vector<at::Tensor> concat(const std::vector<at::Tensor>& a,
+                               const std::vector<at::Tensor>& b) {
+  std::vector<at::Tensor> out(a);
+  out.insert(out.end(), b.begin(), b.end());
+  return out;
+}
+
+}  // namespace
+
+ProcessGroupTpcomm::ProcessGroupTpcomm(std::shared_ptr<coord::GroupCoordinator> coordinator)
+    : c10d::Backend(coordinator->rank(), coordinator->size()),
+      coordinator_(std::move(coordinator)) {
+  init();
+}
+
+std::string ProcessGroupTpcomm::describeCall(const char* op) const {
+  return std::string(op) + " on group '" + coordinator_->options().groupName + "' (rank " +
+         std::to_string(rank_) + " of " + std::to_string(size_) + ")";
+}
+
+template <typename Call>
+WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Call&& call) {
+  return translateErrors([&]() -> WorkPtr {
+    Pending pending = call();
+    return c10::make_intrusive<TpcommWork>(std::move(pending), type, describeCall(op), rank_);
+  });
+}
+
+c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupTpcomm::getBackendOptions() {
+  auto options = c10::make_intrusive<Options>("tpcomm", coordinator_->options().timeout);
+  options->group_name = coordinator_->options().groupName;
+  return options;
+}
+
+void ProcessGroupTpcomm::setTimeout(std::chrono::milliseconds timeout) {
+  coordinator_->setTimeout(timeout);
+}
+
+void ProcessGroupTpcomm::eagerConnectSingleDevice(at::Device device) {
+  translateErrors([&] { coordinator_->eagerConnect(device); });
+}
+
+void ProcessGroupTpcomm::setSequenceNumberForGroup() {
+  coordinator_->cpuBackend()->setSequenceNumberForGroup();
+}
+
+uint64_t ProcessGroupTpcomm::getSequenceNumberForGroup() {
+  return coordinator_->cpuBackend()->getSequenceNumberForGroup();
+}
+
+void ProcessGroupTpcomm::abort() { coordinator_->abort(); }
+
+void ProcessGroupTpcomm::shutdown() { coordinator_->shutdown(); }
+
+c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::split(
+    const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+    const c10::intrusive_ptr<Options>& opts) {
+  return translateErrors([&]() -> c10::intrusive_ptr<c10d::Backend> {
+    TPCOMM_CHECK(!ranks.empty(), kInvalidUsage, "split: the rank list is empty");
+    for (int r : ranks) checkRank("split", "rank", r, size_);
+    if (std::find(ranks.begin(), ranks.end(), rank_) == ranks.end()) return nullptr;
+    const std::string name = opts ? opts->group_name : std::string();
+    const auto timeout = opts ? opts->timeout : coordinator_->options().timeout;
+    std::lock_guard<std::mutex> lock(splitMutex_);
+    if (!name.empty()) {
+      auto it = splits_.find(name);
+      if (it != splits_.end()) return it->second;
+    }
+    auto child = c10::make_intrusive<ProcessGroupTpcomm>(
+        coordinator_->split(store, ranks, timeout, name));
+    if (!name.empty()) splits_[name] = child;
+    return child;
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::broadcast(std::vector<at::Tensor>& tensors,
+                                      const c10d::BroadcastOptions& opts) {
+  return run(OpType::BROADCAST, "broadcast", [&] {
+    checkSingle("broadcast", "tensors", tensors);
+    checkRank("broadcast", "root rank", opts.rootRank, size_);
+    checkRank("broadcast", "root tensor", opts.rootTensor, 1);
+    return coordinator_->broadcast(tensors, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::allreduce(std::vector<at::Tensor>& tensors,
+                                      const c10d::AllreduceOptions& opts) {
+  return run(OpType::ALLREDUCE, "allreduce", [&] {
+    checkSingle("allreduce", "tensors", tensors);
+    checkReduceOp("allreduce", opts.reduceOp, tensors[0].scalar_type());
+    return coordinator_->allreduce(tensors, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                             const c10d::AllreduceOptions& opts) {
+  return run(OpType::ALLREDUCE, "allreduce_sparse", [&] {
+    TPCOMM_CHECK(tensors.size() == 1 && tensors[0].defined(), kInvalidUsage,
+                 "allreduce_sparse: expected exactly one tensor, got ", tensors.size());
+    return coordinator_->allreduceSparse(tensors, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                const c10d::AllreduceCoalescedOptions& opts) {
+  return run(OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", [&] {
+    checkTensors("allreduce_coalesced", "tensors", tensors);
+    checkSameDevice("allreduce_coalesced", tensors);
+    checkDtype("allreduce_coalesced", "tensors", tensors, tensors[0].scalar_type());
+    checkReduceOp("allreduce_coalesced", opts.reduceOp, tensors[0].scalar_type());
+    return coordinator_->allreduceCoalesced(tensors, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::reduce(std::vector<at::Tensor>& tensors,
+                                   const c10d::ReduceOptions& opts) {
+  return run(OpType::REDUCE, "reduce", [&] {
+    checkSingle("reduce", "tensors", tensors);
+    checkRank("reduce", "root rank", opts.rootRank, size_);
+    checkRank("reduce", "root tensor", opts.rootTensor, 1);
+    checkReduceOp("reduce", opts.reduceOp, tensors[0].scalar_type());
+    return coordinator_->reduce(tensors, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                      std::vector<at::Tensor>& inputs,
+                                      const c10d::AllgatherOptions& opts) {
+  return run(OpType::ALLGATHER, "allgather", [&] {
+    checkSingle("allgather", "input tensors", inputs);
+    checkLength("allgather", "output tensor lists", outputs.size(), 1);
+    checkLength("allgather", "output tensor list", outputs[0].size(), size_);
+    checkTensors("allgather", "output tensor list", outputs[0]);
+    checkSameDevice("allgather", concat(inputs, outputs[0]));
+    checkDtype("allgather", "output tensor list", outputs[0], inputs[0].scalar_type());
+    for (const auto& out : outputs[0]) {
+      checkNumel("allgather", "an output tensor", out.numel(), inputs[0].numel());
+    }
+    return coordinator_->allgather(outputs, inputs, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                            const c10d::AllgatherOptions& opts) {
+  return run(OpType::_ALLGATHER_BASE, "allgather_into_tensor", [&] {
+    const char* op = "allgather_into_tensor";
+    checkTensors(op, "input", {input});
+    checkTensors(op, "output", {output});
+    checkSameDevice(op, {input, output});
+    checkDtype(op, "output", {output}, input.scalar_type());
+    checkNumel(op, "the output", output.numel(), input.numel() * size_);
+    return coordinator_->allgatherBase(output, input, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                std::vector<at::Tensor>& inputs,
+                                                const c10d::AllgatherOptions& opts) {
+  return run(OpType::ALLGATHER_COALESCED, "allgather_coalesced", [&] {
+    const char* op = "allgather_coalesced";
+    checkTensors(op, "input tensors", inputs);
+    checkLength(op, "output tensor lists", outputs.size(), size_);
+    for (const auto& list : outputs) {
+      checkLength(op, "an output tensor list", list.size(), inputs.size());
+      checkTensors(op, "an output tensor list", list);
+      checkSameDevice(op, concat(inputs, list));
+      for (size_t i = 0; i < list.size(); ++i) {
+        checkDtype(op, "an output tensor list", {list[i]}, inputs[i].scalar_type());
+        checkNumel(op, "an output tensor", list[i].numel(), inputs[i].numel());
+      }
+    }
+    return coordinator_->allgatherCoalesced(outputs, inputs, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                            std::vector<at::Tensor>& inputs,
+                                                            const c10d::AllgatherOptions& opts) {
+  return run(OpType::COALESCED, "allgather_into_tensor_coalesced", [&] {
+    const char* op = "allgather_into_tensor_coalesced";
+    checkTensors(op, "inputs", inputs);
+    checkTensors(op, "outputs", outputs);
+    checkLength(op, "outputs", outputs.size(), inputs.size());
+    checkSameDevice(op, concat(inputs, outputs));
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      checkDtype(op, "outputs", {outputs[i]}, inputs[i].scalar_type());
+      checkNumel(op, "an output", outputs[i].numel(), inputs[i].numel() * size_);
+    }
+    return coordinator_->allgatherIntoTensorCoalesced(outputs, inputs, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                   std::vector<at::Tensor>& inputs,
+                                   const c10d::GatherOptions& opts) {
+  return run(OpType::GATHER, "gather", [&] {
+    checkSingle("gather", "input tensors", inputs);
+    checkRank("gather", "root rank", opts.rootRank, size_);
+    if (opts.rootRank == rank_) {
+      checkLength("gather", "output tensor lists on the root", outputs.size(), 1);
+      checkLength("gather", "the gather list", outputs[0].size(), size_);
+      checkTensors("gather", "the gather list", outputs[0]);
+      checkSameDevice("gather", concat(inputs, outputs[0]));
+      checkDtype("gather", "the gather list", outputs[0], inputs[0].scalar_type());
+      for (const auto& out : outputs[0]) {
+        checkNumel("gather", "a gather list tensor", out.numel(), inputs[0].numel());
+      }
+    } else {
+      TPCOMM_CHECK(outputs.empty() || outputs[0].empty(), kInvalidUsage,
+                   "gather: only the root rank (", opts.rootRank,
+                   ") passes a gather list; rank ", rank_, " passed one");
+    }
+    return coordinator_->gather(outputs, inputs, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::scatter(std::vector<at::Tensor>& outputs,
+                                    std::vector<std::vector<at::Tensor>>& inputs,
+                                    const c10d::ScatterOptions& opts) {
+  return run(OpType::SCATTER, "scatter", [&] {
+    checkSingle("scatter", "output tensors", outputs);
+    checkRank("scatter", "root rank", opts.rootRank, size_);
+    if (opts.rootRank == rank_) {
+      checkLength("scatter", "input tensor lists on the root", inputs.size(), 1);
+      checkLength("scatter", "the scatter list", inputs[0].size(), size_);
+      checkTensors("scatter", "the scatter list", inputs[0]);
+      checkSameDevice("scatter", concat(outputs, inputs[0]));
+      checkDtype("scatter", "the scatter list", inputs[0], outputs[0].scalar_type());
+      for (const auto& in : inputs[0]) {
+        checkNumel("scatter", "a scatter list tensor", in.numel(), outputs[0].numel());
+      }
+    } else {
+      TPCOMM_CHECK(inputs.empty() || inputs[0].empty(), kInvalidUsage,
+                   "scatter: only the root rank (", opts.rootRank,
+                   ") passes a scatter list; rank ", rank_, " passed one");
+    }
+    return coordinator_->scatter(outputs, inputs, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::reduce_scatter(std::vector<at::Tensor>& outputs,
+                                           std::vector<std::vector<at::Tensor>>& inputs,
+                                           const c10d::ReduceScatterOptions& opts) {
+  return run(OpType::REDUCE_SCATTER, "reduce_scatter", [&] {
+    const char* op = "reduce_scatter";
+    checkSingle(op, "output tensors", outputs);
+    checkLength(op, "input tensor lists", inputs.size(), 1);
+    checkLength(op, "the input list", inputs[0].size(), size_);
+    checkTensors(op, "the input list", inputs[0]);
+    checkSameDevice(op, concat(outputs, inputs[0]));
+    checkDtype(op, "the input list", inputs[0], outputs[0].scalar_type());
+    for (const auto& in : inputs[0]) {
+      checkNumel(op, "an input tensor", in.numel(), outputs[0].numel());
+    }
+    checkReduceOp(op, opts.reduceOp, outputs[0].scalar_type());
+    return coordinator_->reduceScatter(outputs, inputs, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::ReduceScatterOptions& opts) {
+  return run(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", [&] {
+    const char* op = "reduce_scatter_tensor";
+    checkTensors(op, "input", {input});
+    checkTensors(op, "output", {output});
+    checkSameDevice(op, {input, output});
+    checkDtype(op, "output", {output}, input.scalar_type());
+    checkNumel(op, "the input", input.numel(), output.numel() * size_);
+    checkReduceOp(op, opts.reduceOp, input.scalar_type());
+    return coordinator_->reduceScatterBase(output, input, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  return run(OpType::COALESCED, "reduce_scatter_tensor_coalesced", [&] {
+    const char* op = "reduce_scatter_tensor_coalesced";
+    checkTensors(op, "inputs", inputs);
+    checkTensors(op, "outputs", outputs);
+    checkLength(op, "outputs", outputs.size(), inputs.size());
+    checkSameDevice(op, concat(inputs, outputs));
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      checkDtype(op, "outputs", {outputs[i]}, inputs[i].scalar_type());
+      checkNumel(op, "an input", inputs[i].numel(), outputs[i].numel() * size_);
+      checkReduceOp(op, opts.reduceOp, inputs[i].scalar_type());
+    }
+    return coordinator_->reduceScatterTensorCoalesced(outputs, inputs, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                          std::vector<int64_t>& outputSplits,
+                                          std::vector<int64_t>& inputSplits,
+                                          const c10d::AllToAllOptions& opts) {
+  return run(OpType::ALLTOALL_BASE, "all_to_all_single", [&] {
+    const char* op = "all_to_all_single";
+    checkTensors(op, "input", {input});
+    checkTensors(op, "output", {output});
+    checkSameDevice(op, {input, output});
+    checkDtype(op, "output", {output}, input.scalar_type());
+    checkSplits(op, "input_split_sizes", inputSplits, input, size_);
+    checkSplits(op, "output_split_sizes", outputSplits, output, size_);
+    return coordinator_->alltoallBase(output, input, outputSplits, inputSplits, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::alltoall(std::vector<at::Tensor>& outputs,
+                                     std::vector<at::Tensor>& inputs,
+                                     const c10d::AllToAllOptions& opts) {
+  return run(OpType::ALLTOALL, "all_to_all", [&] {
+    checkLength("all_to_all", "input_tensor_list", inputs.size(), size_);
+    checkLength("all_to_all", "output_tensor_list", outputs.size(), size_);
+    checkTensors("all_to_all", "input_tensor_list", inputs);
+    checkTensors("all_to_all", "output_tensor_list", outputs);
+    checkSameDevice("all_to_all", concat(inputs, outputs));
+    checkDtype("all_to_all", "input_tensor_list", inputs, inputs[0].scalar_type());
+    checkDtype("all_to_all", "output_tensor_list", outputs, inputs[0].scalar_type());
+    return coordinator_->alltoall(outputs, inputs, opts);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  return run(OpType::SEND, "send", [&] {
+    checkSingle("send", "tensors", tensors);
+    checkRank("send", "destination rank", dstRank, size_);
+    return coordinator_->send(tensors, dstRank, tag);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  return run(OpType::RECV, "recv", [&] {
+    checkSingle("recv", "tensors", tensors);
+    checkRank("recv", "source rank", srcRank, size_);
+    return coordinator_->recv(tensors, srcRank, tag);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  return run(OpType::RECVANYSOURCE, "recv", [&] {
+    checkSingle("recv", "tensors", tensors);
+    return coordinator_->recvAnysource(tensors, tag);
+  });
+}
+
+WorkPtr ProcessGroupTpcomm::barrier(const c10d::BarrierOptions& opts) {
+  return run(OpType::BARRIER, "barrier", [&] { return coordinator_->barrier(opts); });
+}
+
+void ProcessGroupTpcomm::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  translateErrors([&] { coordinator_->monitoredBarrier(opts, waitAllRanks); });
+}
+
+}  // namespace tpcomm::backend

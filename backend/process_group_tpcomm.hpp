@@ -1,0 +1,105 @@
+#pragma once
+// ProcessGroupTpcomm: the c10d::Backend that `init_process_group(backend=
+// "tpcomm")` creates, for CPU and CUDA tensors alike. It validates each call's
+// arguments, hands the call to its GroupCoordinator, and wraps what comes back
+// in a TpcommWork. Nothing else: routing lives in coordinator/.
+//
+// Errors: a bad argument raises c10::Error (RuntimeError in Python) naming the
+// call and the argument, before anything is sent; a communication failure
+// raises c10d::DistBackendError (torch.distributed.DistBackendError).
+
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "coordinator/group_coordinator.hpp"
+
+namespace tpcomm::backend {
+
+class ProcessGroupTpcomm : public c10d::Backend {
+ public:
+  explicit ProcessGroupTpcomm(std::shared_ptr<coord::GroupCoordinator> coordinator);
+
+  coord::GroupCoordinator& coordinator() { return *coordinator_; }
+
+  const std::string getBackendName() const override { return "tpcomm"; }
+  bool supportsSplitting() const override { return true; }
+  c10::intrusive_ptr<Options> getBackendOptions() override;
+  void setTimeout(std::chrono::milliseconds timeout) override;
+  void eagerConnectSingleDevice(at::Device device) override;
+  void setSequenceNumberForGroup() override;
+  uint64_t getSequenceNumberForGroup() override;
+  void abort() override;
+  void shutdown() override;
+  // Calling split twice with the same group name (once per device type, as
+  // ProcessGroup::splitGroup does) returns the same backend.
+  c10::intrusive_ptr<Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                    const std::vector<int>& ranks,
+                                    const c10::intrusive_ptr<Options>& opts) override;
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(
+      std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& outputSplits,
+                                               std::vector<int64_t>& inputSplits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dstRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int srcRank,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override;
+
+ private:
+  // Runs `call` (validation + coordinator), translating tpcomm::Error at this
+  // boundary, and wraps the result in a TpcommWork.
+  template <typename Call>
+  c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const char* op, Call&& call);
+  std::string describeCall(const char* op) const;
+
+  std::shared_ptr<coord::GroupCoordinator> coordinator_;
+  std::mutex splitMutex_;
+  std::map<std::string, c10::intrusive_ptr<ProcessGroupTpcomm>> splits_;
+};
+
+}  // namespace tpcomm::backend

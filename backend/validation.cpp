@@ -1,0 +1,110 @@
+#include "backend/validation.hpp"
+
+#include <numeric>
+
+#include "coordinator/common/error.hpp"
+#include "coordinator/debug_check.hpp"
+
+namespace tpcomm::backend {
+
+void checkTensors(const char* op, const char* what, const std::vector<at::Tensor>& tensors) {
+  TPCOMM_CHECK(!tensors.empty(), kInvalidUsage, op, ": ", what, " is an empty list");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const auto& t = tensors[i];
+    TPCOMM_CHECK(t.defined(), kInvalidUsage, op, ": ", what, "[", i, "] is an undefined tensor");
+    const auto device = t.device();
+    TPCOMM_CHECK(device.is_cpu() || device.is_cuda(), kInvalidUsage, op, ": ", what, "[", i,
+                 "] is on device ", device, "; tpcomm handles cpu and cuda tensors");
+    TPCOMM_CHECK(t.layout() == at::kStrided, kInvalidUsage, op, ": ", what, "[", i,
+                 "] has layout ", t.layout(), "; only dense (strided) tensors are supported");
+    TPCOMM_CHECK(t.is_contiguous(), kInvalidUsage, op, ": ", what, "[", i,
+                 "] is not contiguous (sizes ", t.sizes(), ", strides ", t.strides(),
+                 "); pass tensor.contiguous()");
+  }
+}
+
+void checkSingle(const char* op, const char* what, const std::vector<at::Tensor>& tensors) {
+  TPCOMM_CHECK(tensors.size() == 1, kInvalidUsage, op, ": expected exactly one tensor in ", what,
+               ", got ", tensors.size());
+  checkTensors(op, what, tensors);
+}
+
+void checkSameDevice(const char* op, const std::vector<at::Tensor>& tensors) {
+  for (const auto& t : tensors) {
+    TPCOMM_CHECK(t.device() == tensors.front().device(), kInvalidUsage, op,
+                 ": tensors of one call must be on one device, got ", tensors.front().device(),
+                 " and ", t.device());
+  }
+}
+
+void checkDtype(const char* op, const char* what, const std::vector<at::Tensor>& tensors,
+                at::ScalarType dtype) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TPCOMM_CHECK(tensors[i].scalar_type() == dtype, kInvalidUsage, op, ": ", what, "[", i,
+                 "] has dtype ", tensors[i].scalar_type(), " but the call's dtype is ", dtype);
+  }
+}
+
+void checkReduceOp(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype) {
+  const std::string name = coord::describeReduceOp(reduceOp);
+  const bool integral = at::isIntegralType(dtype, /*includeBool=*/true);
+  switch (reduceOp.op_) {
+    case c10d::ReduceOp::SUM:
+    case c10d::ReduceOp::PRODUCT:
+    case c10d::ReduceOp::MIN:
+    case c10d::ReduceOp::MAX:
+      return;
+    case c10d::ReduceOp::AVG:
+      TPCOMM_CHECK(dtype != at::kBool, kInvalidUsage, op, ": ReduceOp.AVG is not defined for ",
+                   dtype, " tensors");
+      return;
+    case c10d::ReduceOp::BAND:
+    case c10d::ReduceOp::BOR:
+    case c10d::ReduceOp::BXOR:
+      TPCOMM_CHECK(integral, kInvalidUsage, op, ": ReduceOp.", name,
+                   " needs an integer or bool tensor, got ", dtype);
+      return;
+    case c10d::ReduceOp::PREMUL_SUM:
+      TPCOMM_CHECK(at::isFloatingType(dtype), kInvalidUsage, op,
+                   ": PREMUL_SUM needs a floating-point tensor, got ", dtype);
+      return;
+    default:
+      TPCOMM_THROW(kInvalidUsage, op, ": unsupported reduce op ", name);
+  }
+}
+
+void checkRank(const char* op, const char* what, int64_t rank, int size) {
+  TPCOMM_CHECK(rank >= 0 && rank < size, kInvalidUsage, op, ": ", what, " ", rank,
+               " is out of range for a group of size ", size);
+}
+
+void checkLength(const char* op, const char* what, size_t actual, size_t expected) {
+  TPCOMM_CHECK(actual == expected, kInvalidUsage, op, ": ", what, " has ", actual,
+               " entries, expected ", expected);
+}
+
+void checkNumel(const char* op, const char* what, int64_t actual, int64_t expected) {
+  TPCOMM_CHECK(actual == expected, kInvalidUsage, op, ": ", what, " has ", actual,
+               " elements, expected ", expected);
+}
+
+void checkSplits(const char* op, const char* what, const std::vector<int64_t>& splits,
+                 const at::Tensor& tensor, int size) {
+  const int64_t rows = tensor.dim() == 0 ? 1 : tensor.size(0);
+  if (splits.empty()) {
+    TPCOMM_CHECK(rows % size == 0, kInvalidUsage, op, ": without ", what,
+                 " dim 0 must divide evenly by the group size, got ", rows, " rows for ", size,
+                 " ranks");
+    return;
+  }
+  checkLength(op, what, splits.size(), static_cast<size_t>(size));
+  for (size_t i = 0; i < splits.size(); ++i) {
+    TPCOMM_CHECK(splits[i] >= 0, kInvalidUsage, op, ": ", what, "[", i, "] is negative (",
+                 splits[i], ")");
+  }
+  const int64_t total = std::accumulate(splits.begin(), splits.end(), int64_t{0});
+  TPCOMM_CHECK(total == rows, kInvalidUsage, op, ": ", what, " sum to ", total,
+               " but the tensor has ", rows, " rows");
+}
+
+}  // namespace tpcomm::backend

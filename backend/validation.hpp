@@ -1,0 +1,32 @@
+#pragma once
+// Argument checks for every c10d entry point. Each throws
+// tpcomm::Error(kInvalidUsage) with a message naming the call, the argument
+// and what is wrong, before anything is sent. Internal to backend/.
+
+#include <cstdint>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+namespace tpcomm::backend {
+
+// Non-empty; every tensor defined, dense, contiguous, on a CPU or CUDA device.
+void checkTensors(const char* op, const char* what, const std::vector<at::Tensor>& tensors);
+// Exactly one tensor, and checkTensors.
+void checkSingle(const char* op, const char* what, const std::vector<at::Tensor>& tensors);
+// All tensors of one call on the same device.
+void checkSameDevice(const char* op, const std::vector<at::Tensor>& tensors);
+// Every tensor has `dtype`.
+void checkDtype(const char* op, const char* what, const std::vector<at::Tensor>& tensors,
+                at::ScalarType dtype);
+// The reduction is defined for the dtype (bitwise ops need integers, ...).
+void checkReduceOp(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype);
+// 0 <= rank < size.
+void checkRank(const char* op, const char* what, int64_t rank, int size);
+void checkLength(const char* op, const char* what, size_t actual, size_t expected);
+void checkNumel(const char* op, const char* what, int64_t actual, int64_t expected);
+// Split sizes: empty (even split of dim 0 by size) or one per rank summing to dim 0.
+void checkSplits(const char* op, const char* what, const std::vector<int64_t>& splits,
+                 const at::Tensor& tensor, int size);
+
+}  // namespace tpcomm::backend

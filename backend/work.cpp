@@ -1,0 +1,83 @@
+#include "backend/work.hpp"
+
+#include <torch/csrc/distributed/c10d/exception.h>
+
+namespace tpcomm::backend {
+
+TpcommWork::TpcommWork(coord::Pending pending, c10d::OpType type, std::string what, int rank)
+    : c10d::Work(rank, type),
+      inner_(std::move(pending.work)),
+      finish_(std::make_shared<FinishStep>()),
+      outputs_(std::move(pending.outputs)),
+      what_(std::move(what)) {
+  TORCH_INTERNAL_ASSERT(inner_, "tpcomm: ", what_, " produced no work");
+  finish_->fn = std::move(pending.finish);
+  if (!pending.hasFuture) return;
+  // The child future runs the finish step on the thread that completes the
+  // routed work, so that waiting on the future alone observes final results.
+  future_ = inner_->getFuture()->then(
+      [finish = finish_, outputs = outputs_](c10::ivalue::Future& parent) -> c10::IValue {
+        parent.value();  // rethrows the routed backend's error
+        finish->run();
+        return c10::IValue(outputs);
+      },
+      c10::ListType::create(c10::TensorType::get()));
+}
+
+void TpcommWork::raise(const std::string& cause) const {
+  C10_THROW_ERROR(DistBackendError, "tpcomm: " + what_ + " failed: " + cause);
+}
+
+bool TpcommWork::isCompleted() {
+  return future_ ? future_->completed() : inner_->isCompleted();
+}
+
+bool TpcommWork::isSuccess() const {
+  return future_ ? (future_->completed() && !future_->hasError()) : inner_->isSuccess();
+}
+
+std::exception_ptr TpcommWork::exception() const {
+  if (future_ && future_->completed() && future_->hasError()) return future_->exception_ptr();
+  return inner_->exception();
+}
+
+int TpcommWork::sourceRank() const { return inner_->sourceRank(); }
+
+std::vector<at::Tensor> TpcommWork::result() { return outputs_; }
+
+bool TpcommWork::wait(std::chrono::milliseconds timeout) {
+  try {
+    if (!inner_->wait(timeout)) return false;
+  } catch (const std::exception& e) {
+    raise(e.what());
+  }
+  if (future_) {
+    future_->wait();
+    if (future_->hasError()) {
+      try {
+        std::rethrow_exception(future_->exception_ptr());
+      } catch (const std::exception& e) {
+        raise(e.what());
+      }
+    }
+  } else {
+    try {
+      finish_->run();
+    } catch (const std::exception& e) {
+      raise(e.what());
+    }
+  }
+  return true;
+}
+
+void TpcommWork::abort() { inner_->abort(); }
+
+c10::intrusive_ptr<c10::ivalue::Future> TpcommWork::getFuture() {
+  TORCH_CHECK(future_, "tpcomm: ", what_,
+              " has no future (point-to-point work on the CPU group); call wait() instead");
+  return future_;
+}
+
+uint64_t TpcommWork::getSequencenumber() const { return inner_->getSequencenumber(); }
+
+}  // namespace tpcomm::backend

@@ -1,0 +1,61 @@
+#pragma once
+// TpcommWork: the Work every tpcomm call returns.
+//
+// It wraps the routed backend's work and the coordinator's finish step
+// (coord::Pending). Contract, as for c10d::Work:
+//  - wait(): blocks until the call finished (bounded by the group's timeout,
+//    which the routed backend enforces), runs the finish step, and returns
+//    true; a failure is raised as DistBackendError naming the call and group.
+//  - getFuture(): completes, with result() as its value, after the finish
+//    step ran; DDP's communication hooks rely on it. Calls whose routed work
+//    has no future (Gloo point-to-point) raise here: use wait().
+//  - isCompleted() never blocks. Thread-safe like the wrapped work.
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "coordinator/pending.hpp"
+
+namespace tpcomm::backend {
+
+class TpcommWork : public c10d::Work {
+ public:
+  // `what` names the call in errors: "allreduce on group 'default' (rank 0 of 2)".
+  TpcommWork(coord::Pending pending, c10d::OpType type, std::string what, int rank);
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  int sourceRank() const override;
+  std::vector<at::Tensor> result() override;
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void abort() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  uint64_t getSequencenumber() const override;
+
+ private:
+  [[noreturn]] void raise(const std::string& cause) const;
+
+  // Shared with the future's callback, which may outlive this Work.
+  struct FinishStep {
+    std::once_flag once;
+    std::function<void()> fn;
+    void run() {
+      std::call_once(once, [this] {
+        if (fn) fn();
+      });
+    }
+  };
+
+  c10::intrusive_ptr<c10d::Work> inner_;
+  std::shared_ptr<FinishStep> finish_;
+  std::vector<at::Tensor> outputs_;
+  std::string what_;
+  // Completes after inner_ and the finish step; null where inner_ has none.
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+}  // namespace tpcomm::backend

@@ -1,0 +1,80 @@
+#pragma once
+// The project's one error type and its check macros.
+//
+// Every layer (backend, coordinator, custom_allreduce, message_queue) throws
+// tpcomm::Error; this folder includes nothing else of the project, so any
+// layer may include it. At the c10d Backend boundary argument errors become
+// c10::Error (TORCH_CHECK) and communication failures c10d::DistBackendError.
+//
+// Library code never calls exit() or abort(): a failed check throws.
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace tpcomm {
+
+enum class ErrorCode {
+  kInvalidUsage,  // the caller passed something wrong; nothing was sent
+  kTimeout,       // a bounded wait ran out
+  kPeerLost,      // a peer died or left mid-operation
+  kCuda,          // a CUDA runtime or kernel error
+  kSystem,        // an OS call failed (errno attached in the message)
+};
+
+// "InvalidUsage", "Timeout", ...
+const char* errorCodeName(ErrorCode code);
+
+class Error : public std::runtime_error {
+ public:
+  Error(ErrorCode code, const std::string& message);
+  ErrorCode code() const { return code_; }
+
+ private:
+  ErrorCode code_;
+};
+
+namespace detail {
+
+template <typename... Args>
+std::string concat(const Args&... args) {
+  std::ostringstream out;
+  (out << ... << args);
+  return out.str();
+}
+
+// Builds "tpcomm <Code>: <message> (at file:line)" and throws it.
+[[noreturn]] void throwError(ErrorCode code, const char* file, int line, const std::string& message);
+
+}  // namespace detail
+}  // namespace tpcomm
+
+#define TPCOMM_THROW(code, ...)                                                       \
+  ::tpcomm::detail::throwError(::tpcomm::ErrorCode::code, __FILE__, __LINE__, \
+                               ::tpcomm::detail::concat(__VA_ARGS__))
+
+// TPCOMM_CHECK(cond, kInvalidUsage, "what went wrong ", value);
+#define TPCOMM_CHECK(cond, code, ...)                     \
+  do {                                                    \
+    if (!(cond)) {                                        \
+      TPCOMM_THROW(code, "", __VA_ARGS__);                 \
+    }                                                     \
+  } while (0)
+
+// Binary checks print both operands: "expected a == b (3 vs 4): message".
+#define TPCOMM_CHECK_OP_(a, b, op, code, ...)                                          \
+  do {                                                                                 \
+    const auto& tpcomm_lhs_ = (a);                                                     \
+    const auto& tpcomm_rhs_ = (b);                                                     \
+    if (!(tpcomm_lhs_ op tpcomm_rhs_)) {                                               \
+      TPCOMM_THROW(code, "expected " #a " " #op " " #b " (", tpcomm_lhs_, " vs ", \
+                   tpcomm_rhs_, ") ", ##__VA_ARGS__);                                  \
+    }                                                                                  \
+  } while (0)
+
+#define TPCOMM_CHECK_EQ(a, b, ...) TPCOMM_CHECK_OP_(a, b, ==, kInvalidUsage, ##__VA_ARGS__)
+#define TPCOMM_CHECK_NE(a, b, ...) TPCOMM_CHECK_OP_(a, b, !=, kInvalidUsage, ##__VA_ARGS__)
+#define TPCOMM_CHECK_LT(a, b, ...) TPCOMM_CHECK_OP_(a, b, <, kInvalidUsage, ##__VA_ARGS__)
+#define TPCOMM_CHECK_LE(a, b, ...) TPCOMM_CHECK_OP_(a, b, <=, kInvalidUsage, ##__VA_ARGS__)
+#define TPCOMM_CHECK_GT(a, b, ...) TPCOMM_CHECK_OP_(a, b, >, kInvalidUsage, ##__VA_ARGS__)
+#define TPCOMM_CHECK_GE(a, b, ...) TPCOMM_CHECK_OP_(a, b, >=, kInvalidUsage, ##__VA_ARGS__)

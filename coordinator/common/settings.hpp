@@ -1,0 +1,46 @@
+#pragma once
+// Every TPCOMM_* environment variable, declared once with its type, default
+// and doc line. The process-wide values are read on first use and never
+// again, so nothing here is ever read in a hot path.
+//
+// To add a setting: add a field to Settings, a row to kSettingTable in
+// settings.cpp, and a line to the README's settings table.
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace tpcomm {
+
+struct Settings {
+  // TPCOMM_DEBUG: before each collective, compare op, shapes and dtypes
+  // across ranks through the CPU group and raise naming the ranks that differ.
+  bool debug = false;
+
+  // Lookup is injectable so tests can parse without touching the environment.
+  using Lookup = std::function<std::optional<std::string>(const std::string& name)>;
+
+  // Parses every setting; a malformed value throws InvalidUsage naming the
+  // variable and the value.
+  static Settings parse(const Lookup& lookup);
+};
+
+struct SettingInfo {
+  const char* name;
+  const char* type;
+  const char* defaultValue;
+  const char* doc;
+};
+
+// The table of settings (name, type, default, doc), for documentation and
+// tpcomm.settings().
+const std::vector<SettingInfo>& settingTable();
+
+// The process-wide settings, parsed from the environment once.
+const Settings& settings();
+
+// Parses a boolean setting value: 1/0, true/false, yes/no, on/off (any case).
+bool parseBool(const std::string& name, const std::string& value);
+
+}  // namespace tpcomm

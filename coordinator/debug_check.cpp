@@ -1,0 +1,90 @@
+#include "coordinator/debug_check.hpp"
+
+#include <map>
+#include <sstream>
+
+#include "coordinator/common/error.hpp"
+
+namespace tpcomm::coord {
+
+std::string describeTensor(const at::Tensor& tensor) {
+  std::ostringstream out;
+  out << c10::toString(tensor.scalar_type()) << tensor.sizes();
+  return out.str();
+}
+
+std::string describeTensors(const std::vector<at::Tensor>& tensors) {
+  std::string out;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += describeTensor(tensors[i]);
+  }
+  return out;
+}
+
+std::string describeReduceOp(const c10d::ReduceOp& op) {
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      return "SUM";
+    case c10d::ReduceOp::AVG:
+      return "AVG";
+    case c10d::ReduceOp::PRODUCT:
+      return "PRODUCT";
+    case c10d::ReduceOp::MIN:
+      return "MIN";
+    case c10d::ReduceOp::MAX:
+      return "MAX";
+    case c10d::ReduceOp::BAND:
+      return "BAND";
+    case c10d::ReduceOp::BOR:
+      return "BOR";
+    case c10d::ReduceOp::BXOR:
+      return "BXOR";
+    case c10d::ReduceOp::PREMUL_SUM:
+      return "PREMUL_SUM";
+    default:
+      return "UNUSED";
+  }
+}
+
+namespace {
+
+std::vector<at::Tensor> gatherFromAll(c10d::Backend& cpu, const at::Tensor& input) {
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < cpu.getSize(); ++r) outputs[0].push_back(at::empty_like(input));
+  std::vector<at::Tensor> inputs{input};
+  cpu.allgather(outputs, inputs)->wait();
+  return outputs[0];
+}
+
+}  // namespace
+
+void checkSameAcrossRanks(c10d::Backend& cpu, const std::string& groupName, uint64_t sequence,
+                          const std::string& signature) {
+  const auto lengthOpts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor length = at::full({1}, static_cast<int64_t>(signature.size()), lengthOpts);
+  int64_t longest = 0;
+  for (const auto& l : gatherFromAll(cpu, length)) longest = std::max(longest, l.item<int64_t>());
+
+  at::Tensor bytes = at::zeros({longest}, at::TensorOptions().dtype(at::kByte));
+  std::memcpy(bytes.data_ptr(), signature.data(), signature.size());
+  std::map<std::string, std::vector<int>> ranksBySignature;
+  const auto all = gatherFromAll(cpu, bytes);
+  for (size_t r = 0; r < all.size(); ++r) {
+    const char* data = static_cast<const char*>(all[r].data_ptr());
+    ranksBySignature[std::string(data, strnlen(data, longest))].push_back(static_cast<int>(r));
+  }
+  if (ranksBySignature.size() == 1) return;
+
+  std::ostringstream out;
+  out << "TPCOMM_DEBUG: ranks disagree on collective #" << sequence << " of group '" << groupName
+      << "':";
+  for (const auto& [sig, ranks] : ranksBySignature) {
+    out << (ranks.size() == 1 ? " rank " : " ranks ");
+    for (size_t i = 0; i < ranks.size(); ++i) out << (i ? "," : "") << ranks[i];
+    out << " called " << sig << ";";
+  }
+  TPCOMM_THROW(kInvalidUsage, out.str());
+}
+
+}  // namespace tpcomm::coord

@@ -1,0 +1,25 @@
+#pragma once
+// TPCOMM_DEBUG's cross-rank check. Internal to coordinator/.
+//
+// Each rank describes its side of a collective as a signature string
+// ("allreduce SUM float32[4, 4]"); the signatures are all-gathered through the
+// CPU backend and, when any differs, every rank throws InvalidUsage naming
+// the ranks and what each passed, so a mismatch is an error, never a hang or a
+// silently wrong result.
+
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+namespace tpcomm::coord {
+
+std::string describeTensor(const at::Tensor& tensor);
+std::string describeTensors(const std::vector<at::Tensor>& tensors);
+std::string describeReduceOp(const c10d::ReduceOp& op);
+
+// Throws InvalidUsage on every rank when the ranks' signatures differ.
+void checkSameAcrossRanks(c10d::Backend& cpu, const std::string& groupName, uint64_t sequence,
+                          const std::string& signature);
+
+}  // namespace tpcomm::coord

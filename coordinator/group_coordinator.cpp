@@ -1,0 +1,358 @@
+#include "coordinator/group_coordinator.hpp"
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "coordinator/common/error.hpp"
+#include "coordinator/composite_ops.hpp"
+#include "coordinator/debug_check.hpp"
+
+namespace tpcomm::coord {
+
+const char* routeName(Route route) { return route == Route::kCpu ? "cpu" : "device"; }
+
+GroupCoordinator::GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d::Store> store,
+                                   c10::intrusive_ptr<c10d::Backend> cpuBackend,
+                                   BackendFactory deviceFactory)
+    : options_(std::move(options)),
+      store_(std::move(store)),
+      cpu_(std::move(cpuBackend)),
+      deviceFactory_(std::move(deviceFactory)) {
+  TPCOMM_CHECK(cpu_, kInvalidUsage, "GroupCoordinator needs a CPU backend");
+  TPCOMM_CHECK_EQ(cpu_->getRank(), options_.rank, "(CPU backend rank vs group rank)");
+  TPCOMM_CHECK_EQ(cpu_->getSize(), options_.size, "(CPU backend size vs group size)");
+}
+
+c10::intrusive_ptr<c10d::Backend> GroupCoordinator::deviceBackendIfCreated() const {
+  std::lock_guard<std::mutex> lock(deviceMutex_);
+  return device_;
+}
+
+Route GroupCoordinator::routeFor(const at::Tensor& tensor) const {
+  return tensor.device().is_cpu() ? Route::kCpu : Route::kDevice;
+}
+
+c10d::Backend& GroupCoordinator::deviceBackend() {
+  std::lock_guard<std::mutex> lock(deviceMutex_);
+  if (!device_) {
+    TPCOMM_CHECK(static_cast<bool>(deviceFactory_), kInvalidUsage, "group '",
+                 options_.groupName, "' has no device backend (CUDA is not available)");
+    auto store = c10::make_intrusive<c10d::PrefixStore>("device/", store_);
+    device_ = deviceFactory_(store, options_.rank, options_.size, options_.timeout);
+    TPCOMM_CHECK(device_, kInvalidUsage, "the device backend factory returned nothing");
+  }
+  return *device_;
+}
+
+c10d::Backend& GroupCoordinator::backendFor(Route route) {
+  return route == Route::kCpu ? *cpu_ : deviceBackend();
+}
+
+void GroupCoordinator::debugCheck(const std::string& signature) {
+  if (!options_.debugChecks) return;
+  checkSameAcrossRanks(*cpu_, options_.groupName, ++debugSequence_, signature);
+}
+
+namespace {
+
+Pending passThrough(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> outputs) {
+  Pending pending;
+  pending.work = std::move(work);
+  pending.outputs = std::move(outputs);
+  return pending;
+}
+
+std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> out;
+  for (const auto& list : lists) out.insert(out.end(), list.begin(), list.end());
+  return out;
+}
+
+}  // namespace
+
+Pending GroupCoordinator::broadcast(std::vector<at::Tensor>& tensors,
+                                    const c10d::BroadcastOptions& opts) {
+  debugCheck("broadcast root=" + std::to_string(opts.rootRank) + " " + describeTensors(tensors));
+  return passThrough(backendFor(routeFor(tensors[0])).broadcast(tensors, opts), tensors);
+}
+
+Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
+                                    const c10d::AllreduceOptions& opts) {
+  debugCheck("allreduce " + describeReduceOp(opts.reduceOp) + " " + describeTensors(tensors));
+  const Route route = routeFor(tensors[0]);
+  const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
+  if (route == Route::kDevice || !plan.composed()) {
+    return passThrough(backendFor(route).allreduce(tensors, opts), tensors);
+  }
+  for (auto& t : tensors) {
+    if (plan.premultiplies()) premultiplyInPlace(plan, t);
+  }
+  c10d::AllreduceOptions forwarded = opts;
+  forwarded.reduceOp = plan.forwarded;
+  Pending pending = passThrough(cpu_->allreduce(tensors, forwarded), tensors);
+  pending.finish = divideAfter(plan.divideBySize, tensors, size());
+  return pending;
+}
+
+Pending GroupCoordinator::allreduceSparse(std::vector<at::Tensor>& tensors,
+                                          const c10d::AllreduceOptions& opts) {
+  debugCheck("allreduce_sparse " + describeReduceOp(opts.reduceOp) + " " +
+             describeTensors(tensors));
+  return passThrough(backendFor(routeFor(tensors[0])).allreduce_sparse(tensors, opts), tensors);
+}
+
+Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
+                                             const c10d::AllreduceCoalescedOptions& opts) {
+  debugCheck("allreduce_coalesced " + describeReduceOp(opts.reduceOp) + " " +
+             describeTensors(tensors));
+  const Route route = routeFor(tensors[0]);
+  const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
+  if (route == Route::kDevice || !plan.composed()) {
+    return passThrough(backendFor(route).allreduce_coalesced(tensors, opts), tensors);
+  }
+  for (auto& t : tensors) {
+    if (plan.premultiplies()) premultiplyInPlace(plan, t);
+  }
+  c10d::AllreduceCoalescedOptions forwarded = opts;
+  forwarded.reduceOp = plan.forwarded;
+  Pending pending = passThrough(cpu_->allreduce_coalesced(tensors, forwarded), tensors);
+  pending.finish = divideAfter(plan.divideBySize, tensors, size());
+  return pending;
+}
+
+Pending GroupCoordinator::reduce(std::vector<at::Tensor>& tensors,
+                                 const c10d::ReduceOptions& opts) {
+  debugCheck("reduce " + describeReduceOp(opts.reduceOp) + " root=" +
+             std::to_string(opts.rootRank) + " " + describeTensors(tensors));
+  const Route route = routeFor(tensors[0]);
+  const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
+  if (route == Route::kDevice || !plan.composed()) {
+    return passThrough(backendFor(route).reduce(tensors, opts), tensors);
+  }
+  // Reduce a scratch copy so that non-root ranks' tensors stay untouched.
+  at::Tensor target = tensors[0];
+  std::vector<at::Tensor> scratch{plan.premultiplies() ? premultiplied(plan, target)
+                                                       : target.clone()};
+  c10d::ReduceOptions forwarded = opts;
+  forwarded.reduceOp = plan.forwarded;
+  Pending pending = passThrough(cpu_->reduce(scratch, forwarded), tensors);
+  const bool isRoot = opts.rootRank == rank();
+  const bool divide = plan.divideBySize;
+  const int n = size();
+  pending.finish = [scratch, target, isRoot, divide, n]() mutable {
+    if (!isRoot) return;
+    if (divide) divideInPlace(scratch[0], n);
+    target.copy_(scratch[0]);
+  };
+  return pending;
+}
+
+Pending GroupCoordinator::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                    std::vector<at::Tensor>& inputs,
+                                    const c10d::AllgatherOptions& opts) {
+  debugCheck("allgather " + describeTensors(inputs));
+  return passThrough(backendFor(routeFor(inputs[0])).allgather(outputs, inputs, opts),
+                     flatten(outputs));
+}
+
+Pending GroupCoordinator::allgatherBase(at::Tensor& output, at::Tensor& input,
+                                        const c10d::AllgatherOptions& opts) {
+  debugCheck("allgather_into_tensor " + describeTensor(input) + " -> " + describeTensor(output));
+  return passThrough(backendFor(routeFor(input))._allgather_base(output, input, opts), {output});
+}
+
+Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                             std::vector<at::Tensor>& inputs,
+                                             const c10d::AllgatherOptions& opts) {
+  debugCheck("allgather_coalesced " + describeTensors(inputs));
+  return passThrough(backendFor(routeFor(inputs[0])).allgather_coalesced(outputs, inputs, opts),
+                     flatten(outputs));
+}
+
+Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::AllgatherOptions& opts) {
+  debugCheck("allgather_into_tensor_coalesced " + describeTensors(inputs) + " -> " +
+             describeTensors(outputs));
+  return passThrough(
+      backendFor(routeFor(inputs[0])).allgather_into_tensor_coalesced(outputs, inputs, opts),
+      outputs);
+}
+
+Pending GroupCoordinator::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                 std::vector<at::Tensor>& inputs,
+                                 const c10d::GatherOptions& opts) {
+  debugCheck("gather root=" + std::to_string(opts.rootRank) + " " + describeTensors(inputs));
+  return passThrough(backendFor(routeFor(inputs[0])).gather(outputs, inputs, opts),
+                     flatten(outputs));
+}
+
+Pending GroupCoordinator::scatter(std::vector<at::Tensor>& outputs,
+                                  std::vector<std::vector<at::Tensor>>& inputs,
+                                  const c10d::ScatterOptions& opts) {
+  debugCheck("scatter root=" + std::to_string(opts.rootRank) + " " + describeTensors(outputs));
+  return passThrough(backendFor(routeFor(outputs[0])).scatter(outputs, inputs, opts), outputs);
+}
+
+Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
+                                        std::vector<std::vector<at::Tensor>>& inputs,
+                                        const c10d::ReduceScatterOptions& opts) {
+  debugCheck("reduce_scatter " + describeReduceOp(opts.reduceOp) + " " +
+             describeTensors(outputs));
+  const Route route = routeFor(outputs[0]);
+  const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
+  if (route == Route::kDevice || !plan.composed()) {
+    return passThrough(backendFor(route).reduce_scatter(outputs, inputs, opts), outputs);
+  }
+  std::vector<std::vector<at::Tensor>> scaled = inputs;
+  if (plan.premultiplies()) {
+    for (auto& list : scaled) {
+      for (auto& t : list) t = premultiplied(plan, t);
+    }
+  }
+  c10d::ReduceScatterOptions forwarded = opts;
+  forwarded.reduceOp = plan.forwarded;
+  Pending pending = passThrough(cpu_->reduce_scatter(outputs, scaled, forwarded), outputs);
+  auto divide = divideAfter(plan.divideBySize, outputs, size());
+  pending.finish = [scaled, divide]() {
+    if (divide) divide();
+  };
+  return pending;
+}
+
+Pending GroupCoordinator::reduceScatterBase(at::Tensor& output, at::Tensor& input,
+                                            const c10d::ReduceScatterOptions& opts) {
+  debugCheck("reduce_scatter_tensor " + describeReduceOp(opts.reduceOp) + " " +
+             describeTensor(input) + " -> " + describeTensor(output));
+  const Route route = routeFor(input);
+  const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
+  if (route == Route::kDevice || !plan.composed()) {
+    return passThrough(backendFor(route)._reduce_scatter_base(output, input, opts), {output});
+  }
+  at::Tensor source = plan.premultiplies() ? premultiplied(plan, input) : input;
+  c10d::ReduceScatterOptions forwarded = opts;
+  forwarded.reduceOp = plan.forwarded;
+  Pending pending = passThrough(cpu_->_reduce_scatter_base(output, source, forwarded), {output});
+  auto divide = divideAfter(plan.divideBySize, {output}, size());
+  pending.finish = [source, divide]() {
+    if (divide) divide();
+  };
+  return pending;
+}
+
+Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& outputs,
+                                                       std::vector<at::Tensor>& inputs,
+                                                       const c10d::ReduceScatterOptions& opts) {
+  debugCheck("reduce_scatter_tensor_coalesced " + describeReduceOp(opts.reduceOp) + " " +
+             describeTensors(inputs) + " -> " + describeTensors(outputs));
+  const Route route = routeFor(inputs[0]);
+  const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
+  if (route == Route::kDevice || !plan.composed()) {
+    return passThrough(
+        backendFor(route).reduce_scatter_tensor_coalesced(outputs, inputs, opts), outputs);
+  }
+  std::vector<at::Tensor> sources = inputs;
+  if (plan.premultiplies()) {
+    for (auto& t : sources) t = premultiplied(plan, t);
+  }
+  c10d::ReduceScatterOptions forwarded = opts;
+  forwarded.reduceOp = plan.forwarded;
+  Pending pending = passThrough(
+      cpu_->reduce_scatter_tensor_coalesced(outputs, sources, forwarded), outputs);
+  auto divide = divideAfter(plan.divideBySize, outputs, size());
+  pending.finish = [sources, divide]() {
+    if (divide) divide();
+  };
+  return pending;
+}
+
+Pending GroupCoordinator::alltoallBase(at::Tensor& output, at::Tensor& input,
+                                       std::vector<int64_t>& outputSplits,
+                                       std::vector<int64_t>& inputSplits,
+                                       const c10d::AllToAllOptions& opts) {
+  // Splits legitimately differ between ranks: compare dtypes only.
+  debugCheck("alltoall_base " + std::string(c10::toString(input.scalar_type())));
+  return passThrough(
+      backendFor(routeFor(input)).alltoall_base(output, input, outputSplits, inputSplits, opts),
+      {output});
+}
+
+Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
+                                   std::vector<at::Tensor>& inputs,
+                                   const c10d::AllToAllOptions& opts) {
+  debugCheck("alltoall " + std::string(c10::toString(inputs[0].scalar_type())) + " x" +
+             std::to_string(inputs.size()));
+  const Route route = routeFor(inputs[0]);
+  if (route == Route::kDevice) {
+    return passThrough(deviceBackend().alltoall(outputs, inputs, opts), outputs);
+  }
+  return alltoallThroughBase(*cpu_, outputs, inputs, opts);
+}
+
+Pending GroupCoordinator::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
+  const Route route = routeFor(tensors[0]);
+  Pending pending = passThrough(backendFor(route).send(tensors, dstRank, tag), {});
+  pending.hasFuture = route == Route::kDevice;
+  return pending;
+}
+
+Pending GroupCoordinator::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
+  const Route route = routeFor(tensors[0]);
+  Pending pending = passThrough(backendFor(route).recv(tensors, srcRank, tag), tensors);
+  pending.hasFuture = route == Route::kDevice;
+  return pending;
+}
+
+Pending GroupCoordinator::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
+  const Route route = routeFor(tensors[0]);
+  Pending pending = passThrough(backendFor(route).recvAnysource(tensors, tag), tensors);
+  pending.hasFuture = route == Route::kDevice;
+  return pending;
+}
+
+Pending GroupCoordinator::barrier(const c10d::BarrierOptions& opts) {
+  debugCheck("barrier");
+  return passThrough(cpu_->barrier(opts), {});
+}
+
+void GroupCoordinator::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
+  cpu_->monitoredBarrier(opts, waitAllRanks);
+}
+
+std::shared_ptr<GroupCoordinator> GroupCoordinator::split(
+    const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+    std::chrono::milliseconds timeout, const std::string& groupName) {
+  auto cpuOptions = c10::make_intrusive<c10d::Backend::Options>("gloo", timeout);
+  cpuOptions->group_name = groupName;
+  auto cpuStore = c10::make_intrusive<c10d::PrefixStore>("cpu/", store);
+  auto cpu = cpu_->split(cpuStore, ranks, cpuOptions);
+  TPCOMM_CHECK(cpu, kInvalidUsage, "rank ", rank(), " is not in the split ranks");
+  GroupOptions options = options_;
+  options.rank = cpu->getRank();
+  options.size = cpu->getSize();
+  options.timeout = timeout;
+  options.groupName = groupName;
+  return std::make_shared<GroupCoordinator>(options, store, cpu, deviceFactory_);
+}
+
+void GroupCoordinator::eagerConnect(at::Device device) {
+  if (device.is_cpu()) return;
+  deviceBackend().eagerConnectSingleDevice(device);
+}
+
+void GroupCoordinator::setTimeout(std::chrono::milliseconds timeout) {
+  options_.timeout = timeout;
+  cpu_->setTimeout(timeout);
+  if (auto device = deviceBackendIfCreated()) device->setTimeout(timeout);
+}
+
+void GroupCoordinator::abort() {
+  if (auto device = deviceBackendIfCreated()) device->abort();
+  cpu_->abort();
+}
+
+void GroupCoordinator::shutdown() {
+  if (auto device = deviceBackendIfCreated()) device->shutdown();
+  cpu_->shutdown();
+}
+
+}  // namespace tpcomm::coord

@@ -1,0 +1,133 @@
+#pragma once
+// GroupCoordinator: one per process group. Owns the CPU backend (torch's
+// ProcessGroupGloo) and, created on first use, the device backend (torch's
+// ProcessGroupNCCL), and routes every call to one of them:
+//
+//   CPU tensors, barrier, monitored barrier  -> CPU backend
+//   CUDA tensors                             -> device backend
+//
+// Where the routed backend lacks an operation the coordinator composes it
+// (AVG and PREMUL_SUM on Gloo, list all-to-all through alltoall_base).
+//
+// Contract: arguments were validated by the caller (backend/); every method
+// returns without waiting for the communication, except monitoredBarrier and
+// the TPCOMM_DEBUG cross-rank check, which are synchronous. Calls on one
+// group must be issued in the same order on every rank (as for any c10d
+// backend); the coordinator is safe to call from several threads, but the
+// order of concurrent calls is then the caller's business. Errors: throws
+// tpcomm::Error (InvalidUsage for a mismatch found by TPCOMM_DEBUG) or
+// whatever the routed backend throws.
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "coordinator/pending.hpp"
+
+namespace tpcomm::coord {
+
+// Makes a backend for (store, rank, size, timeout). The device backend is
+// made through one of these so that a CPU-only job never touches CUDA/NCCL.
+using BackendFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout)>;
+
+struct GroupOptions {
+  int rank = 0;
+  int size = 1;
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  std::string groupName;
+  bool debugChecks = false;  // TPCOMM_DEBUG
+};
+
+enum class Route { kCpu, kDevice };
+const char* routeName(Route route);
+
+class GroupCoordinator {
+ public:
+  GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d::Store> store,
+                   c10::intrusive_ptr<c10d::Backend> cpuBackend, BackendFactory deviceFactory);
+
+  int rank() const { return options_.rank; }
+  int size() const { return options_.size; }
+  const GroupOptions& options() const { return options_; }
+  c10::intrusive_ptr<c10d::Backend> cpuBackend() const { return cpu_; }
+  // Null until a CUDA call (or eagerConnect) created it.
+  c10::intrusive_ptr<c10d::Backend> deviceBackendIfCreated() const;
+  Route routeFor(const at::Tensor& tensor) const;
+
+  Pending broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts);
+  Pending allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
+  Pending allreduceSparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
+  Pending allreduceCoalesced(std::vector<at::Tensor>& tensors,
+                             const c10d::AllreduceCoalescedOptions& opts);
+  Pending reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts);
+  Pending allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                    std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts);
+  Pending allgatherBase(at::Tensor& output, at::Tensor& input,
+                        const c10d::AllgatherOptions& opts);
+  Pending allgatherCoalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                             std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts);
+  Pending allgatherIntoTensorCoalesced(std::vector<at::Tensor>& outputs,
+                                       std::vector<at::Tensor>& inputs,
+                                       const c10d::AllgatherOptions& opts);
+  Pending gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                 const c10d::GatherOptions& opts);
+  Pending scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                  const c10d::ScatterOptions& opts);
+  Pending reduceScatter(std::vector<at::Tensor>& outputs,
+                        std::vector<std::vector<at::Tensor>>& inputs,
+                        const c10d::ReduceScatterOptions& opts);
+  Pending reduceScatterBase(at::Tensor& output, at::Tensor& input,
+                            const c10d::ReduceScatterOptions& opts);
+  Pending reduceScatterTensorCoalesced(std::vector<at::Tensor>& outputs,
+                                       std::vector<at::Tensor>& inputs,
+                                       const c10d::ReduceScatterOptions& opts);
+  Pending alltoallBase(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& outputSplits,
+                       std::vector<int64_t>& inputSplits, const c10d::AllToAllOptions& opts);
+  Pending alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                   const c10d::AllToAllOptions& opts);
+  Pending send(std::vector<at::Tensor>& tensors, int dstRank, int tag);
+  Pending recv(std::vector<at::Tensor>& tensors, int srcRank, int tag);
+  Pending recvAnysource(std::vector<at::Tensor>& tensors, int tag);
+  Pending barrier(const c10d::BarrierOptions& opts);
+  // Synchronous; raises naming the ranks that did not arrive in time.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks);
+
+  // A coordinator for the sub-group `ranks` (group ranks of this group, which
+  // must include this rank). The CPU backend is split from ours; the device
+  // backend is again created on first use.
+  std::shared_ptr<GroupCoordinator> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          std::chrono::milliseconds timeout,
+                                          const std::string& groupName);
+
+  // Creates the device backend now (init_process_group(device_id=...)).
+  void eagerConnect(at::Device device);
+  void setTimeout(std::chrono::milliseconds timeout);
+  void abort();
+  void shutdown();
+
+ private:
+  c10d::Backend& backendFor(Route route);
+  c10d::Backend& deviceBackend();
+  // TPCOMM_DEBUG: raises on every rank when ranks disagree on `signature`.
+  void debugCheck(const std::string& signature);
+
+  GroupOptions options_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::Backend> cpu_;
+  BackendFactory deviceFactory_;
+  mutable std::mutex deviceMutex_;
+  c10::intrusive_ptr<c10d::Backend> device_;
+  uint64_t debugSequence_ = 0;
+};
+
+}  // namespace tpcomm::coord

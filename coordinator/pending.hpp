@@ -1,0 +1,27 @@
+#pragma once
+// What the coordinator hands back for one routed call: the work the chosen
+// backend started, plus what must run once that work has succeeded. The
+// backend layer wraps it in the Work type the caller sees.
+
+#include <functional>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace tpcomm::coord {
+
+struct Pending {
+  // The routed backend's work. Never null.
+  c10::intrusive_ptr<c10d::Work> work;
+  // Runs exactly once, after `work` succeeded and before the call's future
+  // completes (e.g. the division of an AVG done as SUM). May be empty.
+  std::function<void()> finish;
+  // The call's results: Work::result() and the value of its future.
+  std::vector<at::Tensor> outputs;
+  // False where the routed backend's work has no future (Gloo's send/recv):
+  // then wait() is the only way to complete the call.
+  bool hasFuture = true;
+};
+
+}  // namespace tpcomm::coord

@@ -1,0 +1,102 @@
+// Bindings of the backend, its coordinator's settings and build facts.
+#include <pybind11/chrono.h>
+#include <pybind11/functional.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include "backend/process_group_tpcomm.hpp"
+#include "coordinator/common/settings.hpp"
+#include "custom_allreduce/custom_allreduce.hpp"
+
+namespace py = pybind11;
+
+namespace tpcomm::python {
+
+namespace {
+
+bool interpreterFinalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
+// Wraps a Python callable (store, rank, size, timeout) -> Backend as a
+// coordinator factory; the GIL is taken only when it runs.
+coord::BackendFactory wrapFactory(py::object factory) {
+  if (factory.is_none()) return {};
+  std::shared_ptr<py::object> callable(new py::object(std::move(factory)), [](py::object* p) {
+    if (!Py_IsInitialized() || interpreterFinalizing()) return;  // leak at exit, never crash
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+  return [callable](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                    std::chrono::milliseconds timeout) {
+    py::gil_scoped_acquire gil;
+    py::object backend = (*callable)(store, rank, size, timeout);
+    return backend.cast<c10::intrusive_ptr<c10d::Backend>>();
+  };
+}
+
+c10::intrusive_ptr<backend::ProcessGroupTpcomm> makeBackend(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, const std::string& groupName,
+    const c10::intrusive_ptr<c10d::Backend>& cpuBackend, py::object deviceFactory) {
+  coord::GroupOptions options;
+  options.rank = rank;
+  options.size = size;
+  options.timeout = timeout;
+  options.groupName = groupName;
+  options.debugChecks = settings().debug;
+  auto coordinator = std::make_shared<coord::GroupCoordinator>(
+      options, store, cpuBackend, wrapFactory(std::move(deviceFactory)));
+  return c10::make_intrusive<backend::ProcessGroupTpcomm>(std::move(coordinator));
+}
+
+}  // namespace
+
+void registerBackend(py::module_& m) {
+  py::class_<backend::ProcessGroupTpcomm, c10d::Backend,
+             c10::intrusive_ptr<backend::ProcessGroupTpcomm>>(m, "ProcessGroupTpcomm", R"(
+The c10d backend "tpcomm": CPU tensors through the CPU backend (Gloo), CUDA
+tensors through the device backend (NCCL), created on first use.)")
+      .def(py::init(&makeBackend), py::arg("store"), py::arg("rank"), py::arg("size"),
+           py::arg("timeout"), py::arg("group_name"), py::arg("cpu_backend"),
+           py::arg("device_factory"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly(
+          "device_backend_created",
+          [](backend::ProcessGroupTpcomm& self) {
+            return static_cast<bool>(self.coordinator().deviceBackendIfCreated());
+          },
+          "Whether the device backend (NCCL) exists yet; False for a CPU-only job.")
+      .def_property_readonly(
+          "cpu_backend",
+          [](backend::ProcessGroupTpcomm& self) { return self.coordinator().cpuBackend(); })
+      .def_property_readonly("debug_checks", [](backend::ProcessGroupTpcomm& self) {
+        return self.coordinator().options().debugChecks;
+      });
+
+  m.def(
+      "settings",
+      [] {
+        py::list rows;
+        for (const auto& s : settingTable()) {
+          rows.append(py::make_tuple(s.name, s.type, s.defaultValue, s.doc));
+        }
+        return rows;
+      },
+      "Every TPCOMM_* setting as (name, type, default, doc).");
+  m.def(
+      "build_info",
+      [] {
+        py::dict info;
+        info["cuda_version"] = car::compiledCudaVersion();
+        info["cuda_architectures"] = car::compiledArchitectures();
+        return info;
+      },
+      "The CUDA version and SM architectures this build's kernels target.");
+}
+
+}  // namespace tpcomm::python

@@ -1,0 +1,64 @@
+"""Registration of the "tpcomm" backend with torch.distributed."""
+
+import functools
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from tpcomm import _C
+
+BACKEND_NAME = "tpcomm"
+
+
+def _make_device_backend(store, rank, size, timeout):
+    """The device backend (torch's ProcessGroupNCCL), made on the first CUDA call."""
+    opts = dist.ProcessGroupNCCL.Options()
+    opts._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, size, opts)
+
+
+def _create_backend(dist_opts, backend_options):
+    """Creator called by init_process_group / new_group (extended API)."""
+    store = dist_opts.store
+    rank, size = dist_opts.group_rank, dist_opts.group_size
+    timeout = dist_opts.timeout
+    cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), rank, size, timeout)
+    device_factory = _make_device_backend if dist.is_nccl_available() else None
+    return _C.ProcessGroupTpcomm(
+        store, rank, size, timeout, dist_opts.group_id or "", cpu, device_factory
+    )
+
+
+def _patch_monitored_barrier():
+    """Let tpcomm groups through torch's monitored_barrier front door.
+
+    torch's Python wrapper refuses every backend but "gloo" by name, although
+    the C++ call it makes works on any backend that implements it (ours hands
+    it to its Gloo CPU group). Other backends still reach the original.
+    """
+    original = c10d.monitored_barrier
+    if getattr(original, "_tpcomm_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+        if c10d._rank_not_in_group(group) or c10d.get_backend(group) != BACKEND_NAME:
+            return original(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
+        if timeout is None:
+            timeout = c10d._get_default_timeout(BACKEND_NAME)
+        c10d._check_valid_timeout(timeout)
+        group_to_use = c10d._get_default_group() if group is None else group
+        return group_to_use.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+    monitored_barrier._tpcomm_wrapped = True
+    c10d.monitored_barrier = monitored_barrier
+    dist.monitored_barrier = monitored_barrier
+
+
+def register():
+    """Register backend "tpcomm" for cpu and cuda; calling it again does nothing."""
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
+        )
+    _patch_monitored_barrier()
