@@ -41,13 +41,15 @@ void checkDtype(const char* op, const char* what, const std::vector<at::Tensor>&
                 at::ScalarType dtype) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     TPCOMM_CHECK(tensors[i].scalar_type() == dtype, kInvalidUsage, op, ": ", what, "[", i,
-                 "] has dtype ", tensors[i].scalar_type(), " but the call's dtype is ", dtype);
+                 "] has dtype ", coord::dtypeName(tensors[i].scalar_type()),
+                 " but the call's dtype is ", coord::dtypeName(dtype));
   }
 }
 
 void checkReduceOp(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype) {
   const std::string name = coord::describeReduceOp(reduceOp);
   const bool integral = at::isIntegralType(dtype, /*includeBool=*/true);
+  const std::string dtypeStr = coord::dtypeName(dtype);
   switch (reduceOp.op_) {
     case c10d::ReduceOp::SUM:
     case c10d::ReduceOp::PRODUCT:
@@ -56,17 +58,17 @@ void checkReduceOp(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarTyp
       return;
     case c10d::ReduceOp::AVG:
       TPCOMM_CHECK(dtype != at::kBool, kInvalidUsage, op, ": ReduceOp.AVG is not defined for ",
-                   dtype, " tensors");
+                   dtypeStr, " tensors");
       return;
     case c10d::ReduceOp::BAND:
     case c10d::ReduceOp::BOR:
     case c10d::ReduceOp::BXOR:
       TPCOMM_CHECK(integral, kInvalidUsage, op, ": ReduceOp.", name,
-                   " needs an integer or bool tensor, got ", dtype);
+                   " needs an integer or bool tensor, got ", dtypeStr);
       return;
     case c10d::ReduceOp::PREMUL_SUM:
       TPCOMM_CHECK(at::isFloatingType(dtype), kInvalidUsage, op,
-                   ": PREMUL_SUM needs a floating-point tensor, got ", dtype);
+                   ": PREMUL_SUM needs a floating-point tensor, got ", dtypeStr);
       return;
     default:
       TPCOMM_THROW(kInvalidUsage, op, ": unsupported reduce op ", name);

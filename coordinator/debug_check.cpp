@@ -7,9 +7,11 @@
 
 namespace tpcomm::coord {
 
+std::string dtypeName(at::ScalarType dtype) { return c10::getDtypeNames(dtype).first; }
+
 std::string describeTensor(const at::Tensor& tensor) {
   std::ostringstream out;
-  out << c10::toString(tensor.scalar_type()) << tensor.sizes();
+  out << dtypeName(tensor.scalar_type()) << tensor.sizes();
   return out.str();
 }
 

@@ -14,6 +14,8 @@
 
 namespace tpcomm::coord {
 
+// Python's spelling: "float32", "int64", ...
+std::string dtypeName(at::ScalarType dtype);
 std::string describeTensor(const at::Tensor& tensor);
 std::string describeTensors(const std::vector<at::Tensor>& tensors);
 std::string describeReduceOp(const c10d::ReduceOp& op);

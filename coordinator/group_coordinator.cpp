@@ -270,7 +270,7 @@ Pending GroupCoordinator::alltoallBase(at::Tensor& output, at::Tensor& input,
                                        std::vector<int64_t>& inputSplits,
                                        const c10d::AllToAllOptions& opts) {
   // Splits legitimately differ between ranks: compare dtypes only.
-  debugCheck("alltoall_base " + std::string(c10::toString(input.scalar_type())));
+  debugCheck("alltoall_base " + dtypeName(input.scalar_type()));
   return passThrough(
       backendFor(routeFor(input)).alltoall_base(output, input, outputSplits, inputSplits, opts),
       {output});
@@ -279,7 +279,7 @@ Pending GroupCoordinator::alltoallBase(at::Tensor& output, at::Tensor& input,
 Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
                                    std::vector<at::Tensor>& inputs,
                                    const c10d::AllToAllOptions& opts) {
-  debugCheck("alltoall " + std::string(c10::toString(inputs[0].scalar_type())) + " x" +
+  debugCheck("alltoall " + dtypeName(inputs[0].scalar_type()) + " x" +
              std::to_string(inputs.size()));
   const Route route = routeFor(inputs[0]);
   if (route == Route::kDevice) {

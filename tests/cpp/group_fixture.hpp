@@ -1,0 +1,48 @@
+#pragma once
+// N coordinators over ThreadedBackends sharing one hub: a group whose ranks
+// are threads of this process.
+
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "coordinator/group_coordinator.hpp"
+#include "threaded_backend.hpp"
+
+namespace tpcomm::testing {
+
+struct ThreadGroup {
+  std::shared_ptr<Hub> hub;
+  std::vector<c10::intrusive_ptr<ThreadedBackend>> cpu;
+  std::vector<std::shared_ptr<coord::GroupCoordinator>> coordinators;
+  std::shared_ptr<std::atomic<int>> deviceFactoryCalls = std::make_shared<std::atomic<int>>(0);
+
+  ThreadGroup(int size, bool debugChecks = false) : hub(std::make_shared<Hub>(size)) {
+    auto store = c10::make_intrusive<c10d::HashStore>();
+    auto calls = deviceFactoryCalls;
+    // The device backend of these tests is another threaded group of the same size.
+    auto deviceHub = std::make_shared<Hub>(size);
+    coord::BackendFactory factory = [calls, deviceHub](const c10::intrusive_ptr<c10d::Store>&,
+                                                       int rank, int, std::chrono::milliseconds) {
+      ++*calls;
+      return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<ThreadedBackend>(deviceHub, rank));
+    };
+    for (int r = 0; r < size; ++r) {
+      cpu.push_back(c10::make_intrusive<ThreadedBackend>(hub, r));
+      coord::GroupOptions options;
+      options.rank = r;
+      options.size = size;
+      options.groupName = "test";
+      options.debugChecks = debugChecks;
+      coordinators.push_back(
+          std::make_shared<coord::GroupCoordinator>(options, store, cpu.back(), factory));
+    }
+  }
+  int size() const { return hub->size(); }
+};
+
+// Waits for a Pending the way TpcommWork does (work, then finish).
+inline void complete(coord::Pending& pending) {
+  pending.work->wait();
+  if (pending.finish) pending.finish();
+}
+
+}  // namespace tpcomm::testing

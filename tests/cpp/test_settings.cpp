@@ -1,0 +1,53 @@
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "coordinator/common/error.hpp"
+#include "coordinator/common/settings.hpp"
+
+namespace tpcomm {
+namespace {
+
+Settings::Lookup fakeEnv(std::map<std::string, std::string> env) {
+  return [env](const std::string& name) -> std::optional<std::string> {
+    auto it = env.find(name);
+    if (it == env.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+TEST(Settings, DefaultsWhenUnset) { EXPECT_FALSE(Settings::parse(fakeEnv({})).debug); }
+
+TEST(Settings, BooleanSpellings) {
+  for (const char* on : {"1", "true", "TRUE", "yes", "On"}) {
+    EXPECT_TRUE(Settings::parse(fakeEnv({{"TPCOMM_DEBUG", on}})).debug) << on;
+  }
+  for (const char* off : {"0", "false", "no", "OFF", ""}) {
+    EXPECT_FALSE(Settings::parse(fakeEnv({{"TPCOMM_DEBUG", off}})).debug) << off;
+  }
+}
+
+TEST(Settings, MalformedValueNamesVariableAndValue) {
+  try {
+    Settings::parse(fakeEnv({{"TPCOMM_DEBUG", "maybe"}}));
+    FAIL() << "no throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidUsage);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("TPCOMM_DEBUG='maybe'"), std::string::npos) << what;
+  }
+}
+
+TEST(Settings, TableDocumentsEverySetting) {
+  const auto& table = settingTable();
+  ASSERT_FALSE(table.empty());
+  for (const auto& s : table) {
+    EXPECT_EQ(std::string(s.name).rfind("TPCOMM_", 0), 0u) << s.name;
+    EXPECT_GT(std::string(s.doc).size(), 20u) << s.name;
+    // Every declared default parses.
+    EXPECT_NO_THROW(Settings::parse(fakeEnv({{s.name, s.defaultValue}}))) << s.name;
+  }
+}
+
+}  // namespace
+}  // namespace tpcomm
