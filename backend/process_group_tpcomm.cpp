@@ -57,7 +57,7 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Call&& call) {
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupTpcomm::getBackendOptions() {
-  auto options = c10::make_intrusive<Options>("tpcomm", coordinator_->options().timeout);
+  auto options = c10::make_intrusive<TpcommOptions>(coordinator_->options().timeout);
   options->group_name = coordinator_->options().groupName;
   return options;
 }

@@ -18,6 +18,13 @@
 
 namespace tpcomm::backend {
 
+// The backend's options (timeout, group name). Copyable, because torch's
+// split_group deep-copies the parent backend's options.
+struct TpcommOptions : c10d::Backend::Options {
+  explicit TpcommOptions(std::chrono::milliseconds timeout = kBackendDefaultTimeout)
+      : c10d::Backend::Options("tpcomm", timeout) {}
+};
+
 class ProcessGroupTpcomm : public c10d::Backend {
  public:
   explicit ProcessGroupTpcomm(std::shared_ptr<coord::GroupCoordinator> coordinator);

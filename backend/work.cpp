@@ -1,5 +1,7 @@
 #include "backend/work.hpp"
 
+#include <thread>
+
 #include <torch/csrc/distributed/c10d/exception.h>
 
 namespace tpcomm::backend {
@@ -9,7 +11,8 @@ TpcommWork::TpcommWork(coord::Pending pending, c10d::OpType type, std::string wh
       inner_(std::move(pending.work)),
       finish_(std::make_shared<FinishStep>()),
       outputs_(std::move(pending.outputs)),
-      what_(std::move(what)) {
+      what_(std::move(what)),
+      innerHasFuture_(pending.hasFuture) {
   TORCH_INTERNAL_ASSERT(inner_, "tpcomm: ", what_, " produced no work");
   finish_->fn = std::move(pending.finish);
   if (!pending.hasFuture) return;
@@ -29,15 +32,20 @@ void TpcommWork::raise(const std::string& cause) const {
 }
 
 bool TpcommWork::isCompleted() {
-  return future_ ? future_->completed() : inner_->isCompleted();
+  if (innerHasFuture_) return future_->completed();
+  if (finishedByWait_.load()) return true;
+  std::lock_guard<std::mutex> lock(futureMutex_);
+  return (future_ && future_->completed()) || inner_->isCompleted();
 }
 
 bool TpcommWork::isSuccess() const {
-  return future_ ? (future_->completed() && !future_->hasError()) : inner_->isSuccess();
+  return innerHasFuture_ ? (future_->completed() && !future_->hasError()) : inner_->isSuccess();
 }
 
 std::exception_ptr TpcommWork::exception() const {
-  if (future_ && future_->completed() && future_->hasError()) return future_->exception_ptr();
+  if (innerHasFuture_ && future_->completed() && future_->hasError()) {
+    return future_->exception_ptr();
+  }
   return inner_->exception();
 }
 
@@ -51,7 +59,7 @@ bool TpcommWork::wait(std::chrono::milliseconds timeout) {
   } catch (const std::exception& e) {
     raise(e.what());
   }
-  if (future_) {
+  if (innerHasFuture_) {
     future_->wait();
     if (future_->hasError()) {
       try {
@@ -66,6 +74,7 @@ bool TpcommWork::wait(std::chrono::milliseconds timeout) {
     } catch (const std::exception& e) {
       raise(e.what());
     }
+    finishedByWait_ = true;
   }
   return true;
 }
@@ -73,8 +82,20 @@ bool TpcommWork::wait(std::chrono::milliseconds timeout) {
 void TpcommWork::abort() { inner_->abort(); }
 
 c10::intrusive_ptr<c10::ivalue::Future> TpcommWork::getFuture() {
-  TORCH_CHECK(future_, "tpcomm: ", what_,
-              " has no future (point-to-point work on the CPU group); call wait() instead");
+  std::lock_guard<std::mutex> lock(futureMutex_);
+  if (future_) return future_;
+  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  // The routed work has no future: wait for it on a thread of its own. The
+  // wait ends when the work does or when the routed backend's timeout fires.
+  std::thread([inner = inner_, finish = finish_, outputs = outputs_, future = future_] {
+    try {
+      inner->wait();
+      finish->run();
+      future->markCompleted(c10::IValue(outputs));
+    } catch (...) {
+      future->setError(std::current_exception());
+    }
+  }).detach();
   return future_;
 }
 

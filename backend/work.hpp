@@ -7,10 +7,13 @@
 //    which the routed backend enforces), runs the finish step, and returns
 //    true; a failure is raised as DistBackendError naming the call and group.
 //  - getFuture(): completes, with result() as its value, after the finish
-//    step ran; DDP's communication hooks rely on it. Calls whose routed work
-//    has no future (Gloo point-to-point) raise here: use wait().
+//    step ran; DDP's communication hooks rely on it. Where the routed work has
+//    no future (Gloo's point-to-point and reduce-scatter works), the first
+//    getFuture() starts a thread that waits for it (bounded by the group's
+//    timeout) and completes the future.
 //  - isCompleted() never blocks. Thread-safe like the wrapped work.
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -54,7 +57,11 @@ class TpcommWork : public c10d::Work {
   std::shared_ptr<FinishStep> finish_;
   std::vector<at::Tensor> outputs_;
   std::string what_;
-  // Completes after inner_ and the finish step; null where inner_ has none.
+  bool innerHasFuture_;
+  std::atomic<bool> finishedByWait_{false};
+  std::mutex futureMutex_;
+  // Completes after inner_ and the finish step. Made in the constructor where
+  // inner_ has a future, else on the first getFuture().
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 

@@ -61,6 +61,12 @@ Pending passThrough(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor>
   return pending;
 }
 
+// Gloo's point-to-point and reduce-scatter works have no future.
+Pending withoutFutureOnCpu(Route route, Pending pending) {
+  pending.hasFuture = route != Route::kCpu;
+  return pending;
+}
+
 std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
   std::vector<at::Tensor> out;
   for (const auto& list : lists) out.insert(out.end(), list.begin(), list.end());
@@ -201,7 +207,8 @@ Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
   const Route route = routeFor(outputs[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
-    return passThrough(backendFor(route).reduce_scatter(outputs, inputs, opts), outputs);
+    return withoutFutureOnCpu(
+        route, passThrough(backendFor(route).reduce_scatter(outputs, inputs, opts), outputs));
   }
   std::vector<std::vector<at::Tensor>> scaled = inputs;
   if (plan.premultiplies()) {
@@ -211,7 +218,8 @@ Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
   }
   c10d::ReduceScatterOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
-  Pending pending = passThrough(cpu_->reduce_scatter(outputs, scaled, forwarded), outputs);
+  Pending pending = withoutFutureOnCpu(
+      route, passThrough(cpu_->reduce_scatter(outputs, scaled, forwarded), outputs));
   auto divide = divideAfter(plan.divideBySize, outputs, size());
   pending.finish = [scaled, divide]() {
     if (divide) divide();
@@ -226,12 +234,14 @@ Pending GroupCoordinator::reduceScatterBase(at::Tensor& output, at::Tensor& inpu
   const Route route = routeFor(input);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
-    return passThrough(backendFor(route)._reduce_scatter_base(output, input, opts), {output});
+    return withoutFutureOnCpu(
+        route, passThrough(backendFor(route)._reduce_scatter_base(output, input, opts), {output}));
   }
   at::Tensor source = plan.premultiplies() ? premultiplied(plan, input) : input;
   c10d::ReduceScatterOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
-  Pending pending = passThrough(cpu_->_reduce_scatter_base(output, source, forwarded), {output});
+  Pending pending = withoutFutureOnCpu(
+      route, passThrough(cpu_->_reduce_scatter_base(output, source, forwarded), {output}));
   auto divide = divideAfter(plan.divideBySize, {output}, size());
   pending.finish = [source, divide]() {
     if (divide) divide();
@@ -247,8 +257,9 @@ Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& 
   const Route route = routeFor(inputs[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
-    return passThrough(
-        backendFor(route).reduce_scatter_tensor_coalesced(outputs, inputs, opts), outputs);
+    return withoutFutureOnCpu(
+        route, passThrough(backendFor(route).reduce_scatter_tensor_coalesced(outputs, inputs, opts),
+                           outputs));
   }
   std::vector<at::Tensor> sources = inputs;
   if (plan.premultiplies()) {
@@ -256,8 +267,9 @@ Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& 
   }
   c10d::ReduceScatterOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
-  Pending pending = passThrough(
-      cpu_->reduce_scatter_tensor_coalesced(outputs, sources, forwarded), outputs);
+  Pending pending = withoutFutureOnCpu(
+      route, passThrough(cpu_->reduce_scatter_tensor_coalesced(outputs, sources, forwarded),
+                         outputs));
   auto divide = divideAfter(plan.divideBySize, outputs, size());
   pending.finish = [sources, divide]() {
     if (divide) divide();
@@ -290,23 +302,19 @@ Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
 
 Pending GroupCoordinator::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const Route route = routeFor(tensors[0]);
-  Pending pending = passThrough(backendFor(route).send(tensors, dstRank, tag), {});
-  pending.hasFuture = route == Route::kDevice;
-  return pending;
+  return withoutFutureOnCpu(route, passThrough(backendFor(route).send(tensors, dstRank, tag), {}));
 }
 
 Pending GroupCoordinator::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   const Route route = routeFor(tensors[0]);
-  Pending pending = passThrough(backendFor(route).recv(tensors, srcRank, tag), tensors);
-  pending.hasFuture = route == Route::kDevice;
-  return pending;
+  return withoutFutureOnCpu(route,
+                            passThrough(backendFor(route).recv(tensors, srcRank, tag), tensors));
 }
 
 Pending GroupCoordinator::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const Route route = routeFor(tensors[0]);
-  Pending pending = passThrough(backendFor(route).recvAnysource(tensors, tag), tensors);
-  pending.hasFuture = route == Route::kDevice;
-  return pending;
+  return withoutFutureOnCpu(route,
+                            passThrough(backendFor(route).recvAnysource(tensors, tag), tensors));
 }
 
 Pending GroupCoordinator::barrier(const c10d::BarrierOptions& opts) {

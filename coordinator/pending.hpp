@@ -19,8 +19,8 @@ struct Pending {
   std::function<void()> finish;
   // The call's results: Work::result() and the value of its future.
   std::vector<at::Tensor> outputs;
-  // False where the routed backend's work has no future (Gloo's send/recv):
-  // then wait() is the only way to complete the call.
+  // False where the routed backend's work has no future (Gloo's send/recv
+  // and reduce-scatter works); the backend layer then provides one.
   bool hasFuture = true;
 };
 

@@ -58,10 +58,21 @@ c10::intrusive_ptr<backend::ProcessGroupTpcomm> makeBackend(
 }  // namespace
 
 void registerBackend(py::module_& m) {
+  using backend::TpcommOptions;
+  py::class_<TpcommOptions, c10d::Backend::Options, c10::intrusive_ptr<TpcommOptions>>(
+      m, "Options", "Options of a tpcomm backend: timeout and group name.")
+      .def(py::init<std::chrono::milliseconds>(), py::arg("timeout") = kBackendDefaultTimeout)
+      .def("__copy__", [](const TpcommOptions& self) { return c10::make_intrusive<TpcommOptions>(self); })
+      .def("__deepcopy__", [](const TpcommOptions& self, py::dict) {
+        return c10::make_intrusive<TpcommOptions>(self);
+      });
+
   py::class_<backend::ProcessGroupTpcomm, c10d::Backend,
              c10::intrusive_ptr<backend::ProcessGroupTpcomm>>(m, "ProcessGroupTpcomm", R"(
 The c10d backend "tpcomm": CPU tensors through the CPU backend (Gloo), CUDA
 tensors through the device backend (NCCL), created on first use.)")
+      .def_property_readonly("options", &backend::ProcessGroupTpcomm::getBackendOptions,
+                             "This backend's options (copied by torch's split_group).")
       .def(py::init(&makeBackend), py::arg("store"), py::arg("rank"), py::arg("size"),
            py::arg("timeout"), py::arg("group_name"), py::arg("cpu_backend"),
            py::arg("device_factory"), py::call_guard<py::gil_scoped_release>())

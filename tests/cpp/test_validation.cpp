@@ -223,6 +223,23 @@ TEST(BackendWork, FutureCompletesAfterTheFinishStep) {
   EXPECT_TRUE(pg->supportsSplitting());
 }
 
+TEST(BackendWork, RoutedWorkWithoutFutureStillGetsOne) {
+  // The coordinator marks CPU reduce-scatter as future-less (as Gloo's is).
+  ThreadGroup group(1);
+  auto pg = c10::make_intrusive<ProcessGroupTpcomm>(group.coordinators[0]);
+  at::Tensor input = at::full({4}, 8.0);
+  at::Tensor output = at::empty({4});
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::AVG;
+  auto work = pg->_reduce_scatter_base(output, input, opts);
+  auto future = work->getFuture();
+  EXPECT_EQ(future.get(), work->getFuture().get()) << "one future per work";
+  future->wait();
+  ASSERT_FALSE(future->hasError());
+  EXPECT_TRUE(at::equal(future->value().toTensorVector()[0], at::full({4}, 8.0)));
+  EXPECT_TRUE(work->wait());
+}
+
 TEST(BackendWork, NoDeviceBackendIsAClearError) {
   auto hub = std::make_shared<Hub>(1);
   coord::GroupOptions options;

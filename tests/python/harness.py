@@ -1,0 +1,125 @@
+"""Real multi-process groups for tests.
+
+A ``Group`` starts one process per rank; each joins a default process group
+over backend "tpcomm" and also makes a plain "gloo" group over the same ranks,
+the reference. ``group.run(fn, *args)`` calls the module-level function
+``fn(ctx, *args)`` on every rank and returns the per-rank results; a failure on
+any rank raises ``RankFailure`` with that rank's traceback. Every wait is
+bounded: a rank that hangs or dies fails the test instead of hanging it.
+"""
+
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+@dataclass
+class Context:
+    rank: int
+    world_size: int
+    ref: object  # the gloo reference group over all ranks
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, env, pg_timeout_s, conn, paths):
+    os.environ.update(env)
+    sys.path[:0] = paths
+    try:
+        import torch
+        import torch.distributed as dist
+
+        import tpcomm  # noqa: F401  (registers the backend)
+
+        torch.manual_seed(1234 + rank)
+        dist.init_process_group(
+            "tpcomm",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=pg_timeout_s),
+        )
+        ctx = Context(rank, world_size, dist.new_group(backend="gloo"))
+        conn.send(("ready", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        module, name, args = msg
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            conn.send(("ok", fn(ctx, *args)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class Group:
+    def __init__(self, world_size, env=None, pg_timeout_s=60, start_timeout_s=120):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        paths = [HERE, os.path.dirname(HERE)]
+        self._conns, self._procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(
+                target=_worker,
+                args=(rank, world_size, port, dict(env or {}), pg_timeout_s, child, paths),
+                daemon=True,
+            )
+            p.start()
+            self._conns.append(parent)
+            self._procs.append(p)
+        self._collect("start", start_timeout_s)
+
+    def _collect(self, what, timeout_s):
+        results, failures = [], []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(timeout_s):
+                self.close(kill=True)
+                raise RankFailure(f"rank {rank} did not answer '{what}' within {timeout_s}s")
+            status, value = conn.recv()
+            if status == "error":
+                failures.append(f"--- rank {rank} ---\n{value}")
+            results.append(value)
+        if failures:
+            raise RankFailure(f"'{what}' failed:\n" + "\n".join(failures))
+        return results
+
+    def run(self, fn, *args, timeout_s=120):
+        for conn in self._conns:
+            conn.send((fn.__module__, fn.__name__, args))
+        return self._collect(fn.__name__, timeout_s)
+
+    def close(self, kill=False):
+        for conn, proc in zip(self._conns, self._procs):
+            if not kill:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=0 if kill else 20)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs = []
