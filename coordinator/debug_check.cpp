@@ -10,9 +10,13 @@ namespace tpcomm::coord {
 std::string dtypeName(at::ScalarType dtype) { return c10::getDtypeNames(dtype).first; }
 
 std::string describeTensor(const at::Tensor& tensor) {
-  std::ostringstream out;
-  out << dtypeName(tensor.scalar_type()) << tensor.sizes();
-  return out.str();
+  std::string out = dtypeName(tensor.scalar_type()) + "[";
+  const auto sizes = tensor.sizes();
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += std::to_string(sizes[i]);
+  }
+  return out + "]";
 }
 
 std::string describeTensors(const std::vector<at::Tensor>& tensors) {

@@ -47,8 +47,7 @@ c10d::Backend& GroupCoordinator::backendFor(Route route) {
   return route == Route::kCpu ? *cpu_ : deviceBackend();
 }
 
-void GroupCoordinator::debugCheck(const std::string& signature) {
-  if (!options_.debugChecks) return;
+void GroupCoordinator::checkSignature(const std::string& signature) {
   checkSameAcrossRanks(*cpu_, options_.groupName, ++debugSequence_, signature);
 }
 
@@ -77,13 +76,13 @@ std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& list
 
 Pending GroupCoordinator::broadcast(std::vector<at::Tensor>& tensors,
                                     const c10d::BroadcastOptions& opts) {
-  debugCheck("broadcast root=" + std::to_string(opts.rootRank) + " " + describeTensors(tensors));
+  debugCheck([&] { return std::string("broadcast root=" + std::to_string(opts.rootRank) + " " + describeTensors(tensors)); });
   return passThrough(backendFor(routeFor(tensors[0])).broadcast(tensors, opts), tensors);
 }
 
 Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
                                     const c10d::AllreduceOptions& opts) {
-  debugCheck("allreduce " + describeReduceOp(opts.reduceOp) + " " + describeTensors(tensors));
+  debugCheck([&] { return std::string("allreduce " + describeReduceOp(opts.reduceOp) + " " + describeTensors(tensors)); });
   const Route route = routeFor(tensors[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
@@ -101,15 +100,15 @@ Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
 
 Pending GroupCoordinator::allreduceSparse(std::vector<at::Tensor>& tensors,
                                           const c10d::AllreduceOptions& opts) {
-  debugCheck("allreduce_sparse " + describeReduceOp(opts.reduceOp) + " " +
-             describeTensors(tensors));
+  debugCheck([&] { return std::string("allreduce_sparse " + describeReduceOp(opts.reduceOp) + " " +
+             describeTensors(tensors)); });
   return passThrough(backendFor(routeFor(tensors[0])).allreduce_sparse(tensors, opts), tensors);
 }
 
 Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
                                              const c10d::AllreduceCoalescedOptions& opts) {
-  debugCheck("allreduce_coalesced " + describeReduceOp(opts.reduceOp) + " " +
-             describeTensors(tensors));
+  debugCheck([&] { return std::string("allreduce_coalesced " + describeReduceOp(opts.reduceOp) + " " +
+             describeTensors(tensors)); });
   const Route route = routeFor(tensors[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
@@ -127,8 +126,8 @@ Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
 
 Pending GroupCoordinator::reduce(std::vector<at::Tensor>& tensors,
                                  const c10d::ReduceOptions& opts) {
-  debugCheck("reduce " + describeReduceOp(opts.reduceOp) + " root=" +
-             std::to_string(opts.rootRank) + " " + describeTensors(tensors));
+  debugCheck([&] { return std::string("reduce " + describeReduceOp(opts.reduceOp) + " root=" +
+             std::to_string(opts.rootRank) + " " + describeTensors(tensors)); });
   const Route route = routeFor(tensors[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
@@ -155,21 +154,21 @@ Pending GroupCoordinator::reduce(std::vector<at::Tensor>& tensors,
 Pending GroupCoordinator::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                     std::vector<at::Tensor>& inputs,
                                     const c10d::AllgatherOptions& opts) {
-  debugCheck("allgather " + describeTensors(inputs));
+  debugCheck([&] { return std::string("allgather " + describeTensors(inputs)); });
   return passThrough(backendFor(routeFor(inputs[0])).allgather(outputs, inputs, opts),
                      flatten(outputs));
 }
 
 Pending GroupCoordinator::allgatherBase(at::Tensor& output, at::Tensor& input,
                                         const c10d::AllgatherOptions& opts) {
-  debugCheck("allgather_into_tensor " + describeTensor(input) + " -> " + describeTensor(output));
+  debugCheck([&] { return std::string("allgather_into_tensor " + describeTensor(input) + " -> " + describeTensor(output)); });
   return passThrough(backendFor(routeFor(input))._allgather_base(output, input, opts), {output});
 }
 
 Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                              std::vector<at::Tensor>& inputs,
                                              const c10d::AllgatherOptions& opts) {
-  debugCheck("allgather_coalesced " + describeTensors(inputs));
+  debugCheck([&] { return std::string("allgather_coalesced " + describeTensors(inputs)); });
   return passThrough(backendFor(routeFor(inputs[0])).allgather_coalesced(outputs, inputs, opts),
                      flatten(outputs));
 }
@@ -177,8 +176,8 @@ Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>
 Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllgatherOptions& opts) {
-  debugCheck("allgather_into_tensor_coalesced " + describeTensors(inputs) + " -> " +
-             describeTensors(outputs));
+  debugCheck([&] { return std::string("allgather_into_tensor_coalesced " + describeTensors(inputs) + " -> " +
+             describeTensors(outputs)); });
   return passThrough(
       backendFor(routeFor(inputs[0])).allgather_into_tensor_coalesced(outputs, inputs, opts),
       outputs);
@@ -187,7 +186,7 @@ Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& 
 Pending GroupCoordinator::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                  std::vector<at::Tensor>& inputs,
                                  const c10d::GatherOptions& opts) {
-  debugCheck("gather root=" + std::to_string(opts.rootRank) + " " + describeTensors(inputs));
+  debugCheck([&] { return std::string("gather root=" + std::to_string(opts.rootRank) + " " + describeTensors(inputs)); });
   return passThrough(backendFor(routeFor(inputs[0])).gather(outputs, inputs, opts),
                      flatten(outputs));
 }
@@ -195,15 +194,15 @@ Pending GroupCoordinator::gather(std::vector<std::vector<at::Tensor>>& outputs,
 Pending GroupCoordinator::scatter(std::vector<at::Tensor>& outputs,
                                   std::vector<std::vector<at::Tensor>>& inputs,
                                   const c10d::ScatterOptions& opts) {
-  debugCheck("scatter root=" + std::to_string(opts.rootRank) + " " + describeTensors(outputs));
+  debugCheck([&] { return std::string("scatter root=" + std::to_string(opts.rootRank) + " " + describeTensors(outputs)); });
   return passThrough(backendFor(routeFor(outputs[0])).scatter(outputs, inputs, opts), outputs);
 }
 
 Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
                                         std::vector<std::vector<at::Tensor>>& inputs,
                                         const c10d::ReduceScatterOptions& opts) {
-  debugCheck("reduce_scatter " + describeReduceOp(opts.reduceOp) + " " +
-             describeTensors(outputs));
+  debugCheck([&] { return std::string("reduce_scatter " + describeReduceOp(opts.reduceOp) + " " +
+             describeTensors(outputs)); });
   const Route route = routeFor(outputs[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
@@ -229,8 +228,8 @@ Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
 
 Pending GroupCoordinator::reduceScatterBase(at::Tensor& output, at::Tensor& input,
                                             const c10d::ReduceScatterOptions& opts) {
-  debugCheck("reduce_scatter_tensor " + describeReduceOp(opts.reduceOp) + " " +
-             describeTensor(input) + " -> " + describeTensor(output));
+  debugCheck([&] { return std::string("reduce_scatter_tensor " + describeReduceOp(opts.reduceOp) + " " +
+             describeTensor(input) + " -> " + describeTensor(output)); });
   const Route route = routeFor(input);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
@@ -252,8 +251,8 @@ Pending GroupCoordinator::reduceScatterBase(at::Tensor& output, at::Tensor& inpu
 Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::ReduceScatterOptions& opts) {
-  debugCheck("reduce_scatter_tensor_coalesced " + describeReduceOp(opts.reduceOp) + " " +
-             describeTensors(inputs) + " -> " + describeTensors(outputs));
+  debugCheck([&] { return std::string("reduce_scatter_tensor_coalesced " + describeReduceOp(opts.reduceOp) + " " +
+             describeTensors(inputs) + " -> " + describeTensors(outputs)); });
   const Route route = routeFor(inputs[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
@@ -282,7 +281,7 @@ Pending GroupCoordinator::alltoallBase(at::Tensor& output, at::Tensor& input,
                                        std::vector<int64_t>& inputSplits,
                                        const c10d::AllToAllOptions& opts) {
   // Splits legitimately differ between ranks: compare dtypes only.
-  debugCheck("alltoall_base " + dtypeName(input.scalar_type()));
+  debugCheck([&] { return std::string("alltoall_base " + dtypeName(input.scalar_type())); });
   return passThrough(
       backendFor(routeFor(input)).alltoall_base(output, input, outputSplits, inputSplits, opts),
       {output});
@@ -291,8 +290,8 @@ Pending GroupCoordinator::alltoallBase(at::Tensor& output, at::Tensor& input,
 Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
                                    std::vector<at::Tensor>& inputs,
                                    const c10d::AllToAllOptions& opts) {
-  debugCheck("alltoall " + dtypeName(inputs[0].scalar_type()) + " x" +
-             std::to_string(inputs.size()));
+  debugCheck([&] { return std::string("alltoall " + dtypeName(inputs[0].scalar_type()) + " x" +
+             std::to_string(inputs.size())); });
   const Route route = routeFor(inputs[0]);
   if (route == Route::kDevice) {
     return passThrough(deviceBackend().alltoall(outputs, inputs, opts), outputs);
@@ -318,7 +317,7 @@ Pending GroupCoordinator::recvAnysource(std::vector<at::Tensor>& tensors, int ta
 }
 
 Pending GroupCoordinator::barrier(const c10d::BarrierOptions& opts) {
-  debugCheck("barrier");
+  debugCheck([&] { return std::string("barrier"); });
   return passThrough(cpu_->barrier(opts), {});
 }
 

@@ -118,8 +118,14 @@ class GroupCoordinator {
  private:
   c10d::Backend& backendFor(Route route);
   c10d::Backend& deviceBackend();
-  // TPCOMM_DEBUG: raises on every rank when ranks disagree on `signature`.
-  void debugCheck(const std::string& signature);
+  // TPCOMM_DEBUG: raises on every rank when ranks disagree on the call's
+  // signature. `describe` builds it and runs only when the check is on, so
+  // the default path formats nothing.
+  template <typename Describe>
+  void debugCheck(Describe&& describe) {
+    if (options_.debugChecks) checkSignature(describe());
+  }
+  void checkSignature(const std::string& signature);
 
   GroupOptions options_;
   c10::intrusive_ptr<c10d::Store> store_;
