@@ -75,7 +75,7 @@ tensors through the device backend (NCCL), created on first use.)")
                              "This backend's options (copied by torch's split_group).")
       .def(py::init(&makeBackend), py::arg("store"), py::arg("rank"), py::arg("size"),
            py::arg("timeout"), py::arg("group_name"), py::arg("cpu_backend"),
-           py::arg("device_factory"), py::call_guard<py::gil_scoped_release>())
+           py::arg("device_factory"))
       .def_property_readonly(
           "device_backend_created",
           [](backend::ProcessGroupTpcomm& self) {
