@@ -52,6 +52,13 @@ template <typename Call>
 WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Call&& call) {
   return translateErrors([&]() -> WorkPtr {
     Pending pending = call();
+    if (!pending.work) {
+      // A synchronous call (asyncOp=false) that the routed backend already
+      // ordered on the current stream returns no Work (ProcessGroupNCCL does
+      // this); torch's Python API then skips wait(). Mirror it.
+      if (pending.finish) pending.finish();
+      return WorkPtr();
+    }
     return c10::make_intrusive<TpcommWork>(std::move(pending), type, describeCall(op), rank_);
   });
 }

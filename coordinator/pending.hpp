@@ -12,7 +12,9 @@
 namespace tpcomm::coord {
 
 struct Pending {
-  // The routed backend's work. Never null.
+  // The routed backend's work. Null where the backend completed or
+  // stream-ordered a synchronous call without one (ProcessGroupNCCL with
+  // asyncOp=false); the finish step then runs at once.
   c10::intrusive_ptr<c10d::Work> work;
   // Runs exactly once, after `work` succeeded and before the call's future
   // completes (e.g. the division of an AVG done as SUM). May be empty.

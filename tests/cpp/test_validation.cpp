@@ -240,6 +240,37 @@ TEST(BackendWork, RoutedWorkWithoutFutureStillGetsOne) {
   EXPECT_TRUE(work->wait());
 }
 
+// A backend that, like ProcessGroupNCCL for asyncOp=false, returns no Work.
+class NoWorkBackend : public ThreadedBackend {
+ public:
+  using ThreadedBackend::ThreadedBackend;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    ThreadedBackend::allreduce(tensors, opts);
+    return {};
+  }
+};
+
+TEST(BackendWork, SynchronousCallWithoutWorkReturnsNoneAfterFinishing) {
+  auto hub = std::make_shared<Hub>(2);
+  auto store = c10::make_intrusive<c10d::HashStore>();
+  runRanks(2, [&](int r) {
+    coord::GroupOptions options;
+    options.rank = r;
+    options.size = 2;
+    auto coordinator = std::make_shared<coord::GroupCoordinator>(
+        options, store, c10::make_intrusive<NoWorkBackend>(hub, r), coord::BackendFactory());
+    auto pg = c10::make_intrusive<ProcessGroupTpcomm>(coordinator);
+    std::vector<at::Tensor> t{at::full({2}, 2.0 * (r + 1))};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::AVG;
+    opts.asyncOp = false;
+    auto work = pg->allreduce(t, opts);
+    EXPECT_FALSE(work);
+    EXPECT_TRUE(at::equal(t[0], at::full({2}, 3.0)));  // AVG's division already applied
+  });
+}
+
 TEST(BackendWork, NoDeviceBackendIsAClearError) {
   auto hub = std::make_shared<Hub>(1);
   coord::GroupOptions options;
