@@ -16,7 +16,7 @@ void checkTensors(const char* op, const char* what, const std::vector<at::Tensor
     TPCOMM_CHECK(device.is_cpu() || device.is_cuda(), kInvalidUsage, op, ": ", what, "[", i,
                  "] is on device ", device, "; tpcomm handles cpu and cuda tensors");
     TPCOMM_CHECK(t.layout() == at::kStrided, kInvalidUsage, op, ": ", what, "[", i,
-                 "] has layout ", t.layout(), "; only dense (strided) tensors are supported");
+                 "] is not a dense (strided) tensor; only dense tensors are supported");
     TPCOMM_CHECK(t.is_contiguous(), kInvalidUsage, op, ": ", what, "[", i,
                  "] is not contiguous (sizes ", t.sizes(), ", strides ", t.strides(),
                  "); pass tensor.contiguous()");

@@ -13,7 +13,7 @@ TpcommWork::TpcommWork(coord::Pending pending, c10d::OpType type, std::string wh
       outputs_(std::move(pending.outputs)),
       what_(std::move(what)),
       innerHasFuture_(pending.hasFuture) {
-  TORCH_INTERNAL_ASSERT(inner_, "tpcomm: ", what_, " produced no work");
+  TORCH_INTERNAL_ASSERT(inner_, std::string("tpcomm: ") + what_ + " produced no work");
   finish_->fn = std::move(pending.finish);
   if (!pending.hasFuture) return;
   // The child future runs the finish step on the thread that completes the

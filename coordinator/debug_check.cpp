@@ -1,7 +1,6 @@
 #include "coordinator/debug_check.hpp"
 
 #include <map>
-#include <sstream>
 
 #include "coordinator/common/error.hpp"
 
@@ -82,15 +81,14 @@ void checkSameAcrossRanks(c10d::Backend& cpu, const std::string& groupName, uint
   }
   if (ranksBySignature.size() == 1) return;
 
-  std::ostringstream out;
-  out << "TPCOMM_DEBUG: ranks disagree on collective #" << sequence << " of group '" << groupName
-      << "':";
+  std::string out = "TPCOMM_DEBUG: ranks disagree on collective #" + std::to_string(sequence) +
+                    " of group '" + groupName + "':";
   for (const auto& [sig, ranks] : ranksBySignature) {
-    out << (ranks.size() == 1 ? " rank " : " ranks ");
-    for (size_t i = 0; i < ranks.size(); ++i) out << (i ? "," : "") << ranks[i];
-    out << " called " << sig << ";";
+    out += ranks.size() == 1 ? " rank " : " ranks ";
+    for (size_t i = 0; i < ranks.size(); ++i) out += (i ? "," : "") + std::to_string(ranks[i]);
+    out += " called " + sig + ";";
   }
-  TPCOMM_THROW(kInvalidUsage, out.str());
+  TPCOMM_THROW(kInvalidUsage, out);
 }
 
 }  // namespace tpcomm::coord

@@ -8,9 +8,11 @@
 //
 // Library code never calls exit() or abort(): a failed check throws.
 
-#include <sstream>
+#include <iterator>
 #include <stdexcept>
 #include <string>
+#include <string_view>
+#include <type_traits>
 
 namespace tpcomm {
 
@@ -36,11 +38,45 @@ class Error : public std::runtime_error {
 
 namespace detail {
 
+// Message formatting without iostreams: torch's libc10 exports its own weak
+// copies of std::ostringstream, and an extension built by another compiler
+// that binds to them crashes (seen with gcc 13). Supported pieces: strings,
+// characters, booleans, numbers, anything with str() (c10::Device), and
+// ranges of those (IntArrayRef, std::vector) printed as "[a, b]".
+inline void append(std::string& out, const std::string& s) { out += s; }
+inline void append(std::string& out, std::string_view s) { out.append(s); }
+inline void append(std::string& out, const char* s) { out += s; }
+inline void append(std::string& out, char c) { out += c; }
+inline void append(std::string& out, bool b) { out += b ? "true" : "false"; }
+
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+void append(std::string& out, T value) {
+  out += std::to_string(value);
+}
+
+template <typename T>
+auto append(std::string& out, const T& value) -> decltype(value.str(), void()) {
+  out += value.str();
+}
+
+template <typename T>
+auto append(std::string& out, const T& range)
+    -> decltype(std::begin(range), std::end(range), void()) {
+  out += '[';
+  bool first = true;
+  for (const auto& item : range) {
+    if (!first) out += ", ";
+    first = false;
+    append(out, item);
+  }
+  out += ']';
+}
+
 template <typename... Args>
 std::string concat(const Args&... args) {
-  std::ostringstream out;
-  (out << ... << args);
-  return out.str();
+  std::string out;
+  (append(out, args), ...);
+  return out;
 }
 
 // Builds "tpcomm <Code>: <message> (at file:line)" and throws it.
