@@ -28,8 +28,7 @@ auto translateErrors(F&& f) -> decltype(f()) {
   }
 }
 
-std::vector<at::Tensor> concat(const std::vector<at::Tensor>& a,
-                               const std::vector<at::Tensor>& b) {
+std::vector<at::Tensor> concat(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   std::vector<at::Tensor> out(a);
   out.insert(out.end(), b.begin(), b.end());
   return out;
@@ -103,8 +102,8 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::split(
       auto it = splits_.find(name);
       if (it != splits_.end()) return it->second;
     }
-    auto child = c10::make_intrusive<ProcessGroupTpcomm>(
-        coordinator_->split(store, ranks, timeout, name));
+    auto child =
+        c10::make_intrusive<ProcessGroupTpcomm>(coordinator_->split(store, ranks, timeout, name));
     if (!name.empty()) splits_[name] = child;
     return child;
   });
@@ -244,8 +243,8 @@ WorkPtr ProcessGroupTpcomm::gather(std::vector<std::vector<at::Tensor>>& outputs
       }
     } else {
       TPCOMM_CHECK(outputs.empty() || outputs[0].empty(), kInvalidUsage,
-                   "gather: only the root rank (", opts.rootRank,
-                   ") passes a gather list; rank ", rank_, " passed one");
+                   "gather: only the root rank (", opts.rootRank, ") passes a gather list; rank ",
+                   rank_, " passed one");
     }
     return coordinator_->gather(outputs, inputs, opts);
   });
@@ -268,8 +267,8 @@ WorkPtr ProcessGroupTpcomm::scatter(std::vector<at::Tensor>& outputs,
       }
     } else {
       TPCOMM_CHECK(inputs.empty() || inputs[0].empty(), kInvalidUsage,
-                   "scatter: only the root rank (", opts.rootRank,
-                   ") passes a scatter list; rank ", rank_, " passed one");
+                   "scatter: only the root rank (", opts.rootRank, ") passes a scatter list; rank ",
+                   rank_, " passed one");
     }
     return coordinator_->scatter(outputs, inputs, opts);
   });

@@ -34,8 +34,8 @@ Route GroupCoordinator::routeFor(const at::Tensor& tensor) const {
 c10d::Backend& GroupCoordinator::deviceBackend() {
   std::lock_guard<std::mutex> lock(deviceMutex_);
   if (!device_) {
-    TPCOMM_CHECK(static_cast<bool>(deviceFactory_), kInvalidUsage, "group '",
-                 options_.groupName, "' has no device backend (CUDA is not available)");
+    TPCOMM_CHECK(static_cast<bool>(deviceFactory_), kInvalidUsage, "group '", options_.groupName,
+                 "' has no device backend (CUDA is not available)");
     auto store = c10::make_intrusive<c10d::PrefixStore>("device/", store_);
     device_ = deviceFactory_(store, options_.rank, options_.size, options_.timeout);
     TPCOMM_CHECK(device_, kInvalidUsage, "the device backend factory returned nothing");
@@ -76,13 +76,19 @@ std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& list
 
 Pending GroupCoordinator::broadcast(std::vector<at::Tensor>& tensors,
                                     const c10d::BroadcastOptions& opts) {
-  debugCheck([&] { return std::string("broadcast root=" + std::to_string(opts.rootRank) + " " + describeTensors(tensors)); });
+  debugCheck([&] {
+    return std::string("broadcast root=" + std::to_string(opts.rootRank) + " " +
+                       describeTensors(tensors));
+  });
   return passThrough(backendFor(routeFor(tensors[0])).broadcast(tensors, opts), tensors);
 }
 
 Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
                                     const c10d::AllreduceOptions& opts) {
-  debugCheck([&] { return std::string("allreduce " + describeReduceOp(opts.reduceOp) + " " + describeTensors(tensors)); });
+  debugCheck([&] {
+    return std::string("allreduce " + describeReduceOp(opts.reduceOp) + " " +
+                       describeTensors(tensors));
+  });
   const Route route = routeFor(tensors[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
@@ -100,15 +106,19 @@ Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
 
 Pending GroupCoordinator::allreduceSparse(std::vector<at::Tensor>& tensors,
                                           const c10d::AllreduceOptions& opts) {
-  debugCheck([&] { return std::string("allreduce_sparse " + describeReduceOp(opts.reduceOp) + " " +
-             describeTensors(tensors)); });
+  debugCheck([&] {
+    return std::string("allreduce_sparse " + describeReduceOp(opts.reduceOp) + " " +
+                       describeTensors(tensors));
+  });
   return passThrough(backendFor(routeFor(tensors[0])).allreduce_sparse(tensors, opts), tensors);
 }
 
 Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
                                              const c10d::AllreduceCoalescedOptions& opts) {
-  debugCheck([&] { return std::string("allreduce_coalesced " + describeReduceOp(opts.reduceOp) + " " +
-             describeTensors(tensors)); });
+  debugCheck([&] {
+    return std::string("allreduce_coalesced " + describeReduceOp(opts.reduceOp) + " " +
+                       describeTensors(tensors));
+  });
   const Route route = routeFor(tensors[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
@@ -126,8 +136,10 @@ Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
 
 Pending GroupCoordinator::reduce(std::vector<at::Tensor>& tensors,
                                  const c10d::ReduceOptions& opts) {
-  debugCheck([&] { return std::string("reduce " + describeReduceOp(opts.reduceOp) + " root=" +
-             std::to_string(opts.rootRank) + " " + describeTensors(tensors)); });
+  debugCheck([&] {
+    return std::string("reduce " + describeReduceOp(opts.reduceOp) +
+                       " root=" + std::to_string(opts.rootRank) + " " + describeTensors(tensors));
+  });
   const Route route = routeFor(tensors[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
@@ -161,7 +173,10 @@ Pending GroupCoordinator::allgather(std::vector<std::vector<at::Tensor>>& output
 
 Pending GroupCoordinator::allgatherBase(at::Tensor& output, at::Tensor& input,
                                         const c10d::AllgatherOptions& opts) {
-  debugCheck([&] { return std::string("allgather_into_tensor " + describeTensor(input) + " -> " + describeTensor(output)); });
+  debugCheck([&] {
+    return std::string("allgather_into_tensor " + describeTensor(input) + " -> " +
+                       describeTensor(output));
+  });
   return passThrough(backendFor(routeFor(input))._allgather_base(output, input, opts), {output});
 }
 
@@ -176,17 +191,21 @@ Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>
 Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllgatherOptions& opts) {
-  debugCheck([&] { return std::string("allgather_into_tensor_coalesced " + describeTensors(inputs) + " -> " +
-             describeTensors(outputs)); });
+  debugCheck([&] {
+    return std::string("allgather_into_tensor_coalesced " + describeTensors(inputs) + " -> " +
+                       describeTensors(outputs));
+  });
   return passThrough(
       backendFor(routeFor(inputs[0])).allgather_into_tensor_coalesced(outputs, inputs, opts),
       outputs);
 }
 
 Pending GroupCoordinator::gather(std::vector<std::vector<at::Tensor>>& outputs,
-                                 std::vector<at::Tensor>& inputs,
-                                 const c10d::GatherOptions& opts) {
-  debugCheck([&] { return std::string("gather root=" + std::to_string(opts.rootRank) + " " + describeTensors(inputs)); });
+                                 std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
+  debugCheck([&] {
+    return std::string("gather root=" + std::to_string(opts.rootRank) + " " +
+                       describeTensors(inputs));
+  });
   return passThrough(backendFor(routeFor(inputs[0])).gather(outputs, inputs, opts),
                      flatten(outputs));
 }
@@ -194,15 +213,20 @@ Pending GroupCoordinator::gather(std::vector<std::vector<at::Tensor>>& outputs,
 Pending GroupCoordinator::scatter(std::vector<at::Tensor>& outputs,
                                   std::vector<std::vector<at::Tensor>>& inputs,
                                   const c10d::ScatterOptions& opts) {
-  debugCheck([&] { return std::string("scatter root=" + std::to_string(opts.rootRank) + " " + describeTensors(outputs)); });
+  debugCheck([&] {
+    return std::string("scatter root=" + std::to_string(opts.rootRank) + " " +
+                       describeTensors(outputs));
+  });
   return passThrough(backendFor(routeFor(outputs[0])).scatter(outputs, inputs, opts), outputs);
 }
 
 Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
                                         std::vector<std::vector<at::Tensor>>& inputs,
                                         const c10d::ReduceScatterOptions& opts) {
-  debugCheck([&] { return std::string("reduce_scatter " + describeReduceOp(opts.reduceOp) + " " +
-             describeTensors(outputs)); });
+  debugCheck([&] {
+    return std::string("reduce_scatter " + describeReduceOp(opts.reduceOp) + " " +
+                       describeTensors(outputs));
+  });
   const Route route = routeFor(outputs[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
@@ -228,8 +252,10 @@ Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
 
 Pending GroupCoordinator::reduceScatterBase(at::Tensor& output, at::Tensor& input,
                                             const c10d::ReduceScatterOptions& opts) {
-  debugCheck([&] { return std::string("reduce_scatter_tensor " + describeReduceOp(opts.reduceOp) + " " +
-             describeTensor(input) + " -> " + describeTensor(output)); });
+  debugCheck([&] {
+    return std::string("reduce_scatter_tensor " + describeReduceOp(opts.reduceOp) + " " +
+                       describeTensor(input) + " -> " + describeTensor(output));
+  });
   const Route route = routeFor(input);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
@@ -251,8 +277,10 @@ Pending GroupCoordinator::reduceScatterBase(at::Tensor& output, at::Tensor& inpu
 Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::ReduceScatterOptions& opts) {
-  debugCheck([&] { return std::string("reduce_scatter_tensor_coalesced " + describeReduceOp(opts.reduceOp) + " " +
-             describeTensors(inputs) + " -> " + describeTensors(outputs)); });
+  debugCheck([&] {
+    return std::string("reduce_scatter_tensor_coalesced " + describeReduceOp(opts.reduceOp) + " " +
+                       describeTensors(inputs) + " -> " + describeTensors(outputs));
+  });
   const Route route = routeFor(inputs[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
@@ -267,8 +295,8 @@ Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& 
   c10d::ReduceScatterOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
   Pending pending = withoutFutureOnCpu(
-      route, passThrough(cpu_->reduce_scatter_tensor_coalesced(outputs, sources, forwarded),
-                         outputs));
+      route,
+      passThrough(cpu_->reduce_scatter_tensor_coalesced(outputs, sources, forwarded), outputs));
   auto divide = divideAfter(plan.divideBySize, outputs, size());
   pending.finish = [sources, divide]() {
     if (divide) divide();
@@ -290,8 +318,10 @@ Pending GroupCoordinator::alltoallBase(at::Tensor& output, at::Tensor& input,
 Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
                                    std::vector<at::Tensor>& inputs,
                                    const c10d::AllToAllOptions& opts) {
-  debugCheck([&] { return std::string("alltoall " + dtypeName(inputs[0].scalar_type()) + " x" +
-             std::to_string(inputs.size())); });
+  debugCheck([&] {
+    return std::string("alltoall " + dtypeName(inputs[0].scalar_type()) + " x" +
+                       std::to_string(inputs.size()));
+  });
   const Route route = routeFor(inputs[0]);
   if (route == Route::kDevice) {
     return passThrough(deviceBackend().alltoall(outputs, inputs, opts), outputs);

@@ -69,10 +69,9 @@ class GroupCoordinator {
   Pending allreduceCoalesced(std::vector<at::Tensor>& tensors,
                              const c10d::AllreduceCoalescedOptions& opts);
   Pending reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts);
-  Pending allgather(std::vector<std::vector<at::Tensor>>& outputs,
-                    std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts);
-  Pending allgatherBase(at::Tensor& output, at::Tensor& input,
-                        const c10d::AllgatherOptions& opts);
+  Pending allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                    const c10d::AllgatherOptions& opts);
+  Pending allgatherBase(at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts);
   Pending allgatherCoalesced(std::vector<std::vector<at::Tensor>>& outputs,
                              std::vector<at::Tensor>& inputs, const c10d::AllgatherOptions& opts);
   Pending allgatherIntoTensorCoalesced(std::vector<at::Tensor>& outputs,

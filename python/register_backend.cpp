@@ -2,8 +2,8 @@
 #include <pybind11/chrono.h>
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "backend/process_group_tpcomm.hpp"
 #include "coordinator/common/settings.hpp"
@@ -62,7 +62,8 @@ void registerBackend(py::module_& m) {
   py::class_<TpcommOptions, c10d::Backend::Options, c10::intrusive_ptr<TpcommOptions>>(
       m, "Options", "Options of a tpcomm backend: timeout and group name.")
       .def(py::init<std::chrono::milliseconds>(), py::arg("timeout") = kBackendDefaultTimeout)
-      .def("__copy__", [](const TpcommOptions& self) { return c10::make_intrusive<TpcommOptions>(self); })
+      .def("__copy__",
+           [](const TpcommOptions& self) { return c10::make_intrusive<TpcommOptions>(self); })
       .def("__deepcopy__", [](const TpcommOptions& self, py::dict) {
         return c10::make_intrusive<TpcommOptions>(self);
       });

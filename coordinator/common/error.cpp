@@ -29,8 +29,8 @@ namespace detail {
   for (const char* p = file; *p != '\0'; ++p) {
     if (*p == '/') base = p + 1;
   }
-  throw Error(code, concat("tpcomm ", errorCodeName(code), ": ", message, " (", base, ":", line,
-                           ")"));
+  throw Error(code,
+              concat("tpcomm ", errorCodeName(code), ": ", message, " (", base, ":", line, ")"));
 }
 
 }  // namespace detail

@@ -80,32 +80,33 @@ std::string concat(const Args&... args) {
 }
 
 // Builds "tpcomm <Code>: <message> (at file:line)" and throws it.
-[[noreturn]] void throwError(ErrorCode code, const char* file, int line, const std::string& message);
+[[noreturn]] void throwError(ErrorCode code, const char* file, int line,
+                             const std::string& message);
 
 }  // namespace detail
 }  // namespace tpcomm
 
-#define TPCOMM_THROW(code, ...)                                                       \
+#define TPCOMM_THROW(code, ...)                                               \
   ::tpcomm::detail::throwError(::tpcomm::ErrorCode::code, __FILE__, __LINE__, \
                                ::tpcomm::detail::concat(__VA_ARGS__))
 
 // TPCOMM_CHECK(cond, kInvalidUsage, "what went wrong ", value);
-#define TPCOMM_CHECK(cond, code, ...)                     \
-  do {                                                    \
-    if (!(cond)) {                                        \
-      TPCOMM_THROW(code, "", __VA_ARGS__);                 \
-    }                                                     \
+#define TPCOMM_CHECK(cond, code, ...)      \
+  do {                                     \
+    if (!(cond)) {                         \
+      TPCOMM_THROW(code, "", __VA_ARGS__); \
+    }                                      \
   } while (0)
 
 // Binary checks print both operands: "expected a == b (3 vs 4): message".
-#define TPCOMM_CHECK_OP_(a, b, op, code, ...)                                          \
-  do {                                                                                 \
-    const auto& tpcomm_lhs_ = (a);                                                     \
-    const auto& tpcomm_rhs_ = (b);                                                     \
-    if (!(tpcomm_lhs_ op tpcomm_rhs_)) {                                               \
-      TPCOMM_THROW(code, "expected " #a " " #op " " #b " (", tpcomm_lhs_, " vs ", \
-                   tpcomm_rhs_, ") ", ##__VA_ARGS__);                                  \
-    }                                                                                  \
+#define TPCOMM_CHECK_OP_(a, b, op, code, ...)                                                  \
+  do {                                                                                         \
+    const auto& tpcomm_lhs_ = (a);                                                             \
+    const auto& tpcomm_rhs_ = (b);                                                             \
+    if (!(tpcomm_lhs_ op tpcomm_rhs_)) {                                                       \
+      TPCOMM_THROW(code, "expected " #a " " #op " " #b " (", tpcomm_lhs_, " vs ", tpcomm_rhs_, \
+                   ") ", ##__VA_ARGS__);                                                       \
+    }                                                                                          \
   } while (0)
 
 #define TPCOMM_CHECK_EQ(a, b, ...) TPCOMM_CHECK_OP_(a, b, ==, kInvalidUsage, ##__VA_ARGS__)

@@ -23,7 +23,8 @@ struct ThreadGroup {
     coord::BackendFactory factory = [calls, deviceHub](const c10::intrusive_ptr<c10d::Store>&,
                                                        int rank, int, std::chrono::milliseconds) {
       ++*calls;
-      return c10::intrusive_ptr<c10d::Backend>(c10::make_intrusive<ThreadedBackend>(deviceHub, rank));
+      return c10::intrusive_ptr<c10d::Backend>(
+          c10::make_intrusive<ThreadedBackend>(deviceHub, rank));
     };
     for (int r = 0; r < size; ++r) {
       cpu.push_back(c10::make_intrusive<ThreadedBackend>(hub, r));

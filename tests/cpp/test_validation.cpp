@@ -188,8 +188,8 @@ TEST(BackendErrors, CommunicationFailureIsDistBackendErrorNamingTheCall) {
   coord::GroupOptions options;
   options.groupName = "g";
   auto coordinator = std::make_shared<coord::GroupCoordinator>(
-      options, c10::make_intrusive<c10d::HashStore>(),
-      c10::make_intrusive<FailingBackend>(hub, 0), coord::BackendFactory());
+      options, c10::make_intrusive<c10d::HashStore>(), c10::make_intrusive<FailingBackend>(hub, 0),
+      coord::BackendFactory());
   auto pg = c10::make_intrusive<ProcessGroupTpcomm>(coordinator);
   std::vector<at::Tensor> t{at::ones({4})};
   auto work = pg->allreduce(t, c10d::AllreduceOptions());

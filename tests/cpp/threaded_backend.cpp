@@ -58,8 +58,8 @@ c10::intrusive_ptr<c10d::Work> doneWork(std::vector<at::Tensor> outputs) {
 }
 
 c10::intrusive_ptr<c10d::Work> failedWork(const std::string& message) {
-  return c10::make_intrusive<CompletedWork>(
-      std::vector<at::Tensor>{}, std::make_exception_ptr(std::runtime_error(message)));
+  return c10::make_intrusive<CompletedWork>(std::vector<at::Tensor>{},
+                                            std::make_exception_ptr(std::runtime_error(message)));
 }
 
 void runRanks(int size, const std::function<void(int rank)>& fn) {
@@ -163,8 +163,7 @@ c10::intrusive_ptr<c10d::Work> ThreadedBackend::_reduce_scatter_base(
   return doneWork({output});
 }
 
-c10::intrusive_ptr<c10d::Work> ThreadedBackend::alltoall_base(at::Tensor& output,
-                                                              at::Tensor& input,
+c10::intrusive_ptr<c10d::Work> ThreadedBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
                                                               std::vector<int64_t>& outputSplits,
                                                               std::vector<int64_t>& inputSplits,
                                                               const c10d::AllToAllOptions&) {

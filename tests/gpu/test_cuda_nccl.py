@@ -57,9 +57,6 @@ def test_every_collective_on_cuda(world):
             y = x.clone()
             dist.all_reduce(y, op=R.AVG)
             assert torch.equal(y, x)
-            y = x.clone()
-            dist.all_reduce(y, op=dist._make_nccl_premul_sum(2.0))
-            torch.testing.assert_close(y, x * 2)
     x = torch.randn(6, device=dev)
     out = torch.empty(6, device=dev)
     dist.all_gather_into_tensor(out, x)
@@ -85,18 +82,42 @@ def test_every_collective_on_cuda(world):
     dist.barrier()
 
 
+def test_premul_sum_matches_plain_nccl(world):
+    """tpcomm hands PREMUL_SUM to NCCL unchanged: same result as plain NCCL."""
+    ref = dist.new_group(backend="nccl")
+    for factor in [2.0, torch.tensor([2.0], device="cuda")]:
+        for async_op in [False, True]:
+            x = torch.arange(10, device="cuda", dtype=torch.float32)
+            ours, theirs = x.clone(), x.clone()
+            w = dist.all_reduce(ours, op=dist._make_nccl_premul_sum(factor), async_op=async_op)
+            v = dist.all_reduce(theirs, op=dist._make_nccl_premul_sum(factor), group=ref,
+                                async_op=async_op)
+            if async_op:
+                w.wait()
+                v.wait()
+            torch.cuda.synchronize()
+            assert torch.equal(ours, theirs), (factor, async_op, ours, theirs)
+    dist.destroy_process_group(ref)
+
+
 def test_all_reduce_in_cuda_graph_replays(world):
     x = torch.zeros(1024, device="cuda")
     dist.all_reduce(x)  # warm-up: NCCL communicator exists before capture
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        dist.all_reduce(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g):
+            x.mul_(2)
+            dist.all_reduce(x)
+            x.add_(1)
+    torch.cuda.current_stream().wait_stream(s)
     for i in range(20):
         x.fill_(float(i))
         g.replay()
         torch.cuda.synchronize()
-        assert torch.equal(x, torch.full_like(x, float(i)))
+        assert torch.equal(x, torch.full_like(x, 2.0 * i + 1))
 
 
 def test_ddp_on_cuda(world):

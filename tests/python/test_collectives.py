@@ -5,6 +5,8 @@ no such op), at world sizes 1 to 4."""
 import torch
 import torch.distributed as dist
 
+from harness import Group
+
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64]
 R = dist.ReduceOp
 
@@ -438,9 +440,20 @@ def test_functional_collectives(group):
 
 
 def _cpu_job_never_touches_device(ctx):
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    dist.all_gather_into_tensor(torch.empty(4 * ctx.world_size), x)
+    objs = [None] * ctx.world_size
+    dist.all_gather_object(objs, ctx.rank)
+    dist.barrier()
     be = dist.group.WORLD._get_backend(torch.device("cpu"))
     return be.device_backend_created, torch.cuda.is_initialized()
 
 
-def test_cpu_only_job_never_creates_nccl(group):
-    assert group.run(_cpu_job_never_touches_device) == [(False, False)] * group.world_size
+def test_cpu_only_job_never_creates_nccl_nor_initialises_cuda():
+    # A fresh group: other tests in the shared ones touch CUDA on purpose.
+    group = Group(2)
+    try:
+        assert group.run(_cpu_job_never_touches_device) == [(False, False)] * 2
+    finally:
+        group.close()

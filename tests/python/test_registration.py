@@ -1,5 +1,7 @@
 """Registration, settings and build facts, in this (single) process."""
 
+import os
+import re
 import subprocess
 import sys
 
@@ -46,6 +48,14 @@ def test_settings_are_documented():
 
 
 def test_build_targets_a100_and_h100():
+    """Without TORCH_CUDA_ARCH_LIST the build targets sm_80 and sm_90; a machine
+    that sets it (some GPU images do) gets what it asked for."""
     info = tpcomm.build_info()
     assert info["cuda_version"] // 1000 == 13
-    assert info["cuda_architectures"] == [800, 900]
+    requested = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if requested is None:
+        assert info["cuda_architectures"] == [800, 900]
+    else:
+        wanted = {int(m.group(1)) * 100 + int(m.group(2)) * 10
+                  for m in re.finditer(r"(\d+)\.(\d)", requested)}
+        assert set(info["cuda_architectures"]) == wanted
