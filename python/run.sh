@@ -42,13 +42,16 @@ log() { echo "[run.sh] $*" >&2; }
 ensure_venv() {
   if [[ ! -x "$py" ]]; then
     local base=""
-    for candidate in python3.12 python3.11 python3.10 python3; do
-      if command -v "$candidate" > /dev/null 2>&1; then
+    # The first interpreter that really runs and is 3.10+ (a version manager
+    # may put shims on PATH for versions that are not installed).
+    for candidate in python3 python3.12 python3.11 python3.10; do
+      if "$candidate" -c 'import sys, venv; assert sys.version_info >= (3, 10)' \
+        > /dev/null 2>&1; then
         base="$candidate"
         break
       fi
     done
-    [[ -n "$base" ]] || { log "no python3 found"; exit 1; }
+    [[ -n "$base" ]] || { log "no Python 3.10+ with venv found"; exit 1; }
     log "creating .venv with $base"
     "$base" -m venv "$venv"
   fi
