@@ -24,7 +24,7 @@ TpcommWork::TpcommWork(coord::Pending pending, c10d::OpType type, std::string wh
         finish->run();
         return c10::IValue(outputs);
       },
-      c10::ListType::create(c10::TensorType::get()));
+      c10::ListType::ofTensors());
 }
 
 void TpcommWork::raise(const std::string& cause) const {
@@ -84,7 +84,7 @@ void TpcommWork::abort() { inner_->abort(); }
 c10::intrusive_ptr<c10::ivalue::Future> TpcommWork::getFuture() {
   std::lock_guard<std::mutex> lock(futureMutex_);
   if (future_) return future_;
-  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
   // The routed work has no future: wait for it on a thread of its own. The
   // wait ends when the work does or when the routed backend's timeout fires.
   std::thread([inner = inner_, finish = finish_, outputs = outputs_, future = future_] {
