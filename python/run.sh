@@ -116,4 +116,4 @@ log "Python tests (pytest)"
 if [[ $# -gt 0 ]]; then
   exec "$py" -m pytest "$@"
 fi
-exec "$py" -m pytest tests/python tests/gpu
+exec "$py" -m pytest -rs tests/python tests/gpu
