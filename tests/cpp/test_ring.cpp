@@ -1,0 +1,281 @@
+// The shared-memory ring: ordering and no loss across forked readers, message
+// sizes around the chunk size, timeouts, killed peers, bounds checks, and
+// nothing left in /dev/shm.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <thread>
+
+#include "coordinator/common/error.hpp"
+#include "message_queue/ring.hpp"
+#include "message_queue/segment.hpp"
+
+namespace tpcomm::mq {
+namespace {
+
+using namespace std::chrono_literals;
+
+bool inDevShm(const std::string& name) { return std::filesystem::exists("/dev/shm" + name); }
+
+// Message k: length k % 193 (0 included), byte i = (k + i) & 0xff.
+std::vector<char> messageFor(uint64_t k) {
+  std::vector<char> m(k % 193);
+  for (size_t i = 0; i < m.size(); ++i) m[i] = static_cast<char>((k + i) & 0xff);
+  return m;
+}
+
+Geometry small(uint32_t readers) {
+  Geometry g;
+  g.numReaders = readers;
+  g.numChunks = 16;
+  g.chunkBytes = 64;  // most messages span several chunks, and the ring wraps constantly
+  return g;
+}
+
+template <typename F>
+ErrorCode codeOf(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.code();
+  }
+  ADD_FAILURE() << "no tpcomm::Error thrown";
+  return ErrorCode::kSystem;
+}
+
+TEST(Ring, SizesAroundTheChunkSizeRoundTrip) {
+  Writer writer(small(1));
+  Reader reader(writer.name(), 0);
+  writer.waitForReaders(5s);
+  const std::vector<size_t> sizes = {0, 1, 63, 64, 65, 128, 64 * 16, 64 * 16 + 1, 64 * 100 + 7};
+  std::thread consumer([&] {
+    for (size_t n : sizes) {
+      auto m = reader.read(10s);
+      ASSERT_EQ(m.size(), n);
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(m[i], static_cast<char>(i * 7));
+    }
+  });
+  for (size_t n : sizes) {
+    std::vector<char> m(n);
+    for (size_t i = 0; i < n; ++i) m[i] = static_cast<char>(i * 7);
+    writer.write(m.data(), m.size(), 10s);
+  }
+  consumer.join();
+}
+
+TEST(Ring, SegmentIsPrivateAndUnlinkedOnceReadersAttached) {
+  Writer writer(small(2));
+  const std::string name = writer.name();
+  struct stat st;
+  ASSERT_EQ(::stat(("/dev/shm" + name).c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(name.size(), std::string("/tpcomm-mq-").size() + 32);  // 128 random bits
+  Reader a(name, 0);
+  EXPECT_TRUE(inDevShm(name)) << "unlinked before every reader attached";
+  Reader b(name, 1);
+  writer.waitForReaders(5s);
+  EXPECT_FALSE(inDevShm(name));
+}
+
+TEST(Ring, ReaderIndexIsCheckedAndTakenOnce) {
+  Writer writer(small(2));
+  Reader a(writer.name(), 0);
+  EXPECT_EQ(codeOf([&] { Reader again(writer.name(), 0); }), ErrorCode::kInvalidUsage);
+  EXPECT_EQ(codeOf([&] { Reader outside(writer.name(), 2); }), ErrorCode::kInvalidUsage);
+}
+
+TEST(Ring, BadGeometryIsRefused) {
+  Geometry g = small(1);
+  g.numReaders = 0;
+  EXPECT_EQ(codeOf([&] { Writer w(g); }), ErrorCode::kInvalidUsage);
+  g = small(1);
+  g.chunkBytes = 8;
+  EXPECT_EQ(codeOf([&] { Writer w(g); }), ErrorCode::kInvalidUsage);
+}
+
+TEST(Ring, MissingReadersTimeOutNamingThem) {
+  Writer writer(small(3));
+  Reader r1(writer.name(), 1);
+  try {
+    writer.waitForReaders(200ms);
+    FAIL() << "no timeout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout);
+    EXPECT_NE(std::string(e.what()).find("readers not attached: 0,2"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(Ring, EmptyReadTimesOutOnTime) {
+  Writer writer(small(1));
+  Reader reader(writer.name(), 0);
+  writer.waitForReaders(5s);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(codeOf([&] { reader.read(300ms); }), ErrorCode::kTimeout);
+  const auto waited = std::chrono::steady_clock::now() - start;
+  EXPECT_GE(waited, 290ms);
+  EXPECT_LT(waited, 2s);
+}
+
+TEST(Ring, FullRingTimesOutForTheWriter) {
+  Writer writer(small(1));
+  Reader reader(writer.name(), 0);
+  writer.waitForReaders(5s);
+  std::vector<char> chunk(64, 'x');
+  for (int i = 0; i < 16; ++i) writer.write(chunk.data(), chunk.size(), 1s);
+  EXPECT_EQ(codeOf([&] { writer.write(chunk.data(), chunk.size(), 200ms); }), ErrorCode::kTimeout);
+}
+
+TEST(Ring, ShutdownWakesABlockedReader) {
+  Writer writer(small(1));
+  Reader reader(writer.name(), 0);
+  writer.waitForReaders(5s);
+  ErrorCode code = ErrorCode::kSystem;
+  auto start = std::chrono::steady_clock::now();
+  std::thread blocked([&] { code = codeOf([&] { reader.read(30s); }); });
+  std::this_thread::sleep_for(100ms);
+  writer.shutdown();
+  blocked.join();
+  EXPECT_EQ(code, ErrorCode::kPeerLost);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+}
+
+TEST(Ring, CorruptChunkHeaderIsRejected) {
+  Writer writer(small(1));
+  Reader reader(writer.name(), 0);
+  auto tamper = Segment::attach(writer.name());
+  writer.waitForReaders(5s);
+  std::vector<char> m(10, 'a');
+  writer.write(m.data(), m.size(), 1s);
+  tamper->chunkHeader(0).bytes = 1000;  // larger than a chunk
+  try {
+    reader.read(1s);
+    FAIL() << "corrupt header accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kSystem);
+    EXPECT_NE(std::string(e.what()).find("corrupt chunk header"), std::string::npos);
+  }
+}
+
+TEST(Ring, LengthBeyondTheMessageIsRejected) {
+  Writer writer(small(1));
+  Reader reader(writer.name(), 0);
+  auto tamper = Segment::attach(writer.name());
+  writer.waitForReaders(5s);
+  std::vector<char> m(10, 'a');
+  writer.write(m.data(), m.size(), 1s);
+  tamper->chunkHeader(0).messageBytes = 5;  // the chunk carries 10
+  EXPECT_EQ(codeOf([&] { reader.read(1s); }), ErrorCode::kSystem);
+}
+
+class ForkedReaders : public ::testing::TestWithParam<int> {};
+
+TEST_P(ForkedReaders, OrderingAndNoLossOver100kMessages) {
+  const int readers = GetParam();
+  const uint64_t kMessages = 100000;
+  Writer writer(small(readers));
+  const std::string name = writer.name();
+  std::vector<pid_t> children;
+  for (int r = 0; r < readers; ++r) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      int status = 0;
+      try {
+        Reader reader(name, r);
+        for (uint64_t k = 0; k < kMessages; ++k) {
+          if (reader.read(60s) != messageFor(k)) {
+            status = 2;
+            break;
+          }
+        }
+      } catch (...) {
+        status = 3;
+      }
+      ::_exit(status);
+    }
+    children.push_back(pid);
+  }
+  writer.waitForReaders(30s);
+  EXPECT_FALSE(inDevShm(name));
+  for (uint64_t k = 0; k < kMessages; ++k) {
+    auto m = messageFor(k);
+    writer.write(m.data(), m.size(), 60s);
+  }
+  for (pid_t pid : children) {
+    int status = 0;
+    ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << "reader exit status " << status;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Readers, ForkedReaders, ::testing::Range(1, 8));
+
+TEST(RingFaults, KilledWriterMakesTheReaderRaise) {
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  pid_t writerPid = ::fork();
+  ASSERT_GE(writerPid, 0);
+  if (writerPid == 0) {
+    Writer writer(small(1));
+    char name[64] = {};
+    std::strncpy(name, writer.name().c_str(), sizeof(name) - 1);
+    (void)!::write(fds[1], name, sizeof(name));
+    writer.waitForReaders(30s);
+    std::vector<char> m(100, 'w');
+    writer.write(m.data(), m.size(), 30s);
+    ::pause();  // killed here, mid-stream from the reader's point of view
+    ::_exit(0);
+  }
+  char name[64] = {};
+  ASSERT_EQ(::read(fds[0], name, sizeof(name)), static_cast<ssize_t>(sizeof(name)));
+  Reader reader(name, 0);
+  EXPECT_EQ(reader.read(30s).size(), 100u);
+  ::kill(writerPid, SIGKILL);
+  int status = 0;
+  ::waitpid(writerPid, &status, 0);
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(codeOf([&] { reader.read(30s); }), ErrorCode::kPeerLost);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_FALSE(inDevShm(name)) << "segment left behind after the writer was killed";
+}
+
+TEST(RingFaults, KilledReaderMakesTheWriterRaise) {
+  Writer writer(small(2));
+  const std::string name = writer.name();
+  pid_t readerPid = ::fork();
+  ASSERT_GE(readerPid, 0);
+  if (readerPid == 0) {
+    Reader reader(name, 1);
+    reader.read(30s);
+    ::pause();
+    ::_exit(0);
+  }
+  Reader local(name, 0);
+  writer.waitForReaders(30s);
+  std::vector<char> m(64, 'x');
+  writer.write(m.data(), m.size(), 5s);
+  ::kill(readerPid, SIGKILL);
+  int status = 0;
+  ::waitpid(readerPid, &status, 0);
+  // The local reader keeps up; the dead one holds chunks until the writer notices.
+  const auto start = std::chrono::steady_clock::now();
+  EXPECT_EQ(codeOf([&] {
+              for (int i = 0; i < 64; ++i) {
+                writer.write(m.data(), m.size(), 30s);
+                local.read(5s);
+              }
+            }),
+            ErrorCode::kPeerLost);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+  EXPECT_FALSE(inDevShm(name));
+}
+
+}  // namespace
+}  // namespace tpcomm::mq
