@@ -57,14 +57,21 @@ void Writer::waitForReaders(std::chrono::milliseconds timeout) {
 }
 
 void Writer::write(const void* data, size_t bytes, std::chrono::milliseconds timeout) {
+  write(std::vector<Part>{{data, bytes}}, timeout);
+}
+
+void Writer::write(const std::vector<Part>& parts, std::chrono::milliseconds timeout) {
   Segment& s = *segment_;
   Header& h = s.header();
   const Geometry& g = s.geometry();
   TPCOMM_CHECK(h.shutdown.load(std::memory_order_acquire) == 0, kPeerLost, "message queue ",
                s.name(), " was shut down");
+  size_t bytes = 0;
+  for (const Part& p : parts) bytes += p.bytes;
   const auto deadline = Clock::now() + timeout;
-  const char* source = static_cast<const char*>(data);
-  size_t offset = 0;
+  size_t offset = 0;  // bytes of the message written so far
+  size_t part = 0;    // current part and the offset in it
+  size_t partOffset = 0;
   do {
     const uint64_t seq = next_;
     auto chunkFree = [&] {
@@ -84,9 +91,19 @@ void Writer::write(const void* data, size_t bytes, std::chrono::milliseconds tim
     const size_t n = std::min<size_t>(g.chunkBytes, bytes - offset);
     ChunkHeader& chunk = s.chunkHeader(seq);
     chunk.bytes = static_cast<uint32_t>(n);
-    chunk.flags = (offset == 0 ? kFirst : 0) | (offset + n == bytes ? kLast : 0);
+    chunk.flags = (offset == 0 ? kFirst : 0u) | (offset + n == bytes ? kLast : 0u);
     chunk.messageBytes = bytes;
-    if (n > 0) std::memcpy(s.chunkData(seq), source + offset, n);
+    char* out = s.chunkData(seq);
+    for (size_t filled = 0; filled < n;) {
+      while (parts[part].bytes == partOffset) {
+        ++part;
+        partOffset = 0;
+      }
+      const size_t take = std::min(n - filled, parts[part].bytes - partOffset);
+      std::memcpy(out + filled, static_cast<const char*>(parts[part].data) + partOffset, take);
+      filled += take;
+      partOffset += take;
+    }
     h.published.store(seq + 1, std::memory_order_release);
     Segment::notify(h.publishedWord);
     next_ = seq + 1;
@@ -124,13 +141,24 @@ Reader::~Reader() {
 }
 
 std::vector<char> Reader::read(std::chrono::milliseconds timeout) {
+  std::vector<char> message;
+  read(timeout, [&](uint64_t bytes) {
+    message.resize(bytes);
+    return message.data();
+  });
+  return message;
+}
+
+uint64_t Reader::read(std::chrono::milliseconds timeout,
+                      const std::function<char*(uint64_t bytes)>& allocate) {
   Segment& s = *segment_;
   Header& h = s.header();
   const Geometry& g = s.geometry();
   ReaderSlot& me = s.slot(index_);
   const int32_t writerPid = h.writerPid;
   const auto deadline = Clock::now() + timeout;
-  std::vector<char> message;
+  char* message = nullptr;
+  uint64_t received = 0;
   uint64_t expected = 0;
   bool started = false;
   while (true) {
@@ -149,22 +177,22 @@ std::vector<char> Reader::read(std::chrono::milliseconds timeout) {
                    "message queue ", s.name(), ": chunk ", seq, " does not start a message (flags ",
                    chunk.flags, ", length ", chunk.messageBytes, ")");
       expected = chunk.messageBytes;
-      message.reserve(std::min<uint64_t>(expected, 64ull << 20));
+      message = allocate(expected);
       started = true;
     } else {
       TPCOMM_CHECK((chunk.flags & kFirst) == 0 && chunk.messageBytes == expected, kSystem,
                    "message queue ", s.name(), ": chunk ", seq, " breaks the message in flight");
     }
-    TPCOMM_CHECK(message.size() + chunk.bytes <= expected, kSystem, "message queue ", s.name(),
+    TPCOMM_CHECK(received + chunk.bytes <= expected, kSystem, "message queue ", s.name(),
                  ": chunk ", seq, " overruns its message of ", expected, " bytes");
-    const char* data = s.chunkData(seq);
-    message.insert(message.end(), data, data + chunk.bytes);
+    if (chunk.bytes > 0) std::memcpy(message + received, s.chunkData(seq), chunk.bytes);
+    received += chunk.bytes;
     me.consumed.store(seq + 1, std::memory_order_release);
     Segment::notify(h.consumedWord);
     if ((chunk.flags & kLast) != 0) {
-      TPCOMM_CHECK(message.size() == expected, kSystem, "message queue ", s.name(),
-                   ": message ended at ", message.size(), " of ", expected, " bytes");
-      return message;
+      TPCOMM_CHECK(received == expected, kSystem, "message queue ", s.name(), ": message ended at ",
+                   received, " of ", expected, " bytes");
+      return expected;
     }
   }
 }

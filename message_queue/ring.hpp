@@ -38,6 +38,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -69,6 +70,13 @@ class Writer {
   // Writes one message (any size, 0 included). Blocks while the ring is full;
   // throws Timeout, or PeerLost when a reader died or shutdown() was called.
   void write(const void* data, size_t bytes, std::chrono::milliseconds timeout);
+  // Writes one message made of `parts` back to back, each copied straight
+  // into the chunks (no staging copy).
+  struct Part {
+    const void* data;
+    size_t bytes;
+  };
+  void write(const std::vector<Part>& parts, std::chrono::milliseconds timeout);
   // Wakes every waiter on both sides; later calls throw PeerLost.
   void shutdown();
 
@@ -88,6 +96,10 @@ class Reader {
   // Reads the next message. Throws Timeout, PeerLost (writer died or shut
   // down), or System for a corrupt chunk header.
   std::vector<char> read(std::chrono::milliseconds timeout);
+  // Same, copying straight into the memory `allocate(bytes)` returns, called
+  // once per message as soon as its length is known. Returns the length.
+  uint64_t read(std::chrono::milliseconds timeout,
+                const std::function<char*(uint64_t bytes)>& allocate);
   void shutdown();
 
  private:

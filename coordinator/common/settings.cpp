@@ -14,6 +14,9 @@ const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_DEBUG", "bool", "0",
      "Before each collective, check op, shapes and dtypes across ranks through the CPU group "
      "and raise naming the ranks that differ (costs one extra CPU round trip per call)."},
+    {"TPCOMM_HOST_ID", "string", "",
+     "This process's host identity for the shared-memory message queue (empty: the host name); "
+     "ranks with different ids talk through the CPU group instead."},
 };
 
 std::optional<std::string> fromEnvironment(const std::string& name) {
@@ -36,6 +39,7 @@ bool parseBool(const std::string& name, const std::string& value) {
 Settings Settings::parse(const Lookup& lookup) {
   Settings s;
   if (auto v = lookup("TPCOMM_DEBUG")) s.debug = parseBool("TPCOMM_DEBUG", *v);
+  if (auto v = lookup("TPCOMM_HOST_ID")) s.hostId = *v;
   return s;
 }
 

@@ -17,6 +17,10 @@ struct Settings {
   // TPCOMM_DEBUG: before each collective, compare op, shapes and dtypes
   // across ranks through the CPU group and raise naming the ranks that differ.
   bool debug = false;
+  // TPCOMM_HOST_ID: this process's host identity for shared-memory paths
+  // (empty: the host name). Ranks with different ids never share memory;
+  // tests use it to simulate several hosts on one machine.
+  std::string hostId;
 
   // Lookup is injectable so tests can parse without touching the environment.
   using Lookup = std::function<std::optional<std::string>(const std::string& name)>;

@@ -13,6 +13,7 @@ import torch.distributed  # registers c10d's Python types before our extension l
 
 from tpcomm import _C
 from tpcomm._registration import BACKEND_NAME, register
+from tpcomm.message_queue import MessageQueue, PeerLostError
 
 register()
 
@@ -27,4 +28,5 @@ def build_info():
     return dict(_C.build_info())
 
 
-__all__ = ["BACKEND_NAME", "build_info", "register", "settings"]
+__all__ = ["BACKEND_NAME", "MessageQueue", "PeerLostError", "build_info", "register",
+           "settings"]

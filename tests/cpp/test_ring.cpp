@@ -69,6 +69,19 @@ TEST(Ring, SizesAroundTheChunkSizeRoundTrip) {
   consumer.join();
 }
 
+TEST(Ring, MessagePartsAreWrittenBackToBack) {
+  Writer writer(small(1));
+  Reader reader(writer.name(), 0);
+  writer.waitForReaders(5s);
+  std::string a(100, 'a'), b, c(30, 'c'), d(64, 'd');
+  writer.write({{a.data(), a.size()}, {b.data(), 0}, {c.data(), c.size()}, {d.data(), d.size()}},
+               5s);
+  auto m = reader.read(5s);
+  EXPECT_EQ(std::string(m.begin(), m.end()), a + c + d);
+  writer.write(std::vector<Writer::Part>{}, 5s);
+  EXPECT_TRUE(reader.read(5s).empty());
+}
+
 TEST(Ring, SegmentIsPrivateAndUnlinkedOnceReadersAttached) {
   Writer writer(small(2));
   const std::string name = writer.name();

@@ -73,17 +73,20 @@ def _worker(rank, world_size, port, env, pg_timeout_s, conn, paths):
 
 
 class Group:
-    def __init__(self, world_size, env=None, pg_timeout_s=60, start_timeout_s=120):
+    def __init__(self, world_size, env=None, pg_timeout_s=60, start_timeout_s=120,
+                 env_per_rank=None):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         port = _free_port()
         paths = [HERE, os.path.dirname(HERE)]
         self._conns, self._procs = [], []
         for rank in range(world_size):
+            rank_env = dict(env or {})
+            rank_env.update((env_per_rank or {}).get(rank, {}))
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, dict(env or {}), pg_timeout_s, child, paths),
+                args=(rank, world_size, port, rank_env, pg_timeout_s, child, paths),
                 daemon=True,
             )
             p.start()

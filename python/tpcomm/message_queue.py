@@ -1,0 +1,209 @@
+"""Broadcast objects and tensor dicts from one rank to the others of a group.
+
+Readers on the writer's host read a shared-memory ring (one copy in, one copy
+out); readers on other hosts receive through the group's CPU path (Gloo).
+CUDA tensors in a tensor dict travel through the group's device path (NCCL)
+while their metadata travels through the queue.
+
+    mq = tpcomm.MessageQueue.create_from_process_group(pg, writer_rank=0)
+    d = mq.broadcast_tensor_dict(d if mq.is_writer else None)
+"""
+
+import pickle
+import struct
+
+import torch
+import torch.distributed as dist
+
+from tpcomm import _C
+
+PeerLostError = _C.PeerLostError
+
+_ALIGN = 64  # tensor bytes start 64-byte aligned inside a message
+_LEN = struct.Struct("<Q")
+
+
+def _raw_bytes(t):
+    """A CPU tensor's bytes as a buffer, without a copy for contiguous tensors."""
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+class MessageQueue:
+    """One writer, the other members of `pg` readers. Use the constructor
+    `create_from_process_group`; every member of `pg` must call it."""
+
+    def __init__(self, pg, writer_rank, rank, local, remote, writer, reader, timeout):
+        self._pg = pg
+        self._ranks = dist.get_process_group_ranks(pg)
+        self.writer_rank = writer_rank  # group rank
+        self.rank = rank  # group rank of this process
+        self.local_readers = local
+        self.remote_readers = remote
+        self._writer = writer
+        self._reader = reader
+        self._timeout = timeout
+        self._closed = False
+
+    @classmethod
+    def create_from_process_group(cls, pg, max_chunk_bytes=1 << 20, max_chunks=8,
+                                  writer_rank=0, timeout=300.0):
+        if pg is None:
+            pg = dist.group.WORLD
+        ranks = dist.get_process_group_ranks(pg)
+        me = dist.get_rank()
+        if me not in ranks:
+            raise ValueError(f"rank {me} is not a member of the group {ranks}; only members "
+                             "create its message queue")
+        n = len(ranks)
+        if not 0 <= writer_rank < n:
+            raise ValueError(f"writer_rank {writer_rank} is out of range for a group of {n}")
+        rank = ranks.index(me)
+        hosts = [None] * n
+        dist.all_gather_object(hosts, _C.host_id(), group=pg)
+        local = [r for r in range(n) if r != writer_rank and hosts[r] == hosts[writer_rank]]
+        remote = [r for r in range(n) if r != writer_rank and hosts[r] != hosts[writer_rank]]
+        writer = reader = None
+        name = [None]
+        if rank == writer_rank and local:
+            writer = _C.MqWriter(len(local), max_chunks, max_chunk_bytes)
+            name = [writer.name]
+        dist.broadcast_object_list(name, src=ranks[writer_rank], group=pg)
+        if rank in local:
+            reader = _C.MqReader(name[0], local.index(rank))
+        if writer is not None:
+            writer.wait_for_readers(timeout)  # then the name is unlinked
+        return cls(pg, writer_rank, rank, local, remote, writer, reader, timeout)
+
+    @property
+    def is_writer(self):
+        return self.rank == self.writer_rank
+
+    # -------------------------------------------------------------- raw bytes
+    def _check(self, writer_side, what):
+        if self._closed:
+            raise PeerLostError(f"{what}: the message queue was shut down")
+        if writer_side != self.is_writer:
+            role = "the writer" if writer_side else "a reader"
+            raise RuntimeError(f"{what} is for {role}; group rank {self.rank} is "
+                               f"{'the writer' if self.is_writer else 'a reader'} "
+                               f"(writer: group rank {self.writer_rank})")
+
+    def _send(self, parts, timeout):
+        timeout = self._timeout if timeout is None else timeout
+        if self._writer is not None:
+            self._writer.write(parts, timeout)
+        if self.remote_readers:
+            data = bytearray(b"".join(memoryview(p).cast("B") for p in parts))
+            length = len(data)
+            payload = torch.frombuffer(data, dtype=torch.uint8) if length else None
+            for r in self.remote_readers:
+                dist.send(torch.tensor([length], dtype=torch.int64), group=self._pg, group_dst=r)
+                if length:
+                    dist.send(payload, group=self._pg, group_dst=r)
+
+    def _recv(self, timeout):
+        timeout = self._timeout if timeout is None else timeout
+        if self._reader is not None:
+            return self._reader.read(timeout)
+        length = torch.empty(1, dtype=torch.int64)
+        dist.recv(length, group=self._pg, group_src=self.writer_rank)
+        buf = bytearray(int(length))
+        if buf:
+            dist.recv(torch.frombuffer(buf, dtype=torch.uint8), group=self._pg,
+                      group_src=self.writer_rank)
+        return buf
+
+    # -------------------------------------------------------------- objects
+    def enqueue(self, obj, timeout=None):
+        """Writer: sends `obj` (pickled, protocol 5) to every reader."""
+        self._check(True, "enqueue")
+        self._send([pickle.dumps(obj, protocol=5)], timeout)
+
+    def dequeue(self, timeout=None):
+        """Reader: the next object the writer enqueued. Raises TimeoutError."""
+        self._check(False, "dequeue")
+        return pickle.loads(self._recv(timeout))
+
+    def broadcast_object(self, obj=None):
+        """The writer passes `obj`; every member returns it."""
+        if self.is_writer:
+            self.enqueue(obj)
+            return obj
+        return self.dequeue()
+
+    # -------------------------------------------------------------- tensor dicts
+    def broadcast_tensor_dict(self, tensor_dict=None):
+        """The writer passes a dict of str -> tensor | picklable value; every
+        member returns an equal dict. CPU tensor bytes are copied raw (never
+        pickled); CUDA tensors are broadcast over the group's device path;
+        empty tensors cost no bytes."""
+        src = self._ranks[self.writer_rank]
+        if self.is_writer:
+            if not isinstance(tensor_dict, dict):
+                raise TypeError(f"broadcast_tensor_dict needs a dict, got {type(tensor_dict)}")
+            meta, raws, cuda = [], [], []
+            for key, value in tensor_dict.items():
+                if not isinstance(key, str):
+                    raise TypeError(f"tensor dict keys must be str, got {key!r}")
+                if not isinstance(value, torch.Tensor):
+                    meta.append((key, "obj", value, None, 0))
+                elif value.is_cuda:
+                    meta.append((key, "cuda", value.dtype, tuple(value.shape), 0))
+                    if value.numel():
+                        cuda.append(value.contiguous())
+                elif value.device.type == "cpu":
+                    nbytes = value.numel() * value.element_size()
+                    meta.append((key, "cpu", value.dtype, tuple(value.shape), nbytes))
+                    if nbytes:
+                        raws.append(_raw_bytes(value))
+                else:
+                    raise ValueError(f"tensor {key!r} is on {value.device}; cpu and cuda "
+                                     "tensors are supported")
+            header = pickle.dumps(meta, protocol=5)
+            message = [_LEN.pack(len(header)), header]
+            pos = _LEN.size + len(header)
+            for raw in raws:
+                pad = -pos % _ALIGN
+                if pad:
+                    message.append(bytes(pad))
+                message.append(raw)
+                pos += pad + raw.nbytes
+            self._check(True, "broadcast_tensor_dict")
+            self._send(message, None)
+            for t in cuda:
+                dist.broadcast(t, src=src, group=self._pg)
+            return tensor_dict
+        self._check(False, "broadcast_tensor_dict")
+        buf = self._recv(None)
+        (hlen,) = _LEN.unpack_from(buf, 0)
+        if hlen > len(buf) - _LEN.size:
+            raise OSError(f"tensor dict header of {hlen} bytes overruns a {len(buf)}-byte message")
+        meta = pickle.loads(memoryview(buf)[_LEN.size:_LEN.size + hlen])
+        pos = _LEN.size + hlen
+        out = {}
+        for key, kind, a, shape, nbytes in meta:
+            if kind == "obj":
+                out[key] = a
+            elif kind == "cpu":
+                if nbytes:
+                    pos += -pos % _ALIGN
+                    if pos + nbytes > len(buf):
+                        raise OSError(f"tensor {key!r} overruns the {len(buf)}-byte message")
+                    t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=pos)
+                    out[key] = t.view(a).reshape(shape)
+                    pos += nbytes
+                else:
+                    out[key] = torch.empty(shape, dtype=a)
+            else:
+                t = torch.empty(shape, dtype=a, device=torch.cuda.current_device())
+                if t.numel():
+                    dist.broadcast(t, src=src, group=self._pg)
+                out[key] = t
+        return out
+
+    def shutdown(self):
+        """Wakes every waiter on this host's ring; later calls raise PeerLostError."""
+        self._closed = True
+        for end in (self._writer, self._reader):
+            if end is not None:
+                end.shutdown()

@@ -1,0 +1,157 @@
+"""tpcomm.MessageQueue through real process groups at world sizes 2 to 4,
+including two simulated hosts (TPCOMM_HOST_ID) and subgroups."""
+
+import glob
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import Group
+
+
+def _step_dict(step):
+    g = torch.Generator().manual_seed(step)
+    return {
+        "input_ids": torch.randint(0, 32000, (4, 64), generator=g),
+        "positions": torch.arange(64, dtype=torch.int64) + step,
+        "slot_mapping": torch.randint(0, 1 << 20, (64,), generator=g),
+        "block_table": torch.randint(0, 1000, (4, 16), generator=g).to(torch.int32),
+        "hidden": torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        "mask": torch.rand(7, generator=g) > 0.5,
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(2.5),
+        "step": step,
+        "temperature": 0.7,
+        "greedy": True,
+        "name": "decode",
+        "nothing": None,
+        "nested": {"a": [1, 2, (3, "x")], "b": {"c": step}},
+    }
+
+
+def assert_dicts_equal(got, want):
+    assert list(got) == list(want), (list(got), list(want))
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+def _roundtrips(ctx, writer_rank, chunk_bytes):
+    from tpcomm import MessageQueue
+    mq = MessageQueue.create_from_process_group(dist.group.WORLD, max_chunk_bytes=chunk_bytes,
+                                                max_chunks=4, writer_rank=writer_rank)
+    objects = [None, 0, "x" * 10, list(range(1000)), {"k": b"\x00" * 70000}, b""]
+    for obj in objects:
+        got = mq.broadcast_object(obj if mq.is_writer else None)
+        assert got == obj, (got, obj)
+    for step in range(20):
+        want = _step_dict(step)
+        got = mq.broadcast_tensor_dict(want if mq.is_writer else None)
+        assert_dicts_equal(got, want)
+    big = {"w": torch.arange(3 << 20, dtype=torch.float32)}  # 12 MiB through a small ring
+    got = mq.broadcast_tensor_dict(big if mq.is_writer else None)
+    assert_dicts_equal(got, big)
+    return len(mq.local_readers), len(mq.remote_readers)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_objects_and_tensor_dicts_reach_every_reader(groups, world_size):
+    for writer_rank in {0, world_size - 1}:
+        results = groups(world_size).run(_roundtrips, writer_rank, 4096)
+        assert results[0] == (world_size - 1, 0)  # one host: every reader on shared memory
+
+
+def test_two_simulated_hosts():
+    # Ranks 0,1 on host "a", ranks 2,3 on host "b": rank 1 reads shared memory,
+    # ranks 2 and 3 receive through the CPU group.
+    group = Group(4, env_per_rank={0: {"TPCOMM_HOST_ID": "a"}, 1: {"TPCOMM_HOST_ID": "a"},
+                                   2: {"TPCOMM_HOST_ID": "b"}, 3: {"TPCOMM_HOST_ID": "b"}})
+    try:
+        results = group.run(_roundtrips, 0, 1 << 16)
+        assert results[0] == (1, 2)
+        results = group.run(_roundtrips, 3, 1 << 16)  # writer on host b
+        assert results[0] == (1, 2)
+    finally:
+        group.close()
+
+
+def _subgroup_queue(ctx):
+    from tpcomm import MessageQueue
+    w = ctx.world_size
+    odds = list(range(1, w, 2))
+    evens = list(range(0, w, 2))
+    groups = [dist.new_group(evens), dist.new_group(odds)]
+    mine = groups[ctx.rank % 2]
+    members = odds if ctx.rank % 2 else evens
+    mq = MessageQueue.create_from_process_group(mine, writer_rank=len(members) - 1)
+    got = mq.broadcast_object({"from": ctx.rank} if mq.is_writer else None)
+    return got == {"from": members[-1]}
+
+
+def test_subgroups_have_their_own_queues(groups):
+    assert all(groups(4).run(_subgroup_queue))
+
+
+def _misuse(ctx):
+    from tpcomm import MessageQueue
+    mq = MessageQueue.create_from_process_group(dist.group.WORLD, writer_rank=0)
+    messages = {}
+    try:
+        if mq.is_writer:
+            mq.dequeue(timeout=1)
+        else:
+            mq.enqueue("x")
+    except RuntimeError as e:
+        messages["role"] = str(e)
+    if not mq.is_writer:
+        try:
+            mq.dequeue(timeout=0.3)
+        except TimeoutError as e:
+            messages["timeout"] = str(e)
+    try:
+        MessageQueue.create_from_process_group(dist.group.WORLD, writer_rank=7)
+    except ValueError as e:
+        messages["writer_rank"] = str(e)
+    dist.barrier()
+    mq.shutdown()
+    try:
+        mq.broadcast_object("late" if mq.is_writer else None)
+    except tpcomm_peer_lost() as e:
+        messages["shutdown"] = str(e)
+    return messages
+
+
+def tpcomm_peer_lost():
+    from tpcomm import PeerLostError
+    return PeerLostError
+
+
+def test_misuse_timeouts_and_shutdown_raise_clearly(groups):
+    results = groups(2).run(_misuse)
+    writer, reader = results
+    assert "dequeue is for a reader; group rank 0 is the writer" in writer["role"]
+    assert "enqueue is for the writer; group rank 1 is a reader" in reader["role"]
+    assert "timed out" in reader["timeout"]
+    for r in results:
+        assert "writer_rank 7 is out of range for a group of 2" in r["writer_rank"]
+        assert "shut down" in r["shutdown"]
+
+
+def _leftovers(ctx):
+    from tpcomm import MessageQueue
+    mq = MessageQueue.create_from_process_group(dist.group.WORLD)
+    mq.broadcast_object("hi" if mq.is_writer else None)
+    return sorted(glob.glob("/dev/shm/tpcomm-mq-*"))
+
+
+def test_nothing_left_in_dev_shm(groups):
+    before = set(glob.glob("/dev/shm/tpcomm-mq-*"))
+    for names in groups(3).run(_leftovers):
+        assert not set(names) - before, names
+    assert set(glob.glob("/dev/shm/tpcomm-mq-*")) <= before
+    assert os.path.isdir("/dev/shm")
