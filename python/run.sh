@@ -2,7 +2,8 @@
 # The project's two entry points on a fresh machine:
 #
 #   bash python/run.sh demo [demo args...]   the main job
-#   bash python/run.sh test [pytest args...] every test: C++ (ctest), then Python (pytest)
+#   bash python/run.sh test [pytest args...] every test: C++ (ctest), the decoder
+#                                             fuzzer (100,000 runs), then Python (pytest)
 #
 # Each creates .venv/ at the repository root, installs torch 2.11.0 and the
 # build tools into it, builds tpcomm (scikit-build-core over the CMake build,
@@ -82,7 +83,7 @@ ensure_build() {
   local stamp="$venv/.tpcomm-build"
   local sources
   sources="$(find CMakeLists.txt pyproject.toml backend coordinator custom_allreduce \
-    message_queue python tests/cpp -type f \
+    message_queue python tests/cpp tests/fuzz -type f \
     \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \
     -o -name '*.txt' -o -name '*.toml' \) -print0 | sort -z | xargs -0 sha1sum | sha1sum)"
   local wanted="$sources tests=$build_tests"
@@ -112,6 +113,8 @@ ensure_googletest
 ensure_build ON
 log "C++ tests (ctest)"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
+log "fuzzing the shared-memory decoder (libFuzzer)"
+bash "$root/tests/fuzz/run_fuzz.sh" 100000
 log "Python tests (pytest)"
 if [[ $# -gt 0 ]]; then
   exec "$py" -m pytest "$@"
