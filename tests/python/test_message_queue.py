@@ -90,11 +90,19 @@ def _subgroup_queue(ctx):
     members = odds if ctx.rank % 2 else evens
     mq = MessageQueue.create_from_process_group(mine, writer_rank=len(members) - 1)
     got = mq.broadcast_object({"from": ctx.rank} if mq.is_writer else None)
-    return got == {"from": members[-1]}
+    other = groups[1 - ctx.rank % 2]
+    try:
+        MessageQueue.create_from_process_group(other)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return got == {"from": members[-1]}, refused
 
 
 def test_subgroups_have_their_own_queues(groups):
-    assert all(groups(4).run(_subgroup_queue))
+    for ok, refused in groups(4).run(_subgroup_queue):
+        assert ok
+        assert refused is not None and "is not a member of the group" in refused, refused
 
 
 def _misuse(ctx):
