@@ -107,10 +107,9 @@ class MessageQueue:
             return self._reader.read(timeout)
         length = torch.empty(1, dtype=torch.int64)
         dist.recv(length, group=self._pg, group_src=self.writer_rank)
-        buf = bytearray(int(length))
-        if buf:
-            dist.recv(torch.frombuffer(buf, dtype=torch.uint8), group=self._pg,
-                      group_src=self.writer_rank)
+        buf = torch.empty(int(length), dtype=torch.uint8)
+        if buf.numel():
+            dist.recv(buf, group=self._pg, group_src=self.writer_rank)
         return buf
 
     # -------------------------------------------------------------- objects
@@ -122,7 +121,7 @@ class MessageQueue:
     def dequeue(self, timeout=None):
         """Reader: the next object the writer enqueued. Raises TimeoutError."""
         self._check(False, "dequeue")
-        return pickle.loads(self._recv(timeout))
+        return pickle.loads(self._recv(timeout).numpy())
 
     def broadcast_object(self, obj=None):
         """The writer passes `obj`; every member returns it."""
@@ -174,11 +173,14 @@ class MessageQueue:
                 dist.broadcast(t, src=src, group=self._pg)
             return tensor_dict
         self._check(False, "broadcast_tensor_dict")
-        buf = self._recv(None)
-        (hlen,) = _LEN.unpack_from(buf, 0)
-        if hlen > len(buf) - _LEN.size:
-            raise OSError(f"tensor dict header of {hlen} bytes overruns a {len(buf)}-byte message")
-        meta = pickle.loads(memoryview(buf)[_LEN.size:_LEN.size + hlen])
+        buf = self._recv(None)  # uint8 tensor; the received tensors are views of it
+        raw = buf.numpy()
+        if len(raw) < _LEN.size:
+            raise OSError(f"tensor dict message of {len(raw)} bytes has no header")
+        (hlen,) = _LEN.unpack_from(raw, 0)
+        if hlen > len(raw) - _LEN.size:
+            raise OSError(f"tensor dict header of {hlen} bytes overruns a {len(raw)}-byte message")
+        meta = pickle.loads(raw[_LEN.size:_LEN.size + hlen])
         pos = _LEN.size + hlen
         out = {}
         for key, kind, a, shape, nbytes in meta:
@@ -187,10 +189,9 @@ class MessageQueue:
             elif kind == "cpu":
                 if nbytes:
                     pos += -pos % _ALIGN
-                    if pos + nbytes > len(buf):
-                        raise OSError(f"tensor {key!r} overruns the {len(buf)}-byte message")
-                    t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=pos)
-                    out[key] = t.view(a).reshape(shape)
+                    if pos + nbytes > len(raw):
+                        raise OSError(f"tensor {key!r} overruns the {len(raw)}-byte message")
+                    out[key] = buf[pos:pos + nbytes].view(a).reshape(shape)
                     pos += nbytes
                 else:
                     out[key] = torch.empty(shape, dtype=a)

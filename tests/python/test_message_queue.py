@@ -163,3 +163,24 @@ def test_nothing_left_in_dev_shm(groups):
         assert not set(names) - before, names
     assert set(glob.glob("/dev/shm/tpcomm-mq-*")) <= before
     assert os.path.isdir("/dev/shm")
+
+
+def _large_messages_never_alias(ctx):
+    from tpcomm import MessageQueue
+    mq = MessageQueue.create_from_process_group(dist.group.WORLD, max_chunk_bytes=1 << 20)
+    kept = []
+    for i in range(4):  # several large messages, all kept alive
+        d = {"x": torch.full((1 << 20,), i, dtype=torch.int32)}  # 4 MiB: recycled buffers
+        kept.append(mq.broadcast_tensor_dict(d if mq.is_writer else None))
+    for i, d in enumerate(kept):
+        assert torch.equal(d["x"], torch.full((1 << 20,), i, dtype=torch.int32)), i
+    kept.clear()  # buffers come back; later messages reuse them
+    for i in range(4):
+        d = {"x": torch.full((1 << 20,), 10 + i, dtype=torch.int32)}
+        got = mq.broadcast_tensor_dict(d if mq.is_writer else None)
+        assert torch.equal(got["x"], d["x"]), i
+    return True
+
+
+def test_large_messages_never_alias_live_tensors(groups):
+    assert all(groups(2).run(_large_messages_never_alias))
