@@ -119,7 +119,9 @@ class MessageQueue:
         self._send([pickle.dumps(obj, protocol=5)], timeout)
 
     def dequeue(self, timeout=None):
-        """Reader: the next object the writer enqueued. Raises TimeoutError."""
+        """Reader: the next object the writer enqueued. Raises TimeoutError.
+        Readers on another host than the writer receive through the CPU group,
+        whose own timeout bounds the wait instead of `timeout`."""
         self._check(False, "dequeue")
         return pickle.loads(self._recv(timeout).numpy())
 
