@@ -159,13 +159,20 @@ TEST(Ring, ShutdownWakesABlockedReader) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
 }
 
-TEST(Ring, CorruptChunkHeaderIsRejected) {
-  Writer writer(small(1));
-  Reader reader(writer.name(), 0);
-  auto tamper = Segment::attach(writer.name());
-  writer.waitForReaders(5s);
-  std::vector<char> m(10, 'a');
-  writer.write(m.data(), m.size(), 1s);
+// A ring holding one 10-byte message, with a second mapping to corrupt it.
+class TamperedRing : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    writer.waitForReaders(5s);
+    std::vector<char> m(10, 'a');
+    writer.write(m.data(), m.size(), 1s);
+  }
+  Writer writer{small(1)};
+  Reader reader{writer.name(), 0};
+  std::unique_ptr<Segment> tamper = Segment::attach(writer.name());
+};
+
+TEST_F(TamperedRing, CorruptChunkHeaderIsRejected) {
   tamper->chunkHeader(0).bytes = 1000;  // larger than a chunk
   try {
     reader.read(1s);
@@ -176,13 +183,7 @@ TEST(Ring, CorruptChunkHeaderIsRejected) {
   }
 }
 
-TEST(Ring, LengthBeyondTheMessageIsRejected) {
-  Writer writer(small(1));
-  Reader reader(writer.name(), 0);
-  auto tamper = Segment::attach(writer.name());
-  writer.waitForReaders(5s);
-  std::vector<char> m(10, 'a');
-  writer.write(m.data(), m.size(), 1s);
+TEST_F(TamperedRing, LengthBeyondTheMessageIsRejected) {
   tamper->chunkHeader(0).messageBytes = 5;  // the chunk carries 10
   EXPECT_EQ(codeOf([&] { reader.read(1s); }), ErrorCode::kSystem);
 }
