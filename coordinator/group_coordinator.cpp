@@ -43,8 +43,14 @@ c10d::Backend& GroupCoordinator::deviceBackend() {
   return *device_;
 }
 
-c10d::Backend& GroupCoordinator::backendFor(Route route) {
-  return route == Route::kCpu ? *cpu_ : deviceBackend();
+c10d::Backend& GroupCoordinator::backendFor(Route route, uint64_t bytes) {
+  if (route == Route::kCpu) {
+    stats_.record(StatsRoute::kGloo, bytes);
+    return *cpu_;
+  }
+  c10d::Backend& device = deviceBackend();
+  stats_.record(StatsRoute::kNccl, bytes);
+  return device;
 }
 
 void GroupCoordinator::checkSignature(const std::string& signature) {
@@ -80,7 +86,7 @@ Pending GroupCoordinator::broadcast(std::vector<at::Tensor>& tensors,
     return std::string("broadcast root=" + std::to_string(opts.rootRank) + " " +
                        describeTensors(tensors));
   });
-  return passThrough(backendFor(routeFor(tensors[0])).broadcast(tensors, opts), tensors);
+  return passThrough(backendFor(routeFor(tensors[0]), bytesOf(tensors)).broadcast(tensors, opts), tensors);
 }
 
 Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
@@ -92,14 +98,14 @@ Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
   const Route route = routeFor(tensors[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
-    return passThrough(backendFor(route).allreduce(tensors, opts), tensors);
+    return passThrough(backendFor(route, bytesOf(tensors)).allreduce(tensors, opts), tensors);
   }
   for (auto& t : tensors) {
     if (plan.premultiplies()) premultiplyInPlace(plan, t);
   }
   c10d::AllreduceOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
-  Pending pending = passThrough(cpu_->allreduce(tensors, forwarded), tensors);
+  Pending pending = passThrough(backendFor(route, bytesOf(tensors)).allreduce(tensors, forwarded), tensors);
   pending.finish = divideAfter(plan.divideBySize, tensors, size());
   return pending;
 }
@@ -110,7 +116,7 @@ Pending GroupCoordinator::allreduceSparse(std::vector<at::Tensor>& tensors,
     return std::string("allreduce_sparse " + describeReduceOp(opts.reduceOp) + " " +
                        describeTensors(tensors));
   });
-  return passThrough(backendFor(routeFor(tensors[0])).allreduce_sparse(tensors, opts), tensors);
+  return passThrough(backendFor(routeFor(tensors[0]), bytesOf(tensors)).allreduce_sparse(tensors, opts), tensors);
 }
 
 Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
@@ -122,14 +128,14 @@ Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
   const Route route = routeFor(tensors[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
-    return passThrough(backendFor(route).allreduce_coalesced(tensors, opts), tensors);
+    return passThrough(backendFor(route, bytesOf(tensors)).allreduce_coalesced(tensors, opts), tensors);
   }
   for (auto& t : tensors) {
     if (plan.premultiplies()) premultiplyInPlace(plan, t);
   }
   c10d::AllreduceCoalescedOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
-  Pending pending = passThrough(cpu_->allreduce_coalesced(tensors, forwarded), tensors);
+  Pending pending = passThrough(backendFor(route, bytesOf(tensors)).allreduce_coalesced(tensors, forwarded), tensors);
   pending.finish = divideAfter(plan.divideBySize, tensors, size());
   return pending;
 }
@@ -143,7 +149,7 @@ Pending GroupCoordinator::reduce(std::vector<at::Tensor>& tensors,
   const Route route = routeFor(tensors[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
-    return passThrough(backendFor(route).reduce(tensors, opts), tensors);
+    return passThrough(backendFor(route, bytesOf(tensors)).reduce(tensors, opts), tensors);
   }
   // Reduce a scratch copy so that non-root ranks' tensors stay untouched.
   at::Tensor target = tensors[0];
@@ -151,7 +157,7 @@ Pending GroupCoordinator::reduce(std::vector<at::Tensor>& tensors,
                                                        : target.clone()};
   c10d::ReduceOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
-  Pending pending = passThrough(cpu_->reduce(scratch, forwarded), tensors);
+  Pending pending = passThrough(backendFor(route, bytesOf(scratch)).reduce(scratch, forwarded), tensors);
   const bool isRoot = opts.rootRank == rank();
   const bool divide = plan.divideBySize;
   const int n = size();
@@ -167,7 +173,7 @@ Pending GroupCoordinator::allgather(std::vector<std::vector<at::Tensor>>& output
                                     std::vector<at::Tensor>& inputs,
                                     const c10d::AllgatherOptions& opts) {
   debugCheck([&] { return std::string("allgather " + describeTensors(inputs)); });
-  return passThrough(backendFor(routeFor(inputs[0])).allgather(outputs, inputs, opts),
+  return passThrough(backendFor(routeFor(inputs[0]), bytesOf(inputs)).allgather(outputs, inputs, opts),
                      flatten(outputs));
 }
 
@@ -177,14 +183,14 @@ Pending GroupCoordinator::allgatherBase(at::Tensor& output, at::Tensor& input,
     return std::string("allgather_into_tensor " + describeTensor(input) + " -> " +
                        describeTensor(output));
   });
-  return passThrough(backendFor(routeFor(input))._allgather_base(output, input, opts), {output});
+  return passThrough(backendFor(routeFor(input), bytesOf(input))._allgather_base(output, input, opts), {output});
 }
 
 Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                              std::vector<at::Tensor>& inputs,
                                              const c10d::AllgatherOptions& opts) {
   debugCheck([&] { return std::string("allgather_coalesced " + describeTensors(inputs)); });
-  return passThrough(backendFor(routeFor(inputs[0])).allgather_coalesced(outputs, inputs, opts),
+  return passThrough(backendFor(routeFor(inputs[0]), bytesOf(inputs)).allgather_coalesced(outputs, inputs, opts),
                      flatten(outputs));
 }
 
@@ -196,7 +202,7 @@ Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& 
                        describeTensors(outputs));
   });
   return passThrough(
-      backendFor(routeFor(inputs[0])).allgather_into_tensor_coalesced(outputs, inputs, opts),
+      backendFor(routeFor(inputs[0]), bytesOf(inputs)).allgather_into_tensor_coalesced(outputs, inputs, opts),
       outputs);
 }
 
@@ -206,7 +212,7 @@ Pending GroupCoordinator::gather(std::vector<std::vector<at::Tensor>>& outputs,
     return std::string("gather root=" + std::to_string(opts.rootRank) + " " +
                        describeTensors(inputs));
   });
-  return passThrough(backendFor(routeFor(inputs[0])).gather(outputs, inputs, opts),
+  return passThrough(backendFor(routeFor(inputs[0]), bytesOf(inputs)).gather(outputs, inputs, opts),
                      flatten(outputs));
 }
 
@@ -217,7 +223,7 @@ Pending GroupCoordinator::scatter(std::vector<at::Tensor>& outputs,
     return std::string("scatter root=" + std::to_string(opts.rootRank) + " " +
                        describeTensors(outputs));
   });
-  return passThrough(backendFor(routeFor(outputs[0])).scatter(outputs, inputs, opts), outputs);
+  return passThrough(backendFor(routeFor(outputs[0]), bytesOf(outputs)).scatter(outputs, inputs, opts), outputs);
 }
 
 Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
@@ -231,7 +237,7 @@ Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
     return withoutFutureOnCpu(
-        route, passThrough(backendFor(route).reduce_scatter(outputs, inputs, opts), outputs));
+        route, passThrough(backendFor(route, bytesOf(inputs)).reduce_scatter(outputs, inputs, opts), outputs));
   }
   std::vector<std::vector<at::Tensor>> scaled = inputs;
   if (plan.premultiplies()) {
@@ -242,7 +248,7 @@ Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
   c10d::ReduceScatterOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
   Pending pending = withoutFutureOnCpu(
-      route, passThrough(cpu_->reduce_scatter(outputs, scaled, forwarded), outputs));
+      route, passThrough(backendFor(route, bytesOf(inputs)).reduce_scatter(outputs, scaled, forwarded), outputs));
   auto divide = divideAfter(plan.divideBySize, outputs, size());
   pending.finish = [scaled, divide]() {
     if (divide) divide();
@@ -260,13 +266,13 @@ Pending GroupCoordinator::reduceScatterBase(at::Tensor& output, at::Tensor& inpu
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
     return withoutFutureOnCpu(
-        route, passThrough(backendFor(route)._reduce_scatter_base(output, input, opts), {output}));
+        route, passThrough(backendFor(route, bytesOf(input))._reduce_scatter_base(output, input, opts), {output}));
   }
   at::Tensor source = plan.premultiplies() ? premultiplied(plan, input) : input;
   c10d::ReduceScatterOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
   Pending pending = withoutFutureOnCpu(
-      route, passThrough(cpu_->_reduce_scatter_base(output, source, forwarded), {output}));
+      route, passThrough(backendFor(route, bytesOf(input))._reduce_scatter_base(output, source, forwarded), {output}));
   auto divide = divideAfter(plan.divideBySize, {output}, size());
   pending.finish = [source, divide]() {
     if (divide) divide();
@@ -285,7 +291,7 @@ Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& 
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
     return withoutFutureOnCpu(
-        route, passThrough(backendFor(route).reduce_scatter_tensor_coalesced(outputs, inputs, opts),
+        route, passThrough(backendFor(route, bytesOf(inputs)).reduce_scatter_tensor_coalesced(outputs, inputs, opts),
                            outputs));
   }
   std::vector<at::Tensor> sources = inputs;
@@ -296,7 +302,7 @@ Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& 
   forwarded.reduceOp = plan.forwarded;
   Pending pending = withoutFutureOnCpu(
       route,
-      passThrough(cpu_->reduce_scatter_tensor_coalesced(outputs, sources, forwarded), outputs));
+      passThrough(backendFor(route, bytesOf(inputs)).reduce_scatter_tensor_coalesced(outputs, sources, forwarded), outputs));
   auto divide = divideAfter(plan.divideBySize, outputs, size());
   pending.finish = [sources, divide]() {
     if (divide) divide();
@@ -311,7 +317,7 @@ Pending GroupCoordinator::alltoallBase(at::Tensor& output, at::Tensor& input,
   // Splits legitimately differ between ranks: compare dtypes only.
   debugCheck([&] { return std::string("alltoall_base " + dtypeName(input.scalar_type())); });
   return passThrough(
-      backendFor(routeFor(input)).alltoall_base(output, input, outputSplits, inputSplits, opts),
+      backendFor(routeFor(input), bytesOf(input)).alltoall_base(output, input, outputSplits, inputSplits, opts),
       {output});
 }
 
@@ -324,35 +330,35 @@ Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
   });
   const Route route = routeFor(inputs[0]);
   if (route == Route::kDevice) {
-    return passThrough(deviceBackend().alltoall(outputs, inputs, opts), outputs);
+    return passThrough(backendFor(route, bytesOf(inputs)).alltoall(outputs, inputs, opts), outputs);
   }
-  return alltoallThroughBase(*cpu_, outputs, inputs, opts);
+  return alltoallThroughBase(backendFor(route, bytesOf(inputs)), outputs, inputs, opts);
 }
 
 Pending GroupCoordinator::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const Route route = routeFor(tensors[0]);
-  return withoutFutureOnCpu(route, passThrough(backendFor(route).send(tensors, dstRank, tag), {}));
+  return withoutFutureOnCpu(route, passThrough(backendFor(route, bytesOf(tensors)).send(tensors, dstRank, tag), {}));
 }
 
 Pending GroupCoordinator::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   const Route route = routeFor(tensors[0]);
   return withoutFutureOnCpu(route,
-                            passThrough(backendFor(route).recv(tensors, srcRank, tag), tensors));
+                            passThrough(backendFor(route, bytesOf(tensors)).recv(tensors, srcRank, tag), tensors));
 }
 
 Pending GroupCoordinator::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const Route route = routeFor(tensors[0]);
   return withoutFutureOnCpu(route,
-                            passThrough(backendFor(route).recvAnysource(tensors, tag), tensors));
+                            passThrough(backendFor(route, bytesOf(tensors)).recvAnysource(tensors, tag), tensors));
 }
 
 Pending GroupCoordinator::barrier(const c10d::BarrierOptions& opts) {
   debugCheck([&] { return std::string("barrier"); });
-  return passThrough(cpu_->barrier(opts), {});
+  return passThrough(backendFor(Route::kCpu, 0).barrier(opts), {});
 }
 
 void GroupCoordinator::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
-  cpu_->monitoredBarrier(opts, waitAllRanks);
+  backendFor(Route::kCpu, 0).monitoredBarrier(opts, waitAllRanks);
 }
 
 std::shared_ptr<GroupCoordinator> GroupCoordinator::split(

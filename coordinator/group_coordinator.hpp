@@ -30,6 +30,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "coordinator/pending.hpp"
+#include "coordinator/route_stats.hpp"
 
 namespace tpcomm::coord {
 
@@ -110,12 +111,16 @@ class GroupCoordinator {
 
   // Creates the device backend now (init_process_group(device_id=...)).
   void eagerConnect(at::Device device);
+  // Calls and bytes per route since creation or the last resetStats().
+  std::vector<RouteCount> stats() const { return stats_.snapshot(); }
+  void resetStats() { stats_.reset(); }
   void setTimeout(std::chrono::milliseconds timeout);
   void abort();
   void shutdown();
 
  private:
-  c10d::Backend& backendFor(Route route);
+  // The backend for `route`, counting the call and its bytes in stats_.
+  c10d::Backend& backendFor(Route route, uint64_t bytes);
   c10d::Backend& deviceBackend();
   // TPCOMM_DEBUG: raises on every rank when ranks disagree on the call's
   // signature. `describe` builds it and runs only when the check is on, so
@@ -133,6 +138,7 @@ class GroupCoordinator {
   mutable std::mutex deviceMutex_;
   c10::intrusive_ptr<c10d::Backend> device_;
   uint64_t debugSequence_ = 0;
+  RouteStats stats_;
 };
 
 }  // namespace tpcomm::coord

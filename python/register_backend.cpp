@@ -86,9 +86,26 @@ tensors through the device backend (NCCL), created on first use.)")
       .def_property_readonly(
           "cpu_backend",
           [](backend::ProcessGroupTpcomm& self) { return self.coordinator().cpuBackend(); })
-      .def_property_readonly("debug_checks", [](backend::ProcessGroupTpcomm& self) {
-        return self.coordinator().options().debugChecks;
-      });
+      .def_property_readonly("debug_checks",
+                             [](backend::ProcessGroupTpcomm& self) {
+                               return self.coordinator().options().debugChecks;
+                             })
+      .def(
+          "stats",
+          [](backend::ProcessGroupTpcomm& self) {
+            py::dict out;
+            for (const auto& row : self.coordinator().stats()) {
+              py::dict counts;
+              counts["calls"] = row.calls;
+              counts["bytes"] = row.bytes;
+              out[py::str(row.route)] = counts;
+            }
+            return out;
+          },
+          "Calls and bytes per route (gloo, custom_oneshot, custom_twoshot, nccl) on this rank.")
+      .def(
+          "reset_stats", [](backend::ProcessGroupTpcomm& self) { self.coordinator().resetStats(); },
+          "Sets every route's counters back to zero.");
 
   m.def(
       "settings",

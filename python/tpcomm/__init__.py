@@ -5,17 +5,30 @@
     torch.distributed.init_process_group(backend="tpcomm")
 
 serves CPU tensors through Gloo and CUDA tensors through NCCL (created only
-when the first CUDA tensor arrives).
+when the first CUDA tensor arrives). `tpcomm.GroupCoordinator` and
+`tpcomm.initialize_model_parallel` give tensor-parallel servers vLLM's
+group API over it.
 """
 
 import torch
 import torch.distributed  # registers c10d's Python types before our extension loads
 
-from tpcomm import _C
+from tpcomm import _C, _ops
 from tpcomm._registration import BACKEND_NAME, register
 from tpcomm.message_queue import MessageQueue, PeerLostError
 
 register()
+_ops.register_ops()
+
+from tpcomm.coordinator import GraphCaptureContext, GroupCoordinator  # noqa: E402
+from tpcomm.parallel_state import (  # noqa: E402
+    destroy_distributed_environment, destroy_model_parallel, ensure_model_parallel_initialized,
+    get_dp_group, get_ep_group, get_pipeline_model_parallel_rank,
+    get_pipeline_model_parallel_world_size, get_pp_group, get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size, get_tp_group, get_world_group,
+    init_distributed_environment, initialize_model_parallel, model_parallel_is_initialized,
+    model_parallel_layout, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce,
+    tensor_model_parallel_gather, tensor_model_parallel_reduce_scatter)
 
 
 def settings():
@@ -28,5 +41,39 @@ def build_info():
     return dict(_C.build_info())
 
 
-__all__ = ["BACKEND_NAME", "MessageQueue", "PeerLostError", "build_info", "register",
-           "settings"]
+def _backend_of(group):
+    import torch.distributed as dist
+
+    if isinstance(group, GroupCoordinator):
+        group = group.device_group
+    if group is None:
+        group = dist.group.WORLD
+    backend = group._get_backend(torch.device("cpu"))
+    if not isinstance(backend, _C.ProcessGroupTpcomm):
+        raise ValueError(f"group uses backend {dist.get_backend(group)!r}, not {BACKEND_NAME!r}")
+    return backend
+
+
+def stats(group=None):
+    """This rank's calls and bytes per route of a tpcomm group (default: the
+    world; a GroupCoordinator means its device group):
+    {"gloo": {"calls": n, "bytes": b}, "custom_oneshot": ..., "custom_twoshot": ...,
+    "nccl": ...}."""
+    return dict(_backend_of(group).stats())
+
+
+def reset_stats(group=None):
+    """Sets the group's route counters on this rank back to zero."""
+    _backend_of(group).reset_stats()
+
+
+__all__ = [
+    "BACKEND_NAME", "GraphCaptureContext", "GroupCoordinator", "MessageQueue", "PeerLostError",
+    "build_info", "destroy_distributed_environment", "destroy_model_parallel",
+    "ensure_model_parallel_initialized", "get_dp_group", "get_ep_group",
+    "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size", "get_pp_group",
+    "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "get_tp_group",
+    "get_world_group", "init_distributed_environment", "initialize_model_parallel",
+    "model_parallel_is_initialized", "model_parallel_layout", "register", "reset_stats",
+    "settings", "stats", "tensor_model_parallel_all_gather", "tensor_model_parallel_all_reduce",
+    "tensor_model_parallel_gather", "tensor_model_parallel_reduce_scatter"]

@@ -32,8 +32,10 @@ class MessageQueue:
     """One writer, the other members of `pg` readers. Use the constructor
     `create_from_process_group`; every member of `pg` must call it."""
 
-    def __init__(self, pg, writer_rank, rank, local, remote, writer, reader, timeout):
+    def __init__(self, pg, writer_rank, rank, local, remote, writer, reader, timeout,
+                 device_group=None):
         self._pg = pg
+        self._device_pg = pg if device_group is None else device_group
         self._ranks = dist.get_process_group_ranks(pg)
         self.writer_rank = writer_rank  # group rank
         self.rank = rank  # group rank of this process
@@ -43,10 +45,20 @@ class MessageQueue:
         self._reader = reader
         self._timeout = timeout
         self._closed = False
+        self._ready = writer is None
+        # Every other member reads: CUDA tensors are broadcast; otherwise they
+        # go to each reader point to point.
+        self._whole_group = len(local) + len(remote) == len(self._ranks) - 1
 
     @classmethod
     def create_from_process_group(cls, pg, max_chunk_bytes=1 << 20, max_chunks=8,
-                                  writer_rank=0, timeout=300.0):
+                                  writer_rank=0, timeout=300.0, blocking=True,
+                                  device_group=None):
+        """Every member of `pg` calls this; `writer_rank` (a group rank) writes,
+        the others read. With blocking=False the writer does not wait here for
+        the readers to attach; wait_until_ready() (or the first write) does.
+        CUDA tensors in tensor dicts travel over `device_group` (default `pg`),
+        which must have the same members."""
         if pg is None:
             pg = dist.group.WORLD
         ranks = dist.get_process_group_ranks(pg)
@@ -70,9 +82,65 @@ class MessageQueue:
         dist.broadcast_object_list(name, src=ranks[writer_rank], group=pg)
         if rank in local:
             reader = _C.MqReader(name[0], local.index(rank))
-        if writer is not None:
-            writer.wait_for_readers(timeout)  # then the name is unlinked
-        return cls(pg, writer_rank, rank, local, remote, writer, reader, timeout)
+        mq = cls(pg, writer_rank, rank, local, remote, writer, reader, timeout, device_group)
+        if blocking:
+            mq.wait_until_ready()
+        return mq
+
+    @classmethod
+    def create_single_reader(cls, pg, reader_rank=0, max_chunk_bytes=1 << 20, max_chunks=8,
+                             timeout=300.0, blocking=False, device_group=None):
+        """Every member of `pg` calls this: each member but `reader_rank` (a
+        group rank) gets a queue it writes to that rank alone; the reader gets
+        one queue per writer. Returns (queue, []) on writers and
+        (None, [queue of group rank 0, 1, ... skipping the reader]) on the
+        reader."""
+        if pg is None:
+            pg = dist.group.WORLD
+        ranks = dist.get_process_group_ranks(pg)
+        me = dist.get_rank()
+        if me not in ranks:
+            raise ValueError(f"rank {me} is not a member of the group {ranks}; only members "
+                             "create its message queues")
+        n = len(ranks)
+        if not 0 <= reader_rank < n:
+            raise ValueError(f"reader_rank {reader_rank} is out of range for a group of {n}")
+        rank = ranks.index(me)
+        host = _C.host_id()
+        writer = None
+        entry = (host, None)
+        # Writers on the reader's host make a one-reader ring; its name goes
+        # to the reader in a second all-gather.
+        hosts = [None] * n
+        dist.all_gather_object(hosts, host, group=pg)
+        same_host = hosts[rank] == hosts[reader_rank]
+        if rank != reader_rank and same_host:
+            writer = _C.MqWriter(1, max_chunks, max_chunk_bytes)
+            entry = (host, writer.name)
+        entries = [None] * n
+        dist.all_gather_object(entries, entry, group=pg)
+        if rank != reader_rank:
+            local, remote = ([reader_rank], []) if same_host else ([], [reader_rank])
+            mq = cls(pg, rank, rank, local, remote, writer, None, timeout, device_group)
+            if blocking:
+                mq.wait_until_ready()
+            return mq, []
+        readers = []
+        for w in range(n):
+            if w == reader_rank:
+                continue
+            name = entries[w][1]
+            reader = _C.MqReader(name, 0) if name is not None else None
+            local, remote = ([rank], []) if name is not None else ([], [rank])
+            readers.append(cls(pg, w, rank, local, remote, None, reader, timeout, device_group))
+        return None, readers
+
+    def wait_until_ready(self, timeout=None):
+        """Writer: waits until every reader on this host attached (then the
+        segment's name is unlinked). Readers: returns at once."""
+        if not self._ready:
+            self._writer.wait_for_readers(self._timeout if timeout is None else timeout)
+            self._ready = True
 
     @property
     def is_writer(self):
@@ -91,6 +159,7 @@ class MessageQueue:
     def _send(self, parts, timeout):
         timeout = self._timeout if timeout is None else timeout
         if self._writer is not None:
+            self.wait_until_ready(timeout)
             self._writer.write(parts, timeout)
         if self.remote_readers:
             data = bytearray(b"".join(memoryview(p).cast("B") for p in parts))
@@ -111,6 +180,19 @@ class MessageQueue:
         if buf.numel():
             dist.recv(buf, group=self._pg, group_src=self.writer_rank)
         return buf
+
+    def _send_device(self, t):
+        if self._whole_group:
+            dist.broadcast(t, src=self._ranks[self.writer_rank], group=self._device_pg)
+            return
+        for r in self.local_readers + self.remote_readers:
+            dist.send(t, group=self._device_pg, group_dst=r)
+
+    def _recv_device(self, t):
+        if self._whole_group:
+            dist.broadcast(t, src=self._ranks[self.writer_rank], group=self._device_pg)
+        else:
+            dist.recv(t, group=self._device_pg, group_src=self.writer_rank)
 
     # -------------------------------------------------------------- objects
     def enqueue(self, obj, timeout=None):
@@ -138,7 +220,6 @@ class MessageQueue:
         member returns an equal dict. CPU tensor bytes are copied raw (never
         pickled); CUDA tensors are broadcast over the group's device path;
         empty tensors cost no bytes."""
-        src = self._ranks[self.writer_rank]
         if self.is_writer:
             if not isinstance(tensor_dict, dict):
                 raise TypeError(f"broadcast_tensor_dict needs a dict, got {type(tensor_dict)}")
@@ -172,7 +253,7 @@ class MessageQueue:
             self._check(True, "broadcast_tensor_dict")
             self._send(message, None)
             for t in cuda:
-                dist.broadcast(t, src=src, group=self._pg)
+                self._send_device(t)
             return tensor_dict
         self._check(False, "broadcast_tensor_dict")
         buf = self._recv(None)  # uint8 tensor; the received tensors are views of it
@@ -200,7 +281,7 @@ class MessageQueue:
             else:
                 t = torch.empty(shape, dtype=a, device=torch.cuda.current_device())
                 if t.numel():
-                    dist.broadcast(t, src=src, group=self._pg)
+                    self._recv_device(t)
                 out[key] = t
         return out
 

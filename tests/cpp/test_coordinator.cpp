@@ -148,6 +148,43 @@ TEST_P(CoordinatorSizes, DeviceBackendIsCreatedOnceOnFirstUse) {
   EXPECT_EQ(group.deviceFactoryCalls->load(), group.size());
 }
 
+TEST_P(CoordinatorSizes, StatsCountCallsAndBytesPerRoute) {
+  ThreadGroup group(GetParam());
+  const int n = group.size();
+  runRanks(n, [&](int r) {
+    auto& c = *group.coordinators[r];
+    std::vector<at::Tensor> t{at::ones({5})};  // 20 bytes
+    c10d::AllreduceOptions avg;
+    avg.reduceOp = c10d::ReduceOp::AVG;  // composed: still one call on the route
+    Pending a = c.allreduce(t, avg);
+    complete(a);
+    std::vector<at::Tensor> d{at::ones({3}, at::kDouble)};  // 24 bytes
+    Pending b = c.broadcast(d, c10d::BroadcastOptions());
+    complete(b);
+    std::vector<at::Tensor> in{at::ones({2}, at::kLong)};  // 16 bytes
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int i = 0; i < n; ++i) out[0].push_back(at::empty({2}, at::kLong));
+    Pending g = c.allgather(out, in, c10d::AllgatherOptions());
+    complete(g);
+    Pending bar = c.barrier(c10d::BarrierOptions());
+    complete(bar);
+  });
+  for (int r = 0; r < n; ++r) {
+    auto rows = group.coordinators[r]->stats();
+    ASSERT_EQ(rows.size(), 4u);
+    EXPECT_EQ(rows[0].route, "gloo");
+    EXPECT_EQ(rows[0].calls, 4u) << "rank " << r;
+    EXPECT_EQ(rows[0].bytes, 20u + 24u + 16u) << "rank " << r;
+    for (size_t i = 1; i < rows.size(); ++i) {
+      EXPECT_EQ(rows[i].calls, 0u) << rows[i].route;
+      EXPECT_EQ(rows[i].bytes, 0u) << rows[i].route;
+    }
+    EXPECT_EQ(rows[3].route, "nccl");
+    group.coordinators[r]->resetStats();
+    EXPECT_EQ(group.coordinators[r]->stats()[0].calls, 0u);
+  }
+}
+
 TEST_P(CoordinatorSizes, DebugCheckPassesWhenRanksAgree) {
   ThreadGroup group(GetParam(), /*debugChecks=*/true);
   runRanks(group.size(), [&](int r) {

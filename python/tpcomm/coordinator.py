@@ -1,0 +1,530 @@
+"""GroupCoordinator: one process group as a tensor-parallel inference server
+sees it, with the method surface of vLLM's GroupCoordinator.
+
+Every rank list in `group_ranks` becomes a group (every process calls
+`new_group` for each, in the same order); each process keeps the one it
+belongs to. Ranks passed as `src`/`dst` are ranks within the group; results
+are new tensors (out of place) unless a method says otherwise; at world size 1
+every collective returns its input unchanged.
+
+With backend "tpcomm" one group serves both CPU and CUDA tensors, so
+`cpu_group` and `device_group` are the same group; any other backend gets a
+separate Gloo group for `cpu_group`.
+"""
+
+import pickle
+from collections import deque, namedtuple
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tpcomm import _ops
+from tpcomm._expert_parallel import combine_tokens, dispatch_tokens
+from tpcomm._registration import BACKEND_NAME
+from tpcomm.message_queue import MessageQueue
+
+# What travels ahead of a tensor in send/recv/broadcast_tensor_dict.
+TensorMetadata = namedtuple("TensorMetadata", ["device", "dtype", "size"])
+
+
+@dataclass
+class GraphCaptureContext:
+    stream: "torch.cuda.Stream"
+
+
+def _split_tensor_dict(tensor_dict):
+    """(metadata list, tensors) where each tensor is replaced by its metadata."""
+    if not isinstance(tensor_dict, dict):
+        raise TypeError(f"a tensor dict must be a dict, got {type(tensor_dict).__name__}")
+    metadata, tensors = [], []
+    for key, value in tensor_dict.items():
+        if not isinstance(key, str):
+            raise TypeError(f"tensor dict keys must be str, got {key!r}")
+        if isinstance(value, torch.Tensor):
+            metadata.append((key, TensorMetadata(value.device.type, value.dtype, value.size())))
+            tensors.append(value)
+        else:
+            metadata.append((key, value))
+    return metadata, tensors
+
+
+def _check_dim(tensor, dim, what):
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise IndexError(f"{what}: dim {dim} is out of range for a tensor of shape "
+                         f"{tuple(tensor.shape)}")
+    return dim % tensor.dim()
+
+
+class GroupCoordinator:
+    def __init__(self, group_ranks, local_rank, torch_distributed_backend=BACKEND_NAME,
+                 use_device_communicator=True, use_message_queue_broadcaster=False,
+                 group_name=None, device=None):
+        if not dist.is_initialized():
+            raise RuntimeError("GroupCoordinator needs torch.distributed to be initialised "
+                               "(init_process_group or tpcomm.init_distributed_environment)")
+        self.rank = dist.get_rank()
+        self.local_rank = local_rank
+        self._check_group_ranks(group_ranks)
+        backend = str(torch_distributed_backend).lower()
+        self.cpu_group = self.device_group = None
+        for ranks in group_ranks:
+            device_group = dist.new_group(list(ranks), backend=backend)
+            cpu_group = (device_group if backend == BACKEND_NAME
+                         else dist.new_group(list(ranks), backend="gloo"))
+            if self.rank in ranks:
+                self.ranks = list(ranks)
+                self.world_size = len(ranks)
+                self.rank_in_group = self.ranks.index(self.rank)
+                self.device_group, self.cpu_group = device_group, cpu_group
+        if self.device_group is None:  # after every new_group call, which all ranks make
+            raise ValueError(f"rank {self.rank} is in none of group_ranks {group_ranks}")
+        self.unique_name = _ops.unique_name(group_name or "anonymous")
+        _ops.register_coordinator(self)
+        self.backend = backend
+        self.device = self._choose_device(device)
+        self.use_device_communicator = use_device_communicator
+        self.mq_broadcaster = None
+        if use_message_queue_broadcaster and self.world_size > 1:
+            self.mq_broadcaster = MessageQueue.create_from_process_group(
+                self.cpu_group, 1 << 22, 6, device_group=self.device_group)
+        self.communication_buffer_bytes = 0
+        self._ep_plans = deque()
+
+    def _check_group_ranks(self, group_ranks):
+        world = dist.get_world_size()
+        seen = set()
+        for ranks in group_ranks:
+            if not ranks:
+                raise ValueError("group_ranks holds an empty rank list")
+            for r in ranks:
+                if not isinstance(r, int) or not 0 <= r < world:
+                    raise ValueError(f"group_ranks: {r!r} is not a rank of a world of {world}")
+                if r in seen:
+                    raise ValueError(f"group_ranks: rank {r} appears in more than one place")
+                seen.add(r)
+
+    def _choose_device(self, device):
+        if device is not None:
+            return torch.device(device)
+        if self.backend != "gloo" and torch.cuda.is_available():
+            if self.local_rank >= torch.cuda.device_count():
+                raise ValueError(f"local_rank {self.local_rank} has no GPU (this machine has "
+                                 f"{torch.cuda.device_count()}); pass device='cpu' or a device")
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    # -------------------------------------------------------------- ranks
+    @property
+    def first_rank(self):
+        return self.ranks[0]
+
+    @property
+    def last_rank(self):
+        return self.ranks[-1]
+
+    @property
+    def is_first_rank(self):
+        return self.rank == self.first_rank
+
+    @property
+    def is_last_rank(self):
+        return self.rank == self.last_rank
+
+    @property
+    def next_rank(self):
+        return self.ranks[(self.rank_in_group + 1) % self.world_size]
+
+    @property
+    def prev_rank(self):
+        return self.ranks[(self.rank_in_group - 1) % self.world_size]
+
+    def _global(self, group_rank, what):
+        if not isinstance(group_rank, int) or not 0 <= group_rank < self.world_size:
+            raise ValueError(f"{what} {group_rank!r} is not a rank of group {self.unique_name} "
+                             f"(size {self.world_size}; ranks are group-local)")
+        return self.ranks[group_rank]
+
+    # -------------------------------------------------------------- reductions
+    def all_reduce(self, input_):
+        """Sum over the group; a new tensor (torch.ops.tpcomm.all_reduce)."""
+        if self.world_size == 1:
+            return input_
+        return torch.ops.tpcomm.all_reduce(input_, self.unique_name)
+
+    def _all_reduce_out_place(self, input_):
+        out = input_.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=self.device_group)
+        return out
+
+    def all_gather(self, input_, dim=-1):
+        """Concatenation of every rank's `input_` along `dim`, in rank order."""
+        if self.world_size == 1:
+            return input_
+        dim = _check_dim(input_, dim, "all_gather")
+        return torch.ops.tpcomm.all_gather(input_, dim, self.world_size, self.unique_name)
+
+    def _all_gather_out_place(self, input_, dim):
+        n = self.world_size
+        shape = tuple(input_.shape)
+        out = input_.new_empty((n * shape[0],) + shape[1:])
+        dist.all_gather_into_tensor(out, input_.contiguous(), group=self.device_group)
+        out = out.reshape((n,) + shape).movedim(0, dim)
+        return out.reshape(shape[:dim] + (n * shape[dim],) + shape[dim + 1:])
+
+    def reduce_scatter(self, input_, dim=-1):
+        """Sum over the group, split along `dim`; this rank keeps its chunk."""
+        if self.world_size == 1:
+            return input_
+        dim = _check_dim(input_, dim, "reduce_scatter")
+        if input_.shape[dim] % self.world_size:
+            raise ValueError(f"reduce_scatter: size {input_.shape[dim]} of dim {dim} does not "
+                             f"divide by the group size {self.world_size}")
+        return torch.ops.tpcomm.reduce_scatter(input_, dim, self.world_size, self.unique_name)
+
+    def _reduce_scatter_out_place(self, input_, dim):
+        source = input_.movedim(dim, 0).contiguous()
+        out = source.new_empty((source.shape[0] // self.world_size,) + tuple(source.shape[1:]))
+        dist.reduce_scatter_tensor(out, source, group=self.device_group)
+        return out.movedim(0, dim).contiguous()
+
+    def _sizes(self, local, sizes, what):
+        """Every rank's size; exchanged over the CPU group when not given."""
+        if sizes is None:
+            mine = torch.tensor([local], dtype=torch.int64)
+            every = torch.empty(self.world_size, dtype=torch.int64)
+            dist.all_gather_into_tensor(every, mine, group=self.cpu_group)
+            return every.tolist()
+        sizes = [int(s) for s in sizes]
+        if len(sizes) != self.world_size or min(sizes) < 0:
+            raise ValueError(f"{what}: sizes {sizes} must be {self.world_size} non-negative "
+                             "integers, one per rank")
+        return sizes
+
+    def all_gatherv(self, input_, dim=0, sizes=None):
+        """all_gather where ranks contribute different sizes along `dim`
+        (`sizes[r]` from rank r; exchanged when None). `input_` may be a list
+        of tensors, gathered alike."""
+        if isinstance(input_, (list, tuple)):
+            return [self.all_gatherv(t, dim, sizes) for t in input_]
+        if self.world_size == 1:
+            return input_
+        dim = _check_dim(input_, dim, "all_gatherv")
+        sizes = self._sizes(input_.shape[dim], sizes, "all_gatherv")
+        if sizes[self.rank_in_group] != input_.shape[dim]:
+            raise ValueError(f"all_gatherv: sizes[{self.rank_in_group}] = "
+                             f"{sizes[self.rank_in_group]} but this rank's input has "
+                             f"{input_.shape[dim]} along dim {dim}")
+        x = input_.movedim(dim, 0)
+        width = max(sizes)
+        padded = x.new_zeros((width,) + tuple(x.shape[1:]))
+        padded[:x.shape[0]] = x
+        out = x.new_empty((self.world_size * width,) + tuple(x.shape[1:]))
+        dist.all_gather_into_tensor(out, padded, group=self.device_group)
+        parts = [out[r * width:r * width + s] for r, s in enumerate(sizes)]
+        return torch.cat(parts).movedim(0, dim).contiguous()
+
+    def reduce_scatterv(self, input_, dim=0, sizes=None):
+        """reduce_scatter where rank r keeps `sizes[r]` rows along `dim`
+        (even split when None)."""
+        if self.world_size == 1:
+            return input_
+        dim = _check_dim(input_, dim, "reduce_scatterv")
+        total = input_.shape[dim]
+        if sizes is None:
+            return self.reduce_scatter(input_, dim)
+        sizes = self._sizes(None, sizes, "reduce_scatterv")
+        if sum(sizes) != total:
+            raise ValueError(f"reduce_scatterv: sizes {sizes} sum to {sum(sizes)}, not to the "
+                             f"input's {total} along dim {dim}")
+        x = input_.movedim(dim, 0)
+        width = max(sizes)
+        padded = x.new_zeros((self.world_size * width,) + tuple(x.shape[1:]))
+        start = 0
+        for r, s in enumerate(sizes):
+            padded[r * width:r * width + s] = x[start:start + s]
+            start += s
+        out = x.new_empty((width,) + tuple(x.shape[1:]))
+        dist.reduce_scatter_tensor(out, padded, group=self.device_group)
+        return out[:sizes[self.rank_in_group]].movedim(0, dim).contiguous()
+
+    def gather(self, input_, dst=0, dim=-1):
+        """Concatenation along `dim` on group rank `dst`; None elsewhere."""
+        if self.world_size == 1:
+            return input_
+        root = self._global(dst, "gather: dst")
+        dim = _check_dim(input_, dim, "gather")
+        parts = ([torch.empty_like(input_, memory_format=torch.contiguous_format)
+                  for _ in range(self.world_size)] if self.rank == root else None)
+        dist.gather(input_.contiguous(), parts, dst=root, group=self.device_group)
+        return torch.cat(parts, dim=dim) if parts is not None else None
+
+    # -------------------------------------------------------------- broadcasts
+    def broadcast(self, input_, src=0):
+        """In place: every rank's `input_` becomes group rank `src`'s."""
+        root = self._global(src, "broadcast: src")
+        if self.world_size == 1:
+            return input_
+        dist.broadcast(input_, src=root, group=self.device_group)
+        return input_
+
+    def broadcast_object(self, obj=None, src=0):
+        """Group rank `src`'s `obj` on every rank (through the message queue
+        when this group has one and `src` is its writer)."""
+        root = self._global(src, "broadcast_object: src")
+        if self.world_size == 1:
+            return obj
+        if self.mq_broadcaster is not None and src == self.mq_broadcaster.writer_rank:
+            return self.mq_broadcaster.broadcast_object(obj)
+        box = [obj if self.rank == root else None]
+        dist.broadcast_object_list(box, src=root, group=self.cpu_group)
+        return box[0]
+
+    def broadcast_object_list(self, obj_list, src=0, group=None):
+        """In place: `obj_list` becomes group rank `src`'s on every rank."""
+        root = self._global(src, "broadcast_object_list: src")
+        if self.world_size == 1:
+            return obj_list
+        dist.broadcast_object_list(obj_list, src=root, group=self.cpu_group)
+        return obj_list
+
+    def broadcast_tensor_dict(self, tensor_dict=None, src=0, group=None, metadata_group=None):
+        """Group rank `src`'s dict of str -> tensor | picklable on every rank.
+        Through the message queue when `src` is its writer (CPU tensor bytes
+        raw, CUDA tensors over the device group); otherwise the metadata goes
+        as an object and the tensors by broadcast."""
+        root = self._global(src, "broadcast_tensor_dict: src")
+        if self.world_size == 1:
+            return tensor_dict
+        if self.mq_broadcaster is not None and src == self.mq_broadcaster.writer_rank:
+            return self.mq_broadcaster.broadcast_tensor_dict(
+                tensor_dict if self.rank == root else None)
+        if self.rank == root:
+            metadata, tensors = _split_tensor_dict(tensor_dict)
+            self.broadcast_object(metadata, src=src)
+        else:
+            metadata = self.broadcast_object(None, src=src)
+            tensor_dict, tensors = {}, []
+            for key, value in metadata:
+                if isinstance(value, TensorMetadata):
+                    device = self.device if value.device != "cpu" else "cpu"
+                    tensor_dict[key] = torch.empty(value.size, dtype=value.dtype, device=device)
+                    tensors.append(tensor_dict[key])
+                else:
+                    tensor_dict[key] = value
+        works = []
+        for t in tensors:
+            if t.numel():
+                pg = self.cpu_group if t.is_cpu else self.device_group
+                works.append(dist.broadcast(t, src=root, group=pg, async_op=True))
+        for w in works:
+            w.wait()
+        return tensor_dict
+
+    # -------------------------------------------------------------- point to point
+    def _peer(self, peer, default_step, what):
+        if peer is None:
+            peer = (self.rank_in_group + default_step) % self.world_size
+        root = self._global(peer, what)
+        if root == self.rank:
+            raise ValueError(f"{what} {peer} is this rank itself")
+        return root
+
+    def send_object(self, obj, dst):
+        """Pickles `obj` to group rank `dst` over the CPU group."""
+        peer = self._peer(dst, 1, "send_object: dst")
+        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=peer,
+                  group=self.cpu_group)
+        dist.send(payload, dst=peer, group=self.cpu_group)
+
+    def recv_object(self, src):
+        """The object group rank `src` sent with send_object."""
+        peer = self._peer(src, -1, "recv_object: src")
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, src=peer, group=self.cpu_group)
+        payload = torch.empty(int(size), dtype=torch.uint8)
+        dist.recv(payload, src=peer, group=self.cpu_group)
+        return pickle.loads(payload.numpy().tobytes())
+
+    @staticmethod
+    def _sliced(key, tensor, all_gather_group, all_gather_tensors):
+        if all_gather_group is None or all_gather_group.world_size == 1:
+            return False
+        default = tensor.numel() % all_gather_group.world_size == 0
+        return bool((all_gather_tensors or {}).get(key, default))
+
+    def send_tensor_dict(self, tensor_dict, dst=None, all_gather_group=None,
+                         all_gather_tensors=None):
+        """Sends a dict of str -> tensor | picklable to group rank `dst` (the
+        next rank by default). With `all_gather_group` (the tensor-parallel
+        group, whose ranks all send the same dict), each rank sends only its
+        1/TP slice of every tensor whose size divides by TP (per key:
+        `all_gather_tensors[key]` overrides) and the receivers all-gather."""
+        if self.world_size == 1:
+            return tensor_dict
+        peer = self._peer(dst, 1, "send_tensor_dict: dst")
+        metadata, _ = _split_tensor_dict(tensor_dict)
+        self.send_object(metadata, dst=self.ranks.index(peer))
+        for key, value in tensor_dict.items():
+            if not isinstance(value, torch.Tensor) or value.numel() == 0:
+                continue
+            t = value.contiguous()
+            if self._sliced(key, t, all_gather_group, all_gather_tensors):
+                n = all_gather_group.world_size
+                t = t.reshape(n, -1)[all_gather_group.rank_in_group]
+            dist.send(t, dst=peer, group=self.cpu_group if t.is_cpu else self.device_group)
+        return None
+
+    def recv_tensor_dict(self, src=None, all_gather_group=None, all_gather_tensors=None):
+        """The dict group rank `src` (the previous rank by default) sent;
+        `all_gather_group` and `all_gather_tensors` must match the sender's."""
+        if self.world_size == 1:
+            return None
+        peer = self._peer(src, -1, "recv_tensor_dict: src")
+        metadata = self.recv_object(src=self.ranks.index(peer))
+        out = {}
+        for key, value in metadata:
+            if not isinstance(value, TensorMetadata):
+                out[key] = value
+                continue
+            device = "cpu" if value.device == "cpu" else self.device
+            tensor = torch.empty(value.size, dtype=value.dtype, device=device)
+            if tensor.numel() and self._sliced(key, tensor, all_gather_group, all_gather_tensors):
+                part = tensor.new_empty(tensor.numel() // all_gather_group.world_size)
+                dist.recv(part, src=peer, group=self.cpu_group if part.is_cpu
+                          else self.device_group)
+                tensor = all_gather_group.all_gather(part, dim=0).reshape(value.size)
+            elif tensor.numel():
+                dist.recv(tensor, src=peer, group=self.cpu_group if tensor.is_cpu
+                          else self.device_group)
+            out[key] = tensor
+        return out
+
+    def send(self, tensor, dst=None):
+        """Sends `tensor` to group rank `dst` (the next rank by default)."""
+        peer = self._peer(dst, 1, "send: dst")
+        dist.send(tensor.contiguous(), dst=peer, group=self.device_group)
+
+    def recv(self, size, dtype, src=None):
+        """A new tensor of `size` and `dtype` on this group's device, from
+        group rank `src` (the previous rank by default)."""
+        peer = self._peer(src, -1, "recv: src")
+        tensor = torch.empty(size, dtype=dtype, device=self.device)
+        dist.recv(tensor, src=peer, group=self.device_group)
+        return tensor
+
+    def barrier(self):
+        """Every rank of the group arrives (on the CPU group: no device work)."""
+        dist.barrier(group=self.cpu_group)
+
+    # -------------------------------------------------------------- expert parallel
+    def dispatch(self, hidden_states, router_logits, is_sequence_parallel=False,
+                 extra_tensors=None, top_k=None):
+        """Expert-parallel all-to-all. The E experts of `router_logits`
+        ([tokens, E]) are owned in contiguous blocks of E / world_size by the
+        ranks in order. Each token goes to the ranks owning its `top_k`
+        experts (every rank when top_k is None); counts may differ per pair.
+        Returns (hidden_states, router_logits[, extra_tensors]) of the
+        received tokens, by source rank then token order. combine() sends
+        this rank's results for them back. `is_sequence_parallel` changes
+        nothing: counts are always exchanged."""
+        if self.world_size == 1:
+            received = (hidden_states, router_logits)
+            return received + (extra_tensors,) if extra_tensors is not None else received
+        plan, received = dispatch_tokens(self, hidden_states, router_logits, extra_tensors,
+                                         top_k)
+        self._ep_plans.append(plan)
+        return received
+
+    def combine(self, hidden_states, is_sequence_parallel=False):
+        """Sends each received token's result (rows in dispatch's order) back
+        to its source and returns, per original token, the sum of the results
+        from the ranks it went to (in rank order). Pairs with the oldest
+        dispatch not yet combined."""
+        if self.world_size == 1:
+            return hidden_states
+        if not self._ep_plans:
+            raise RuntimeError(f"combine on group {self.unique_name} without a dispatch")
+        return combine_tokens(self, self._ep_plans.popleft(), hidden_states)
+
+    # -------------------------------------------------------------- graphs, queues
+    @contextmanager
+    def graph_capture(self, graph_capture_context=None):
+        """Context for capturing CUDA graphs: work runs on a side stream that
+        first waits for the current one; collectives inside are captured."""
+        if not torch.cuda.is_available():
+            raise RuntimeError("graph_capture needs CUDA; this process has no GPU")
+        if graph_capture_context is None:
+            graph_capture_context = GraphCaptureContext(torch.cuda.Stream(device=self.device))
+        stream = graph_capture_context.stream
+        current = torch.cuda.current_stream(device=self.device)
+        if current != stream:
+            stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            yield graph_capture_context
+
+    def create_mq_broadcaster(self, writer_rank=0, external_writer_handle=None, blocking=True):
+        """A message queue over this group with group rank `writer_rank` as
+        its writer. Every rank of the group calls it."""
+        if external_writer_handle is not None:
+            raise ValueError("external_writer_handle is not supported: tpcomm queues are made "
+                             "by the group's members")
+        self._global(writer_rank, "create_mq_broadcaster: writer_rank")
+        return MessageQueue.create_from_process_group(
+            self.cpu_group, 1 << 22, 6, writer_rank=writer_rank, blocking=blocking,
+            device_group=self.device_group)
+
+    def create_single_reader_mq_broadcasters(self, reader_rank_in_group=0, blocking=False):
+        """Queues from every other rank to group rank `reader_rank_in_group`:
+        (this rank's writer queue, []) on writers, (None, one reader queue per
+        other rank in group order) on the reader."""
+        self._global(reader_rank_in_group, "create_single_reader_mq_broadcasters: reader")
+        if self.world_size == 1:
+            return None, []
+        return MessageQueue.create_single_reader(
+            self.cpu_group, reader_rank_in_group, 1 << 22, 6, blocking=blocking,
+            device_group=self.device_group)
+
+    def prepare_communication_buffer_for_model(self, model, max_tokens=None):
+        """Sizes the allreduce staging buffers for `model`: its widest
+        activation (largest Linear out_features or Embedding dim) times
+        `max_tokens` (default: model.max_num_tokens, else 8192) in the
+        parameters' dtype. Returns the bytes; applied to the group's device
+        backend when it takes a size."""
+        width = 0
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                width = max(width, module.out_features)
+            elif isinstance(module, torch.nn.Embedding):
+                width = max(width, module.embedding_dim)
+            else:
+                width = max(width, int(getattr(module, "output_size", 0) or 0))
+        weight = next((p for p in model.parameters() if p.is_floating_point()), None)
+        itemsize = weight.element_size() if weight is not None else 4
+        tokens = max_tokens or getattr(model, "max_num_tokens", None) or 8192
+        self.communication_buffer_bytes = int(width * tokens * itemsize)
+        backend = self._tpcomm_backend()
+        if backend is not None and hasattr(backend, "set_communication_buffer_bytes"):
+            backend.set_communication_buffer_bytes(self.communication_buffer_bytes)
+        return self.communication_buffer_bytes
+
+    def _tpcomm_backend(self):
+        if self.backend != BACKEND_NAME or self.device_group is None:
+            return None
+        return self.device_group._get_backend(torch.device("cpu"))
+
+    def destroy(self):
+        """Shuts the message queue and destroys this coordinator's groups."""
+        if self.mq_broadcaster is not None:
+            self.mq_broadcaster.shutdown()
+            self.mq_broadcaster = None
+        for pg in {id(g): g for g in (self.device_group, self.cpu_group) if g}.values():
+            dist.destroy_process_group(pg)
+        self.device_group = self.cpu_group = None
+        _ops.unregister_coordinator(self.unique_name)
+
+    def __repr__(self):
+        return (f"GroupCoordinator({self.unique_name}, ranks={self.ranks}, "
+                f"rank_in_group={self.rank_in_group}, device={self.device})")
