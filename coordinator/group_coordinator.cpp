@@ -86,7 +86,8 @@ Pending GroupCoordinator::broadcast(std::vector<at::Tensor>& tensors,
     return std::string("broadcast root=" + std::to_string(opts.rootRank) + " " +
                        describeTensors(tensors));
   });
-  return passThrough(backendFor(routeFor(tensors[0]), bytesOf(tensors)).broadcast(tensors, opts), tensors);
+  return passThrough(backendFor(routeFor(tensors[0]), bytesOf(tensors)).broadcast(tensors, opts),
+                     tensors);
 }
 
 Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
@@ -105,7 +106,8 @@ Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
   }
   c10d::AllreduceOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
-  Pending pending = passThrough(backendFor(route, bytesOf(tensors)).allreduce(tensors, forwarded), tensors);
+  Pending pending =
+      passThrough(backendFor(route, bytesOf(tensors)).allreduce(tensors, forwarded), tensors);
   pending.finish = divideAfter(plan.divideBySize, tensors, size());
   return pending;
 }
@@ -116,7 +118,8 @@ Pending GroupCoordinator::allreduceSparse(std::vector<at::Tensor>& tensors,
     return std::string("allreduce_sparse " + describeReduceOp(opts.reduceOp) + " " +
                        describeTensors(tensors));
   });
-  return passThrough(backendFor(routeFor(tensors[0]), bytesOf(tensors)).allreduce_sparse(tensors, opts), tensors);
+  return passThrough(
+      backendFor(routeFor(tensors[0]), bytesOf(tensors)).allreduce_sparse(tensors, opts), tensors);
 }
 
 Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
@@ -128,14 +131,16 @@ Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
   const Route route = routeFor(tensors[0]);
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
-    return passThrough(backendFor(route, bytesOf(tensors)).allreduce_coalesced(tensors, opts), tensors);
+    return passThrough(backendFor(route, bytesOf(tensors)).allreduce_coalesced(tensors, opts),
+                       tensors);
   }
   for (auto& t : tensors) {
     if (plan.premultiplies()) premultiplyInPlace(plan, t);
   }
   c10d::AllreduceCoalescedOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
-  Pending pending = passThrough(backendFor(route, bytesOf(tensors)).allreduce_coalesced(tensors, forwarded), tensors);
+  Pending pending = passThrough(
+      backendFor(route, bytesOf(tensors)).allreduce_coalesced(tensors, forwarded), tensors);
   pending.finish = divideAfter(plan.divideBySize, tensors, size());
   return pending;
 }
@@ -157,7 +162,8 @@ Pending GroupCoordinator::reduce(std::vector<at::Tensor>& tensors,
                                                        : target.clone()};
   c10d::ReduceOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
-  Pending pending = passThrough(backendFor(route, bytesOf(scratch)).reduce(scratch, forwarded), tensors);
+  Pending pending =
+      passThrough(backendFor(route, bytesOf(scratch)).reduce(scratch, forwarded), tensors);
   const bool isRoot = opts.rootRank == rank();
   const bool divide = plan.divideBySize;
   const int n = size();
@@ -173,8 +179,9 @@ Pending GroupCoordinator::allgather(std::vector<std::vector<at::Tensor>>& output
                                     std::vector<at::Tensor>& inputs,
                                     const c10d::AllgatherOptions& opts) {
   debugCheck([&] { return std::string("allgather " + describeTensors(inputs)); });
-  return passThrough(backendFor(routeFor(inputs[0]), bytesOf(inputs)).allgather(outputs, inputs, opts),
-                     flatten(outputs));
+  return passThrough(
+      backendFor(routeFor(inputs[0]), bytesOf(inputs)).allgather(outputs, inputs, opts),
+      flatten(outputs));
 }
 
 Pending GroupCoordinator::allgatherBase(at::Tensor& output, at::Tensor& input,
@@ -183,15 +190,17 @@ Pending GroupCoordinator::allgatherBase(at::Tensor& output, at::Tensor& input,
     return std::string("allgather_into_tensor " + describeTensor(input) + " -> " +
                        describeTensor(output));
   });
-  return passThrough(backendFor(routeFor(input), bytesOf(input))._allgather_base(output, input, opts), {output});
+  return passThrough(
+      backendFor(routeFor(input), bytesOf(input))._allgather_base(output, input, opts), {output});
 }
 
 Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                              std::vector<at::Tensor>& inputs,
                                              const c10d::AllgatherOptions& opts) {
   debugCheck([&] { return std::string("allgather_coalesced " + describeTensors(inputs)); });
-  return passThrough(backendFor(routeFor(inputs[0]), bytesOf(inputs)).allgather_coalesced(outputs, inputs, opts),
-                     flatten(outputs));
+  return passThrough(
+      backendFor(routeFor(inputs[0]), bytesOf(inputs)).allgather_coalesced(outputs, inputs, opts),
+      flatten(outputs));
 }
 
 Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& outputs,
@@ -201,9 +210,9 @@ Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& 
     return std::string("allgather_into_tensor_coalesced " + describeTensors(inputs) + " -> " +
                        describeTensors(outputs));
   });
-  return passThrough(
-      backendFor(routeFor(inputs[0]), bytesOf(inputs)).allgather_into_tensor_coalesced(outputs, inputs, opts),
-      outputs);
+  return passThrough(backendFor(routeFor(inputs[0]), bytesOf(inputs))
+                         .allgather_into_tensor_coalesced(outputs, inputs, opts),
+                     outputs);
 }
 
 Pending GroupCoordinator::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -223,7 +232,8 @@ Pending GroupCoordinator::scatter(std::vector<at::Tensor>& outputs,
     return std::string("scatter root=" + std::to_string(opts.rootRank) + " " +
                        describeTensors(outputs));
   });
-  return passThrough(backendFor(routeFor(outputs[0]), bytesOf(outputs)).scatter(outputs, inputs, opts), outputs);
+  return passThrough(
+      backendFor(routeFor(outputs[0]), bytesOf(outputs)).scatter(outputs, inputs, opts), outputs);
 }
 
 Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
@@ -237,7 +247,8 @@ Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
     return withoutFutureOnCpu(
-        route, passThrough(backendFor(route, bytesOf(inputs)).reduce_scatter(outputs, inputs, opts), outputs));
+        route, passThrough(backendFor(route, bytesOf(inputs)).reduce_scatter(outputs, inputs, opts),
+                           outputs));
   }
   std::vector<std::vector<at::Tensor>> scaled = inputs;
   if (plan.premultiplies()) {
@@ -248,7 +259,9 @@ Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
   c10d::ReduceScatterOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
   Pending pending = withoutFutureOnCpu(
-      route, passThrough(backendFor(route, bytesOf(inputs)).reduce_scatter(outputs, scaled, forwarded), outputs));
+      route,
+      passThrough(backendFor(route, bytesOf(inputs)).reduce_scatter(outputs, scaled, forwarded),
+                  outputs));
   auto divide = divideAfter(plan.divideBySize, outputs, size());
   pending.finish = [scaled, divide]() {
     if (divide) divide();
@@ -266,13 +279,17 @@ Pending GroupCoordinator::reduceScatterBase(at::Tensor& output, at::Tensor& inpu
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
     return withoutFutureOnCpu(
-        route, passThrough(backendFor(route, bytesOf(input))._reduce_scatter_base(output, input, opts), {output}));
+        route,
+        passThrough(backendFor(route, bytesOf(input))._reduce_scatter_base(output, input, opts),
+                    {output}));
   }
   at::Tensor source = plan.premultiplies() ? premultiplied(plan, input) : input;
   c10d::ReduceScatterOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
   Pending pending = withoutFutureOnCpu(
-      route, passThrough(backendFor(route, bytesOf(input))._reduce_scatter_base(output, source, forwarded), {output}));
+      route,
+      passThrough(backendFor(route, bytesOf(input))._reduce_scatter_base(output, source, forwarded),
+                  {output}));
   auto divide = divideAfter(plan.divideBySize, {output}, size());
   pending.finish = [source, divide]() {
     if (divide) divide();
@@ -291,7 +308,8 @@ Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& 
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
     return withoutFutureOnCpu(
-        route, passThrough(backendFor(route, bytesOf(inputs)).reduce_scatter_tensor_coalesced(outputs, inputs, opts),
+        route, passThrough(backendFor(route, bytesOf(inputs))
+                               .reduce_scatter_tensor_coalesced(outputs, inputs, opts),
                            outputs));
   }
   std::vector<at::Tensor> sources = inputs;
@@ -301,8 +319,9 @@ Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& 
   c10d::ReduceScatterOptions forwarded = opts;
   forwarded.reduceOp = plan.forwarded;
   Pending pending = withoutFutureOnCpu(
-      route,
-      passThrough(backendFor(route, bytesOf(inputs)).reduce_scatter_tensor_coalesced(outputs, sources, forwarded), outputs));
+      route, passThrough(backendFor(route, bytesOf(inputs))
+                             .reduce_scatter_tensor_coalesced(outputs, sources, forwarded),
+                         outputs));
   auto divide = divideAfter(plan.divideBySize, outputs, size());
   pending.finish = [sources, divide]() {
     if (divide) divide();
@@ -316,9 +335,9 @@ Pending GroupCoordinator::alltoallBase(at::Tensor& output, at::Tensor& input,
                                        const c10d::AllToAllOptions& opts) {
   // Splits legitimately differ between ranks: compare dtypes only.
   debugCheck([&] { return std::string("alltoall_base " + dtypeName(input.scalar_type())); });
-  return passThrough(
-      backendFor(routeFor(input), bytesOf(input)).alltoall_base(output, input, outputSplits, inputSplits, opts),
-      {output});
+  return passThrough(backendFor(routeFor(input), bytesOf(input))
+                         .alltoall_base(output, input, outputSplits, inputSplits, opts),
+                     {output});
 }
 
 Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
@@ -337,19 +356,20 @@ Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
 
 Pending GroupCoordinator::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const Route route = routeFor(tensors[0]);
-  return withoutFutureOnCpu(route, passThrough(backendFor(route, bytesOf(tensors)).send(tensors, dstRank, tag), {}));
+  return withoutFutureOnCpu(
+      route, passThrough(backendFor(route, bytesOf(tensors)).send(tensors, dstRank, tag), {}));
 }
 
 Pending GroupCoordinator::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   const Route route = routeFor(tensors[0]);
-  return withoutFutureOnCpu(route,
-                            passThrough(backendFor(route, bytesOf(tensors)).recv(tensors, srcRank, tag), tensors));
+  return withoutFutureOnCpu(
+      route, passThrough(backendFor(route, bytesOf(tensors)).recv(tensors, srcRank, tag), tensors));
 }
 
 Pending GroupCoordinator::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const Route route = routeFor(tensors[0]);
-  return withoutFutureOnCpu(route,
-                            passThrough(backendFor(route, bytesOf(tensors)).recvAnysource(tensors, tag), tensors));
+  return withoutFutureOnCpu(
+      route, passThrough(backendFor(route, bytesOf(tensors)).recvAnysource(tensors, tag), tensors));
 }
 
 Pending GroupCoordinator::barrier(const c10d::BarrierOptions& opts) {
