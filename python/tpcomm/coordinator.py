@@ -251,9 +251,9 @@ class GroupCoordinator:
 
     def gather(self, input_, dst=0, dim=-1):
         """Concatenation along `dim` on group rank `dst`; None elsewhere."""
+        root = self._global(dst, "gather: dst")
         if self.world_size == 1:
             return input_
-        root = self._global(dst, "gather: dst")
         dim = _check_dim(input_, dim, "gather")
         parts = ([torch.empty_like(input_, memory_format=torch.contiguous_format)
                   for _ in range(self.world_size)] if self.rank == root else None)
@@ -302,6 +302,7 @@ class GroupCoordinator:
                 tensor_dict if self.rank == root else None)
         if self.rank == root:
             metadata, tensors = _split_tensor_dict(tensor_dict)
+            tensors = [t.contiguous() for t in tensors]  # the source only reads them
             self.broadcast_object(metadata, src=src)
         else:
             metadata = self.broadcast_object(None, src=src)
@@ -447,7 +448,9 @@ class GroupCoordinator:
             return hidden_states
         if not self._ep_plans:
             raise RuntimeError(f"combine on group {self.unique_name} without a dispatch")
-        return combine_tokens(self, self._ep_plans.popleft(), hidden_states)
+        out = combine_tokens(self, self._ep_plans[0], hidden_states)  # checks before sending
+        self._ep_plans.popleft()
+        return out
 
     # -------------------------------------------------------------- graphs, queues
     @contextmanager

@@ -178,6 +178,7 @@ def _broadcasts(ctx, mq):
         assert c.broadcast_object_list(lst, src=src) == [src, "x"]
         for step in (src, src + 10):
             want = _step_dict(step)
+            want["transposed"] = torch.arange(12.0).reshape(3, 4).t() + step  # not contiguous
             got = c.broadcast_tensor_dict(want if ctx.rank == src else None, src=src)
             assert_dicts_equal(got, want)
     with pytest.raises(ValueError, match=f"src {n} is not a rank of group"):
@@ -398,7 +399,7 @@ def test_communication_buffer_size_and_stats(group):
     group.run(_buffers_and_stats)
 
 
-def _bad_group_ranks(ctx):
+def _bad_arguments(ctx):
     import tpcomm
 
     n = ctx.world_size
@@ -408,7 +409,26 @@ def _bad_group_ranks(ctx):
         tpcomm.GroupCoordinator([[0], [0]], ctx.rank, device="cpu")
     with pytest.raises(ValueError, match="external_writer_handle is not supported"):
         _coordinator(ctx).create_mq_broadcaster(external_writer_handle=object())
+    c = _coordinator(ctx)
+    x = torch.ones(2, 3)
+    with pytest.raises(ValueError, match=f"dst {n} is not a rank of group {c.unique_name}"):
+        c.gather(x, dst=n)
+    if n == 1:
+        return
+    with pytest.raises(ValueError, match=f"dst {ctx.rank} is this rank itself"):
+        c.send_object(1, dst=ctx.rank)
+    with pytest.raises(ValueError, match=r"router_logits must be \[tokens, experts\]"):
+        c.dispatch(x, torch.ones(2, 3, 4))
+    with pytest.raises(ValueError, match="experts do not divide over"):
+        c.dispatch(x, torch.ones(2, 2 * n + 1))
+    with pytest.raises(ValueError, match=r"top_k 99 must be an integer in 1\.\.%d" % (2 * n)):
+        c.dispatch(x, torch.ones(2, 2 * n), top_k=99)
+    # A combine with the wrong row count is refused and the dispatch stays pending.
+    h, _ = c.dispatch(x, torch.ones(2, 2 * n))
+    with pytest.raises(ValueError, match=f"expected {h.shape[0]} rows"):
+        c.combine(h[1:])
+    assert torch.equal(c.combine(h), x * n)
 
 
-def test_bad_group_ranks(group):
-    group.run(_bad_group_ranks)
+def test_bad_arguments(group):
+    group.run(_bad_arguments)
