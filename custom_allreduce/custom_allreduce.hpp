@@ -2,17 +2,195 @@
 // Public host-side header of the custom peer-to-peer allreduce (tpcomm::car).
 // Declares host functions only; kernels stay in this folder's .cu/.cuh files.
 //
-// So far this component reports what its CUDA code was compiled for; the
-// one-shot/two-shot kernels and their IPC buffers build on it.
+// Each rank owns one device buffer (layout below) that every peer can reach:
+// through CUDA IPC across processes, or directly when one process drives N
+// ranks on N streams of one GPU (how the kernels are tested and timed on a
+// single GPU). The kernels only see the buffers' base pointers, one per rank.
+//
+// Buffer of one rank (BufferLayout::forMaxBytes, offsets 256-byte aligned):
+//
+//   +-------------------------------+ 0
+//   | Signal: flag slots written by |  flags[block][phase][peer], one 128-byte
+//   | peers, this rank's epochs     |  slot each; epoch[block]
+//   +-------------------------------+ stagingOffset
+//   | staging: this rank's input    |  maxBytes (copied in by the kernel)
+//   +-------------------------------+ resultOffset
+//   | result: this rank's reduced   |  maxBytes (two-shot only)
+//   | part                          |
+//   +-------------------------------+ totalBytes
+//
+// Algorithms (sum, float32 accumulation, ranks added in order 0..N-1 so that
+// every rank gets the same bits):
+//   one-shot  every rank copies its input to its staging, then reads all N
+//             stagings and writes the sum (reads N x bytes per rank)
+//   two-shot  rank r sums part r of all stagings into its result region,
+//             then every rank gathers the N parts (reads 2 x bytes per rank)
 
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
 #include <vector>
 
+#include <cuda_runtime_api.h>
+
 namespace tpcomm::car {
+
+inline constexpr int kMaxRanks = 8;
+inline constexpr int kMaxBlocks = 64;
+inline constexpr int kThreads = 512;
+inline constexpr size_t kPackBytes = 16;  // one vector load
 
 // CUDA runtime version the kernels were compiled against (e.g. 13000).
 int compiledCudaVersion();
 
 // The SM architectures with machine code in this build (e.g. {800, 900}).
 std::vector<int> compiledArchitectures();
+
+enum class DType { kFloat32, kFloat16, kBFloat16 };
+const char* dtypeName(DType dtype);
+size_t dtypeSize(DType dtype);
+
+enum class Algorithm { kOneShot, kTwoShot };
+const char* algorithmName(Algorithm algorithm);
+
+struct BufferLayout {
+  size_t signalBytes = 0;
+  size_t stagingOffset = 0;
+  size_t resultOffset = 0;
+  size_t maxBytes = 0;
+  size_t totalBytes = 0;
+  // Throws InvalidUsage unless maxBytes is a positive multiple of 16.
+  static BufferLayout forMaxBytes(size_t maxBytes);
+};
+
+// Largest one-shot size per world size (known good on NVLink H100-class
+// machines: one-shot reads N x the bytes, so it stops paying off earlier at
+// larger N); above it, two-shot up to the maximum.
+size_t oneShotLimit(int worldSize, size_t maxBytes);
+Algorithm chooseAlgorithm(int worldSize, size_t bytes, size_t maxBytes);
+// Thread blocks for a call: `override` when positive (1..kMaxBlocks), else
+// enough blocks of kThreads threads for the packs one block handles, capped.
+int chooseBlocks(Algorithm algorithm, int worldSize, size_t bytes, int override);
+
+// Whether a group or a call can use the kernel, and if not, why.
+struct Eligibility {
+  bool eligible = false;
+  std::string reason;  // empty when eligible
+};
+
+// What the ranks of a group reported about themselves.
+struct Topology {
+  std::vector<std::string> hostIds;  // one per rank
+  std::vector<int> devices;          // CUDA device index per rank
+  // canAccessPeer[i][j]: cudaDeviceCanAccessPeer(devices[i], devices[j]);
+  // a device reaches itself (ranks sharing a GPU) without it.
+  std::vector<std::vector<bool>> canAccessPeer;
+  bool probeSucceeded = true;  // every rank saw every peer's IPC write
+  std::string probeDetail;     // what the probe saw when it failed
+};
+
+// Checked once per group: world size 2..8, one host, P2P between every pair,
+// the write probe.
+Eligibility groupEligibility(const Topology& topology);
+// Checked per call: dtype is float32/float16/bfloat16 (`dtypeName` of any
+// other type in `otherDtype`), both pointers 16-byte aligned, size within the
+// maximum.
+Eligibility callEligibility(const std::string& dtype, size_t bytes, uintptr_t input,
+                            uintptr_t output, size_t maxBytes);
+
+// One rank's view of the group: what a kernel launch needs. Not thread-safe;
+// calls on one rank must be issued in the same order on every rank (as for
+// any collective), and every rank of a group must use the same maxBytes.
+class CustomAllreduce {
+ public:
+  // `buffers[r]`: rank r's buffer base as this process reaches it (IPC-opened
+  // or local), each laid out by BufferLayout::forMaxBytes(maxBytes) and
+  // zeroed before first use. `errorWord` must be device-visible host memory
+  // (cudaHostAllocMapped) owned by the caller; the kernels write a failure
+  // code there.
+  CustomAllreduce(int rank, int worldSize, std::vector<void*> buffers, size_t maxBytes,
+                  std::chrono::milliseconds timeout, uint32_t* errorWordHost,
+                  uint32_t* errorWordDevice);
+
+  int rank() const { return rank_; }
+  int worldSize() const { return worldSize_; }
+  size_t maxBytes() const { return layout_.maxBytes; }
+
+  // Enqueues out = sum over ranks of in (count elements) on `stream`.
+  // `in` may equal `out`. Capturable in a CUDA graph: the copy into the
+  // staging buffer happens inside the kernel and the flags advance on the
+  // device, so each replay is a fresh allreduce. Throws InvalidUsage for an
+  // ineligible call and PeerLost if an earlier call failed (see checkError).
+  void allreduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                 Algorithm algorithm, int blocks = 0);
+  // Same, with the algorithm and blocks chosen from the size.
+  void allreduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream);
+
+  // After the stream's work is done: throws Timeout naming the peer a kernel
+  // waited for in vain, if one did.
+  void checkError() const;
+  // The failure code a kernel left (0: none).
+  uint32_t errorCode() const;
+  // Clears the failure after a timeout. The flags are then out of step with
+  // the peers': every rank must call resetSignals() on its own buffer (with
+  // no kernel in flight) before the group is used again.
+  void clearError();
+
+ private:
+  int rank_;
+  int worldSize_;
+  std::vector<void*> buffers_;
+  BufferLayout layout_;
+  std::chrono::milliseconds timeout_;
+  uint32_t* errorHost_;
+  uint32_t* errorDevice_;
+};
+
+// Zeroes the signal area of a buffer (flags and epochs), ordered on
+// `stream`; with a null stream, done when this returns.
+void resetSignals(void* buffer, cudaStream_t stream);
+
+// Launches a kernel that does nothing (the benchmark's launch baseline).
+void launchEmptyKernel(cudaStream_t stream);
+
+// Describes a failure code: "rank 3 did not arrive (block 0, phase start)".
+std::string describeError(uint32_t code);
+
+// --- buffers ---------------------------------------------------------------
+
+// One rank's device buffer (cudaMalloc on the current device, zeroed signal
+// area) and its error word in mapped host memory.
+class RankBuffer {
+ public:
+  explicit RankBuffer(size_t maxBytes);
+  ~RankBuffer();
+  RankBuffer(const RankBuffer&) = delete;
+  RankBuffer& operator=(const RankBuffer&) = delete;
+
+  void* base() const { return base_; }
+  const BufferLayout& layout() const { return layout_; }
+  uint32_t* errorHost() const { return errorHost_; }
+  uint32_t* errorDevice() const { return errorDevice_; }
+  // The IPC handle of the buffer (cudaIpcGetMemHandle), as bytes.
+  std::string ipcHandle() const;
+  int device() const { return device_; }
+
+ private:
+  void* base_ = nullptr;
+  BufferLayout layout_;
+  uint32_t* errorHost_ = nullptr;
+  uint32_t* errorDevice_ = nullptr;
+  int device_ = 0;
+};
+
+// Opens a peer's buffer from its IPC handle bytes; each handle is opened once
+// per process and stays open until exit.
+void* openIpcHandle(const std::string& handle);
+
+// Writes `value` into the probe word of a peer buffer and reads back this
+// rank's own probe words (the write probe of the eligibility check).
+void writeProbe(void* peerBuffer, int fromRank, uint32_t value);
+std::vector<uint32_t> readProbes(void* ownBuffer, int worldSize);
 
 }  // namespace tpcomm::car

@@ -6,6 +6,7 @@
 // To add a setting: add a field to Settings, a row to kSettingTable in
 // settings.cpp, and a line to the README's settings table.
 
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
@@ -21,6 +22,15 @@ struct Settings {
   // (empty: the host name). Ranks with different ids never share memory;
   // tests use it to simulate several hosts on one machine.
   std::string hostId;
+  // TPCOMM_CAR_MAX_BYTES: the largest allreduce the custom kernel takes; its
+  // staging buffers are sized from it (twice this per rank).
+  int64_t carMaxBytes = 8 << 20;
+  // TPCOMM_CAR_TIMEOUT_MS: how long a custom-allreduce kernel waits for a
+  // peer before it gives up and the host raises naming that peer.
+  int64_t carTimeoutMs = 10000;
+  // TPCOMM_CAR_BLOCKS: thread blocks per custom-allreduce kernel (0: chosen
+  // from the size).
+  int64_t carBlocks = 0;
 
   // Lookup is injectable so tests can parse without touching the environment.
   using Lookup = std::function<std::optional<std::string>(const std::string& name)>;
@@ -43,6 +53,9 @@ const std::vector<SettingInfo>& settingTable();
 
 // The process-wide settings, parsed from the environment once.
 const Settings& settings();
+
+// Parses an integer setting value within [low, high].
+int64_t parseInt(const std::string& name, const std::string& value, int64_t low, int64_t high);
 
 // Parses a boolean setting value: 1/0, true/false, yes/no, on/off (any case).
 bool parseBool(const std::string& name, const std::string& value);

@@ -38,6 +38,31 @@ TEST(Settings, MalformedValueNamesVariableAndValue) {
   }
 }
 
+TEST(Settings, CustomAllreduceIntegers) {
+  Settings d = Settings::parse(fakeEnv({}));
+  EXPECT_EQ(d.carMaxBytes, 8 << 20);
+  EXPECT_EQ(d.carTimeoutMs, 10000);
+  EXPECT_EQ(d.carBlocks, 0);
+  Settings s = Settings::parse(fakeEnv(
+      {{"TPCOMM_CAR_MAX_BYTES", "1024"}, {"TPCOMM_CAR_TIMEOUT_MS", "250"}, {"TPCOMM_CAR_BLOCKS", "8"}}));
+  EXPECT_EQ(s.carMaxBytes, 1024);
+  EXPECT_EQ(s.carTimeoutMs, 250);
+  EXPECT_EQ(s.carBlocks, 8);
+  const std::vector<std::pair<const char*, const char*>> bad = {
+      {"TPCOMM_CAR_MAX_BYTES", "12x"}, {"TPCOMM_CAR_MAX_BYTES", "1000"},
+      {"TPCOMM_CAR_TIMEOUT_MS", "0"},  {"TPCOMM_CAR_BLOCKS", "65"},
+      {"TPCOMM_CAR_BLOCKS", ""},       {"TPCOMM_CAR_BLOCKS", "99999999999999999999"}};
+  for (const auto& [name, value] : bad) {
+    try {
+      Settings::parse(fakeEnv({{name, value}}));
+      ADD_FAILURE() << name << "=" << value << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidUsage);
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Settings, TableDocumentsEverySetting) {
   const auto& table = settingTable();
   ASSERT_FALSE(table.empty());

@@ -1,0 +1,153 @@
+// Host side of the custom allreduce: per-call checks and the launch, the
+// rank buffers, IPC handles and the write probe.
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "custom_allreduce/cuda_check.hpp"
+#include "custom_allreduce/custom_allreduce.hpp"
+#include "custom_allreduce/launch.hpp"
+#include "custom_allreduce/signal.hpp"
+
+namespace tpcomm::car {
+
+CustomAllreduce::CustomAllreduce(int rank, int worldSize, std::vector<void*> buffers,
+                                 size_t maxBytes, std::chrono::milliseconds timeout,
+                                 uint32_t* errorWordHost, uint32_t* errorWordDevice)
+    : rank_(rank),
+      worldSize_(worldSize),
+      buffers_(std::move(buffers)),
+      layout_(BufferLayout::forMaxBytes(maxBytes)),
+      timeout_(timeout),
+      errorHost_(errorWordHost),
+      errorDevice_(errorWordDevice) {
+  TPCOMM_CHECK(worldSize_ >= 2 && worldSize_ <= kMaxRanks, kInvalidUsage,
+               "custom allreduce: world size ", worldSize_, " is outside 2..", kMaxRanks);
+  TPCOMM_CHECK(rank_ >= 0 && rank_ < worldSize_, kInvalidUsage, "custom allreduce: rank ", rank_,
+               " is outside 0..", worldSize_ - 1);
+  TPCOMM_CHECK_EQ(static_cast<int>(buffers_.size()), worldSize_, "(buffers vs world size)");
+  for (size_t r = 0; r < buffers_.size(); ++r) {
+    TPCOMM_CHECK(buffers_[r] != nullptr, kInvalidUsage, "custom allreduce: no buffer for rank ",
+                 r);
+  }
+  TPCOMM_CHECK(errorHost_ != nullptr && errorDevice_ != nullptr, kInvalidUsage,
+               "custom allreduce: no error word");
+  TPCOMM_CHECK(timeout_.count() > 0, kInvalidUsage, "custom allreduce: the timeout must be "
+               "positive");
+}
+
+void CustomAllreduce::allreduce(const void* in, void* out, size_t count, DType dtype,
+                                cudaStream_t stream) {
+  const size_t bytes = count * dtypeSize(dtype);
+  const Algorithm algorithm = chooseAlgorithm(worldSize_, bytes, layout_.maxBytes);
+  allreduce(in, out, count, dtype, stream, algorithm, 0);
+}
+
+void CustomAllreduce::allreduce(const void* in, void* out, size_t count, DType dtype,
+                                cudaStream_t stream, Algorithm algorithm, int blocks) {
+  const size_t bytes = count * dtypeSize(dtype);
+  const Eligibility e = callEligibility(dtypeName(dtype), bytes, reinterpret_cast<uintptr_t>(in),
+                                        reinterpret_cast<uintptr_t>(out), layout_.maxBytes);
+  TPCOMM_CHECK(e.eligible, kInvalidUsage, "custom allreduce cannot take this call: ", e.reason);
+  const uint32_t failed = errorCode();
+  TPCOMM_CHECK(failed == 0, kPeerLost, "custom allreduce on rank ", rank_,
+               ": an earlier call failed (", describeError(failed),
+               "); every rank must reset its signals before the group is used again");
+  if (count == 0) return;
+  LaunchParams p;
+  p.input = in;
+  p.output = out;
+  p.count = count;
+  p.dtype = dtype;
+  p.algorithm = algorithm;
+  p.blocks = chooseBlocks(algorithm, worldSize_, bytes, blocks);
+  p.rank = rank_;
+  p.worldSize = worldSize_;
+  p.buffers = buffers_.data();
+  p.stagingOffset = layout_.stagingOffset;
+  p.resultOffset = layout_.resultOffset;
+  p.timeoutNs = static_cast<uint64_t>(timeout_.count()) * 1000000ull;
+  p.errorDevice = errorDevice_;
+  launchAllreduce(p, stream);
+}
+
+uint32_t CustomAllreduce::errorCode() const {
+  return *reinterpret_cast<volatile uint32_t*>(errorHost_);
+}
+
+void CustomAllreduce::checkError() const {
+  const uint32_t code = errorCode();
+  if (code != 0) {
+    TPCOMM_THROW(kTimeout, "custom allreduce on rank ", rank_, " of ", worldSize_, ": ",
+                 describeError(code), " within ", timeout_.count(), " ms");
+  }
+}
+
+void CustomAllreduce::clearError() { *reinterpret_cast<volatile uint32_t*>(errorHost_) = 0; }
+
+void resetSignals(void* buffer, cudaStream_t stream) {
+  TPCOMM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, sizeof(Signal), stream));
+  if (stream == nullptr) TPCOMM_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+// --- buffers ----------------------------------------------------------------
+
+RankBuffer::RankBuffer(size_t maxBytes) : layout_(BufferLayout::forMaxBytes(maxBytes)) {
+  TPCOMM_CUDA_CHECK(cudaGetDevice(&device_));
+  TPCOMM_CUDA_CHECK(cudaMalloc(&base_, layout_.totalBytes));
+  try {
+    TPCOMM_CUDA_CHECK(cudaMemset(base_, 0, layout_.signalBytes));
+    void* host = nullptr;
+    TPCOMM_CUDA_CHECK(cudaHostAlloc(&host, sizeof(uint32_t), cudaHostAllocMapped));
+    errorHost_ = static_cast<uint32_t*>(host);
+    *errorHost_ = 0;
+    void* device = nullptr;
+    TPCOMM_CUDA_CHECK(cudaHostGetDevicePointer(&device, host, 0));
+    errorDevice_ = static_cast<uint32_t*>(device);
+  } catch (...) {
+    if (errorHost_ != nullptr) cudaFreeHost(errorHost_);
+    cudaFree(base_);
+    throw;
+  }
+}
+
+RankBuffer::~RankBuffer() {
+  // Never throws: a failure here (e.g. at process exit) is ignored.
+  if (errorHost_ != nullptr) cudaFreeHost(errorHost_);
+  if (base_ != nullptr) cudaFree(base_);
+}
+
+std::string RankBuffer::ipcHandle() const {
+  cudaIpcMemHandle_t handle;
+  TPCOMM_CUDA_CHECK(cudaIpcGetMemHandle(&handle, base_));
+  return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
+}
+
+void* openIpcHandle(const std::string& bytes) {
+  TPCOMM_CHECK_EQ(bytes.size(), sizeof(cudaIpcMemHandle_t), "(IPC handle size)");
+  static std::mutex mutex;
+  static std::map<std::string, void*> opened;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = opened.find(bytes);
+  if (it != opened.end()) return it->second;
+  cudaIpcMemHandle_t handle;
+  std::memcpy(&handle, bytes.data(), sizeof(handle));
+  void* ptr = nullptr;
+  TPCOMM_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess));
+  opened.emplace(bytes, ptr);
+  return ptr;
+}
+
+std::vector<uint32_t> readProbes(void* ownBuffer, int worldSize) {
+  TPCOMM_CHECK(worldSize >= 1 && worldSize <= kMaxRanks, kInvalidUsage, "probe of ", worldSize,
+               " ranks");
+  auto* signal = static_cast<Signal*>(ownBuffer);
+  std::vector<uint32_t> out(worldSize);
+  for (int r = 0; r < worldSize; ++r) {
+    TPCOMM_CUDA_CHECK(cudaMemcpy(&out[r], &signal->probe[r].value, sizeof(uint32_t),
+                                 cudaMemcpyDeviceToHost));
+  }
+  return out;
+}
+
+}  // namespace tpcomm::car

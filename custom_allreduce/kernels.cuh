@@ -1,0 +1,162 @@
+#pragma once
+// One-shot and two-shot allreduce kernels (sum; float32 accumulation; ranks
+// added in order 0..N-1). See signal.hpp for the protocol. Elements move as
+// 16-byte packs; the count's remainder (< one pack) is handled element-wise
+// by thread 0.. of block 0 in every step, which keeps the per-block ownership
+// the barrier relies on.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "custom_allreduce/signal.cuh"
+
+namespace tpcomm::car {
+
+using Pack = uint4;
+
+template <typename T>
+struct Elements {
+  static constexpr int kPerPack = sizeof(Pack) / sizeof(T);
+};
+
+__device__ __forceinline__ float toFloat(float x) { return x; }
+__device__ __forceinline__ float toFloat(__half x) { return __half2float(x); }
+__device__ __forceinline__ float toFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T fromFloat(float x);
+template <>
+__device__ __forceinline__ float fromFloat<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half fromFloat<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 fromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Loads bypassing L1: the data was written by another SM or GPU.
+__device__ __forceinline__ Pack loadPack(const Pack* p) { return __ldcg(p); }
+
+template <typename T, int N>
+__device__ __forceinline__ Pack sumPack(const KernelArgs& a, size_t offset, size_t index) {
+  constexpr int kPer = Elements<T>::kPerPack;
+  float acc[kPer];
+  for (int r = 0; r < N; ++r) {
+    const Pack* src = reinterpret_cast<const Pack*>(a.buffers[r] + offset) + index;
+    Pack v = loadPack(src);
+    const T* e = reinterpret_cast<const T*>(&v);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) acc[k] = r == 0 ? toFloat(e[k]) : acc[k] + toFloat(e[k]);
+  }
+  Pack out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) o[k] = fromFloat<T>(acc[k]);
+  return out;
+}
+
+template <typename T, int N>
+__device__ __forceinline__ T sumElement(const KernelArgs& a, size_t offset, size_t index) {
+  float acc = 0.f;
+  for (int r = 0; r < N; ++r) {
+    const T* src = reinterpret_cast<const T*>(a.buffers[r] + offset) + index;
+    const float v = toFloat(__ldcg(src));
+    acc = r == 0 ? v : acc + v;
+  }
+  return fromFloat<T>(acc);
+}
+
+// Copies [begin, end) packs of the input into this rank's staging with the
+// block/thread partition every step uses.
+__device__ __forceinline__ void stagePacks(const KernelArgs& a, size_t begin, size_t end) {
+  const Pack* in = reinterpret_cast<const Pack*>(a.input);
+  Pack* staging = reinterpret_cast<Pack*>(a.buffers[a.rank] + a.stagingOffset);
+  for (size_t i = begin + blockIdx.x * blockDim.x + threadIdx.x; i < end;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    staging[i] = in[i];
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void stageTail(const KernelArgs& a, size_t first, size_t tail) {
+  if (blockIdx.x == 0 && threadIdx.x < tail) {
+    const T* in = reinterpret_cast<const T*>(a.input);
+    T* staging = reinterpret_cast<T*>(a.buffers[a.rank] + a.stagingOffset);
+    staging[first + threadIdx.x] = in[first + threadIdx.x];
+  }
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads) oneShotKernel(KernelArgs a) {
+  constexpr int kPer = Elements<T>::kPerPack;
+  const size_t packs = a.count / kPer;
+  const size_t tail = a.count % kPer;
+  const uint32_t epoch = nextEpoch(a);
+  stagePacks(a, 0, packs);
+  stageTail<T>(a, packs * kPer, tail);
+  if (!barrier<N>(a, kStart, epoch)) return;
+  Pack* out = reinterpret_cast<Pack*>(a.output);
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < packs;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    out[i] = sumPack<T, N>(a, a.stagingOffset, i);
+  }
+  if (blockIdx.x == 0 && threadIdx.x < tail) {
+    const size_t i = packs * kPer + threadIdx.x;
+    reinterpret_cast<T*>(a.output)[i] = sumElement<T, N>(a, a.stagingOffset, i);
+  }
+  barrier<N>(a, kEnd, epoch);
+}
+
+// Part p of the packs: [partBegin(p), partBegin(p + 1)).
+__device__ __forceinline__ size_t partBegin(size_t packs, int n, int p) {
+  const size_t per = (packs + n - 1) / n;
+  const size_t begin = per * p;
+  return begin < packs ? begin : packs;
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads) twoShotKernel(KernelArgs a) {
+  constexpr int kPer = Elements<T>::kPerPack;
+  const size_t packs = a.count / kPer;
+  const size_t tail = a.count % kPer;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  const size_t thread = blockIdx.x * blockDim.x + threadIdx.x;
+  const uint32_t epoch = nextEpoch(a);
+  // Stage part by part, so that block b stages exactly the packs block b of
+  // part p's owner reduces.
+  for (int p = 0; p < N; ++p) stagePacks(a, partBegin(packs, N, p), partBegin(packs, N, p + 1));
+  stageTail<T>(a, packs * kPer, tail);
+  if (!barrier<N>(a, kStart, epoch)) return;
+  // Reduce this rank's part into its result region (the tail belongs to
+  // the last rank).
+  Pack* result = reinterpret_cast<Pack*>(a.buffers[a.rank] + a.resultOffset);
+  const size_t end = partBegin(packs, N, a.rank + 1);
+  for (size_t i = partBegin(packs, N, a.rank) + thread; i < end; i += stride) {
+    result[i] = sumPack<T, N>(a, a.stagingOffset, i);
+  }
+  if (a.rank == N - 1 && blockIdx.x == 0 && threadIdx.x < tail) {
+    const size_t i = packs * kPer + threadIdx.x;
+    reinterpret_cast<T*>(result)[i] = sumElement<T, N>(a, a.stagingOffset, i);
+  }
+  if (!barrier<N>(a, kMiddle, epoch)) return;
+  // Gather every part from its owner's result region.
+  Pack* out = reinterpret_cast<Pack*>(a.output);
+  for (int p = 0; p < N; ++p) {
+    const Pack* src = reinterpret_cast<const Pack*>(a.buffers[p] + a.resultOffset);
+    const size_t stop = partBegin(packs, N, p + 1);
+    for (size_t i = partBegin(packs, N, p) + thread; i < stop; i += stride) {
+      out[i] = loadPack(src + i);
+    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x < tail) {
+    const size_t i = packs * kPer + threadIdx.x;
+    const T* src = reinterpret_cast<const T*>(a.buffers[N - 1] + a.resultOffset);
+    reinterpret_cast<T*>(a.output)[i] = __ldcg(src + i);
+  }
+  barrier<N>(a, kEnd, epoch);
+}
+
+}  // namespace tpcomm::car

@@ -1,0 +1,29 @@
+#pragma once
+// Host declaration of the kernel launch (defined in kernels.cu).
+
+#include <cstddef>
+#include <cstdint>
+
+#include "custom_allreduce/custom_allreduce.hpp"
+
+namespace tpcomm::car {
+
+struct LaunchParams {
+  const void* input = nullptr;
+  void* output = nullptr;
+  size_t count = 0;
+  DType dtype = DType::kFloat32;
+  Algorithm algorithm = Algorithm::kOneShot;
+  int blocks = 1;
+  int rank = 0;
+  int worldSize = 2;
+  void* const* buffers = nullptr;  // worldSize entries
+  size_t stagingOffset = 0;
+  size_t resultOffset = 0;
+  uint64_t timeoutNs = 0;
+  uint32_t* errorDevice = nullptr;
+};
+
+void launchAllreduce(const LaunchParams& params, cudaStream_t stream);
+
+}  // namespace tpcomm::car

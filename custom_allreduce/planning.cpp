@@ -1,0 +1,136 @@
+// Host-only decisions of the custom allreduce: buffer layout, algorithm and
+// block choice, eligibility, error descriptions. No CUDA calls.
+#include <algorithm>
+
+#include "coordinator/common/error.hpp"
+#include "custom_allreduce/custom_allreduce.hpp"
+#include "custom_allreduce/signal.hpp"
+
+namespace tpcomm::car {
+
+namespace {
+
+constexpr size_t kAlign = 256;
+
+size_t alignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+}  // namespace
+
+const char* dtypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kBFloat16:
+      return "bfloat16";
+  }
+  return "unknown";
+}
+
+size_t dtypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+const char* algorithmName(Algorithm algorithm) {
+  return algorithm == Algorithm::kOneShot ? "one-shot" : "two-shot";
+}
+
+BufferLayout BufferLayout::forMaxBytes(size_t maxBytes) {
+  TPCOMM_CHECK(maxBytes > 0 && maxBytes % kPackBytes == 0, kInvalidUsage,
+               "custom allreduce: the maximum size must be a positive multiple of 16 bytes, got ",
+               maxBytes);
+  BufferLayout l;
+  l.maxBytes = maxBytes;
+  l.signalBytes = alignUp(sizeof(Signal), kAlign);
+  l.stagingOffset = l.signalBytes;
+  l.resultOffset = l.stagingOffset + alignUp(maxBytes, kAlign);
+  l.totalBytes = l.resultOffset + alignUp(maxBytes, kAlign);
+  return l;
+}
+
+size_t oneShotLimit(int worldSize, size_t maxBytes) {
+  size_t limit = maxBytes;  // world size 2: one-shot all the way
+  if (worldSize > 2) limit = 512 << 10;
+  if (worldSize > 4) limit = 256 << 10;
+  return std::min(limit, maxBytes);
+}
+
+Algorithm chooseAlgorithm(int worldSize, size_t bytes, size_t maxBytes) {
+  return bytes <= oneShotLimit(worldSize, maxBytes) ? Algorithm::kOneShot : Algorithm::kTwoShot;
+}
+
+int chooseBlocks(Algorithm algorithm, int worldSize, size_t bytes, int override) {
+  if (override > 0) {
+    TPCOMM_CHECK(override <= kMaxBlocks, kInvalidUsage, "custom allreduce: ", override,
+                 " blocks asked for; at most ", kMaxBlocks);
+    return override;
+  }
+  // Packs one block's threads cover per pass; two-shot's reduction covers a
+  // 1/N part, so it needs fewer blocks for the same size.
+  size_t packs = (bytes + kPackBytes - 1) / kPackBytes;
+  if (algorithm == Algorithm::kTwoShot) packs = (packs + worldSize - 1) / worldSize;
+  const size_t wanted = (packs + kThreads - 1) / kThreads;
+  constexpr int kDefaultCap = 36;
+  return static_cast<int>(std::clamp<size_t>(wanted, 1, kDefaultCap));
+}
+
+Eligibility groupEligibility(const Topology& t) {
+  const int n = static_cast<int>(t.hostIds.size());
+  Eligibility e;
+  if (n < 2 || n > kMaxRanks) {
+    e.reason = detail::concat("world size ", n, " is outside 2..", kMaxRanks);
+    return e;
+  }
+  for (int r = 1; r < n; ++r) {
+    if (t.hostIds[r] != t.hostIds[0]) {
+      e.reason = detail::concat("ranks 0 and ", r, " are on different hosts ('", t.hostIds[0],
+                                "' and '", t.hostIds[r], "')");
+      return e;
+    }
+  }
+  TPCOMM_CHECK_EQ(t.devices.size(), t.hostIds.size(), "(devices vs ranks in the topology)");
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      if (i == j || t.devices[i] == t.devices[j]) continue;
+      const bool ok = i < static_cast<int>(t.canAccessPeer.size()) &&
+                      j < static_cast<int>(t.canAccessPeer[i].size()) && t.canAccessPeer[i][j];
+      if (!ok) {
+        e.reason = detail::concat("no P2P access from rank ", i, " (GPU ", t.devices[i],
+                                  ") to rank ", j, " (GPU ", t.devices[j], ")");
+        return e;
+      }
+    }
+  }
+  if (!t.probeSucceeded) {
+    e.reason = "the IPC write probe failed: " + t.probeDetail;
+    return e;
+  }
+  e.eligible = true;
+  return e;
+}
+
+Eligibility callEligibility(const std::string& dtype, size_t bytes, uintptr_t input,
+                            uintptr_t output, size_t maxBytes) {
+  Eligibility e;
+  if (dtype != "float32" && dtype != "float16" && dtype != "bfloat16") {
+    e.reason = "dtype " + dtype + " (the kernel sums float32, float16 and bfloat16)";
+  } else if (bytes > maxBytes) {
+    e.reason = detail::concat(bytes, " bytes exceed the custom maximum of ", maxBytes);
+  } else if (input % kPackBytes != 0 || output % kPackBytes != 0) {
+    e.reason = "a tensor that is not 16-byte aligned";
+  } else {
+    e.eligible = true;
+  }
+  return e;
+}
+
+std::string describeError(uint32_t code) {
+  if (code == 0) return "no error";
+  static const char* kPhaseNames[kPhases] = {"start", "middle", "end"};
+  const int peer = static_cast<int>(code & 0xff);
+  const int block = static_cast<int>((code >> 8) & 0xff);
+  const int phase = static_cast<int>((code >> 16) & 0x7f);
+  return detail::concat("rank ", peer, " did not arrive (block ", block, ", ",
+                        phase < kPhases ? kPhaseNames[phase] : "unknown", " barrier)");
+}
+
+}  // namespace tpcomm::car

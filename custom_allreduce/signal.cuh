@@ -1,0 +1,91 @@
+#pragma once
+// Device side of the signal protocol described in signal.hpp: release/acquire
+// flag accesses at system scope and the bounded per-block barrier.
+
+#include <cstdint>
+
+#include "custom_allreduce/signal.hpp"
+
+namespace tpcomm::car {
+
+struct KernelArgs {
+  const void* input;
+  void* output;
+  size_t count;
+  char* buffers[kMaxRanks];  // each rank's buffer base, as this process reaches it
+  size_t stagingOffset;
+  size_t resultOffset;
+  int rank;
+  uint64_t timeoutNs;
+  uint32_t* error;  // mapped host memory
+};
+
+__device__ __forceinline__ uint64_t globalTimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void storeRelease(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t loadAcquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ Signal* signalOf(const KernelArgs& a, int rank) {
+  return reinterpret_cast<Signal*>(a.buffers[rank]);
+}
+
+// This block's call number: one more than last time, kept in device memory
+// so graph replays advance it.
+__device__ __forceinline__ uint32_t nextEpoch(const KernelArgs& a) {
+  __shared__ uint32_t epoch;
+  if (threadIdx.x == 0) {
+    uint32_t* slot = &signalOf(a, a.rank)->epoch[blockIdx.x];
+    epoch = *slot + 1;
+    *slot = epoch;
+  }
+  __syncthreads();
+  return epoch;
+}
+
+// Every rank's block `blockIdx.x` reaches `phase` of call `epoch`. Returns
+// false (on every thread of the block) when a peer did not arrive within the
+// timeout or another block already failed; the error word then names it.
+template <int N>
+__device__ bool barrier(const KernelArgs& a, int phase, uint32_t epoch) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();  // this block's writes before the release below
+  if (threadIdx.x < N) {
+    const int peer = threadIdx.x;
+    storeRelease(&signalOf(a, peer)->flags[blockIdx.x][phase][a.rank].value, epoch);
+    const uint32_t* mine = &signalOf(a, a.rank)->flags[blockIdx.x][phase][peer].value;
+    const uint64_t start = globalTimer();
+    uint32_t spins = 0;
+    while (static_cast<int32_t>(loadAcquire(mine) - epoch) < 0) {
+      if ((++spins & 1023) == 0) {
+        const bool late = globalTimer() - start > a.timeoutNs;
+        if (late || *reinterpret_cast<volatile uint32_t*>(a.error) != 0) {
+          // A plain store: atomics on mapped host memory are not portable.
+          // Blocks that race here each write a valid code.
+          volatile uint32_t* error = a.error;
+          if (late && *error == 0) {
+            *error = errorCode(peer, phase, blockIdx.x);
+            __threadfence_system();
+          }
+          failed = 1;
+          break;
+        }
+      }
+    }
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
+}  // namespace tpcomm::car

@@ -1,0 +1,212 @@
+// Bindings of the custom peer-to-peer allreduce (tpcomm::car): rank buffers,
+// one rank's launcher, IPC handles, and the host-only planning functions.
+// Errors map as in register_message_queue.cpp (Timeout -> TimeoutError,
+// PeerLost -> PeerLostError, InvalidUsage -> ValueError).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <memory>
+
+#include "coordinator/common/error.hpp"
+#include "coordinator/common/settings.hpp"
+#include "custom_allreduce/custom_allreduce.hpp"
+
+namespace py = pybind11;
+
+namespace tpcomm::python {
+
+namespace {
+
+car::DType toDType(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return car::DType::kFloat32;
+    case at::kHalf:
+      return car::DType::kFloat16;
+    case at::kBFloat16:
+      return car::DType::kBFloat16;
+    default:
+      TPCOMM_THROW(kInvalidUsage, "custom allreduce: dtype ", c10::toString(t.scalar_type()),
+                   " (the kernel sums float32, float16 and bfloat16)");
+  }
+}
+
+car::Algorithm toAlgorithm(const std::string& name) {
+  if (name == "oneshot" || name == "one-shot") return car::Algorithm::kOneShot;
+  if (name == "twoshot" || name == "two-shot") return car::Algorithm::kTwoShot;
+  TPCOMM_THROW(kInvalidUsage, "custom allreduce: algorithm '", name,
+               "' is not one of oneshot, twoshot");
+}
+
+// One rank: its own buffer (kept alive here) and its view of every peer's.
+class Rank {
+ public:
+  Rank(int rank, int worldSize, std::shared_ptr<car::RankBuffer> own,
+       const std::vector<uintptr_t>& buffers, double timeoutMs)
+      : own_(std::move(own)),
+        impl_(rank, worldSize, toPointers(buffers), own_->layout().maxBytes,
+              std::chrono::milliseconds(static_cast<int64_t>(timeoutMs)), own_->errorHost(),
+              own_->errorDevice()) {
+    TPCOMM_CHECK(reinterpret_cast<uintptr_t>(own_->base()) == buffers.at(rank), kInvalidUsage,
+                 "custom allreduce: buffers[", rank, "] is not this rank's own buffer");
+  }
+
+  // out = sum of every rank's `input`, enqueued on `stream` (default: the
+  // current stream of the input's device).
+  void allReduce(const at::Tensor& input, at::Tensor& output, const std::string& algorithm,
+                 int blocks, std::optional<int64_t> stream) {
+    TPCOMM_CHECK(input.is_cuda() && output.is_cuda(), kInvalidUsage,
+                 "custom allreduce: tensors must be CUDA tensors");
+    TPCOMM_CHECK(input.device() == output.device(), kInvalidUsage,
+                 "custom allreduce: input and output are on different devices");
+    TPCOMM_CHECK(input.is_contiguous() && output.is_contiguous(), kInvalidUsage,
+                 "custom allreduce: tensors must be contiguous");
+    TPCOMM_CHECK(input.scalar_type() == output.scalar_type() && input.numel() == output.numel(),
+                 kInvalidUsage, "custom allreduce: output must match the input's dtype and size");
+    const car::DType dtype = toDType(input);
+    cudaStream_t s = stream ? reinterpret_cast<cudaStream_t>(*stream)
+                            : c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
+    const size_t count = static_cast<size_t>(input.numel());
+    if (algorithm.empty()) {
+      impl_.allreduce(input.data_ptr(), output.data_ptr(), count, dtype, s);
+    } else {
+      impl_.allreduce(input.data_ptr(), output.data_ptr(), count, dtype, s,
+                      toAlgorithm(algorithm), blocks);
+    }
+  }
+
+  car::CustomAllreduce& impl() { return impl_; }
+  car::RankBuffer& buffer() { return *own_; }
+
+ private:
+  static std::vector<void*> toPointers(const std::vector<uintptr_t>& in) {
+    std::vector<void*> out;
+    for (uintptr_t p : in) out.push_back(reinterpret_cast<void*>(p));
+    return out;
+  }
+
+  std::shared_ptr<car::RankBuffer> own_;
+  car::CustomAllreduce impl_;
+};
+
+py::tuple eligibilityTuple(const car::Eligibility& e) { return py::make_tuple(e.eligible, e.reason); }
+
+}  // namespace
+
+void registerCustomAllreduce(py::module_& m) {
+  py::class_<car::RankBuffer, std::shared_ptr<car::RankBuffer>>(
+      m, "CarBuffer", "One rank's custom-allreduce buffer on the current CUDA device.")
+      .def(py::init<size_t>(), py::arg("max_bytes"))
+      .def_property_readonly("base",
+                             [](const car::RankBuffer& b) {
+                               return reinterpret_cast<uintptr_t>(b.base());
+                             })
+      .def_property_readonly("device", &car::RankBuffer::device)
+      .def("ipc_handle", [](const car::RankBuffer& b) { return py::bytes(b.ipcHandle()); });
+
+  py::class_<Rank>(m, "CarRank", "One rank of a custom-allreduce group.")
+      .def(py::init<int, int, std::shared_ptr<car::RankBuffer>, const std::vector<uintptr_t>&,
+                    double>(),
+           py::arg("rank"), py::arg("world_size"), py::arg("buffer"), py::arg("buffers"),
+           py::arg("timeout_ms"))
+      .def("all_reduce", &Rank::allReduce, py::arg("input"), py::arg("output"),
+           py::arg("algorithm") = "", py::arg("blocks") = 0, py::arg("stream") = py::none(),
+           "Enqueues output = sum of every rank's input (algorithm '' chooses by size).")
+      .def("check_error", [](Rank& r) { r.impl().checkError(); })
+      .def_property_readonly("error_code", [](Rank& r) { return r.impl().errorCode(); })
+      .def("clear_error", [](Rank& r) { r.impl().clearError(); })
+      .def(
+          "reset_signals",
+          [](Rank& r) {
+            car::resetSignals(r.buffer().base(), nullptr);
+            r.impl().clearError();
+          },
+          "Zeroes this rank's flags after a failure (no kernel may be in flight; every rank "
+          "must do it).");
+
+  m.def(
+      "car_open_ipc_handle",
+      [](const py::bytes& handle) {
+        return reinterpret_cast<uintptr_t>(car::openIpcHandle(std::string(handle)));
+      },
+      "Opens a peer's buffer (once per handle per process); returns its address.");
+  m.def(
+      "car_write_probe",
+      [](uintptr_t peer, int fromRank, uint32_t value) {
+        car::writeProbe(reinterpret_cast<void*>(peer), fromRank, value);
+      },
+      "Stores `value` into probe slot `from_rank` of a peer buffer from a kernel.");
+  m.def(
+      "car_read_probes",
+      [](uintptr_t own, int worldSize) {
+        return car::readProbes(reinterpret_cast<void*>(own), worldSize);
+      },
+      "This buffer's probe slots 0..world_size-1.");
+  m.def(
+      "car_can_access_peer",
+      [](int device, int peer) {
+        if (device == peer) return true;
+        int ok = 0;
+        const cudaError_t status = cudaDeviceCanAccessPeer(&ok, device, peer);
+        TPCOMM_CHECK(status == cudaSuccess, kCuda, "cudaDeviceCanAccessPeer(", device, ", ", peer,
+                     ") failed: ", cudaGetErrorString(status));
+        return ok != 0;
+      },
+      "Whether GPU `device` can reach GPU `peer` (a GPU reaches itself).");
+  m.def(
+      "car_group_eligibility",
+      [](const std::vector<std::string>& hostIds, const std::vector<int>& devices,
+         const std::vector<std::vector<bool>>& canAccessPeer, bool probeSucceeded,
+         const std::string& probeDetail) {
+        car::Topology t;
+        t.hostIds = hostIds;
+        t.devices = devices;
+        t.canAccessPeer = canAccessPeer;
+        t.probeSucceeded = probeSucceeded;
+        t.probeDetail = probeDetail;
+        return eligibilityTuple(car::groupEligibility(t));
+      },
+      py::arg("host_ids"), py::arg("devices"), py::arg("can_access_peer"),
+      py::arg("probe_succeeded"), py::arg("probe_detail") = "",
+      "(eligible, reason) of a group from what its ranks reported.");
+  m.def(
+      "car_call_eligibility",
+      [](const std::string& dtype, size_t bytes, uintptr_t input, uintptr_t output,
+         size_t maxBytes) {
+        return eligibilityTuple(car::callEligibility(dtype, bytes, input, output, maxBytes));
+      },
+      "(eligible, reason) of one call.");
+  m.def(
+      "car_choose_algorithm",
+      [](int worldSize, size_t bytes, size_t maxBytes) {
+        return car::chooseAlgorithm(worldSize, bytes, maxBytes) == car::Algorithm::kOneShot
+                   ? "oneshot"
+                   : "twoshot";
+      },
+      "The algorithm the kernel uses for a size by default.");
+  m.def(
+      "car_choose_blocks",
+      [](const std::string& algorithm, int worldSize, size_t bytes, int override) {
+        return car::chooseBlocks(toAlgorithm(algorithm), worldSize, bytes, override);
+      },
+      "Thread blocks a call uses.");
+  m.def("car_defaults", [] {
+    py::dict d;
+    d["max_bytes"] = settings().carMaxBytes;
+    d["timeout_ms"] = settings().carTimeoutMs;
+    d["blocks"] = settings().carBlocks;
+    return d;
+  });
+  m.def(
+      "car_launch_empty_kernel",
+      [](std::optional<int64_t> stream) {
+        car::launchEmptyKernel(stream ? reinterpret_cast<cudaStream_t>(*stream)
+                                      : c10::cuda::getCurrentCUDAStream().stream());
+      },
+      py::arg("stream") = py::none(), "Launches a kernel that does nothing.");
+}
+
+}  // namespace tpcomm::python

@@ -1,0 +1,185 @@
+// Host-only logic of the custom allreduce (no GPU needed): buffer layout,
+// algorithm and block choice, eligibility over faked topologies, the checks
+// a call passes before anything is launched, and failure descriptions.
+#include <gtest/gtest.h>
+
+#include <cstddef>
+
+#include "coordinator/common/error.hpp"
+#include "custom_allreduce/custom_allreduce.hpp"
+#include "custom_allreduce/signal.hpp"
+
+namespace tpcomm::car {
+namespace {
+
+template <typename Fn>
+std::string expectError(ErrorCode code, Fn&& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "no error thrown";
+  return "";
+}
+
+TEST(CarLayout, RegionsAreAlignedAndDisjoint) {
+  for (size_t maxBytes : {size_t{16}, size_t{4096}, size_t{8} << 20, size_t{(8 << 20) + 48}}) {
+    const BufferLayout l = BufferLayout::forMaxBytes(maxBytes);
+    EXPECT_GE(l.signalBytes, sizeof(Signal));
+    EXPECT_EQ(l.stagingOffset % 256, 0u);
+    EXPECT_EQ(l.resultOffset % 256, 0u);
+    EXPECT_GE(l.resultOffset, l.stagingOffset + maxBytes);
+    EXPECT_GE(l.totalBytes, l.resultOffset + maxBytes);
+    EXPECT_LT(l.totalBytes, l.resultOffset + maxBytes + 256);
+  }
+  expectError(ErrorCode::kInvalidUsage, [] { BufferLayout::forMaxBytes(0); });
+  const std::string what =
+      expectError(ErrorCode::kInvalidUsage, [] { BufferLayout::forMaxBytes(100); });
+  EXPECT_NE(what.find("multiple of 16 bytes, got 100"), std::string::npos) << what;
+}
+
+TEST(CarLayout, EveryFlagSlotHasItsOwnCacheLine) {
+  EXPECT_EQ(sizeof(FlagSlot), 128u);
+  Signal* s = nullptr;
+  const auto at = [&](const void* p) { return reinterpret_cast<uintptr_t>(p); };
+  EXPECT_EQ(at(&s->flags[0][0][1]) - at(&s->flags[0][0][0]), 128u);
+  EXPECT_EQ(at(&s->flags[0][1][0]) - at(&s->flags[0][0][0]), 128u * kMaxRanks);
+  EXPECT_EQ(at(&s->flags[1][0][0]) - at(&s->flags[0][0][0]), 128u * kMaxRanks * kPhases);
+  EXPECT_GE(offsetof(Signal, epoch), offsetof(Signal, probe) + kMaxRanks * 128);
+}
+
+TEST(CarAlgorithm, OneShotLimitsByWorldSize) {
+  const size_t max = 8 << 20;
+  EXPECT_EQ(oneShotLimit(2, max), max);
+  EXPECT_EQ(oneShotLimit(3, max), 512u << 10);
+  EXPECT_EQ(oneShotLimit(4, max), 512u << 10);
+  EXPECT_EQ(oneShotLimit(5, max), 256u << 10);
+  EXPECT_EQ(oneShotLimit(8, max), 256u << 10);
+  EXPECT_EQ(oneShotLimit(8, 4096), 4096u);  // never above the maximum
+  EXPECT_EQ(chooseAlgorithm(2, max, max), Algorithm::kOneShot);
+  EXPECT_EQ(chooseAlgorithm(4, 512 << 10, max), Algorithm::kOneShot);
+  EXPECT_EQ(chooseAlgorithm(4, (512 << 10) + 16, max), Algorithm::kTwoShot);
+  EXPECT_EQ(chooseAlgorithm(8, 256 << 10, max), Algorithm::kOneShot);
+  EXPECT_EQ(chooseAlgorithm(8, 1 << 20, max), Algorithm::kTwoShot);
+  EXPECT_STREQ(algorithmName(Algorithm::kTwoShot), "two-shot");
+}
+
+TEST(CarAlgorithm, BlocksGrowWithSizeAndAreCapped) {
+  EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 2, 0, 0), 1);
+  EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 2, 8 << 10, 0), 1);  // 512 packs
+  EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 2, (8 << 10) + 16, 0), 2);
+  EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 8, 64 << 20, 0), 36);
+  // Two-shot reduces a 1/N part per rank: N times fewer packs per block.
+  EXPECT_EQ(chooseBlocks(Algorithm::kTwoShot, 4, 128 << 10, 0), 4);
+  EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 4, 128 << 10, 0), 16);
+  EXPECT_EQ(chooseBlocks(Algorithm::kTwoShot, 4, 128 << 10, 7), 7);
+  const std::string what = expectError(ErrorCode::kInvalidUsage, [] {
+    chooseBlocks(Algorithm::kOneShot, 2, 16, kMaxBlocks + 1);
+  });
+  EXPECT_NE(what.find("65 blocks asked for; at most 64"), std::string::npos) << what;
+}
+
+Topology topology(int n) {
+  Topology t;
+  for (int r = 0; r < n; ++r) {
+    t.hostIds.push_back("node0");
+    t.devices.push_back(r);
+  }
+  t.canAccessPeer.assign(n, std::vector<bool>(n, true));
+  return t;
+}
+
+TEST(CarEligibility, GroupChecksExplainWhatFails) {
+  for (int n = 2; n <= 8; ++n) EXPECT_TRUE(groupEligibility(topology(n)).eligible) << n;
+  EXPECT_EQ(groupEligibility(topology(1)).reason, "world size 1 is outside 2..8");
+  EXPECT_EQ(groupEligibility(topology(9)).reason, "world size 9 is outside 2..8");
+  Topology hosts = topology(4);
+  hosts.hostIds[2] = "node1";
+  EXPECT_EQ(groupEligibility(hosts).reason,
+            "ranks 0 and 2 are on different hosts ('node0' and 'node1')");
+  Topology noP2p = topology(4);
+  noP2p.canAccessPeer[1][3] = false;
+  EXPECT_EQ(groupEligibility(noP2p).reason, "no P2P access from rank 1 (GPU 1) to rank 3 (GPU 3)");
+  Topology shared = topology(4);  // four ranks on one GPU (how tests run)
+  shared.devices = {0, 0, 0, 0};
+  shared.canAccessPeer.assign(4, std::vector<bool>(4, false));
+  EXPECT_TRUE(groupEligibility(shared).eligible) << groupEligibility(shared).reason;
+  Topology probe = topology(2);
+  probe.probeSucceeded = false;
+  probe.probeDetail = "rank 1 saw 0 from rank 0";
+  EXPECT_EQ(groupEligibility(probe).reason, "the IPC write probe failed: rank 1 saw 0 from rank 0");
+}
+
+TEST(CarEligibility, CallChecksDtypeSizeAndAlignment) {
+  const size_t max = 1 << 20;
+  for (const char* dtype : {"float32", "float16", "bfloat16"}) {
+    EXPECT_TRUE(callEligibility(dtype, 64, 0x1000, 0x2000, max).eligible) << dtype;
+  }
+  EXPECT_EQ(callEligibility("int64", 64, 0x1000, 0x2000, max).reason,
+            "dtype int64 (the kernel sums float32, float16 and bfloat16)");
+  EXPECT_EQ(callEligibility("float32", max + 4, 0x1000, 0x2000, max).reason,
+            "1048580 bytes exceed the custom maximum of 1048576");
+  EXPECT_EQ(callEligibility("float32", 64, 0x1004, 0x2000, max).reason,
+            "a tensor that is not 16-byte aligned");
+  EXPECT_EQ(callEligibility("float16", 64, 0x1000, 0x2008, max).reason,
+            "a tensor that is not 16-byte aligned");
+  EXPECT_TRUE(callEligibility("float32", max, 0x1000, 0x1000, max).eligible);  // in place
+}
+
+TEST(CarHost, CallsAreCheckedBeforeAnythingIsLaunched) {
+  uint32_t error = 0;
+  std::vector<void*> buffers{reinterpret_cast<void*>(0x10000), reinterpret_cast<void*>(0x20000)};
+  CustomAllreduce car(0, 2, buffers, 4096, std::chrono::milliseconds(100), &error, &error);
+  void* in = reinterpret_cast<void*>(0x30000);
+  std::string what = expectError(ErrorCode::kInvalidUsage, [&] {
+    car.allreduce(in, in, 2048, DType::kFloat32, nullptr);  // 8 KiB > 4 KiB
+  });
+  EXPECT_NE(what.find("8192 bytes exceed the custom maximum of 4096"), std::string::npos) << what;
+  what = expectError(ErrorCode::kInvalidUsage, [&] {
+    car.allreduce(reinterpret_cast<char*>(in) + 2, in, 4, DType::kFloat16, nullptr);
+  });
+  EXPECT_NE(what.find("not 16-byte aligned"), std::string::npos) << what;
+  car.allreduce(in, in, 0, DType::kFloat32, nullptr);  // nothing to do, nothing launched
+  // A kernel that timed out left a code: the host names the peer and refuses more calls.
+  error = errorCode(1, kStart, 3);
+  what = expectError(ErrorCode::kTimeout, [&] { car.checkError(); });
+  EXPECT_NE(what.find("rank 1 did not arrive (block 3, start barrier) within 100 ms"),
+            std::string::npos)
+      << what;
+  what = expectError(ErrorCode::kPeerLost,
+                     [&] { car.allreduce(in, in, 4, DType::kFloat32, nullptr); });
+  EXPECT_NE(what.find("an earlier call failed (rank 1 did not arrive"), std::string::npos) << what;
+  car.clearError();
+  EXPECT_EQ(car.errorCode(), 0u);
+  EXPECT_NO_THROW(car.checkError());
+}
+
+TEST(CarHost, ConstructorRefusesBadGroups) {
+  uint32_t error = 0;
+  const auto make = [&](int rank, int n, std::vector<void*> buffers) {
+    CustomAllreduce(rank, n, std::move(buffers), 4096, std::chrono::milliseconds(100), &error,
+                    &error);
+  };
+  void* p = reinterpret_cast<void*>(0x10000);
+  EXPECT_NE(expectError(ErrorCode::kInvalidUsage, [&] { make(0, 1, {p}); })
+                .find("world size 1 is outside 2..8"),
+            std::string::npos);
+  EXPECT_NE(expectError(ErrorCode::kInvalidUsage, [&] { make(2, 2, {p, p}); })
+                .find("rank 2 is outside 0..1"),
+            std::string::npos);
+  EXPECT_NE(expectError(ErrorCode::kInvalidUsage, [&] { make(0, 2, {p, nullptr}); })
+                .find("no buffer for rank 1"),
+            std::string::npos);
+}
+
+TEST(CarErrors, DescribeNamesPeerBlockAndPhase) {
+  EXPECT_EQ(describeError(0), "no error");
+  EXPECT_EQ(describeError(errorCode(7, kMiddle, 35)),
+            "rank 7 did not arrive (block 35, middle barrier)");
+  EXPECT_EQ(describeError(errorCode(0, kEnd, 0)), "rank 0 did not arrive (block 0, end barrier)");
+}
+
+}  // namespace
+}  // namespace tpcomm::car
