@@ -6,11 +6,11 @@
 
 #include "coordinator/common/error.hpp"
 
-#define TPCOMM_CUDA_CHECK(call)                                                          \
-  do {                                                                                   \
-    const cudaError_t tpcomm_status_ = (call);                                           \
-    if (tpcomm_status_ != cudaSuccess) {                                                 \
-      TPCOMM_THROW(kCuda, #call, " failed: ", cudaGetErrorName(tpcomm_status_), " (",    \
-                   cudaGetErrorString(tpcomm_status_), ")");                            \
-    }                                                                                    \
+#define TPCOMM_CUDA_CHECK(call)                                                       \
+  do {                                                                                \
+    const cudaError_t tpcomm_status_ = (call);                                        \
+    if (tpcomm_status_ != cudaSuccess) {                                              \
+      TPCOMM_THROW(kCuda, #call, " failed: ", cudaGetErrorName(tpcomm_status_), " (", \
+                   cudaGetErrorString(tpcomm_status_), ")");                          \
+    }                                                                                 \
   } while (0)

@@ -123,7 +123,7 @@ class CustomAllreduce {
   // device, so each replay is a fresh allreduce. Throws InvalidUsage for an
   // ineligible call and PeerLost if an earlier call failed (see checkError).
   void allreduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
-                 Algorithm algorithm, int blocks = 0);
+                 Algorithm algorithm, int blocks = 0);  // 0: TPCOMM_CAR_BLOCKS, else by size
   // Same, with the algorithm and blocks chosen from the size.
   void allreduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream);
 

@@ -4,6 +4,7 @@
 #include <map>
 #include <mutex>
 
+#include "coordinator/common/settings.hpp"
 #include "custom_allreduce/cuda_check.hpp"
 #include "custom_allreduce/custom_allreduce.hpp"
 #include "custom_allreduce/launch.hpp"
@@ -27,12 +28,12 @@ CustomAllreduce::CustomAllreduce(int rank, int worldSize, std::vector<void*> buf
                " is outside 0..", worldSize_ - 1);
   TPCOMM_CHECK_EQ(static_cast<int>(buffers_.size()), worldSize_, "(buffers vs world size)");
   for (size_t r = 0; r < buffers_.size(); ++r) {
-    TPCOMM_CHECK(buffers_[r] != nullptr, kInvalidUsage, "custom allreduce: no buffer for rank ",
-                 r);
+    TPCOMM_CHECK(buffers_[r] != nullptr, kInvalidUsage, "custom allreduce: no buffer for rank ", r);
   }
   TPCOMM_CHECK(errorHost_ != nullptr && errorDevice_ != nullptr, kInvalidUsage,
                "custom allreduce: no error word");
-  TPCOMM_CHECK(timeout_.count() > 0, kInvalidUsage, "custom allreduce: the timeout must be "
+  TPCOMM_CHECK(timeout_.count() > 0, kInvalidUsage,
+               "custom allreduce: the timeout must be "
                "positive");
 }
 
@@ -60,7 +61,8 @@ void CustomAllreduce::allreduce(const void* in, void* out, size_t count, DType d
   p.count = count;
   p.dtype = dtype;
   p.algorithm = algorithm;
-  p.blocks = chooseBlocks(algorithm, worldSize_, bytes, blocks);
+  p.blocks = chooseBlocks(algorithm, worldSize_, bytes,
+                          blocks > 0 ? blocks : static_cast<int>(settings().carBlocks));
   p.rank = rank_;
   p.worldSize = worldSize_;
   p.buffers = buffers_.data();
@@ -144,8 +146,8 @@ std::vector<uint32_t> readProbes(void* ownBuffer, int worldSize) {
   auto* signal = static_cast<Signal*>(ownBuffer);
   std::vector<uint32_t> out(worldSize);
   for (int r = 0; r < worldSize; ++r) {
-    TPCOMM_CUDA_CHECK(cudaMemcpy(&out[r], &signal->probe[r].value, sizeof(uint32_t),
-                                 cudaMemcpyDeviceToHost));
+    TPCOMM_CUDA_CHECK(
+        cudaMemcpy(&out[r], &signal->probe[r].value, sizeof(uint32_t), cudaMemcpyDeviceToHost));
   }
   return out;
 }

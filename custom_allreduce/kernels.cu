@@ -86,8 +86,7 @@ __global__ void probeKernel(uint32_t* slot, uint32_t value) { storeRelease(slot,
 }  // namespace
 
 void writeProbe(void* peerBuffer, int fromRank, uint32_t value) {
-  TPCOMM_CHECK(fromRank >= 0 && fromRank < kMaxRanks, kInvalidUsage, "probe from rank ",
-               fromRank);
+  TPCOMM_CHECK(fromRank >= 0 && fromRank < kMaxRanks, kInvalidUsage, "probe from rank ", fromRank);
   auto* signal = static_cast<Signal*>(peerBuffer);
   probeKernel<<<1, 1>>>(&signal->probe[fromRank].value, value);
   TPCOMM_CUDA_CHECK(cudaGetLastError());

@@ -73,8 +73,8 @@ class Rank {
     if (algorithm.empty()) {
       impl_.allreduce(input.data_ptr(), output.data_ptr(), count, dtype, s);
     } else {
-      impl_.allreduce(input.data_ptr(), output.data_ptr(), count, dtype, s,
-                      toAlgorithm(algorithm), blocks);
+      impl_.allreduce(input.data_ptr(), output.data_ptr(), count, dtype, s, toAlgorithm(algorithm),
+                      blocks);
     }
   }
 
@@ -92,7 +92,9 @@ class Rank {
   car::CustomAllreduce impl_;
 };
 
-py::tuple eligibilityTuple(const car::Eligibility& e) { return py::make_tuple(e.eligible, e.reason); }
+py::tuple eligibilityTuple(const car::Eligibility& e) {
+  return py::make_tuple(e.eligible, e.reason);
+}
 
 }  // namespace
 
@@ -100,10 +102,8 @@ void registerCustomAllreduce(py::module_& m) {
   py::class_<car::RankBuffer, std::shared_ptr<car::RankBuffer>>(
       m, "CarBuffer", "One rank's custom-allreduce buffer on the current CUDA device.")
       .def(py::init<size_t>(), py::arg("max_bytes"))
-      .def_property_readonly("base",
-                             [](const car::RankBuffer& b) {
-                               return reinterpret_cast<uintptr_t>(b.base());
-                             })
+      .def_property_readonly(
+          "base", [](const car::RankBuffer& b) { return reinterpret_cast<uintptr_t>(b.base()); })
       .def_property_readonly("device", &car::RankBuffer::device)
       .def("ipc_handle", [](const car::RankBuffer& b) { return py::bytes(b.ipcHandle()); });
 

@@ -1,11 +1,14 @@
 """Benchmarks that print figures (never timed tests).
 
     python -m tpcomm.bench mq [--readers 1 3] [--quick]
+    python -m tpcomm.bench car [--world-sizes 2 4 8] [--max-mib 64] [--png car_bench.png]
 
 mq: broadcast of tensor dicts from one writer to N readers on this host,
 through tpcomm.MessageQueue and, in the same run, through the Gloo path
 (metadata with broadcast_object_list, then one dist.broadcast per tensor);
 plus single-thread memcpy bandwidth as the ceiling.
+
+car: the custom allreduce on one GPU (see tpcomm._bench_car).
 """
 
 import argparse
@@ -135,9 +138,18 @@ def main(argv=None):
     mq.add_argument("--readers", type=int, nargs="+", default=[1, 3])
     mq.add_argument("--quick", action="store_true", help="fewer iterations")
     mq.add_argument("--chunk-mb", type=float, default=1.0, help="ring chunk size (default 1)")
+    car = sub.add_parser("car", help="custom allreduce, N ranks on N streams of one GPU")
+    car.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
+    car.add_argument("--max-mib", type=int, default=64, help="largest size (default 64 MiB)")
+    car.add_argument("--quick", action="store_true", help="fewer iterations")
+    car.add_argument("--png", default="car_bench.png", help="plot of time vs size")
     args = parser.parse_args(argv)
     if args.what == "mq":
         return bench_mq(args.readers, args.quick, args.chunk_mb)
+    if args.what == "car":
+        from tpcomm._bench_car import run
+
+        return run(args.world_sizes, args.max_mib, args.quick, args.png)
     return 2
 
 

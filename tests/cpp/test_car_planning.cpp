@@ -75,9 +75,8 @@ TEST(CarAlgorithm, BlocksGrowWithSizeAndAreCapped) {
   EXPECT_EQ(chooseBlocks(Algorithm::kTwoShot, 4, 128 << 10, 0), 4);
   EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 4, 128 << 10, 0), 16);
   EXPECT_EQ(chooseBlocks(Algorithm::kTwoShot, 4, 128 << 10, 7), 7);
-  const std::string what = expectError(ErrorCode::kInvalidUsage, [] {
-    chooseBlocks(Algorithm::kOneShot, 2, 16, kMaxBlocks + 1);
-  });
+  const std::string what = expectError(
+      ErrorCode::kInvalidUsage, [] { chooseBlocks(Algorithm::kOneShot, 2, 16, kMaxBlocks + 1); });
   EXPECT_NE(what.find("65 blocks asked for; at most 64"), std::string::npos) << what;
 }
 
@@ -166,10 +165,16 @@ TEST(CarHost, ConstructorRefusesBadGroups) {
   EXPECT_NE(expectError(ErrorCode::kInvalidUsage, [&] { make(0, 1, {p}); })
                 .find("world size 1 is outside 2..8"),
             std::string::npos);
-  EXPECT_NE(expectError(ErrorCode::kInvalidUsage, [&] { make(2, 2, {p, p}); })
+  EXPECT_NE(expectError(ErrorCode::kInvalidUsage,
+                        [&] {
+                          make(2, 2, {p, p});
+                        })
                 .find("rank 2 is outside 0..1"),
             std::string::npos);
-  EXPECT_NE(expectError(ErrorCode::kInvalidUsage, [&] { make(0, 2, {p, nullptr}); })
+  EXPECT_NE(expectError(ErrorCode::kInvalidUsage,
+                        [&] {
+                          make(0, 2, {p, nullptr});
+                        })
                 .find("no buffer for rank 1"),
             std::string::npos);
 }

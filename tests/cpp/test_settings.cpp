@@ -43,8 +43,9 @@ TEST(Settings, CustomAllreduceIntegers) {
   EXPECT_EQ(d.carMaxBytes, 8 << 20);
   EXPECT_EQ(d.carTimeoutMs, 10000);
   EXPECT_EQ(d.carBlocks, 0);
-  Settings s = Settings::parse(fakeEnv(
-      {{"TPCOMM_CAR_MAX_BYTES", "1024"}, {"TPCOMM_CAR_TIMEOUT_MS", "250"}, {"TPCOMM_CAR_BLOCKS", "8"}}));
+  Settings s = Settings::parse(fakeEnv({{"TPCOMM_CAR_MAX_BYTES", "1024"},
+                                        {"TPCOMM_CAR_TIMEOUT_MS", "250"},
+                                        {"TPCOMM_CAR_BLOCKS", "8"}}));
   EXPECT_EQ(s.carMaxBytes, 1024);
   EXPECT_EQ(s.carTimeoutMs, 250);
   EXPECT_EQ(s.carBlocks, 8);

@@ -1,0 +1,198 @@
+"""The custom peer-to-peer allreduce, driven directly (without a process group
+backend): for tests, benchmarks and the routing that builds on it.
+
+    group = LocalGroup(4)                       # 4 ranks on 4 streams of this GPU
+    outs = group.all_reduce([x0, x1, x2, x3])   # sums, one kernel per rank
+
+    comm = IpcCommunicator.create(pg)           # one rank per process, IPC buffers
+    if comm.eligible:
+        y = comm.all_reduce(x)
+
+Sums float32, float16 and bfloat16 tensors of up to `max_bytes` (default
+TPCOMM_CAR_MAX_BYTES), 16-byte aligned, at world sizes 2 to 8. Every rank gets
+the same bits. A peer that does not arrive within TPCOMM_CAR_TIMEOUT_MS makes
+the kernel stop; check() then raises TimeoutError naming it, and reset() (on
+every rank) makes the group usable again.
+"""
+
+import torch
+import torch.distributed as dist
+
+from tpcomm import _C
+
+
+def _defaults(max_bytes, timeout_ms):
+    d = _C.car_defaults()
+    return (d["max_bytes"] if max_bytes is None else int(max_bytes),
+            d["timeout_ms"] if timeout_ms is None else float(timeout_ms))
+
+
+def _algorithm(name):
+    if name in (None, "", "auto"):
+        return ""
+    if name not in ("oneshot", "twoshot"):
+        raise ValueError(f"algorithm {name!r} is not one of 'oneshot', 'twoshot', 'auto'")
+    return name
+
+
+class LocalGroup:
+    """N ranks driven by this process on N streams of the current GPU (a
+    process cannot open its own IPC handles, so the buffers are shared
+    directly). The kernels of all ranks must run at once, so N x blocks must
+    fit on the GPU."""
+
+    def __init__(self, world_size, max_bytes=None, timeout_ms=None):
+        if not torch.cuda.is_available():
+            raise RuntimeError("the custom allreduce needs a CUDA GPU")
+        self.world_size = world_size
+        self.max_bytes, self.timeout_ms = _defaults(max_bytes, timeout_ms)
+        self.buffers = [_C.CarBuffer(self.max_bytes) for _ in range(world_size)]
+        bases = [b.base for b in self.buffers]
+        self.ranks = [_C.CarRank(r, world_size, self.buffers[r], bases, self.timeout_ms)
+                      for r in range(world_size)]
+        self.streams = [torch.cuda.Stream() for _ in range(world_size)]
+        self._sms = torch.cuda.get_device_properties(torch.cuda.current_device()) \
+            .multi_processor_count
+
+    def all_reduce(self, inputs, outputs=None, algorithm=None, blocks=0, ranks=None):
+        """Rank r's result into outputs[r] (new tensors when None), each rank's
+        kernel on its own stream, ordered after the current stream and joined
+        back into it. `ranks` launches only those ranks (the others withheld)."""
+        if len(inputs) != self.world_size:
+            raise ValueError(f"{len(inputs)} inputs for {self.world_size} ranks")
+        if outputs is None:
+            outputs = [torch.empty_like(x) for x in inputs]
+        current = torch.cuda.current_stream()
+        algo = _algorithm(algorithm)
+        if not blocks:
+            # Every rank's kernel must be resident at once: at most one block
+            # per SM each (the kernels' launch bounds guarantee one fits).
+            nbytes = inputs[0].numel() * inputs[0].element_size()
+            chosen = algo or _C.car_choose_algorithm(self.world_size, nbytes, self.max_bytes)
+            blocks = min(_C.car_choose_blocks(chosen, self.world_size, nbytes, 0),
+                         max(1, self._sms // self.world_size))
+        for r in (range(self.world_size) if ranks is None else ranks):
+            s = self.streams[r]
+            s.wait_stream(current)
+            self.ranks[r].all_reduce(inputs[r], outputs[r], algo, blocks, s.cuda_stream)
+        for r in (range(self.world_size) if ranks is None else ranks):
+            current.wait_stream(self.streams[r])
+        return outputs
+
+    def check(self):
+        """Raises TimeoutError naming the peer a kernel waited for in vain."""
+        torch.cuda.synchronize()
+        for rank in self.ranks:
+            rank.check_error()
+
+    def reset(self):
+        """After a failure: zeroes every rank's flags and errors."""
+        torch.cuda.synchronize()
+        for rank in self.ranks:
+            rank.reset_signals()
+
+
+class IpcCommunicator:
+    """One rank per process; buffers exchanged as CUDA IPC handles over the
+    group's CPU path. Use `create`; every member of `pg` calls it."""
+
+    def __init__(self, pg, rank, world_size, buffer, car_rank, eligible, reason, max_bytes):
+        self.pg = pg
+        self.rank = rank
+        self.world_size = world_size
+        self.buffer = buffer
+        self._rank = car_rank
+        self.eligible = eligible
+        self.reason = reason
+        self.max_bytes = max_bytes
+
+    @classmethod
+    def create(cls, pg=None, max_bytes=None, timeout_ms=None, device=None):
+        """Allocates this rank's buffer on `device` (default: the current GPU),
+        exchanges handles, opens the peers' buffers, runs the write probe and
+        decides eligibility (`eligible`, `reason`), the same on every rank."""
+        pg = dist.group.WORLD if pg is None else pg
+        rank, n = dist.get_rank(pg), dist.get_world_size(pg)
+        max_bytes, timeout_ms = _defaults(max_bytes, timeout_ms)
+        device = torch.cuda.current_device() if device is None else torch.device(device).index
+        with torch.cuda.device(device):
+            buffer = _C.CarBuffer(max_bytes)
+            me = {"host": _C.host_id(), "device": device, "handle": buffer.ipc_handle(),
+                  "uuid": str(torch.cuda.get_device_properties(device).uuid)}
+            every = [None] * n
+            dist.all_gather_object(every, me, group=pg)
+            hosts = [e["host"] for e in every]
+            # Process-local device indices differ with CUDA_VISIBLE_DEVICES:
+            # GPUs are matched by UUID (ranks sharing one GPU share its UUID).
+            uuids = [e["uuid"] for e in every]
+            ids = [uuids.index(u) for u in uuids]
+            local = {str(torch.cuda.get_device_properties(i).uuid): i
+                     for i in range(torch.cuda.device_count())}
+            row = [u in local and _C.car_can_access_peer(device, local[u]) for u in uuids]
+            rows = [None] * n
+            dist.all_gather_object(rows, row, group=pg)
+            car_rank = None
+            ok, reason = _C.car_group_eligibility(hosts, ids, rows, True, "")
+            if ok:
+                bases = [buffer.base if r == rank else _C.car_open_ipc_handle(every[r]["handle"])
+                         for r in range(n)]
+                probe_ok, detail = cls._probe(pg, rank, n, bases)
+                ok, reason = _C.car_group_eligibility(hosts, ids, rows, probe_ok, detail)
+                if ok:
+                    car_rank = _C.CarRank(rank, n, buffer, bases, timeout_ms)
+        return cls(pg, rank, n, buffer, car_rank, ok, reason, max_bytes)
+
+    @staticmethod
+    def _probe(pg, rank, n, bases):
+        """Every rank writes a token into every peer's probe slot through the
+        peer pointer (from a kernel); then every rank reads what arrived."""
+        token = 0x7C0DE000
+        for r in range(n):
+            if r != rank:
+                _C.car_write_probe(bases[r], rank, token + rank)
+        dist.barrier(group=pg)
+        seen = _C.car_read_probes(bases[rank], n)
+        missing = [r for r in range(n) if r != rank and seen[r] != token + r]
+        mine = f"rank {rank} saw no write from ranks {missing}" if missing else ""
+        every = [None] * n
+        dist.all_gather_object(every, mine, group=pg)
+        failures = [m for m in every if m]
+        return not failures, "; ".join(failures)
+
+    def _check_usable(self):
+        if not self.eligible:
+            raise RuntimeError(f"the custom allreduce is not available for this group: "
+                               f"{self.reason}")
+
+    def all_reduce(self, tensor, out=None, algorithm=None, blocks=0):
+        """Sum over the group into `out` (a new tensor when None; `out` may be
+        `tensor`), on the current stream. Capturable in a CUDA graph."""
+        self._check_usable()
+        out = torch.empty_like(tensor) if out is None else out
+        self._rank.all_reduce(tensor, out, _algorithm(algorithm), blocks)
+        return out
+
+    def call_eligibility(self, tensor):
+        """(eligible, reason) for one tensor."""
+        if not self.eligible:
+            return False, self.reason
+        dtype = str(tensor.dtype).replace("torch.", "")
+        if not tensor.is_cuda or not tensor.is_contiguous():
+            return False, "a tensor that is not a contiguous CUDA tensor"
+        nbytes = tensor.numel() * tensor.element_size()
+        return _C.car_call_eligibility(dtype, nbytes, tensor.data_ptr(), tensor.data_ptr(),
+                                       self.max_bytes)
+
+    def check(self):
+        """After the stream's work: raises TimeoutError naming a missing peer."""
+        self._check_usable()
+        torch.cuda.current_stream().synchronize()
+        self._rank.check_error()
+
+    def reset(self):
+        """After a failure: every rank calls it (no kernel in flight), then a
+        CPU barrier, before the next allreduce."""
+        self._check_usable()
+        torch.cuda.synchronize()
+        self._rank.reset_signals()
+        dist.barrier(group=self.pg)
