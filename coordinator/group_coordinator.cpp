@@ -3,6 +3,7 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "coordinator/common/error.hpp"
+#include "coordinator/common/settings.hpp"
 #include "coordinator/composite_ops.hpp"
 #include "coordinator/debug_check.hpp"
 
@@ -16,7 +17,13 @@ GroupCoordinator::GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d
     : options_(std::move(options)),
       store_(std::move(store)),
       cpu_(std::move(cpuBackend)),
-      deviceFactory_(std::move(deviceFactory)) {
+      deviceFactory_(std::move(deviceFactory)),
+      routing_(options_.size, RoutingConfig::fromSettings()),
+      routeLog_(settings().logRoutes) {
+  routing_.setCustomAvailability(
+      false,
+      "the backend does not drive the custom kernel yet (only tpcomm.custom_allreduce "
+      "does)");
   TPCOMM_CHECK(cpu_, kInvalidUsage, "GroupCoordinator needs a CPU backend");
   TPCOMM_CHECK_EQ(cpu_->getRank(), options_.rank, "(CPU backend rank vs group rank)");
   TPCOMM_CHECK_EQ(cpu_->getSize(), options_.size, "(CPU backend size vs group size)");
@@ -51,6 +58,17 @@ c10d::Backend& GroupCoordinator::backendFor(Route route, uint64_t bytes) {
   c10d::Backend& device = deviceBackend();
   stats_.record(StatsRoute::kNccl, bytes);
   return device;
+}
+
+void GroupCoordinator::logAllreduceRoute(const c10d::ReduceOp& op, const at::Tensor& tensor,
+                                         const std::string& routeName, const std::string& reason) {
+  if (!settings().logRoutes) return;
+  const std::string what = describeReduceOp(op) + " " + dtypeName(tensor.scalar_type());
+  const std::string key = std::string(routeName) + "|" + reason + "|" + what;
+  routeLog_.once(key, "tpcomm route: group '" + options_.groupName + "' rank " +
+                          std::to_string(rank()) + ": allreduce " + what + " " +
+                          std::to_string(bytesOf(tensor)) + " B -> " + routeName + " (" + reason +
+                          ")");
 }
 
 void GroupCoordinator::checkSignature(const std::string& signature) {
@@ -97,8 +115,16 @@ Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
                        describeTensors(tensors));
   });
   const Route route = routeFor(tensors[0]);
+  if (route == Route::kDevice) {
+    const RouteDecision d =
+        routing_.decide(opts.reduceOp, tensors[0].scalar_type(), bytesOf(tensors[0]));
+    // Until the backend drives the custom kernel every decision is NCCL.
+    logAllreduceRoute(opts.reduceOp, tensors[0], deviceRouteName(d.route), d.reason);
+    return passThrough(backendFor(route, bytesOf(tensors)).allreduce(tensors, opts), tensors);
+  }
+  logAllreduceRoute(opts.reduceOp, tensors[0], "gloo", "CPU tensor");
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
-  if (route == Route::kDevice || !plan.composed()) {
+  if (!plan.composed()) {
     return passThrough(backendFor(route, bytesOf(tensors)).allreduce(tensors, opts), tensors);
   }
   for (auto& t : tensors) {

@@ -31,6 +31,7 @@
 
 #include "coordinator/pending.hpp"
 #include "coordinator/route_stats.hpp"
+#include "coordinator/routing.hpp"
 
 namespace tpcomm::coord {
 
@@ -111,6 +112,8 @@ class GroupCoordinator {
 
   // Creates the device backend now (init_process_group(device_id=...)).
   void eagerConnect(at::Device device);
+  // The CUDA allreduce routing in force (describe()).
+  const RoutingTable& routing() const { return routing_; }
   // Calls and bytes per route since creation or the last resetStats().
   std::vector<RouteCount> stats() const { return stats_.snapshot(); }
   void resetStats() { stats_.reset(); }
@@ -139,6 +142,11 @@ class GroupCoordinator {
   c10::intrusive_ptr<c10d::Backend> device_;
   uint64_t debugSequence_ = 0;
   RouteStats stats_;
+  RoutingTable routing_;
+  RouteLog routeLog_;
+  // Logs (TPCOMM_LOG=routes) an allreduce's route the first time it is taken.
+  void logAllreduceRoute(const c10d::ReduceOp& op, const at::Tensor& tensor,
+                         const std::string& routeName, const std::string& reason);
 };
 
 }  // namespace tpcomm::coord

@@ -104,6 +104,37 @@ tensors through the device backend (NCCL), created on first use.)")
           },
           "Calls and bytes per route (gloo, custom_oneshot, custom_twoshot, nccl) on this rank.")
       .def(
+          "describe",
+          [](backend::ProcessGroupTpcomm& self) {
+            auto& c = self.coordinator();
+            const auto& routing = c.routing();
+            py::dict out;
+            out["group"] = c.options().groupName;
+            out["rank"] = c.rank();
+            out["world_size"] = c.size();
+            out["cpu_backend"] = "gloo";
+            out["device_backend"] = c.deviceBackendIfCreated() ? "nccl" : "nccl (not created)";
+            py::dict custom;
+            custom["available"] = routing.customAvailable();
+            custom["reason"] = routing.customReason();
+            custom["max_bytes"] = routing.config().customMaxBytes;
+            custom["oneshot_max_bytes"] = routing.oneShotMaxBytes();
+            out["custom_allreduce"] = custom;
+            out["route_mode"] = routing.config().mode;
+            py::list rows;
+            for (const auto& row : routing.rows()) {
+              py::dict r;
+              r["route"] = coord::deviceRouteName(row.route);
+              r["from_bytes"] = row.fromBytes;
+              r["to_bytes"] = row.toBytes < 0 ? py::object(py::none()) : py::int_(row.toBytes);
+              rows.append(r);
+            }
+            out["cuda_allreduce_routes"] = rows;
+            return out;
+          },
+          "This group's configuration: size, backends, whether the custom allreduce is "
+          "available (and why not), and the CUDA allreduce routing table in force.")
+      .def(
           "reset_stats", [](backend::ProcessGroupTpcomm& self) { self.coordinator().resetStats(); },
           "Sets every route's counters back to zero.");
 

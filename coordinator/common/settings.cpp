@@ -27,6 +27,16 @@ const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_CAR_BLOCKS", "int", "0",
      "Thread blocks per custom-allreduce kernel, 1 to 64 (0: chosen from the size and world "
      "size)."},
+    {"TPCOMM_ROUTE", "string", "auto",
+     "Where CUDA allreduces go: auto (the routing table by world size and bytes), nccl (never the "
+     "custom kernel), oneshot or twoshot (that custom algorithm whenever the kernel can take "
+     "the call)."},
+    {"TPCOMM_ONESHOT_MAX_BYTES", "int", "-1",
+     "Largest allreduce sent to the custom one-shot kernel (-1: 8 MiB at 2 ranks, 512 KiB at "
+     "3-4, 256 KiB at 5-8; never above TPCOMM_CAR_MAX_BYTES)."},
+    {"TPCOMM_LOG", "string", "",
+     "Comma-separated topics logged to stderr: routes (each distinct routing decision of a "
+     "group, once)."},
 };
 
 std::optional<std::string> fromEnvironment(const std::string& name) {
@@ -72,6 +82,32 @@ Settings Settings::parse(const Lookup& lookup) {
     s.carTimeoutMs = parseInt("TPCOMM_CAR_TIMEOUT_MS", *v, 1, int64_t{24} * 3600 * 1000);
   }
   if (auto v = lookup("TPCOMM_CAR_BLOCKS")) s.carBlocks = parseInt("TPCOMM_CAR_BLOCKS", *v, 0, 64);
+  if (auto v = lookup("TPCOMM_ROUTE")) {
+    s.route = v->empty() ? "auto" : *v;
+    TPCOMM_CHECK(
+        s.route == "auto" || s.route == "nccl" || s.route == "oneshot" || s.route == "twoshot",
+        kInvalidUsage, "setting TPCOMM_ROUTE='", *v,
+        "' is not one of auto, nccl, oneshot, twoshot");
+  }
+  if (auto v = lookup("TPCOMM_ONESHOT_MAX_BYTES")) {
+    s.oneShotMaxBytes = parseInt("TPCOMM_ONESHOT_MAX_BYTES", *v, -1, int64_t{1} << 30);
+  }
+  if (auto v = lookup("TPCOMM_LOG")) {
+    size_t start = 0;
+    while (start <= v->size()) {
+      const size_t comma = v->find(',', start);
+      const std::string topic =
+          v->substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+      if (topic == "routes") {
+        s.logRoutes = true;
+      } else if (!topic.empty()) {
+        TPCOMM_THROW(kInvalidUsage, "setting TPCOMM_LOG='", *v, "': unknown topic '", topic,
+                     "' (known: routes)");
+      }
+      if (comma == std::string::npos) break;
+      start = comma + 1;
+    }
+  }
   return s;
 }
 

@@ -31,6 +31,14 @@ struct Settings {
   // TPCOMM_CAR_BLOCKS: thread blocks per custom-allreduce kernel (0: chosen
   // from the size).
   int64_t carBlocks = 0;
+  // TPCOMM_ROUTE: auto (the routing table), nccl (never the custom kernel),
+  // oneshot or twoshot (the custom kernel whenever it can take the call).
+  std::string route = "auto";
+  // TPCOMM_ONESHOT_MAX_BYTES: largest one-shot allreduce (-1: by world size).
+  int64_t oneShotMaxBytes = -1;
+  // TPCOMM_LOG: comma-separated topics to log to stderr; "routes" logs each
+  // distinct routing decision once per group.
+  bool logRoutes = false;
 
   // Lookup is injectable so tests can parse without touching the environment.
   using Lookup = std::function<std::optional<std::string>(const std::string& name)>;

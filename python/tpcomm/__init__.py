@@ -62,6 +62,13 @@ def stats(group=None):
     return dict(_backend_of(group).stats())
 
 
+def describe(group=None):
+    """A tpcomm group's configuration (default: the world): group name, rank,
+    world size, backends, whether the custom allreduce is available and if
+    not why, and the CUDA allreduce routing table in force."""
+    return dict(_backend_of(group).describe())
+
+
 def reset_stats(group=None):
     """Sets the group's route counters on this rank back to zero."""
     _backend_of(group).reset_stats()
@@ -69,7 +76,7 @@ def reset_stats(group=None):
 
 __all__ = [
     "BACKEND_NAME", "GraphCaptureContext", "GroupCoordinator", "MessageQueue", "PeerLostError",
-    "build_info", "destroy_distributed_environment", "destroy_model_parallel",
+    "build_info", "describe", "destroy_distributed_environment", "destroy_model_parallel",
     "ensure_model_parallel_initialized", "get_dp_group", "get_ep_group",
     "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size", "get_pp_group",
     "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "get_tp_group",

@@ -1,4 +1,4 @@
-"""Registration, settings and build facts, in this (single) process."""
+"""Registration, settings, build facts, describe() and TPCOMM_LOG=routes."""
 
 import os
 import re
@@ -59,3 +59,44 @@ def test_build_targets_a100_and_h100():
         wanted = {int(m.group(1)) * 100 + int(m.group(2)) * 10
                   for m in re.finditer(r"(\d+)\.(\d)", requested)}
         assert set(info["cuda_architectures"]) == wanted
+
+
+def _describe(ctx):
+    import tpcomm
+
+    d = tpcomm.describe()
+    assert d["rank"] == ctx.rank and d["world_size"] == ctx.world_size
+    assert d["cpu_backend"] == "gloo" and d["device_backend"] == "nccl (not created)"
+    custom = d["custom_allreduce"]
+    assert custom["available"] is False and "does not drive the custom kernel" in custom["reason"]
+    assert custom["max_bytes"] == 8 << 20
+    assert d["route_mode"] == "auto"
+    assert d["cuda_allreduce_routes"] == [{"route": "nccl", "from_bytes": 0, "to_bytes": None}]
+    return d["group"]
+
+
+def test_describe_on_cpu(group):
+    names = group.run(_describe)
+    assert len(set(names)) == 1  # every rank describes the same group
+
+
+def test_log_routes_writes_each_decision_once():
+    code = (
+        "import socket, torch, torch.distributed as dist, tpcomm\n"
+        "s = socket.socket(); s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]; s.close()\n"
+        "dist.init_process_group('tpcomm', init_method=f'tcp://127.0.0.1:{port}', rank=0,"
+        " world_size=1)\n"
+        "for n in (4, 8, 4):\n"
+        "    dist.all_reduce(torch.ones(n))\n"
+        "dist.all_reduce(torch.ones(3, dtype=torch.int64), op=dist.ReduceOp.MAX)\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = dict(os.environ, TPCOMM_LOG="routes")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    lines = [l for l in out.stderr.splitlines() if l.startswith("tpcomm route:")]
+    assert lines == [
+        "tpcomm route: group '0' rank 0: allreduce SUM float32 16 B -> gloo (CPU tensor)",
+        "tpcomm route: group '0' rank 0: allreduce MAX int64 24 B -> gloo (CPU tensor)",
+    ], out.stderr

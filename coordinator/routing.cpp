@@ -1,0 +1,103 @@
+#include "coordinator/routing.hpp"
+
+#include <cstdio>
+
+#include "coordinator/common/error.hpp"
+#include "coordinator/common/settings.hpp"
+#include "coordinator/debug_check.hpp"
+#include "custom_allreduce/custom_allreduce.hpp"
+
+namespace tpcomm::coord {
+
+const char* deviceRouteName(DeviceRoute route) {
+  switch (route) {
+    case DeviceRoute::kNccl:
+      return "nccl";
+    case DeviceRoute::kCustomOneShot:
+      return "custom_oneshot";
+    case DeviceRoute::kCustomTwoShot:
+      return "custom_twoshot";
+  }
+  return "unknown";
+}
+
+RoutingConfig RoutingConfig::fromSettings() {
+  RoutingConfig c;
+  c.mode = settings().route;
+  c.oneShotMaxBytes = settings().oneShotMaxBytes;
+  c.customMaxBytes = settings().carMaxBytes;
+  return c;
+}
+
+RoutingTable::RoutingTable(int worldSize, RoutingConfig config)
+    : worldSize_(worldSize), config_(std::move(config)) {
+  TPCOMM_CHECK(config_.mode == "auto" || config_.mode == "nccl" || config_.mode == "oneshot" ||
+                   config_.mode == "twoshot",
+               kInvalidUsage, "routing mode '", config_.mode,
+               "' is not one of auto, nccl, oneshot, twoshot");
+  const int64_t byWorld =
+      static_cast<int64_t>(car::oneShotLimit(worldSize_, config_.customMaxBytes));
+  oneShotMax_ = config_.oneShotMaxBytes >= 0
+                    ? std::min<int64_t>(config_.oneShotMaxBytes, config_.customMaxBytes)
+                    : byWorld;
+}
+
+void RoutingTable::setCustomAvailability(bool available, std::string reason) {
+  customAvailable_ = available;
+  customReason_ = available ? "" : std::move(reason);
+}
+
+RouteDecision RoutingTable::decide(c10d::ReduceOp::RedOpType op, at::ScalarType dtype,
+                                   int64_t bytes) const {
+  RouteDecision d;
+  if (config_.mode == "nccl") {
+    d.reason = "TPCOMM_ROUTE=nccl";
+  } else if (op != c10d::ReduceOp::SUM && op != c10d::ReduceOp::AVG) {
+    d.reason = "the custom kernel only sums";
+  } else if (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) {
+    d.reason = "dtype " + dtypeName(dtype) + " is not summed by the kernel";
+  } else if (worldSize_ < 2) {
+    d.reason = "one rank";
+  } else if (!customAvailable_) {
+    d.reason = "custom kernel unavailable: " + customReason_;
+  } else if (bytes == 0) {
+    d.reason = "empty tensor";
+  } else if (bytes > config_.customMaxBytes) {
+    d.reason = detail::concat("above the custom maximum of ", config_.customMaxBytes, " B");
+  } else if (config_.mode == "oneshot" || config_.mode == "twoshot") {
+    d.route = config_.mode == "oneshot" ? DeviceRoute::kCustomOneShot : DeviceRoute::kCustomTwoShot;
+    d.reason = "TPCOMM_ROUTE=" + config_.mode;
+  } else if (bytes <= oneShotMax_) {
+    d.route = DeviceRoute::kCustomOneShot;
+    d.reason = detail::concat("<= ", oneShotMax_, " B at ", worldSize_, " ranks");
+  } else {
+    d.route = DeviceRoute::kCustomTwoShot;
+    d.reason = detail::concat("> ", oneShotMax_, " B at ", worldSize_, " ranks");
+  }
+  return d;
+}
+
+std::vector<RouteRow> RoutingTable::rows() const {
+  if (config_.mode == "nccl" || !customAvailable_ || worldSize_ < 2) {
+    return {{DeviceRoute::kNccl, 0, -1}};
+  }
+  const int64_t max = config_.customMaxBytes;
+  if (config_.mode == "oneshot")
+    return {{DeviceRoute::kCustomOneShot, 1, max}, {DeviceRoute::kNccl, max + 1, -1}};
+  if (config_.mode == "twoshot")
+    return {{DeviceRoute::kCustomTwoShot, 1, max}, {DeviceRoute::kNccl, max + 1, -1}};
+  std::vector<RouteRow> rows;
+  if (oneShotMax_ >= 1) rows.push_back({DeviceRoute::kCustomOneShot, 1, oneShotMax_});
+  if (oneShotMax_ < max) rows.push_back({DeviceRoute::kCustomTwoShot, oneShotMax_ + 1, max});
+  rows.push_back({DeviceRoute::kNccl, max + 1, -1});
+  return rows;
+}
+
+bool RouteLog::once(const std::string& key, const std::string& line) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!seen_.insert(key).second) return false;
+  if (enabled_) std::fprintf(stderr, "%s\n", line.c_str());
+  return true;
+}
+
+}  // namespace tpcomm::coord
