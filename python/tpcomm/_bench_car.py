@@ -109,7 +109,7 @@ def run(world_sizes=(2, 4, 8), max_mib=64, quick=False, png="car_bench.png"):
             plot.setdefault(n, []).append((nbytes, graph_ms * 1e3, eager_ms * 1e3))
             print(f"{nbytes:>10} {count:>10} {'float':>6} {algorithm:>8} {row[4]:>9.2f} "
                   f"{row[5]:>9.2f} {algbw:>7.2f} {busbw:>7.2f} {row[8]:>7.2f}x {row[9]:>6.0f}%")
-        del group
+        group = None  # frees the buffers before the next world size
     small = [r for r in rows if r[1] <= 8 << 10]
     large = [r for r in rows if r[1] >= 4 << 20]
     if small:

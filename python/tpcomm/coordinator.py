@@ -13,41 +13,23 @@ separate Gloo group for `cpu_group`.
 """
 
 import pickle
-from collections import deque, namedtuple
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from tpcomm import _ops
+from tpcomm import _ops, _tensor_dict
 from tpcomm._expert_parallel import combine_tokens, dispatch_tokens
 from tpcomm._registration import BACKEND_NAME
+from tpcomm._tensor_dict import TensorMetadata  # noqa: F401  (re-exported)
 from tpcomm.message_queue import MessageQueue
-
-# What travels ahead of a tensor in send/recv/broadcast_tensor_dict.
-TensorMetadata = namedtuple("TensorMetadata", ["device", "dtype", "size"])
 
 
 @dataclass
 class GraphCaptureContext:
     stream: "torch.cuda.Stream"
-
-
-def _split_tensor_dict(tensor_dict):
-    """(metadata list, tensors) where each tensor is replaced by its metadata."""
-    if not isinstance(tensor_dict, dict):
-        raise TypeError(f"a tensor dict must be a dict, got {type(tensor_dict).__name__}")
-    metadata, tensors = [], []
-    for key, value in tensor_dict.items():
-        if not isinstance(key, str):
-            raise TypeError(f"tensor dict keys must be str, got {key!r}")
-        if isinstance(value, torch.Tensor):
-            metadata.append((key, TensorMetadata(value.device.type, value.dtype, value.size())))
-            tensors.append(value)
-        else:
-            metadata.append((key, value))
-    return metadata, tensors
 
 
 def _check_dim(tensor, dim, what):
@@ -300,28 +282,7 @@ class GroupCoordinator:
         if self.mq_broadcaster is not None and src == self.mq_broadcaster.writer_rank:
             return self.mq_broadcaster.broadcast_tensor_dict(
                 tensor_dict if self.rank == root else None)
-        if self.rank == root:
-            metadata, tensors = _split_tensor_dict(tensor_dict)
-            tensors = [t.contiguous() for t in tensors]  # the source only reads them
-            self.broadcast_object(metadata, src=src)
-        else:
-            metadata = self.broadcast_object(None, src=src)
-            tensor_dict, tensors = {}, []
-            for key, value in metadata:
-                if isinstance(value, TensorMetadata):
-                    device = self.device if value.device != "cpu" else "cpu"
-                    tensor_dict[key] = torch.empty(value.size, dtype=value.dtype, device=device)
-                    tensors.append(tensor_dict[key])
-                else:
-                    tensor_dict[key] = value
-        works = []
-        for t in tensors:
-            if t.numel():
-                pg = self.cpu_group if t.is_cpu else self.device_group
-                works.append(dist.broadcast(t, src=root, group=pg, async_op=True))
-        for w in works:
-            w.wait()
-        return tensor_dict
+        return _tensor_dict.broadcast(self, tensor_dict, src, root)
 
     # -------------------------------------------------------------- point to point
     def _peer(self, peer, default_step, what):
@@ -349,13 +310,6 @@ class GroupCoordinator:
         dist.recv(payload, src=peer, group=self.cpu_group)
         return pickle.loads(payload.numpy().tobytes())
 
-    @staticmethod
-    def _sliced(key, tensor, all_gather_group, all_gather_tensors):
-        if all_gather_group is None or all_gather_group.world_size == 1:
-            return False
-        default = tensor.numel() % all_gather_group.world_size == 0
-        return bool((all_gather_tensors or {}).get(key, default))
-
     def send_tensor_dict(self, tensor_dict, dst=None, all_gather_group=None,
                          all_gather_tensors=None):
         """Sends a dict of str -> tensor | picklable to group rank `dst` (the
@@ -366,16 +320,7 @@ class GroupCoordinator:
         if self.world_size == 1:
             return tensor_dict
         peer = self._peer(dst, 1, "send_tensor_dict: dst")
-        metadata, _ = _split_tensor_dict(tensor_dict)
-        self.send_object(metadata, dst=self.ranks.index(peer))
-        for key, value in tensor_dict.items():
-            if not isinstance(value, torch.Tensor) or value.numel() == 0:
-                continue
-            t = value.contiguous()
-            if self._sliced(key, t, all_gather_group, all_gather_tensors):
-                n = all_gather_group.world_size
-                t = t.reshape(n, -1)[all_gather_group.rank_in_group]
-            dist.send(t, dst=peer, group=self.cpu_group if t.is_cpu else self.device_group)
+        _tensor_dict.send(self, tensor_dict, peer, all_gather_group, all_gather_tensors)
         return None
 
     def recv_tensor_dict(self, src=None, all_gather_group=None, all_gather_tensors=None):
@@ -384,24 +329,7 @@ class GroupCoordinator:
         if self.world_size == 1:
             return None
         peer = self._peer(src, -1, "recv_tensor_dict: src")
-        metadata = self.recv_object(src=self.ranks.index(peer))
-        out = {}
-        for key, value in metadata:
-            if not isinstance(value, TensorMetadata):
-                out[key] = value
-                continue
-            device = "cpu" if value.device == "cpu" else self.device
-            tensor = torch.empty(value.size, dtype=value.dtype, device=device)
-            if tensor.numel() and self._sliced(key, tensor, all_gather_group, all_gather_tensors):
-                part = tensor.new_empty(tensor.numel() // all_gather_group.world_size)
-                dist.recv(part, src=peer, group=self.cpu_group if part.is_cpu
-                          else self.device_group)
-                tensor = all_gather_group.all_gather(part, dim=0).reshape(value.size)
-            elif tensor.numel():
-                dist.recv(tensor, src=peer, group=self.cpu_group if tensor.is_cpu
-                          else self.device_group)
-            out[key] = tensor
-        return out
+        return _tensor_dict.recv(self, peer, all_gather_group, all_gather_tensors)
 
     def send(self, tensor, dst=None):
         """Sends `tensor` to group rank `dst` (the next rank by default)."""

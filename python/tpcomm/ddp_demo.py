@@ -9,7 +9,6 @@ parameters. Exits non-zero if training did not converge or the replicas differ.
 """
 
 import argparse
-import os
 import socket
 import sys
 import time

@@ -2,7 +2,6 @@
 the first CUDA call. NCCL refuses two ranks on one GPU, so these run at world
 size 1 (the multi-rank GPU paths come with the custom allreduce)."""
 
-import os
 import socket
 from datetime import timedelta
 

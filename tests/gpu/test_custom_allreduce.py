@@ -6,7 +6,6 @@ in a CUDA graph and 1,000 replays on fresh inputs; (d) a withheld rank: the
 others raise within the timeout and the group works again after reset()."""
 
 import multiprocessing as mp
-import os
 import socket
 import time
 import traceback

@@ -1,0 +1,102 @@
+"""Tensor dicts between GroupCoordinator ranks without a message queue:
+metadata first (as an object), then each tensor, over the CPU group for CPU
+tensors and the device group for CUDA tensors."""
+
+from collections import namedtuple
+
+import torch
+import torch.distributed as dist
+
+# What travels ahead of a tensor.
+TensorMetadata = namedtuple("TensorMetadata", ["device", "dtype", "size"])
+
+
+def split(tensor_dict):
+    """(metadata list, tensors) where each tensor is replaced by its metadata."""
+    if not isinstance(tensor_dict, dict):
+        raise TypeError(f"a tensor dict must be a dict, got {type(tensor_dict).__name__}")
+    metadata, tensors = [], []
+    for key, value in tensor_dict.items():
+        if not isinstance(key, str):
+            raise TypeError(f"tensor dict keys must be str, got {key!r}")
+        if isinstance(value, torch.Tensor):
+            metadata.append((key, TensorMetadata(value.device.type, value.dtype, value.size())))
+            tensors.append(value)
+        else:
+            metadata.append((key, value))
+    return metadata, tensors
+
+
+def _empty(c, meta):
+    """A tensor for `meta` on the receiver: CPU stays CPU, a device tensor
+    lands on the coordinator's device."""
+    device = "cpu" if meta.device == "cpu" else c.device
+    return torch.empty(meta.size, dtype=meta.dtype, device=device)
+
+
+def _group_for(c, tensor):
+    return c.cpu_group if tensor.is_cpu else c.device_group
+
+
+def broadcast(c, tensor_dict, src, root):
+    """broadcast_tensor_dict from group rank `src` (global rank `root`)."""
+    if c.rank == root:
+        metadata, tensors = split(tensor_dict)
+        tensors = [t.contiguous() for t in tensors]  # the source only reads them
+        c.broadcast_object(metadata, src=src)
+    else:
+        metadata = c.broadcast_object(None, src=src)
+        tensor_dict, tensors = {}, []
+        for key, value in metadata:
+            if isinstance(value, TensorMetadata):
+                tensor_dict[key] = _empty(c, value)
+                tensors.append(tensor_dict[key])
+            else:
+                tensor_dict[key] = value
+    works = [dist.broadcast(t, src=root, group=_group_for(c, t), async_op=True)
+             for t in tensors if t.numel()]
+    for w in works:
+        w.wait()
+    return tensor_dict
+
+
+def _sliced(key, tensor, all_gather_group, all_gather_tensors):
+    """Whether `key` travels as a 1/TP slice (see send)."""
+    if all_gather_group is None or all_gather_group.world_size == 1:
+        return False
+    default = tensor.numel() % all_gather_group.world_size == 0
+    return bool((all_gather_tensors or {}).get(key, default))
+
+
+def send(c, tensor_dict, peer, all_gather_group, all_gather_tensors):
+    """send_tensor_dict to global rank `peer`: with `all_gather_group`, only
+    this rank's 1/TP slice of each sliced tensor."""
+    metadata, _ = split(tensor_dict)
+    c.send_object(metadata, dst=c.ranks.index(peer))
+    for key, value in tensor_dict.items():
+        if not isinstance(value, torch.Tensor) or value.numel() == 0:
+            continue
+        t = value.contiguous()
+        if _sliced(key, t, all_gather_group, all_gather_tensors):
+            t = t.reshape(all_gather_group.world_size, -1)[all_gather_group.rank_in_group]
+        dist.send(t, dst=peer, group=_group_for(c, t))
+
+
+def recv(c, peer, all_gather_group, all_gather_tensors):
+    """recv_tensor_dict from global rank `peer`; sliced tensors are
+    all-gathered over `all_gather_group`."""
+    metadata = c.recv_object(src=c.ranks.index(peer))
+    out = {}
+    for key, value in metadata:
+        if not isinstance(value, TensorMetadata):
+            out[key] = value
+            continue
+        tensor = _empty(c, value)
+        if tensor.numel() and _sliced(key, tensor, all_gather_group, all_gather_tensors):
+            part = tensor.new_empty(tensor.numel() // all_gather_group.world_size)
+            dist.recv(part, src=peer, group=_group_for(c, part))
+            tensor = all_gather_group.all_gather(part, dim=0).reshape(value.size)
+        elif tensor.numel():
+            dist.recv(tensor, src=peer, group=_group_for(c, tensor))
+        out[key] = tensor
+    return out
