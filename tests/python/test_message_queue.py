@@ -76,8 +76,33 @@ def test_two_simulated_hosts():
         assert results[0] == (1, 2)
         results = group.run(_roundtrips, 3, 1 << 16)  # writer on host b
         assert results[0] == (1, 2)
+        # One reader, every other rank a writer: shared memory from its own
+        # host, the CPU group from the other.
+        assert group.run(_single_reader, 0)[0] == [(1, 0), (0, 1), (0, 1)]
+        assert group.run(_single_reader, 3)[3] == [(0, 1), (0, 1), (1, 0)]
     finally:
         group.close()
+
+
+def _single_reader(ctx, reader_rank):
+    from tpcomm import MessageQueue
+    writer, readers = MessageQueue.create_single_reader(dist.group.WORLD, reader_rank,
+                                                        max_chunk_bytes=4096, max_chunks=4)
+    if ctx.rank != reader_rank:
+        assert readers == [] and writer.is_writer
+        writer.enqueue(("from", ctx.rank))  # blocking=False: the first write waits for the reader
+        writer.broadcast_tensor_dict(_step_dict(ctx.rank))
+        writer.shutdown()
+        return None
+    assert writer is None and len(readers) == ctx.world_size - 1
+    senders = [r for r in range(ctx.world_size) if r != reader_rank]
+    for r, q in zip(senders, readers):
+        assert q.dequeue(timeout=30) == ("from", r)
+        assert_dicts_equal(q.broadcast_tensor_dict(), _step_dict(r))
+    counts = [(len(q.local_readers), len(q.remote_readers)) for q in readers]
+    for q in readers:
+        q.shutdown()
+    return counts
 
 
 def _subgroup_queue(ctx):
