@@ -303,6 +303,22 @@ def test_compile_fullgraph_through_custom_op(group):
     group.run(_compiled)
 
 
+def _inductor(ctx):
+    c = _coordinator(ctx)
+
+    def step(x):
+        return c.all_gather(c.all_reduce(torch.relu(x) * 2) + 1, 0)
+
+    x = _data(11, ctx.rank, (4, 3))
+    got = torch.compile(step, fullgraph=True)(x)  # the default backend: inductor
+    assert torch.equal(got, step(x))
+
+
+def test_compile_with_inductor(groups):
+    # Inductor compiles C++ on CPU (about 20 s); one world size is enough.
+    groups(2).run(_inductor, timeout_s=300)
+
+
 def test_custom_op_names_unknown_group():
     import tpcomm  # noqa: F401
 
