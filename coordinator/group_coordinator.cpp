@@ -19,7 +19,8 @@ GroupCoordinator::GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d
       cpu_(std::move(cpuBackend)),
       deviceFactory_(std::move(deviceFactory)),
       routing_(options_.size, RoutingConfig::fromSettings()),
-      routeLog_(settings().logRoutes) {
+      routeLog_(settings().logRoutes),
+      logRoutes_(settings().logRoutes) {
   routing_.setCustomAvailability(
       false,
       "the backend does not drive the custom kernel yet (only tpcomm.custom_allreduce "
@@ -62,7 +63,6 @@ c10d::Backend& GroupCoordinator::backendFor(Route route, uint64_t bytes) {
 
 void GroupCoordinator::logAllreduceRoute(const c10d::ReduceOp& op, const at::Tensor& tensor,
                                          const std::string& routeName, const std::string& reason) {
-  if (!settings().logRoutes) return;
   const std::string what = describeReduceOp(op) + " " + dtypeName(tensor.scalar_type());
   const std::string key = std::string(routeName) + "|" + reason + "|" + what;
   routeLog_.once(key, "tpcomm route: group '" + options_.groupName + "' rank " +
@@ -116,13 +116,16 @@ Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
   });
   const Route route = routeFor(tensors[0]);
   if (route == Route::kDevice) {
-    const RouteDecision d =
-        routing_.decide(opts.reduceOp, tensors[0].scalar_type(), bytesOf(tensors[0]));
-    // Until the backend drives the custom kernel every decision is NCCL.
-    logAllreduceRoute(opts.reduceOp, tensors[0], deviceRouteName(d.route), d.reason);
+    // Until the backend drives the custom kernel every call goes to NCCL; the
+    // table's decision (with its reason) is only worked out for the log.
+    if (logRoutes_) {
+      const RouteDecision d =
+          routing_.decide(opts.reduceOp, tensors[0].scalar_type(), bytesOf(tensors[0]));
+      logAllreduceRoute(opts.reduceOp, tensors[0], deviceRouteName(d.route), d.reason);
+    }
     return passThrough(backendFor(route, bytesOf(tensors)).allreduce(tensors, opts), tensors);
   }
-  logAllreduceRoute(opts.reduceOp, tensors[0], "gloo", "CPU tensor");
+  if (logRoutes_) logAllreduceRoute(opts.reduceOp, tensors[0], "gloo", "CPU tensor");
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (!plan.composed()) {
     return passThrough(backendFor(route, bytesOf(tensors)).allreduce(tensors, opts), tensors);

@@ -144,6 +144,7 @@ class GroupCoordinator {
   RouteStats stats_;
   RoutingTable routing_;
   RouteLog routeLog_;
+  const bool logRoutes_;  // TPCOMM_LOG=routes, read once
   // Logs (TPCOMM_LOG=routes) an allreduce's route the first time it is taken.
   void logAllreduceRoute(const c10d::ReduceOp& op, const at::Tensor& tensor,
                          const std::string& routeName, const std::string& reason);

@@ -42,15 +42,13 @@ def build_info():
 
 
 def _backend_of(group):
-    import torch.distributed as dist
-
     if isinstance(group, GroupCoordinator):
         group = group.device_group
     if group is None:
-        group = dist.group.WORLD
+        group = torch.distributed.group.WORLD
     backend = group._get_backend(torch.device("cpu"))
     if not isinstance(backend, _C.ProcessGroupTpcomm):
-        raise ValueError(f"group uses backend {dist.get_backend(group)!r}, not {BACKEND_NAME!r}")
+        raise ValueError(f"group uses backend {torch.distributed.get_backend(group)!r}, not {BACKEND_NAME!r}")
     return backend
 
 

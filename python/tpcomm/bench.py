@@ -12,7 +12,6 @@ car: the custom allreduce on one GPU (see tpcomm._bench_car).
 """
 
 import argparse
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -20,6 +19,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tpcomm._net import free_port
 
 
 def _payloads(quick):
@@ -110,9 +111,7 @@ def bench_mq(readers_list, quick, chunk_mb):
           f"{'speed-up':>8s} {'mq GB/s/reader':>15s} {'% memcpy':>9s}")
     ctx = mp.get_context("spawn")
     for readers in readers_list:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         results = ctx.SimpleQueue()
         world = readers + 1
         procs = [ctx.Process(target=_mq_worker, args=(r, world, port, quick, chunk_mb, results))

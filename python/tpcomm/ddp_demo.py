@@ -9,7 +9,6 @@ parameters. Exits non-zero if training did not converge or the replicas differ.
 """
 
 import argparse
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -19,11 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tpcomm._net import free_port
 
 
 def _dataset(rank, world_size, n=4096):
@@ -84,7 +79,7 @@ def main(argv=None):
 
     ctx = mp.get_context("spawn")
     result = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     print(f"tpcomm demo: DDP on CPU, {args.nproc} processes, {args.steps} steps", flush=True)
     procs = [ctx.Process(target=_worker, args=(r, args.nproc, port, args.steps, result))
              for r in range(args.nproc)]

@@ -15,7 +15,6 @@ float64 run of the same model. Exits non-zero if the check fails.
 
 import argparse
 import queue
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -24,13 +23,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tpcomm._net import free_port
 from tpcomm._tp_model import Config, DecodeStep, check, full_weights, prompts
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _choose_device(requested, tp):
@@ -180,7 +174,7 @@ def main(argv=None):
 
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, args.tp, port, args.steps, device, result))
              for r in range(args.tp)]
     for p in procs:

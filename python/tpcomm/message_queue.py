@@ -28,6 +28,21 @@ def _raw_bytes(t):
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+def _membership(pg, role, role_rank):
+    """(pg, its global ranks, this process's group rank), refusing a
+    non-member and a `role_rank` outside the group."""
+    if pg is None:
+        pg = dist.group.WORLD
+    ranks = dist.get_process_group_ranks(pg)
+    me = dist.get_rank()
+    if me not in ranks:
+        raise ValueError(f"rank {me} is not a member of the group {ranks}; only members "
+                         "create its message queue")
+    if not 0 <= role_rank < len(ranks):
+        raise ValueError(f"{role} {role_rank} is out of range for a group of {len(ranks)}")
+    return pg, ranks, ranks.index(me)
+
+
 class MessageQueue:
     """One writer, the other members of `pg` readers. Use the constructor
     `create_from_process_group`; every member of `pg` must call it."""
@@ -59,17 +74,8 @@ class MessageQueue:
         the readers to attach; wait_until_ready() (or the first write) does.
         CUDA tensors in tensor dicts travel over `device_group` (default `pg`),
         which must have the same members."""
-        if pg is None:
-            pg = dist.group.WORLD
-        ranks = dist.get_process_group_ranks(pg)
-        me = dist.get_rank()
-        if me not in ranks:
-            raise ValueError(f"rank {me} is not a member of the group {ranks}; only members "
-                             "create its message queue")
+        pg, ranks, rank = _membership(pg, "writer_rank", writer_rank)
         n = len(ranks)
-        if not 0 <= writer_rank < n:
-            raise ValueError(f"writer_rank {writer_rank} is out of range for a group of {n}")
-        rank = ranks.index(me)
         hosts = [None] * n
         dist.all_gather_object(hosts, _C.host_id(), group=pg)
         local = [r for r in range(n) if r != writer_rank and hosts[r] == hosts[writer_rank]]
@@ -95,17 +101,8 @@ class MessageQueue:
         one queue per writer. Returns (queue, []) on writers and
         (None, [queue of group rank 0, 1, ... skipping the reader]) on the
         reader."""
-        if pg is None:
-            pg = dist.group.WORLD
-        ranks = dist.get_process_group_ranks(pg)
-        me = dist.get_rank()
-        if me not in ranks:
-            raise ValueError(f"rank {me} is not a member of the group {ranks}; only members "
-                             "create its message queues")
+        pg, ranks, rank = _membership(pg, "reader_rank", reader_rank)
         n = len(ranks)
-        if not 0 <= reader_rank < n:
-            raise ValueError(f"reader_rank {reader_rank} is out of range for a group of {n}")
-        rank = ranks.index(me)
         host = _C.host_id()
         writer = None
         entry = (host, None)
