@@ -128,6 +128,19 @@ WorkPtr ProcessGroupTpcomm::allreduce(std::vector<at::Tensor>& tensors,
   });
 }
 
+WorkPtr ProcessGroupTpcomm::allreduceInto(at::Tensor& input, at::Tensor& output,
+                                          const c10d::AllreduceOptions& opts) {
+  return run(OpType::ALLREDUCE, "allreduce", [&] {
+    checkTensors("allreduce", "input", {input});
+    checkTensors("allreduce", "output", {output});
+    checkSameDevice("allreduce", {input, output});
+    checkDtype("allreduce", "output", {output}, input.scalar_type());
+    checkNumel("allreduce", "the output", output.numel(), input.numel());
+    checkReduceOp("allreduce", opts.reduceOp, input.scalar_type());
+    return coordinator_->allreduceInto(input, output, opts);
+  });
+}
+
 WorkPtr ProcessGroupTpcomm::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                              const c10d::AllreduceOptions& opts) {
   return run(OpType::ALLREDUCE, "allreduce_sparse", [&] {

@@ -48,6 +48,11 @@ class ProcessGroupTpcomm : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
+  // output = sum (or AVG) of every rank's input, out of place: the custom
+  // kernel then reads the input where it lies (zero-copy in graph_capture()).
+  // Not a c10d entry point: the GroupCoordinator's out-of-place op calls it.
+  c10::intrusive_ptr<c10d::Work> allreduceInto(at::Tensor& input, at::Tensor& output,
+                                               const c10d::AllreduceOptions& opts);
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,

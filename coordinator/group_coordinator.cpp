@@ -13,18 +13,17 @@ const char* routeName(Route route) { return route == Route::kCpu ? "cpu" : "devi
 
 GroupCoordinator::GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d::Store> store,
                                    c10::intrusive_ptr<c10d::Backend> cpuBackend,
-                                   BackendFactory deviceFactory)
+                                   BackendFactory deviceFactory,
+                                   CustomDeviceFactory customDeviceFactory)
     : options_(std::move(options)),
       store_(std::move(store)),
       cpu_(std::move(cpuBackend)),
       deviceFactory_(std::move(deviceFactory)),
+      customDeviceFactory_(std::move(customDeviceFactory)),
       routing_(options_.size, RoutingConfig::fromSettings()),
       routeLog_(settings().logRoutes),
       logRoutes_(settings().logRoutes) {
-  routing_.setCustomAvailability(
-      false,
-      "the backend does not drive the custom kernel yet (only tpcomm.custom_allreduce "
-      "does)");
+  routing_.setCustomAvailability(false, "not set up yet (at the group's first CUDA allreduce)");
   TPCOMM_CHECK(cpu_, kInvalidUsage, "GroupCoordinator needs a CPU backend");
   TPCOMM_CHECK_EQ(cpu_->getRank(), options_.rank, "(CPU backend rank vs group rank)");
   TPCOMM_CHECK_EQ(cpu_->getSize(), options_.size, "(CPU backend size vs group size)");
@@ -33,10 +32,6 @@ GroupCoordinator::GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d
 c10::intrusive_ptr<c10d::Backend> GroupCoordinator::deviceBackendIfCreated() const {
   std::lock_guard<std::mutex> lock(deviceMutex_);
   return device_;
-}
-
-Route GroupCoordinator::routeFor(const at::Tensor& tensor) const {
-  return tensor.device().is_cpu() ? Route::kCpu : Route::kDevice;
 }
 
 c10d::Backend& GroupCoordinator::deviceBackend() {
@@ -116,12 +111,12 @@ Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
   });
   const Route route = routeFor(tensors[0]);
   if (route == Route::kDevice) {
-    // Until the backend drives the custom kernel every call goes to NCCL; the
-    // table's decision (with its reason) is only worked out for the log.
-    if (logRoutes_) {
-      const RouteDecision d =
-          routing_.decide(opts.reduceOp, tensors[0].scalar_type(), bytesOf(tensors[0]));
-      logAllreduceRoute(opts.reduceOp, tensors[0], deviceRouteName(d.route), d.reason);
+    ensureCustom(tensors[0].device());
+    const RouteDecision d =
+        routing_.decide(opts.reduceOp, tensors[0].scalar_type(), bytesOf(tensors[0]));
+    if (logRoutes_) logAllreduceRoute(opts.reduceOp, tensors[0], deviceRouteName(d.route), d.reason);
+    if (d.route != DeviceRoute::kNccl) {
+      return customAllreduce(tensors[0], tensors[0], d.route, opts);
     }
     return passThrough(backendFor(route, bytesOf(tensors)).allreduce(tensors, opts), tensors);
   }
@@ -424,11 +419,6 @@ std::shared_ptr<GroupCoordinator> GroupCoordinator::split(
   options.timeout = timeout;
   options.groupName = groupName;
   return std::make_shared<GroupCoordinator>(options, store, cpu, deviceFactory_);
-}
-
-void GroupCoordinator::eagerConnect(at::Device device) {
-  if (device.is_cpu()) return;
-  deviceBackend().eagerConnectSingleDevice(device);
 }
 
 void GroupCoordinator::setTimeout(std::chrono::milliseconds timeout) {

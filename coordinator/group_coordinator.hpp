@@ -4,7 +4,15 @@
 // ProcessGroupNCCL), and routes every call to one of them:
 //
 //   CPU tensors, barrier, monitored barrier  -> CPU backend
-//   CUDA tensors                             -> device backend
+//   CUDA allreduces the routing table sends  -> custom kernel (CustomPath)
+//   to the custom kernel
+//   other CUDA tensors                       -> device backend
+//
+// A rank's CUDA calls on one group must all use one GPU: the first CUDA call
+// binds it, and a tensor on another GPU is refused naming both. The custom
+// kernel is set up (collectively, over the CPU backend) at the group's first
+// CUDA allreduce or eager connect; it never needs the device backend, so a
+// group whose ranks share one GPU (which NCCL refuses) can use it.
 //
 // Where the routed backend lacks an operation the coordinator composes it
 // (AVG and PREMUL_SUM on Gloo, list all-to-all through alltoall_base).
@@ -23,17 +31,23 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "coordinator/custom_path.hpp"
 #include "coordinator/pending.hpp"
 #include "coordinator/route_stats.hpp"
 #include "coordinator/routing.hpp"
 
 namespace tpcomm::coord {
+
+// Makes this rank's CustomDevice for a CUDA device index (makeCudaDevice in
+// the product; a fake in tests).
+using CustomDeviceFactory = std::function<std::unique_ptr<CustomDevice>(int deviceIndex)>;
 
 // Makes a backend for (store, rank, size, timeout). The device backend is
 // made through one of these so that a CPU-only job never touches CUDA/NCCL.
@@ -55,7 +69,8 @@ const char* routeName(Route route);
 class GroupCoordinator {
  public:
   GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d::Store> store,
-                   c10::intrusive_ptr<c10d::Backend> cpuBackend, BackendFactory deviceFactory);
+                   c10::intrusive_ptr<c10d::Backend> cpuBackend, BackendFactory deviceFactory,
+                   CustomDeviceFactory customDeviceFactory = makeCudaDevice);
 
   int rank() const { return options_.rank; }
   int size() const { return options_.size; }
@@ -63,10 +78,17 @@ class GroupCoordinator {
   c10::intrusive_ptr<c10d::Backend> cpuBackend() const { return cpu_; }
   // Null until a CUDA call (or eagerConnect) created it.
   c10::intrusive_ptr<c10d::Backend> deviceBackendIfCreated() const;
-  Route routeFor(const at::Tensor& tensor) const;
+  // Where a tensor's call goes; binds the group's GPU on the first CUDA
+  // tensor and refuses a tensor on another GPU.
+  Route routeFor(const at::Tensor& tensor);
+  // The GPU this rank's CUDA calls use, once bound.
+  std::optional<at::Device> cudaDevice() const;
 
   Pending broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts);
   Pending allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
+  // output = reduction of every rank's input; output may be input. The custom
+  // kernel reads the input in place where it can (graph_capture()).
+  Pending allreduceInto(at::Tensor& input, at::Tensor& output, const c10d::AllreduceOptions& opts);
   Pending allreduceSparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
   Pending allreduceCoalesced(std::vector<at::Tensor>& tensors,
                              const c10d::AllreduceCoalescedOptions& opts);
@@ -114,6 +136,12 @@ class GroupCoordinator {
   void eagerConnect(at::Device device);
   // The CUDA allreduce routing in force (describe()).
   const RoutingTable& routing() const { return routing_; }
+  // The custom kernel's state: null until the first CUDA allreduce.
+  std::shared_ptr<CustomPath> customPath() const;
+  // graph_capture(): zero-copy registration of captured custom allreduces.
+  // begin is local; finish is collective (see CustomPath). They nest.
+  void beginGraphRegistration();
+  void finishGraphRegistration();
   // Calls and bytes per route since creation or the last resetStats().
   std::vector<RouteCount> stats() const { return stats_.snapshot(); }
   void resetStats() { stats_.reset(); }
@@ -125,6 +153,11 @@ class GroupCoordinator {
   // The backend for `route`, counting the call and its bytes in stats_.
   c10d::Backend& backendFor(Route route, uint64_t bytes);
   c10d::Backend& deviceBackend();
+  void bindDevice(at::Device device);
+  // Sets up the custom kernel on the first call (collective), then returns it.
+  CustomPath& ensureCustom(at::Device device);
+  Pending customAllreduce(at::Tensor& input, at::Tensor& output, DeviceRoute route,
+                          const c10d::AllreduceOptions& opts);
   // TPCOMM_DEBUG: raises on every rank when ranks disagree on the call's
   // signature. `describe` builds it and runs only when the check is on, so
   // the default path formats nothing.
@@ -140,6 +173,11 @@ class GroupCoordinator {
   BackendFactory deviceFactory_;
   mutable std::mutex deviceMutex_;
   c10::intrusive_ptr<c10d::Backend> device_;
+  CustomDeviceFactory customDeviceFactory_;
+  std::optional<at::Device> cudaDevice_;  // guarded by deviceMutex_
+  std::shared_ptr<CustomPath> custom_;    // guarded by deviceMutex_
+  std::optional<c10::cuda::CUDAStream> commStream_;  // async custom calls
+  int registrationDepth_ = 0;             // guarded by deviceMutex_
   uint64_t debugSequence_ = 0;
   RouteStats stats_;
   RoutingTable routing_;

@@ -61,7 +61,10 @@ RouteDecision RoutingTable::decide(c10d::ReduceOp::RedOpType op, at::ScalarType 
   } else if (!customAvailable_) {
     d.reason = "custom kernel unavailable: " + customReason_;
   } else if (bytes == 0) {
-    d.reason = "empty tensor";
+    // Nothing to reduce: no kernel is launched, and no NCCL communicator is
+    // made for it.
+    d.route = DeviceRoute::kCustomOneShot;
+    d.reason = "empty tensor (nothing is launched)";
   } else if (bytes > config_.customMaxBytes) {
     d.reason = detail::concat("above the custom maximum of ", config_.customMaxBytes, " B");
   } else if (config_.mode == "oneshot" || config_.mode == "twoshot") {

@@ -99,6 +99,29 @@ Eligibility groupEligibility(const Topology& topology);
 Eligibility callEligibility(const std::string& dtype, size_t bytes, uintptr_t input,
                             uintptr_t output, size_t maxBytes);
 
+// Zero-copy: where every rank's input of one captured call lives, as this
+// process reaches it (a peer's registered input, or its staging region when
+// that peer copies). One per captured call, in device memory; the kernel
+// refuses to run (error word) until `ready` is set.
+struct alignas(16) RegisteredInputs {
+  const void* input[kMaxRanks];
+  uint32_t ready;
+  uint32_t pad[3];
+};
+
+// How one call runs.
+struct CallOptions {
+  bool chooseAlgorithm = true;  // by size; else `algorithm`
+  Algorithm algorithm = Algorithm::kOneShot;
+  int blocks = 0;     // 0: TPCOMM_CAR_BLOCKS, else by size
+  float scale = 1.f;  // out = scale x sum (AVG passes 1/N); applied in float32
+  // Zero-copy (graph_capture()): the device table the kernel reads peers'
+  // inputs from, and whether this rank still copies its own input into its
+  // staging (its table entry then points there).
+  const RegisteredInputs* registered = nullptr;
+  bool stageInput = true;
+};
+
 // One rank's view of the group: what a kernel launch needs. Not thread-safe;
 // calls on one rank must be issued in the same order on every rank (as for
 // any collective), and every rank of a group must use the same maxBytes.
@@ -117,15 +140,17 @@ class CustomAllreduce {
   int worldSize() const { return worldSize_; }
   size_t maxBytes() const { return layout_.maxBytes; }
 
-  // Enqueues out = sum over ranks of in (count elements) on `stream`.
-  // `in` may equal `out`. Capturable in a CUDA graph: the copy into the
-  // staging buffer happens inside the kernel and the flags advance on the
+  // Enqueues out = scale x sum over ranks of in (count elements) on
+  // `stream`. `in` may equal `out`. Capturable in a CUDA graph: the copy into
+  // the staging buffer happens inside the kernel and the flags advance on the
   // device, so each replay is a fresh allreduce. Throws InvalidUsage for an
   // ineligible call and PeerLost if an earlier call failed (see checkError).
-  void allreduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
-                 Algorithm algorithm, int blocks = 0);  // 0: TPCOMM_CAR_BLOCKS, else by size
-  // Same, with the algorithm and blocks chosen from the size.
-  void allreduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream);
+  // Returns the algorithm used.
+  Algorithm allreduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
+                      const CallOptions& options = {});
+  // Rank r's staging region as this process reaches it (a zero-copy table
+  // entry for a rank that copies).
+  const void* stagingOf(int rank) const;
 
   // After the stream's work is done: throws Timeout naming the peer a kernel
   // waited for in vain, if one did.
@@ -189,8 +214,20 @@ class RankBuffer {
 void* openIpcHandle(const std::string& handle);
 
 // Writes `value` into the probe word of a peer buffer and reads back this
-// rank's own probe words (the write probe of the eligibility check).
-void writeProbe(void* peerBuffer, int fromRank, uint32_t value);
-std::vector<uint32_t> readProbes(void* ownBuffer, int worldSize);
+// rank's own probe words (the write probe of the eligibility check). Both
+// are done when they return: on `stream` (then synchronised) or, when it is
+// null, on the legacy stream with the device synchronised.
+void writeProbe(void* peerBuffer, int fromRank, uint32_t value, cudaStream_t stream = nullptr);
+std::vector<uint32_t> readProbes(void* ownBuffer, int worldSize, cudaStream_t stream = nullptr);
+
+// Where the allocation holding `ptr` starts (cudaMalloc'd memory, through
+// the driver's cuMemGetAddressRange) and its IPC handle as bytes. Throws
+// Cuda, naming the call, for memory that cannot be exported (e.g. from the
+// expandable-segments allocator).
+struct ExportedPointer {
+  std::string handle;
+  size_t offset = 0;  // ptr - allocation start
+};
+ExportedPointer exportPointer(const void* ptr);
 
 }  // namespace tpcomm::car

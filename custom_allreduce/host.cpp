@@ -1,5 +1,7 @@
 // Host side of the custom allreduce: per-call checks and the launch, the
 // rank buffers, IPC handles and the write probe.
+#include <cuda.h>
+
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -37,16 +39,12 @@ CustomAllreduce::CustomAllreduce(int rank, int worldSize, std::vector<void*> buf
                "positive");
 }
 
-void CustomAllreduce::allreduce(const void* in, void* out, size_t count, DType dtype,
-                                cudaStream_t stream) {
+Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DType dtype,
+                                     cudaStream_t stream, const CallOptions& options) {
   const size_t bytes = count * dtypeSize(dtype);
-  const Algorithm algorithm = chooseAlgorithm(worldSize_, bytes, layout_.maxBytes);
-  allreduce(in, out, count, dtype, stream, algorithm, 0);
-}
-
-void CustomAllreduce::allreduce(const void* in, void* out, size_t count, DType dtype,
-                                cudaStream_t stream, Algorithm algorithm, int blocks) {
-  const size_t bytes = count * dtypeSize(dtype);
+  const Algorithm algorithm = options.chooseAlgorithm
+                                  ? chooseAlgorithm(worldSize_, bytes, layout_.maxBytes)
+                                  : options.algorithm;
   const Eligibility e = callEligibility(dtypeName(dtype), bytes, reinterpret_cast<uintptr_t>(in),
                                         reinterpret_cast<uintptr_t>(out), layout_.maxBytes);
   TPCOMM_CHECK(e.eligible, kInvalidUsage, "custom allreduce cannot take this call: ", e.reason);
@@ -54,7 +52,9 @@ void CustomAllreduce::allreduce(const void* in, void* out, size_t count, DType d
   TPCOMM_CHECK(failed == 0, kPeerLost, "custom allreduce on rank ", rank_,
                ": an earlier call failed (", describeError(failed),
                "); every rank must reset its signals before the group is used again");
-  if (count == 0) return;
+  TPCOMM_CHECK(options.registered != nullptr || options.stageInput, kInvalidUsage,
+               "custom allreduce: an input that is not staged needs a zero-copy table");
+  if (count == 0) return algorithm;
   LaunchParams p;
   p.input = in;
   p.output = out;
@@ -62,15 +62,25 @@ void CustomAllreduce::allreduce(const void* in, void* out, size_t count, DType d
   p.dtype = dtype;
   p.algorithm = algorithm;
   p.blocks = chooseBlocks(algorithm, worldSize_, bytes,
-                          blocks > 0 ? blocks : static_cast<int>(settings().carBlocks));
+                          options.blocks > 0 ? options.blocks : static_cast<int>(settings().carBlocks));
   p.rank = rank_;
   p.worldSize = worldSize_;
   p.buffers = buffers_.data();
+  p.registered = options.registered;
+  p.stage = options.stageInput;
+  p.scale = options.scale;
   p.stagingOffset = layout_.stagingOffset;
   p.resultOffset = layout_.resultOffset;
   p.timeoutNs = static_cast<uint64_t>(timeout_.count()) * 1000000ull;
   p.errorDevice = errorDevice_;
   launchAllreduce(p, stream);
+  return algorithm;
+}
+
+const void* CustomAllreduce::stagingOf(int rank) const {
+  TPCOMM_CHECK(rank >= 0 && rank < worldSize_, kInvalidUsage, "custom allreduce: rank ", rank,
+               " is outside 0..", worldSize_ - 1);
+  return static_cast<const char*>(buffers_[rank]) + layout_.stagingOffset;
 }
 
 uint32_t CustomAllreduce::errorCode() const {
@@ -140,15 +150,45 @@ void* openIpcHandle(const std::string& bytes) {
   return ptr;
 }
 
-std::vector<uint32_t> readProbes(void* ownBuffer, int worldSize) {
+std::vector<uint32_t> readProbes(void* ownBuffer, int worldSize, cudaStream_t stream) {
   TPCOMM_CHECK(worldSize >= 1 && worldSize <= kMaxRanks, kInvalidUsage, "probe of ", worldSize,
                " ranks");
   auto* signal = static_cast<Signal*>(ownBuffer);
   std::vector<uint32_t> out(worldSize);
   for (int r = 0; r < worldSize; ++r) {
-    TPCOMM_CUDA_CHECK(
-        cudaMemcpy(&out[r], &signal->probe[r].value, sizeof(uint32_t), cudaMemcpyDeviceToHost));
+    TPCOMM_CUDA_CHECK(cudaMemcpyAsync(&out[r], &signal->probe[r].value, sizeof(uint32_t),
+                                      cudaMemcpyDeviceToHost, stream));
   }
+  TPCOMM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return out;
+}
+
+ExportedPointer exportPointer(const void* ptr) {
+  using GetRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static GetRange getRange = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult status;
+    TPCOMM_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000,
+                                                       cudaEnableDefault, &status));
+    TPCOMM_CHECK(fn != nullptr && status == cudaDriverEntryPointSuccess, kCuda,
+                 "the CUDA driver has no cuMemGetAddressRange");
+    return reinterpret_cast<GetRange>(fn);
+  }();
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  const CUresult r = getRange(&base, &size, reinterpret_cast<CUdeviceptr>(ptr));
+  TPCOMM_CHECK(r == CUDA_SUCCESS, kCuda, "cuMemGetAddressRange failed (CUresult ", static_cast<int>(r),
+               ") for a tensor at ", ptr);
+  cudaIpcMemHandle_t handle;
+  const cudaError_t e = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base));
+  if (e != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it
+    TPCOMM_THROW(kCuda, "cudaIpcGetMemHandle: ", cudaGetErrorString(e),
+                 " (memory from the expandable-segments allocator cannot be exported)");
+  }
+  ExportedPointer out;
+  out.handle.assign(reinterpret_cast<const char*>(&handle), sizeof(handle));
+  out.offset = static_cast<size_t>(reinterpret_cast<CUdeviceptr>(ptr) - base);
   return out;
 }
 

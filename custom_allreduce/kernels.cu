@@ -45,6 +45,9 @@ void launchAllreduce(const LaunchParams& p, cudaStream_t stream) {
   a.output = p.output;
   a.count = p.count;
   for (int r = 0; r < p.worldSize; ++r) a.buffers[r] = static_cast<char*>(p.buffers[r]);
+  a.registered = p.registered;
+  a.stage = p.stage ? 1 : 0;
+  a.scale = p.scale;
   a.stagingOffset = p.stagingOffset;
   a.resultOffset = p.resultOffset;
   a.rank = p.rank;
@@ -85,12 +88,12 @@ __global__ void probeKernel(uint32_t* slot, uint32_t value) { storeRelease(slot,
 
 }  // namespace
 
-void writeProbe(void* peerBuffer, int fromRank, uint32_t value) {
+void writeProbe(void* peerBuffer, int fromRank, uint32_t value, cudaStream_t stream) {
   TPCOMM_CHECK(fromRank >= 0 && fromRank < kMaxRanks, kInvalidUsage, "probe from rank ", fromRank);
   auto* signal = static_cast<Signal*>(peerBuffer);
-  probeKernel<<<1, 1>>>(&signal->probe[fromRank].value, value);
+  probeKernel<<<1, 1, 0, stream>>>(&signal->probe[fromRank].value, value);
   TPCOMM_CUDA_CHECK(cudaGetLastError());
-  TPCOMM_CUDA_CHECK(cudaDeviceSynchronize());
+  TPCOMM_CUDA_CHECK(stream == nullptr ? cudaDeviceSynchronize() : cudaStreamSynchronize(stream));
 }
 
 }  // namespace tpcomm::car

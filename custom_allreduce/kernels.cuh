@@ -40,13 +40,14 @@ __device__ __forceinline__ __nv_bfloat16 fromFloat<__nv_bfloat16>(float x) {
 // Loads bypassing L1: the data was written by another SM or GPU.
 __device__ __forceinline__ Pack loadPack(const Pack* p) { return __ldcg(p); }
 
+// Sum over ranks of pack `index` of every rank's source, times `scale`.
 template <typename T, int N>
-__device__ __forceinline__ Pack sumPack(const KernelArgs& a, size_t offset, size_t index) {
+__device__ __forceinline__ Pack sumPack(const char* const (&src)[N], size_t index, float scale) {
   constexpr int kPer = Elements<T>::kPerPack;
   float acc[kPer];
+#pragma unroll
   for (int r = 0; r < N; ++r) {
-    const Pack* src = reinterpret_cast<const Pack*>(a.buffers[r] + offset) + index;
-    Pack v = loadPack(src);
+    Pack v = loadPack(reinterpret_cast<const Pack*>(src[r]) + index);
     const T* e = reinterpret_cast<const T*>(&v);
 #pragma unroll
     for (int k = 0; k < kPer; ++k) acc[k] = r == 0 ? toFloat(e[k]) : acc[k] + toFloat(e[k]);
@@ -54,19 +55,19 @@ __device__ __forceinline__ Pack sumPack(const KernelArgs& a, size_t offset, size
   Pack out;
   T* o = reinterpret_cast<T*>(&out);
 #pragma unroll
-  for (int k = 0; k < kPer; ++k) o[k] = fromFloat<T>(acc[k]);
+  for (int k = 0; k < kPer; ++k) o[k] = fromFloat<T>(acc[k] * scale);
   return out;
 }
 
 template <typename T, int N>
-__device__ __forceinline__ T sumElement(const KernelArgs& a, size_t offset, size_t index) {
+__device__ __forceinline__ T sumElement(const char* const (&src)[N], size_t index, float scale) {
   float acc = 0.f;
+#pragma unroll
   for (int r = 0; r < N; ++r) {
-    const T* src = reinterpret_cast<const T*>(a.buffers[r] + offset) + index;
-    const float v = toFloat(__ldcg(src));
+    const float v = toFloat(__ldcg(reinterpret_cast<const T*>(src[r]) + index));
     acc = r == 0 ? v : acc + v;
   }
-  return fromFloat<T>(acc);
+  return fromFloat<T>(acc * scale);
 }
 
 // Copies [begin, end) packs of the input into this rank's staging with the
@@ -89,23 +90,29 @@ __device__ __forceinline__ void stageTail(const KernelArgs& a, size_t first, siz
   }
 }
 
+// Zero-copy and out == in on a one-shot call is never asked for (the host
+// stages such inputs): peers would read this rank's input while it writes.
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) oneShotKernel(KernelArgs a) {
   constexpr int kPer = Elements<T>::kPerPack;
   const size_t packs = a.count / kPer;
   const size_t tail = a.count % kPer;
+  const char* src[N];
+  if (!sourcesOf<N>(a, src)) return;
   const uint32_t epoch = nextEpoch(a);
-  stagePacks(a, 0, packs);
-  stageTail<T>(a, packs * kPer, tail);
+  if (a.stage) {
+    stagePacks(a, 0, packs);
+    stageTail<T>(a, packs * kPer, tail);
+  }
   if (!barrier<N>(a, kStart, epoch)) return;
   Pack* out = reinterpret_cast<Pack*>(a.output);
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < packs;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    out[i] = sumPack<T, N>(a, a.stagingOffset, i);
+    out[i] = sumPack<T, N>(src, i, a.scale);
   }
   if (blockIdx.x == 0 && threadIdx.x < tail) {
     const size_t i = packs * kPer + threadIdx.x;
-    reinterpret_cast<T*>(a.output)[i] = sumElement<T, N>(a, a.stagingOffset, i);
+    reinterpret_cast<T*>(a.output)[i] = sumElement<T, N>(src, i, a.scale);
   }
   barrier<N>(a, kEnd, epoch);
 }
@@ -124,25 +131,31 @@ __global__ void __launch_bounds__(kThreads) twoShotKernel(KernelArgs a) {
   const size_t tail = a.count % kPer;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t thread = blockIdx.x * blockDim.x + threadIdx.x;
+  const char* src[N];
+  if (!sourcesOf<N>(a, src)) return;
   const uint32_t epoch = nextEpoch(a);
   // Stage part by part, so that block b stages exactly the packs block b of
   // part p's owner reduces.
-  for (int p = 0; p < N; ++p) stagePacks(a, partBegin(packs, N, p), partBegin(packs, N, p + 1));
-  stageTail<T>(a, packs * kPer, tail);
+  if (a.stage) {
+    for (int p = 0; p < N; ++p) stagePacks(a, partBegin(packs, N, p), partBegin(packs, N, p + 1));
+    stageTail<T>(a, packs * kPer, tail);
+  }
   if (!barrier<N>(a, kStart, epoch)) return;
   // Reduce this rank's part into its result region (the tail belongs to
   // the last rank).
   Pack* result = reinterpret_cast<Pack*>(a.buffers[a.rank] + a.resultOffset);
   const size_t end = partBegin(packs, N, a.rank + 1);
   for (size_t i = partBegin(packs, N, a.rank) + thread; i < end; i += stride) {
-    result[i] = sumPack<T, N>(a, a.stagingOffset, i);
+    result[i] = sumPack<T, N>(src, i, a.scale);
   }
   if (a.rank == N - 1 && blockIdx.x == 0 && threadIdx.x < tail) {
     const size_t i = packs * kPer + threadIdx.x;
-    reinterpret_cast<T*>(result)[i] = sumElement<T, N>(a, a.stagingOffset, i);
+    reinterpret_cast<T*>(result)[i] = sumElement<T, N>(src, i, a.scale);
   }
   if (!barrier<N>(a, kMiddle, epoch)) return;
-  // Gather every part from its owner's result region.
+  // Gather every part from its owner's result region. Every rank's reads of
+  // the sources (zero-copy: possibly `out` itself) ended before the middle
+  // barrier, so writing `out` here is safe even in place.
   Pack* out = reinterpret_cast<Pack*>(a.output);
   for (int p = 0; p < N; ++p) {
     const Pack* src = reinterpret_cast<const Pack*>(a.buffers[p] + a.resultOffset);

@@ -18,6 +18,9 @@ struct LaunchParams {
   int rank = 0;
   int worldSize = 2;
   void* const* buffers = nullptr;  // worldSize entries
+  const RegisteredInputs* registered = nullptr;
+  bool stage = true;
+  float scale = 1.f;
   size_t stagingOffset = 0;
   size_t resultOffset = 0;
   uint64_t timeoutNs = 0;

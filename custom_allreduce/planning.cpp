@@ -129,6 +129,10 @@ std::string describeError(uint32_t code) {
   const int peer = static_cast<int>(code & 0xff);
   const int block = static_cast<int>((code >> 8) & 0xff);
   const int phase = static_cast<int>((code >> 16) & 0x7f);
+  if (phase == kNotRegistered) {
+    return "a graph captured inside graph_capture() was replayed before the context exited "
+           "(its zero-copy buffers were never registered)";
+  }
   return detail::concat("rank ", peer, " did not arrive (block ", block, ", ",
                         phase < kPhases ? kPhaseNames[phase] : "unknown", " barrier)");
 }

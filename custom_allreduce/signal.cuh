@@ -13,9 +13,15 @@ struct KernelArgs {
   void* output;
   size_t count;
   char* buffers[kMaxRanks];  // each rank's buffer base, as this process reaches it
+  // Null: every rank's input is in its staging region. Else (zero-copy, in
+  // device memory, filled when graph_capture() exits): where each rank's
+  // input is read from.
+  const RegisteredInputs* registered;
   size_t stagingOffset;
   size_t resultOffset;
   int rank;
+  int stage;    // copy the input into this rank's staging first
+  float scale;  // the result is scale x the sum (AVG: 1/N)
   uint64_t timeoutNs;
   uint32_t* error;  // mapped host memory
 };
@@ -38,6 +44,29 @@ __device__ __forceinline__ uint32_t loadAcquire(const uint32_t* p) {
 
 __device__ __forceinline__ Signal* signalOf(const KernelArgs& a, int rank) {
   return reinterpret_cast<Signal*>(a.buffers[rank]);
+}
+
+// Where each rank's input is read from. False (on every thread) when the
+// zero-copy table was never filled: the graph was replayed before
+// graph_capture() exited; the error word then says so.
+template <int N>
+__device__ __forceinline__ bool sourcesOf(const KernelArgs& a, const char* (&src)[N]) {
+  if (a.registered == nullptr) {
+#pragma unroll
+    for (int r = 0; r < N; ++r) src[r] = a.buffers[r] + a.stagingOffset;
+    return true;
+  }
+  if (a.registered->ready == 0) {
+    volatile uint32_t* error = a.error;
+    if (threadIdx.x == 0 && *error == 0) {
+      *error = errorCode(0, kNotRegistered, blockIdx.x);
+      __threadfence_system();
+    }
+    return false;
+  }
+#pragma unroll
+  for (int r = 0; r < N; ++r) src[r] = static_cast<const char*>(a.registered->input[r]);
+  return true;
 }
 
 // This block's call number: one more than last time, kept in device memory

@@ -39,6 +39,9 @@ namespace tpcomm::car {
 
 inline constexpr int kPhases = 3;
 enum Phase : int { kStart = 0, kMiddle = 1, kEnd = 2 };
+// Not a barrier: the "phase" of the error code a kernel writes when its
+// zero-copy table was never filled.
+inline constexpr int kNotRegistered = 3;
 
 struct alignas(128) FlagSlot {
   uint32_t value;

@@ -113,12 +113,22 @@ tensors through the device backend (NCCL), created on first use.)")
             out["rank"] = c.rank();
             out["world_size"] = c.size();
             out["cpu_backend"] = "gloo";
+            const auto device = c.cudaDevice();
+            out["device"] = device ? py::object(py::str(device->str())) : py::object(py::none());
             out["device_backend"] = c.deviceBackendIfCreated() ? "nccl" : "nccl (not created)";
             py::dict custom;
             custom["available"] = routing.customAvailable();
             custom["reason"] = routing.customReason();
             custom["max_bytes"] = routing.config().customMaxBytes;
             custom["oneshot_max_bytes"] = routing.oneShotMaxBytes();
+            py::dict zeroCopy;
+            if (auto path = c.customPath()) {
+              const auto z = path->zeroCopyStats();
+              zeroCopy["registered"] = z.registered;
+              zeroCopy["staged"] = z.staged;
+              zeroCopy["last_staged_reason"] = z.lastStagedReason;
+            }
+            custom["zero_copy"] = zeroCopy;
             out["custom_allreduce"] = custom;
             out["route_mode"] = routing.config().mode;
             py::list rows;
@@ -134,6 +144,29 @@ tensors through the device backend (NCCL), created on first use.)")
           },
           "This group's configuration: size, backends, whether the custom allreduce is "
           "available (and why not), and the CUDA allreduce routing table in force.")
+      .def(
+          "all_reduce_into",
+          [](backend::ProcessGroupTpcomm& self, at::Tensor input, at::Tensor output, bool average,
+             bool asyncOp) {
+            c10d::AllreduceOptions opts;
+            opts.reduceOp = average ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+            opts.asyncOp = asyncOp;
+            return self.allreduceInto(input, output, opts);
+          },
+          py::arg("input"), py::arg("output"), py::arg("average") = false,
+          py::arg("async_op") = false, py::call_guard<py::gil_scoped_release>(),
+          "output = sum (or mean) of every rank's input, out of place; returns a Work when "
+          "async_op, else None (ordered on the current stream).")
+      .def(
+          "begin_graph_registration",
+          [](backend::ProcessGroupTpcomm& self) { self.coordinator().beginGraphRegistration(); },
+          "graph_capture(): custom allreduces captured from now on read their inputs in place "
+          "once finish_graph_registration() ran (on every rank).")
+      .def(
+          "finish_graph_registration",
+          [](backend::ProcessGroupTpcomm& self) { self.coordinator().finishGraphRegistration(); },
+          py::call_guard<py::gil_scoped_release>(),
+          "Collective: exchanges and maps the captured inputs (see begin_graph_registration).")
       .def(
           "reset_stats", [](backend::ProcessGroupTpcomm& self) { self.coordinator().resetStats(); },
           "Sets every route's counters back to zero.");

@@ -70,12 +70,11 @@ class Rank {
     cudaStream_t s = stream ? reinterpret_cast<cudaStream_t>(*stream)
                             : c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
     const size_t count = static_cast<size_t>(input.numel());
-    if (algorithm.empty()) {
-      impl_.allreduce(input.data_ptr(), output.data_ptr(), count, dtype, s);
-    } else {
-      impl_.allreduce(input.data_ptr(), output.data_ptr(), count, dtype, s, toAlgorithm(algorithm),
-                      blocks);
-    }
+    car::CallOptions options;
+    options.chooseAlgorithm = algorithm.empty();
+    if (!algorithm.empty()) options.algorithm = toAlgorithm(algorithm);
+    options.blocks = blocks;
+    impl_.allreduce(input.data_ptr(), output.data_ptr(), count, dtype, s, options);
   }
 
   car::CustomAllreduce& impl() { return impl_; }

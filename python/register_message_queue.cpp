@@ -75,13 +75,6 @@ class ReceiveBuffers {
   uint64_t spareBytes_ = 0;
 };
 
-std::string hostId() {
-  if (!settings().hostId.empty()) return settings().hostId;
-  char name[256] = {};
-  ::gethostname(name, sizeof(name) - 1);
-  return name;
-}
-
 }  // namespace
 
 void registerMessageQueue(py::module_& m) {
@@ -158,7 +151,7 @@ void registerMessageQueue(py::module_& m) {
           "Reads the next message into a uint8 tensor (large ones reuse recycled memory).")
       .def("shutdown", &mq::Reader::shutdown);
 
-  m.def("host_id", &hostId, "This process's host identity (TPCOMM_HOST_ID or the host name).");
+  m.def("host_id", &hostIdentity, "This process's host identity (TPCOMM_HOST_ID or the host name).");
 }
 
 }  // namespace tpcomm::python

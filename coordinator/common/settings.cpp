@@ -1,5 +1,7 @@
 #include "coordinator/common/settings.hpp"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
@@ -112,6 +114,13 @@ Settings Settings::parse(const Lookup& lookup) {
 }
 
 const std::vector<SettingInfo>& settingTable() { return kSettingTable; }
+
+std::string hostIdentity() {
+  if (!settings().hostId.empty()) return settings().hostId;
+  char name[256] = {};
+  ::gethostname(name, sizeof(name) - 1);
+  return name;
+}
 
 const Settings& settings() {
   static const Settings instance = Settings::parse(fromEnvironment);

@@ -62,6 +62,9 @@ const std::vector<SettingInfo>& settingTable();
 // The process-wide settings, parsed from the environment once.
 const Settings& settings();
 
+// This process's host identity: TPCOMM_HOST_ID, else the host name.
+std::string hostIdentity();
+
 // Parses an integer setting value within [low, high].
 int64_t parseInt(const std::string& name, const std::string& value, int64_t low, int64_t high);
 

@@ -5,7 +5,9 @@
     torch.distributed.init_process_group(backend="tpcomm")
 
 serves CPU tensors through Gloo and CUDA tensors through NCCL (created only
-when the first CUDA tensor arrives). `tpcomm.GroupCoordinator` and
+when the first CUDA tensor arrives), except CUDA allreduces that the routing
+table sends to tpcomm's peer-to-peer kernel (tpcomm.describe() shows the
+table; tpcomm.graph_capture() adds its zero-copy mode for CUDA graphs). `tpcomm.GroupCoordinator` and
 `tpcomm.initialize_model_parallel` give tensor-parallel servers vLLM's
 group API over it.
 """
@@ -20,6 +22,7 @@ from tpcomm.message_queue import MessageQueue, PeerLostError
 register()
 _ops.register_ops()
 
+from tpcomm._graphs import all_reduce_into, graph_capture  # noqa: E402
 from tpcomm.coordinator import GraphCaptureContext, GroupCoordinator  # noqa: E402
 from tpcomm.parallel_state import (  # noqa: E402
     destroy_distributed_environment, destroy_model_parallel, ensure_model_parallel_initialized,
@@ -74,11 +77,11 @@ def reset_stats(group=None):
 
 __all__ = [
     "BACKEND_NAME", "GraphCaptureContext", "GroupCoordinator", "MessageQueue", "PeerLostError",
-    "build_info", "describe", "destroy_distributed_environment", "destroy_model_parallel",
+    "all_reduce_into", "build_info", "describe", "destroy_distributed_environment", "destroy_model_parallel",
     "ensure_model_parallel_initialized", "get_dp_group", "get_ep_group",
     "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size", "get_pp_group",
     "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "get_tp_group",
-    "get_world_group", "init_distributed_environment", "initialize_model_parallel",
+    "get_world_group", "graph_capture", "init_distributed_environment", "initialize_model_parallel",
     "model_parallel_is_initialized", "model_parallel_layout", "register", "reset_stats",
     "settings", "stats", "tensor_model_parallel_all_gather", "tensor_model_parallel_all_reduce",
     "tensor_model_parallel_gather", "tensor_model_parallel_reduce_scatter"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tpcomm import _ops, _tensor_dict
+from tpcomm import _graphs, _ops, _tensor_dict
 from tpcomm._expert_parallel import combine_tokens, dispatch_tokens
 from tpcomm._registration import BACKEND_NAME
 from tpcomm._tensor_dict import TensorMetadata  # noqa: F401  (re-exported)
@@ -65,6 +65,7 @@ class GroupCoordinator:
         self.unique_name = _ops.unique_name(group_name or "anonymous")
         _ops.register_coordinator(self)
         self.backend = backend
+        self._tpcomm = backend == BACKEND_NAME
         self.device = self._choose_device(device)
         self.use_device_communicator = use_device_communicator
         self.mq_broadcaster = None
@@ -136,6 +137,11 @@ class GroupCoordinator:
         return torch.ops.tpcomm.all_reduce(input_, self.unique_name)
 
     def _all_reduce_out_place(self, input_):
+        if input_.is_cuda and self._tpcomm:
+            # Out of place down to the kernel, which can then read the input
+            # where it lies inside graph_capture().
+            out = torch.empty_like(input_, memory_format=torch.contiguous_format)
+            return _graphs.all_reduce_into(input_.contiguous(), out, self.device_group)
         out = input_.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=self.device_group)
         return out
@@ -384,7 +390,9 @@ class GroupCoordinator:
     @contextmanager
     def graph_capture(self, graph_capture_context=None):
         """Context for capturing CUDA graphs: work runs on a side stream that
-        first waits for the current one; collectives inside are captured."""
+        first waits for the current one; collectives inside are captured, and
+        with backend tpcomm the custom allreduces captured inside read their
+        inputs in place after the context exits (tpcomm.graph_capture)."""
         if not torch.cuda.is_available():
             raise RuntimeError("graph_capture needs CUDA; this process has no GPU")
         if graph_capture_context is None:
@@ -394,7 +402,11 @@ class GroupCoordinator:
         if current != stream:
             stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            yield graph_capture_context
+            if self._tpcomm and self.world_size > 1:
+                with _graphs.graph_capture(self.device_group):
+                    yield graph_capture_context
+            else:
+                yield graph_capture_context
 
     def create_mq_broadcaster(self, writer_rank=0, external_writer_handle=None, blocking=True):
         """A message queue over this group with group rank `writer_rank` as

@@ -15,7 +15,11 @@ struct ThreadGroup {
   std::vector<std::shared_ptr<coord::GroupCoordinator>> coordinators;
   std::shared_ptr<std::atomic<int>> deviceFactoryCalls = std::make_shared<std::atomic<int>>(0);
 
-  ThreadGroup(int size, bool debugChecks = false) : hub(std::make_shared<Hub>(size)) {
+  // `customDevices(rank)`: the rank's CustomDevice factory (default: none, a
+  // CUDA allreduce set-up then fails the test).
+  ThreadGroup(int size, bool debugChecks = false,
+              std::function<coord::CustomDeviceFactory(int rank)> customDevices = {})
+      : hub(std::make_shared<Hub>(size)) {
     auto store = c10::make_intrusive<c10d::HashStore>();
     auto calls = deviceFactoryCalls;
     // The device backend of these tests is another threaded group of the same size.
@@ -33,8 +37,12 @@ struct ThreadGroup {
       options.size = size;
       options.groupName = "test";
       options.debugChecks = debugChecks;
-      coordinators.push_back(
-          std::make_shared<coord::GroupCoordinator>(options, store, cpu.back(), factory));
+      coord::CustomDeviceFactory custom = [](int) -> std::unique_ptr<coord::CustomDevice> {
+        throw std::runtime_error("this test has no custom device");
+      };
+      if (customDevices) custom = customDevices(r);
+      coordinators.push_back(std::make_shared<coord::GroupCoordinator>(options, store, cpu.back(),
+                                                                       factory, custom));
     }
   }
   int size() const { return hub->size(); }

@@ -51,7 +51,11 @@ TEST(Routing, WhatTheKernelCannotTakeGoesToNccl) {
   d = t.decide(c10d::ReduceOp::SUM, at::kLong, 64);
   EXPECT_EQ(d.route, DeviceRoute::kNccl);
   EXPECT_EQ(d.reason, "dtype int64 is not summed by the kernel");
-  EXPECT_EQ(t.decide(c10d::ReduceOp::SUM, at::kFloat, 0).reason, "empty tensor");
+  // An empty tensor needs no communication: the custom route launches
+  // nothing (and makes no NCCL communicator, which ranks sharing a GPU lack).
+  d = t.decide(c10d::ReduceOp::SUM, at::kFloat, 0);
+  EXPECT_EQ(d.route, DeviceRoute::kCustomOneShot);
+  EXPECT_EQ(d.reason, "empty tensor (nothing is launched)");
   EXPECT_EQ(routeOf(available(1), 64), DeviceRoute::kNccl);
   RoutingTable off(4, {});
   off.setCustomAvailability(false, "ranks 0 and 2 are on different hosts");

@@ -68,8 +68,11 @@ def _describe(ctx):
     assert d["rank"] == ctx.rank and d["world_size"] == ctx.world_size
     assert d["cpu_backend"] == "gloo" and d["device_backend"] == "nccl (not created)"
     custom = d["custom_allreduce"]
-    assert custom["available"] is False and "does not drive the custom kernel" in custom["reason"]
-    assert custom["max_bytes"] == 8 << 20
+    # A CPU-only job never sets up the kernel (that needs a CUDA allreduce).
+    assert custom["available"] is False
+    assert custom["reason"] == "not set up yet (at the group's first CUDA allreduce)"
+    assert custom["max_bytes"] == 8 << 20 and custom["zero_copy"] == {}
+    assert d["device"] is None
     assert d["route_mode"] == "auto"
     assert d["cuda_allreduce_routes"] == [{"route": "nccl", "from_bytes": 0, "to_bytes": None}]
     return d["group"]

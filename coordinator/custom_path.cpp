@@ -1,0 +1,244 @@
+#include "coordinator/custom_path.hpp"
+
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstring>
+
+#include "coordinator/common/error.hpp"
+#include "coordinator/common/settings.hpp"
+#include "coordinator/cuda_util.hpp"
+#include "custom_allreduce/cuda_check.hpp"
+
+namespace tpcomm::coord {
+
+namespace {
+
+// Captured calls one group can register (80 bytes of device memory each).
+constexpr int64_t kTableSlots = 4096;
+
+car::DType carDType(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat:
+      return car::DType::kFloat32;
+    case at::kHalf:
+      return car::DType::kFloat16;
+    case at::kBFloat16:
+      return car::DType::kBFloat16;
+    default:
+      TPCOMM_THROW(kInvalidUsage, "custom allreduce: dtype ", c10::toString(type),
+                   " (the kernel sums float32, float16 and bfloat16)");
+  }
+}
+
+bool aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % car::kPackBytes == 0;
+}
+
+}  // namespace
+
+CustomPath::CustomPath(c10d::Backend& cpu, int rank, int size, at::Device device,
+                       std::unique_ptr<CustomDevice> gpu, size_t maxBytes,
+                       std::chrono::milliseconds timeout, std::string groupName)
+    : rank_(rank),
+      size_(size),
+      device_(device),
+      maxBytes_(maxBytes),
+      groupName_(std::move(groupName)),
+      gpu_(std::move(gpu)) {
+  RelaxedCaptureMode relaxed;
+  CustomSetupResult setup = setUpCustomAllreduce(cpu, rank, size, *gpu_, hostIdentity(), maxBytes);
+  available_ = setup.available;
+  reason_ = setup.reason;
+  if (available_) {
+    car_ = std::make_unique<car::CustomAllreduce>(rank, size, setup.bases, maxBytes, timeout,
+                                                  gpu_->errorHost(), gpu_->errorDevice());
+  }
+}
+
+CustomPath::CustomPath(std::string reason) : reason_(std::move(reason)) {}
+
+CustomPath::~CustomPath() {
+  // Never throws; the table may outlive nothing that reads it (graphs that
+  // still point at it are the caller's to destroy first).
+  if (table_ != nullptr) cudaFree(table_);
+}
+
+void CustomPath::raiseEarlierFailure(const std::string& what) const {
+  TPCOMM_THROW(kPeerLost, "custom allreduce on group '", groupName_, "' (rank ", rank_, " of ",
+               size_, "): an earlier call failed: ", what,
+               ". This group's CUDA allreduces cannot continue: destroy it and create a new "
+               "group (the process and its other groups are unaffected).");
+}
+
+void CustomPath::checkError() const {
+  if (!car_) return;
+  const uint32_t code = car_->errorCode();
+  if (code == 0) return;
+  TPCOMM_THROW(kTimeout, "custom allreduce on group '", groupName_, "' (rank ", rank_, " of ",
+               size_, "): ", car::describeError(code), " within ",
+               settings().carTimeoutMs, " ms (TPCOMM_CAR_TIMEOUT_MS)");
+}
+
+int64_t CustomPath::captureSlot(const at::Tensor& input, const at::Tensor& output,
+                                car::Algorithm algorithm, bool* stage) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  *stage = true;
+  if (table_ == nullptr) {
+    void* table = nullptr;
+    TPCOMM_CUDA_CHECK(cudaMalloc(&table, kTableSlots * sizeof(car::RegisteredInputs)));
+    // Zeroed: ready == 0 until registration fills a slot. Synchronous on the
+    // legacy stream, which a capturing (non-blocking) stream does not join.
+    TPCOMM_CUDA_CHECK(cudaMemset(table, 0, kTableSlots * sizeof(car::RegisteredInputs)));
+    table_ = static_cast<car::RegisteredInputs*>(table);
+  }
+  if (slotsUsed_ >= kTableSlots) {
+    ++zeroCopy_.staged;
+    zeroCopy_.lastStagedReason = detail::concat("more than ", kTableSlots, " captured calls");
+    return -1;
+  }
+  Captured c{slotsUsed_, true, "", 0, car_->stagingOf(rank_)};
+  const bool inPlaceOneShot =
+      algorithm == car::Algorithm::kOneShot && input.data_ptr() == output.data_ptr();
+  if (inPlaceOneShot) {
+    zeroCopy_.lastStagedReason = "an in-place one-shot call (peers would read while it writes)";
+  } else {
+    try {
+      const car::ExportedPointer exported = car::exportPointer(input.data_ptr());
+      c.staged = false;
+      c.handle = exported.handle;
+      c.offset = exported.offset;
+      c.own = input.data_ptr();
+    } catch (const Error& e) {
+      zeroCopy_.lastStagedReason = e.what();
+    }
+  }
+  if (c.staged) {
+    ++zeroCopy_.staged;
+  } else {
+    ++zeroCopy_.registered;
+  }
+  *stage = c.staged;
+  captured_.push_back(c);
+  return slotsUsed_++;
+}
+
+void CustomPath::allreduce(const at::Tensor& input, const at::Tensor& output, DeviceRoute route,
+                           float scale, c10::cuda::CUDAStream stream, bool registering) {
+  TPCOMM_CHECK(available_, kInvalidUsage, "custom allreduce on group '", groupName_,
+               "' is not available: ", reason_);
+  c10::cuda::CUDAStreamGuard guard(stream);
+  // The kernel moves 16-byte packs: a tensor that starts elsewhere (a view)
+  // goes through an aligned copy. Alignment is a rank's own business, so this
+  // never changes the route.
+  if (!aligned(input) || !aligned(output)) {
+    at::Tensor tmp = input.clone(at::MemoryFormat::Contiguous);
+    allreduce(tmp, tmp, route, scale, stream, registering);
+    output.copy_(tmp);
+    return;
+  }
+  const uint32_t failed = car_->errorCode();
+  if (failed != 0) raiseEarlierFailure(car::describeError(failed));
+  car::CallOptions options;
+  options.chooseAlgorithm = false;
+  options.algorithm =
+      route == DeviceRoute::kCustomTwoShot ? car::Algorithm::kTwoShot : car::Algorithm::kOneShot;
+  options.scale = scale;
+  if (registering && isCapturing(stream.stream())) {
+    RelaxedCaptureMode relaxed;
+    bool stage = true;
+    const int64_t slot = captureSlot(input, output, options.algorithm, &stage);
+    if (slot >= 0) {
+      options.registered = table_ + slot;
+      options.stageInput = stage;
+    }
+  }
+  car_->allreduce(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
+                  carDType(input.scalar_type()), stream.stream(), options);
+}
+
+void CustomPath::finishGraphRegistration(c10d::Backend& cpu) {
+  if (!available_) return;  // the same on every rank: nothing was registered
+  RelaxedCaptureMode relaxed;
+  std::vector<Captured> captured;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    captured.swap(captured_);
+  }
+  // Round 1: the same number of captured calls everywhere.
+  const std::string count = std::to_string(captured.size()) + std::string(24, '\0');
+  std::vector<std::string> counts;
+  for (const auto& c : allgatherBytes(cpu, size_, count.substr(0, 24))) {
+    counts.push_back(c.substr(0, c.find('\0')));
+  }
+  for (int r = 1; r < size_; ++r) {
+    if (counts[r] != counts[0]) {
+      std::string all;
+      for (int q = 0; q < size_; ++q) all += detail::concat(q ? ", " : "", "rank ", q, ": ", counts[q]);
+      TPCOMM_THROW(kInvalidUsage, "graph_capture() on group '", groupName_,
+                   "': ranks captured different numbers of custom allreduces (", all,
+                   "); every rank must capture the same calls. The graphs captured in this "
+                   "context refuse to replay.");
+    }
+  }
+  if (captured.empty()) return;
+  // Round 2: every call's handle and offset (or "staged").
+  constexpr size_t kHandle = 64, kRecord = 1 + kHandle + 8;
+  std::string mine;
+  for (const auto& c : captured) {
+    std::string record(kRecord, '\0');
+    record[0] = c.staged ? 's' : 'r';
+    std::memcpy(&record[1], c.handle.data(), std::min(c.handle.size(), kHandle));
+    std::memcpy(&record[1 + kHandle], &c.offset, sizeof(c.offset));
+    mine += record;
+  }
+  const std::vector<std::string> every = allgatherBytes(cpu, size_, mine);
+  std::vector<car::RegisteredInputs> host(captured.size());
+  std::string failure;
+  try {
+    for (size_t i = 0; i < captured.size(); ++i) {
+      car::RegisteredInputs& entry = host[i];
+      std::memset(&entry, 0, sizeof(entry));
+      for (int r = 0; r < size_; ++r) {
+        const std::string record = every[r].substr(i * kRecord, kRecord);
+        if (r == rank_) {
+          entry.input[r] = captured[i].own;
+        } else if (record[0] == 's') {
+          entry.input[r] = car_->stagingOf(r);
+        } else {
+          uint64_t offset = 0;
+          std::memcpy(&offset, &record[1 + kHandle], sizeof(offset));
+          c10::cuda::CUDAGuard device(device_);
+          entry.input[r] =
+              static_cast<const char*>(car::openIpcHandle(record.substr(1, kHandle))) + offset;
+        }
+      }
+      entry.ready = 1;
+    }
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  // Round 3: every rank mapped every peer's inputs, or no table is filled.
+  std::string status = failure.substr(0, 380);
+  status.resize(384, '\0');
+  const std::vector<std::string> statuses = allgatherBytes(cpu, size_, status);
+  for (int r = 0; r < size_; ++r) {
+    const std::string text = statuses[r].substr(0, statuses[r].find('\0'));
+    TPCOMM_CHECK(text.empty(), kCuda, "graph_capture() on group '", groupName_, "': rank ", r,
+                 " could not map its peers' captured inputs (", text,
+                 "); the graphs captured in this context refuse to replay");
+  }
+  c10::cuda::CUDAGuard device(device_);
+  auto stream = c10::cuda::getStreamFromPool(false, device_.index());
+  for (size_t i = 0; i < captured.size(); ++i) {
+    TPCOMM_CUDA_CHECK(cudaMemcpyAsync(table_ + captured[i].slot, &host[i], sizeof(host[i]),
+                                      cudaMemcpyHostToDevice, stream.stream()));
+  }
+  TPCOMM_CUDA_CHECK(cudaStreamSynchronize(stream.stream()));
+}
+
+ZeroCopyStats CustomPath::zeroCopyStats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return zeroCopy_;
+}
+
+}  // namespace tpcomm::coord

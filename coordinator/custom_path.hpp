@@ -1,0 +1,105 @@
+#pragma once
+// CustomPath: one group's custom allreduce on one rank. Made (collectively,
+// see custom_setup.hpp) at the group's first CUDA allreduce or eager
+// connect; afterwards it enqueues the kernel for the calls the routing table
+// sends it and keeps the zero-copy registration of graph_capture().
+//
+// Zero-copy (graph_capture()): while registration is on, every call captured
+// into a CUDA graph gets a slot of a device table the kernel reads peers'
+// input addresses from, instead of a staging copy. The table is filled when
+// the context exits (finishGraphRegistration, collective): the ranks
+// exchange, per captured call, the IPC handle and offset of their input, and
+// every rank maps its peers'. A rank stages its own input instead (its table
+// entry then points at its staging region) when that input is also the
+// output of a one-shot call (peers would read it while it is written), when
+// its memory cannot be exported (the expandable-segments allocator), or when
+// the table is full. Replaying such a graph before the context exited makes
+// the kernel stop with an error, not read unmapped memory.
+
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "coordinator/custom_setup.hpp"
+#include "coordinator/routing.hpp"
+#include "custom_allreduce/custom_allreduce.hpp"
+
+namespace tpcomm::coord {
+
+struct ZeroCopyStats {
+  int64_t registered = 0;  // captured calls whose input peers read in place
+  int64_t staged = 0;      // captured calls that still copy (see lastStagedReason)
+  std::string lastStagedReason;
+};
+
+class CustomPath {
+ public:
+  // Collective. `device` is this rank's GPU; `groupName` names the group in
+  // errors.
+  CustomPath(c10d::Backend& cpu, int rank, int size, at::Device device,
+             std::unique_ptr<CustomDevice> gpu, size_t maxBytes, std::chrono::milliseconds timeout,
+             std::string groupName);
+  // A path that is off for every rank alike (`reason`), set up without any
+  // exchange.
+  explicit CustomPath(std::string reason);
+  ~CustomPath();
+
+  bool available() const { return available_; }
+  const std::string& reason() const { return reason_; }
+  at::Device device() const { return device_; }
+  size_t maxBytes() const { return maxBytes_; }
+
+  // Enqueues output = scale x (sum over ranks of input) on `stream` with the
+  // algorithm of `route` (one-shot or two-shot); output may be input. Both
+  // are contiguous CUDA tensors of the group's device, float32/float16/
+  // bfloat16, at most maxBytes(). Inputs that are not 16-byte aligned go
+  // through an aligned copy. `registering`: graph_capture() is open.
+  void allreduce(const at::Tensor& input, const at::Tensor& output, DeviceRoute route,
+                 float scale, c10::cuda::CUDAStream stream, bool registering);
+
+  // Raises Timeout naming the peer when a kernel of this group gave up.
+  void checkError() const;
+
+  // Collective: fills the zero-copy table of every call captured since the
+  // last one (see above). Raises InvalidUsage on every rank when ranks
+  // captured different numbers of calls; those graphs then refuse to replay.
+  void finishGraphRegistration(c10d::Backend& cpu);
+  ZeroCopyStats zeroCopyStats() const;
+
+ private:
+  struct Captured {
+    int64_t slot;
+    bool staged;
+    std::string handle;  // IPC handle of the input's allocation (not staged)
+    uint64_t offset;     // input - allocation start
+    const void* own;     // this rank's table entry
+  };
+  // A table slot for a call being captured, or -1 (stage, no table).
+  int64_t captureSlot(const at::Tensor& input, const at::Tensor& output, car::Algorithm algorithm,
+                      bool* stage);
+  [[noreturn]] void raiseEarlierFailure(const std::string& what) const;
+
+  int rank_ = 0;
+  int size_ = 0;
+  at::Device device_{at::kCPU};
+  size_t maxBytes_ = 0;
+  std::string groupName_;
+  std::unique_ptr<CustomDevice> gpu_;
+  bool available_ = false;
+  std::string reason_;
+  std::unique_ptr<car::CustomAllreduce> car_;
+
+  mutable std::mutex mutex_;
+  car::RegisteredInputs* table_ = nullptr;  // device memory, kTableSlots entries
+  int64_t slotsUsed_ = 0;
+  std::vector<Captured> captured_;
+  ZeroCopyStats zeroCopy_;
+};
+
+}  // namespace tpcomm::coord

@@ -1,0 +1,80 @@
+#pragma once
+// Setting up the custom allreduce for one group: every rank allocates its
+// buffer, the ranks exchange what they are (host, GPU, IPC handle) through
+// the group's CPU backend, open each other's buffers, prove with one real
+// write per pair that the mapping works, and agree on whether the group can
+// use the kernel and, if not, why. Collective: every rank of the group calls
+// setUpCustomAllreduce at the same point of its call sequence.
+//
+// Rounds (each an allgather of fixed-size records over the CPU backend, so
+// every rank decides from the same data and reaches the same verdict):
+//   1. host id, GPU UUID, IPC handle of the new buffer, or why the
+//      allocation failed
+//   2. this rank's row of the P2P matrix (checked against one host first)
+//   3. whether opening every peer's handle and the probe writes worked
+//      (the allgather is also the barrier between the writes and the reads)
+//   4. which peers' probe writes this rank saw
+// A rank that fails a step still takes part in every later round, so no
+// rank is left waiting; the verdict then names it.
+//
+// The GPU side is behind CustomDevice, so that the protocol runs in unit
+// tests with a fake device (tests/cpp) and with CUDA in the product
+// (cuda_device.cpp).
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "custom_allreduce/custom_allreduce.hpp"
+
+namespace tpcomm::coord {
+
+class CustomDevice {
+ public:
+  virtual ~CustomDevice() = default;
+  // This GPU's UUID, the same string in every process that uses it.
+  virtual std::string gpuUuid() = 0;
+  // Allocates this rank's buffer (laid out for maxBytes); returns its IPC
+  // handle bytes. Throws on failure.
+  virtual std::string allocate(size_t maxBytes) = 0;
+  // The buffer allocate() made.
+  virtual void* ownBase() = 0;
+  // Whether this GPU can reach the GPU with `uuid` (itself included); false
+  // when no visible GPU has that UUID.
+  virtual bool canAccessPeer(const std::string& uuid) = 0;
+  // Maps a peer's buffer from its handle. Throws on failure.
+  virtual void* open(const std::string& handle) = 0;
+  // Writes `value` into probe slot `fromRank` of a peer's buffer, through
+  // the peer pointer, and waits until the write is done.
+  virtual void writeProbe(void* peer, int fromRank, uint32_t value) = 0;
+  // This rank's own probe slots 0..worldSize-1.
+  virtual std::vector<uint32_t> readProbes(int worldSize) = 0;
+  // The word the kernels write a failure code into: host-mapped memory, as
+  // the host reads it and as the device writes it (valid after allocate()).
+  virtual uint32_t* errorHost() = 0;
+  virtual uint32_t* errorDevice() = 0;
+};
+
+struct CustomSetupResult {
+  bool available = false;
+  std::string reason;         // why not, when unavailable
+  std::vector<void*> bases;   // every rank's buffer as this process reaches it
+  std::vector<int> devices;   // per rank: index of its GPU among the group's GPUs
+};
+
+// `hostId`: this process's host identity (settings' hostIdentity()).
+CustomSetupResult setUpCustomAllreduce(c10d::Backend& cpu, int rank, int size,
+                                       CustomDevice& device, const std::string& hostId,
+                                       size_t maxBytes);
+
+// Allgathers `mine` (the same length on every rank) over `cpu` and returns
+// every rank's bytes in rank order. Bounded by the backend's timeout.
+std::vector<std::string> allgatherBytes(c10d::Backend& cpu, int size, const std::string& mine);
+
+// The CUDA implementation for the current device (cuda_device.cpp).
+std::unique_ptr<CustomDevice> makeCudaDevice(int deviceIndex);
+
+}  // namespace tpcomm::coord

@@ -1,0 +1,140 @@
+// The GroupCoordinator's CUDA side: binding the group's GPU, the custom
+// allreduce (set-up, calls, graph registration) and eager connect.
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "coordinator/common/error.hpp"
+#include "coordinator/common/settings.hpp"
+#include "coordinator/group_coordinator.hpp"
+#include "coordinator/stream_work.hpp"
+
+namespace tpcomm::coord {
+
+Route GroupCoordinator::routeFor(const at::Tensor& tensor) {
+  if (tensor.device().is_cpu()) return Route::kCpu;
+  bindDevice(tensor.device());
+  return Route::kDevice;
+}
+
+void GroupCoordinator::bindDevice(at::Device device) {
+  std::lock_guard<std::mutex> lock(deviceMutex_);
+  if (!cudaDevice_) {
+    cudaDevice_ = device;
+  } else {
+    TPCOMM_CHECK(*cudaDevice_ == device, kInvalidUsage, "group '", options_.groupName, "' rank ",
+                 options_.rank, ": a call on ", device, ", but this rank's CUDA calls on the "
+                 "group use ", *cudaDevice_, " (the GPU of its first CUDA call); move the "
+                 "tensor there or use a group per GPU");
+  }
+}
+
+std::optional<at::Device> GroupCoordinator::cudaDevice() const {
+  std::lock_guard<std::mutex> lock(deviceMutex_);
+  return cudaDevice_;
+}
+
+std::shared_ptr<CustomPath> GroupCoordinator::customPath() const {
+  std::lock_guard<std::mutex> lock(deviceMutex_);
+  return custom_;
+}
+
+CustomPath& GroupCoordinator::ensureCustom(at::Device device) {
+  std::lock_guard<std::mutex> lock(deviceMutex_);
+  if (custom_) return *custom_;
+  // Decided from what every rank shares, so either every rank sets up or none.
+  std::string skip;
+  if (options_.size < 2 || options_.size > car::kMaxRanks) {
+    skip = detail::concat("world size ", options_.size, " is outside 2..", car::kMaxRanks);
+  } else if (routing_.config().mode == "nccl") {
+    skip = "TPCOMM_ROUTE=nccl";
+  }
+  if (!skip.empty()) {
+    routing_.setCustomAvailability(false, skip);
+    custom_ = std::make_shared<CustomPath>(skip);
+    return *custom_;
+  }
+  custom_ = std::make_shared<CustomPath>(*cpu_, options_.rank, options_.size, device,
+                                         customDeviceFactory_(device.index()),
+                                         static_cast<size_t>(routing_.config().customMaxBytes),
+                                         std::chrono::milliseconds(settings().carTimeoutMs),
+                                         options_.groupName);
+  routing_.setCustomAvailability(custom_->available(), custom_->reason());
+  return *custom_;
+}
+
+Pending GroupCoordinator::customAllreduce(at::Tensor& input, at::Tensor& output,
+                                          DeviceRoute route, const c10d::AllreduceOptions& opts) {
+  std::shared_ptr<CustomPath> custom = customPath();
+  const float scale =
+      opts.reduceOp == c10d::ReduceOp::AVG ? 1.f / static_cast<float>(options_.size) : 1.f;
+  stats_.record(
+      route == DeviceRoute::kCustomOneShot ? StatsRoute::kCustomOneShot : StatsRoute::kCustomTwoShot,
+      bytesOf(input));
+  bool registering = false;
+  {
+    std::lock_guard<std::mutex> lock(deviceMutex_);
+    registering = registrationDepth_ > 0;
+  }
+  const auto current = c10::cuda::getCurrentCUDAStream(input.device().index());
+  Pending pending;
+  pending.outputs = {output};
+  if (!opts.asyncOp) {
+    // As ProcessGroupNCCL: ordered on the current stream, no Work.
+    custom->allreduce(input, output, route, scale, current, registering);
+    return pending;
+  }
+  c10::cuda::CUDAStream stream = current;
+  {
+    std::lock_guard<std::mutex> lock(deviceMutex_);
+    if (!commStream_) commStream_ = c10::cuda::getStreamFromPool(false, input.device().index());
+    stream = *commStream_;
+  }
+  at::cuda::CUDAEvent ready(cudaEventDisableTiming);
+  ready.record(current);
+  ready.block(stream);  // after whatever produced the input
+  custom->allreduce(input, output, route, scale, stream, registering);
+  std::vector<at::Tensor> keep{output};
+  if (!input.is_same(output)) keep.push_back(input);
+  pending.work = c10::make_intrusive<StreamWork>(options_.rank, c10d::OpType::ALLREDUCE, stream,
+                                                 keep, [custom] { custom->checkError(); });
+  return pending;
+}
+
+Pending GroupCoordinator::allreduceInto(at::Tensor& input, at::Tensor& output,
+                                        const c10d::AllreduceOptions& opts) {
+  if (routeFor(input) == Route::kDevice) {
+    ensureCustom(input.device());
+    const RouteDecision d = routing_.decide(opts.reduceOp, input.scalar_type(), bytesOf(input));
+    if (logRoutes_) logAllreduceRoute(opts.reduceOp, input, deviceRouteName(d.route), d.reason);
+    if (d.route != DeviceRoute::kNccl) return customAllreduce(input, output, d.route, opts);
+  }
+  output.copy_(input);
+  std::vector<at::Tensor> tensors{output};
+  return allreduce(tensors, opts);
+}
+
+void GroupCoordinator::beginGraphRegistration() {
+  std::lock_guard<std::mutex> lock(deviceMutex_);
+  ++registrationDepth_;
+}
+
+void GroupCoordinator::finishGraphRegistration() {
+  std::shared_ptr<CustomPath> custom;
+  {
+    std::lock_guard<std::mutex> lock(deviceMutex_);
+    TPCOMM_CHECK(registrationDepth_ > 0, kInvalidUsage,
+                 "graph registration finished more often than it began");
+    if (--registrationDepth_ > 0) return;
+    custom = custom_;
+  }
+  if (custom) custom->finishGraphRegistration(*cpu_);
+}
+
+void GroupCoordinator::eagerConnect(at::Device device) {
+  if (device.is_cpu()) return;
+  bindDevice(device);
+  ensureCustom(device);
+  deviceBackend().eagerConnectSingleDevice(device);
+}
+
+}  // namespace tpcomm::coord

@@ -1,0 +1,226 @@
+// The custom-allreduce set-up protocol (coordinator/custom_setup.*) with a
+// fake GPU side: every rank must reach the same verdict, and a failure on
+// one rank must be named on all of them, never leave a rank waiting.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <set>
+
+#include "coordinator/common/error.hpp"
+#include "coordinator/custom_setup.hpp"
+#include "group_fixture.hpp"
+
+namespace tpcomm::testing {
+namespace {
+
+using coord::CustomDevice;
+
+// Buffers of every fake rank, reachable by handle (what IPC does).
+struct FakeWorld {
+  std::mutex mutex;
+  std::map<std::string, uint32_t*> byHandle;
+};
+
+struct FakeSpec {
+  std::string uuid = "gpu-0";
+  std::string failAllocate;           // non-empty: allocate() throws this
+  std::string failOpen;               // non-empty: open() throws this
+  bool dropWrites = false;            // probe writes from this rank vanish
+  std::set<std::string> unreachable;  // UUIDs this GPU has no P2P to
+};
+
+class FakeDevice : public CustomDevice {
+ public:
+  FakeDevice(std::shared_ptr<FakeWorld> world, int rank, FakeSpec spec)
+      : world_(std::move(world)), rank_(rank), spec_(std::move(spec)) {}
+  std::string gpuUuid() override { return spec_.uuid; }
+  std::string allocate(size_t) override {
+    if (!spec_.failAllocate.empty()) throw std::runtime_error(spec_.failAllocate);
+    const std::string handle = "handle-of-rank-" + std::to_string(rank_);
+    std::lock_guard<std::mutex> lock(world_->mutex);
+    world_->byHandle[handle] = probes_;
+    return handle;
+  }
+  void* ownBase() override { return probes_; }
+  bool canAccessPeer(const std::string& uuid) override {
+    return spec_.unreachable.count(uuid) == 0;
+  }
+  void* open(const std::string& handle) override {
+    if (!spec_.failOpen.empty()) throw std::runtime_error(spec_.failOpen);
+    // The exchange pads handles to a fixed width.
+    const std::string key = handle.substr(0, handle.find('\0'));
+    std::lock_guard<std::mutex> lock(world_->mutex);
+    return world_->byHandle.at(key);
+  }
+  void writeProbe(void* peer, int fromRank, uint32_t value) override {
+    if (!spec_.dropWrites) static_cast<uint32_t*>(peer)[fromRank] = value;
+  }
+  std::vector<uint32_t> readProbes(int n) override { return {probes_, probes_ + n}; }
+  uint32_t* errorHost() override { return &error_; }
+  uint32_t* errorDevice() override { return &error_; }
+
+ private:
+  std::shared_ptr<FakeWorld> world_;
+  int rank_;
+  FakeSpec spec_;
+  uint32_t probes_[car::kMaxRanks] = {};
+  uint32_t error_ = 0;
+};
+
+struct Verdicts {
+  std::vector<coord::CustomSetupResult> results;
+  // Every rank reached the same verdict; returns it.
+  const coord::CustomSetupResult& agreed() const {
+    for (const auto& r : results) {
+      EXPECT_EQ(r.available, results[0].available);
+      EXPECT_EQ(r.reason, results[0].reason);
+    }
+    return results[0];
+  }
+};
+
+Verdicts setUp(int size, const std::function<FakeSpec(int)>& spec,
+               const std::function<std::string(int)>& host = {}) {
+  ThreadGroup group(size);
+  auto world = std::make_shared<FakeWorld>();
+  std::vector<std::unique_ptr<FakeDevice>> devices;
+  for (int r = 0; r < size; ++r) devices.push_back(std::make_unique<FakeDevice>(world, r, spec(r)));
+  Verdicts v;
+  v.results.resize(size);
+  runRanks(size, [&](int r) {
+    v.results[r] = coord::setUpCustomAllreduce(*group.cpu[r], r, size, *devices[r],
+                                               host ? host(r) : "node-a", 1 << 20);
+  });
+  return v;
+}
+
+TEST(CustomSetup, OneHostWithP2PIsAvailableAndEveryRankMapsEveryBuffer) {
+  for (int n : {2, 3, 8}) {
+    const Verdicts v = setUp(n, [](int r) { return FakeSpec{"gpu-" + std::to_string(r)}; });
+    EXPECT_TRUE(v.agreed().available) << v.agreed().reason;
+    // Rank r's view of rank q's buffer is rank q's own buffer.
+    for (int r = 0; r < n; ++r) {
+      ASSERT_EQ(v.results[r].bases.size(), static_cast<size_t>(n));
+      for (int q = 0; q < n; ++q) EXPECT_EQ(v.results[r].bases[q], v.results[q].bases[q]);
+      EXPECT_EQ(v.results[r].devices, v.results[0].devices);
+    }
+  }
+}
+
+TEST(CustomSetup, RanksSharingAGpuNeedNoP2PAndShareItsIndex) {
+  const Verdicts v = setUp(4, [](int) {
+    FakeSpec s;
+    s.uuid = "the-one-gpu";
+    s.unreachable = {"the-one-gpu"};  // a GPU reaches itself without P2P
+    return s;
+  });
+  EXPECT_TRUE(v.agreed().available) << v.agreed().reason;
+  EXPECT_EQ(v.results[2].devices, (std::vector<int>{0, 0, 0, 0}));
+}
+
+TEST(CustomSetup, AFailedAllocationIsNamedOnEveryRank) {
+  const Verdicts v = setUp(3, [](int r) {
+    FakeSpec s{"gpu-" + std::to_string(r)};
+    if (r == 2) s.failAllocate = "out of memory";
+    return s;
+  });
+  EXPECT_FALSE(v.agreed().available);
+  EXPECT_EQ(v.agreed().reason,
+            "rank 2: could not allocate its custom-allreduce buffer: out of memory");
+}
+
+TEST(CustomSetup, RanksOnTwoHostsAreRefusedBeforeAnyOpen) {
+  const Verdicts v = setUp(
+      4,
+      [](int r) {
+        FakeSpec s{"gpu-" + std::to_string(r)};
+        s.failOpen = "must not be called";
+        return s;
+      },
+      [](int r) { return r < 2 ? "node-a" : "node-b"; });
+  EXPECT_FALSE(v.agreed().available);
+  EXPECT_EQ(v.agreed().reason, "ranks 0 and 2 are on different hosts ('node-a' and 'node-b')");
+}
+
+TEST(CustomSetup, AMissingP2PLinkIsNamed) {
+  const Verdicts v = setUp(3, [](int r) {
+    FakeSpec s{"gpu-" + std::to_string(r)};
+    if (r == 1) s.unreachable = {"gpu-2"};
+    return s;
+  });
+  EXPECT_FALSE(v.agreed().available);
+  EXPECT_EQ(v.agreed().reason, "no P2P access from rank 1 (GPU 1) to rank 2 (GPU 2)");
+}
+
+TEST(CustomSetup, AFailedOpenIsNamedOnEveryRank) {
+  const Verdicts v = setUp(4, [](int r) {
+    FakeSpec s{"gpu-" + std::to_string(r)};
+    if (r == 3) s.failOpen = "cudaIpcOpenMemHandle failed: invalid argument";
+    return s;
+  });
+  EXPECT_FALSE(v.agreed().available);
+  EXPECT_EQ(v.agreed().reason,
+            "rank 3: could not open or write to a peer's buffer: cudaIpcOpenMemHandle failed: "
+            "invalid argument");
+}
+
+TEST(CustomSetup, LostProbeWritesFailTheProbeNamingWhoMissedWhom) {
+  const Verdicts v = setUp(3, [](int r) {
+    FakeSpec s{"gpu-" + std::to_string(r)};
+    s.dropWrites = r == 1;
+    return s;
+  });
+  EXPECT_FALSE(v.agreed().available);
+  EXPECT_EQ(v.agreed().reason,
+            "the IPC write probe failed: rank 0 saw no write from rank 1; rank 2 saw no write "
+            "from rank 1");
+}
+
+TEST(CustomSetup, WorldSizesOutsideTwoToEightNeedNoExchange) {
+  for (int n : {1, 9}) {
+    const Verdicts v = setUp(n, [](int) { return FakeSpec{}; });
+    EXPECT_FALSE(v.agreed().available);
+    EXPECT_EQ(v.agreed().reason, "world size " + std::to_string(n) + " is outside 2..8");
+  }
+}
+
+// Through the coordinator: eager connect sets the kernel up, the routing
+// table follows the verdict, and a call on another GPU is refused.
+TEST(CustomSetup, EagerConnectSetsUpTheCoordinatorsRouting) {
+  auto world = std::make_shared<FakeWorld>();
+  ThreadGroup group(3, false, [world](int rank) -> coord::CustomDeviceFactory {
+    return [world, rank](int device) -> std::unique_ptr<CustomDevice> {
+      EXPECT_EQ(device, 0);
+      return std::make_unique<FakeDevice>(world, rank, FakeSpec{"gpu-" + std::to_string(rank)});
+    };
+  });
+  for (auto& c : group.coordinators) {
+    EXPECT_FALSE(c->routing().customAvailable());
+    EXPECT_EQ(c->routing().customReason(), "not set up yet (at the group's first CUDA allreduce)");
+  }
+  runRanks(3, [&](int r) { group.coordinators[r]->eagerConnect(at::Device(at::kCUDA, 0)); });
+  for (auto& c : group.coordinators) {
+    EXPECT_TRUE(c->routing().customAvailable()) << c->routing().customReason();
+    EXPECT_EQ(c->cudaDevice(), at::Device(at::kCUDA, 0));
+    EXPECT_EQ(c->routing().decide(c10d::ReduceOp::SUM, at::kHalf, 4096).route,
+              coord::DeviceRoute::kCustomOneShot);
+    ASSERT_NE(c->customPath(), nullptr);
+    EXPECT_TRUE(c->customPath()->available());
+  }
+  EXPECT_EQ(*group.deviceFactoryCalls, 3);
+  try {
+    group.coordinators[1]->eagerConnect(at::Device(at::kCUDA, 1));
+    FAIL() << "a second GPU was accepted";
+  } catch (const tpcomm::Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidUsage);
+    EXPECT_NE(std::string(e.what()).find("a call on cuda:1, but this rank's CUDA calls on the "
+                                         "group use cuda:0"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace tpcomm::testing
