@@ -2,6 +2,7 @@
 
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "coordinator/common/error.hpp"
@@ -49,6 +50,7 @@ CustomPath::CustomPath(c10d::Backend& cpu, int rank, int size, at::Device device
   CustomSetupResult setup = setUpCustomAllreduce(cpu, rank, size, *gpu_, hostIdentity(), maxBytes);
   available_ = setup.available;
   reason_ = setup.reason;
+  devices_ = setup.devices;
   if (available_) {
     car_ = std::make_unique<car::CustomAllreduce>(rank, size, setup.bases, maxBytes, timeout,
                                                   gpu_->errorHost(), gpu_->errorDevice());
@@ -234,6 +236,12 @@ void CustomPath::finishGraphRegistration(c10d::Backend& cpu) {
                                       cudaMemcpyHostToDevice, stream.stream()));
   }
   TPCOMM_CUDA_CHECK(cudaStreamSynchronize(stream.stream()));
+}
+
+bool CustomPath::distinctGpus() const {
+  std::vector<int> sorted = devices_;
+  std::sort(sorted.begin(), sorted.end());
+  return !sorted.empty() && std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
 }
 
 ZeroCopyStats CustomPath::zeroCopyStats() const {

@@ -54,6 +54,8 @@ class CustomPath {
   const std::string& reason() const { return reason_; }
   at::Device device() const { return device_; }
   size_t maxBytes() const { return maxBytes_; }
+  // Whether every rank is on a GPU of its own (NCCL needs that).
+  bool distinctGpus() const;
 
   // Enqueues output = scale x (sum over ranks of input) on `stream` with the
   // algorithm of `route` (one-shot or two-shot); output may be input. Both
@@ -94,6 +96,7 @@ class CustomPath {
   bool available_ = false;
   std::string reason_;
   std::unique_ptr<car::CustomAllreduce> car_;
+  std::vector<int> devices_;  // per rank, from the set-up
 
   mutable std::mutex mutex_;
   car::RegisteredInputs* table_ = nullptr;  // device memory, kTableSlots entries

@@ -156,6 +156,8 @@ class GroupCoordinator {
   void bindDevice(at::Device device);
   // Sets up the custom kernel on the first call (collective), then returns it.
   CustomPath& ensureCustom(at::Device device);
+  // TPCOMM_AUTOTUNE: the crossovers from the cache or measured (collective).
+  void tuneRouting(CustomPath& custom);
   Pending customAllreduce(at::Tensor& input, at::Tensor& output, DeviceRoute route,
                           const c10d::AllreduceOptions& opts);
   // TPCOMM_DEBUG: raises on every rank when ranks disagree on the call's

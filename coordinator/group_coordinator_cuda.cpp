@@ -39,27 +39,32 @@ std::shared_ptr<CustomPath> GroupCoordinator::customPath() const {
 }
 
 CustomPath& GroupCoordinator::ensureCustom(at::Device device) {
-  std::lock_guard<std::mutex> lock(deviceMutex_);
-  if (custom_) return *custom_;
-  // Decided from what every rank shares, so either every rank sets up or none.
-  std::string skip;
-  if (options_.size < 2 || options_.size > car::kMaxRanks) {
-    skip = detail::concat("world size ", options_.size, " is outside 2..", car::kMaxRanks);
-  } else if (routing_.config().mode == "nccl") {
-    skip = "TPCOMM_ROUTE=nccl";
+  std::shared_ptr<CustomPath> created;
+  {
+    std::lock_guard<std::mutex> lock(deviceMutex_);
+    if (custom_) return *custom_;
+    // Decided from what every rank shares, so either every rank sets up or none.
+    std::string skip;
+    if (options_.size < 2 || options_.size > car::kMaxRanks) {
+      skip = detail::concat("world size ", options_.size, " is outside 2..", car::kMaxRanks);
+    } else if (routing_.config().mode == "nccl") {
+      skip = "TPCOMM_ROUTE=nccl";
+    }
+    if (!skip.empty()) {
+      routing_.setCustomAvailability(false, skip);
+      custom_ = std::make_shared<CustomPath>(skip);
+      return *custom_;
+    }
+    created = std::make_shared<CustomPath>(
+        *cpu_, options_.rank, options_.size, device, customDeviceFactory_(device.index()),
+        static_cast<size_t>(routing_.config().customMaxBytes),
+        std::chrono::milliseconds(settings().carTimeoutMs), options_.groupName);
+    routing_.setCustomAvailability(created->available(), created->reason());
+    custom_ = created;
   }
-  if (!skip.empty()) {
-    routing_.setCustomAvailability(false, skip);
-    custom_ = std::make_shared<CustomPath>(skip);
-    return *custom_;
-  }
-  custom_ = std::make_shared<CustomPath>(*cpu_, options_.rank, options_.size, device,
-                                         customDeviceFactory_(device.index()),
-                                         static_cast<size_t>(routing_.config().customMaxBytes),
-                                         std::chrono::milliseconds(settings().carTimeoutMs),
-                                         options_.groupName);
-  routing_.setCustomAvailability(custom_->available(), custom_->reason());
-  return *custom_;
+  // Outside the lock: the measurement may create the device backend.
+  if (settings().autotune && created->available()) tuneRouting(*created);
+  return *created;
 }
 
 Pending GroupCoordinator::customAllreduce(at::Tensor& input, at::Tensor& output,

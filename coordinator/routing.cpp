@@ -1,5 +1,6 @@
 #include "coordinator/routing.hpp"
 
+#include <algorithm>
 #include <cstdio>
 
 #include "coordinator/common/error.hpp"
@@ -40,6 +41,16 @@ RoutingTable::RoutingTable(int worldSize, RoutingConfig config)
   oneShotMax_ = config_.oneShotMaxBytes >= 0
                     ? std::min<int64_t>(config_.oneShotMaxBytes, config_.customMaxBytes)
                     : byWorld;
+  customLimit_ = config_.customMaxBytes;
+  if (settings().autotune) tuneSource_ = "pending (at the custom kernel's set-up)";
+}
+
+void RoutingTable::applyTuned(int64_t oneShotMaxBytes, int64_t customMaxBytes,
+                              std::string source) {
+  customLimit_ = std::clamp<int64_t>(customMaxBytes, 0, config_.customMaxBytes);
+  // An explicit TPCOMM_ONESHOT_MAX_BYTES wins over the measurement.
+  if (config_.oneShotMaxBytes < 0) oneShotMax_ = std::clamp<int64_t>(oneShotMaxBytes, 0, customLimit_);
+  tuneSource_ = std::move(source);
 }
 
 void RoutingTable::setCustomAvailability(bool available, std::string reason) {
@@ -67,6 +78,8 @@ RouteDecision RoutingTable::decide(c10d::ReduceOp::RedOpType op, at::ScalarType 
     d.reason = "empty tensor (nothing is launched)";
   } else if (bytes > config_.customMaxBytes) {
     d.reason = detail::concat("above the custom maximum of ", config_.customMaxBytes, " B");
+  } else if (bytes > customLimit_ && config_.mode == "auto") {
+    d.reason = detail::concat("above the tuned custom limit of ", customLimit_, " B");
   } else if (config_.mode == "oneshot" || config_.mode == "twoshot") {
     d.route = config_.mode == "oneshot" ? DeviceRoute::kCustomOneShot : DeviceRoute::kCustomTwoShot;
     d.reason = "TPCOMM_ROUTE=" + config_.mode;
@@ -84,14 +97,16 @@ std::vector<RouteRow> RoutingTable::rows() const {
   if (config_.mode == "nccl" || !customAvailable_ || worldSize_ < 2) {
     return {{DeviceRoute::kNccl, 0, -1}};
   }
-  const int64_t max = config_.customMaxBytes;
+  const int64_t max = config_.mode == "auto" ? customLimit_ : config_.customMaxBytes;
+  if (max < 1) return {{DeviceRoute::kNccl, 0, -1}};
   if (config_.mode == "oneshot")
     return {{DeviceRoute::kCustomOneShot, 1, max}, {DeviceRoute::kNccl, max + 1, -1}};
   if (config_.mode == "twoshot")
     return {{DeviceRoute::kCustomTwoShot, 1, max}, {DeviceRoute::kNccl, max + 1, -1}};
   std::vector<RouteRow> rows;
-  if (oneShotMax_ >= 1) rows.push_back({DeviceRoute::kCustomOneShot, 1, oneShotMax_});
-  if (oneShotMax_ < max) rows.push_back({DeviceRoute::kCustomTwoShot, oneShotMax_ + 1, max});
+  const int64_t oneShot = std::min(oneShotMax_, max);
+  if (oneShot >= 1) rows.push_back({DeviceRoute::kCustomOneShot, 1, oneShot});
+  if (oneShot < max) rows.push_back({DeviceRoute::kCustomTwoShot, oneShot + 1, max});
   rows.push_back({DeviceRoute::kNccl, max + 1, -1});
   return rows;
 }

@@ -51,6 +51,12 @@ class RoutingTable {
   bool customAvailable() const { return customAvailable_; }
   const std::string& customReason() const { return customReason_; }
   int64_t oneShotMaxBytes() const { return oneShotMax_; }
+  // Sizes above this go to NCCL (the custom maximum unless tuned).
+  int64_t customLimitBytes() const { return customLimit_; }
+  // TPCOMM_AUTOTUNE's crossovers (capped by the configured maximum); `source`
+  // says where they came from, for describe().
+  void applyTuned(int64_t oneShotMaxBytes, int64_t customMaxBytes, std::string source);
+  const std::string& tuneSource() const { return tuneSource_; }
   const RoutingConfig& config() const { return config_; }
 
   RouteDecision decide(c10d::ReduceOp::RedOpType op, at::ScalarType dtype, int64_t bytes) const;
@@ -61,6 +67,8 @@ class RoutingTable {
   int worldSize_;
   RoutingConfig config_;
   int64_t oneShotMax_;
+  int64_t customLimit_;
+  std::string tuneSource_ = "off";
   bool customAvailable_ = false;
   std::string customReason_ = "not set up";
 };

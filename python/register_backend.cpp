@@ -131,6 +131,7 @@ tensors through the device backend (NCCL), created on first use.)")
             custom["zero_copy"] = zeroCopy;
             out["custom_allreduce"] = custom;
             out["route_mode"] = routing.config().mode;
+            out["autotune"] = routing.tuneSource();
             py::list rows;
             for (const auto& row : routing.rows()) {
               py::dict r;

@@ -36,6 +36,12 @@ const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_ONESHOT_MAX_BYTES", "int", "-1",
      "Largest allreduce sent to the custom one-shot kernel (-1: 8 MiB at 2 ranks, 512 KiB at "
      "3-4, 256 KiB at 5-8; never above TPCOMM_CAR_MAX_BYTES)."},
+    {"TPCOMM_AUTOTUNE", "bool", "0",
+     "Measure the CUDA allreduce crossovers (one-shot, two-shot, NCCL) when a group sets up the "
+     "custom kernel, and cache them per machine and world size; later groups read the cache."},
+    {"TPCOMM_AUTOTUNE_DIR", "string", "",
+     "Where TPCOMM_AUTOTUNE caches its measurements (empty: $XDG_CACHE_HOME/tpcomm, else "
+     "~/.cache/tpcomm)."},
     {"TPCOMM_LOG", "string", "",
      "Comma-separated topics logged to stderr: routes (each distinct routing decision of a "
      "group, once)."},
@@ -94,6 +100,8 @@ Settings Settings::parse(const Lookup& lookup) {
   if (auto v = lookup("TPCOMM_ONESHOT_MAX_BYTES")) {
     s.oneShotMaxBytes = parseInt("TPCOMM_ONESHOT_MAX_BYTES", *v, -1, int64_t{1} << 30);
   }
+  if (auto v = lookup("TPCOMM_AUTOTUNE")) s.autotune = parseBool("TPCOMM_AUTOTUNE", *v);
+  if (auto v = lookup("TPCOMM_AUTOTUNE_DIR")) s.autotuneDir = *v;
   if (auto v = lookup("TPCOMM_LOG")) {
     size_t start = 0;
     while (start <= v->size()) {

@@ -36,6 +36,11 @@ struct Settings {
   std::string route = "auto";
   // TPCOMM_ONESHOT_MAX_BYTES: largest one-shot allreduce (-1: by world size).
   int64_t oneShotMaxBytes = -1;
+  // TPCOMM_AUTOTUNE: measure the CUDA allreduce crossovers at custom-kernel
+  // set-up and cache them (coordinator/autotune.hpp).
+  bool autotune = false;
+  // TPCOMM_AUTOTUNE_DIR: the cache's directory (empty: the user's cache).
+  std::string autotuneDir;
   // TPCOMM_LOG: comma-separated topics to log to stderr; "routes" logs each
   // distinct routing decision once per group.
   bool logRoutes = false;

@@ -74,11 +74,11 @@ def _worker(rank, world_size, port, env, pg_timeout_s, conn, paths):
 
 class Group:
     def __init__(self, world_size, env=None, pg_timeout_s=60, start_timeout_s=120,
-                 env_per_rank=None):
+                 env_per_rank=None, extra_paths=()):
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         port = _free_port()
-        paths = [HERE, os.path.dirname(HERE)]
+        paths = [HERE, os.path.dirname(HERE), *extra_paths]
         self._conns, self._procs = [], []
         for rank in range(world_size):
             rank_env = dict(env or {})
