@@ -136,6 +136,9 @@ class GroupCoordinator {
   void eagerConnect(at::Device device);
   // The CUDA allreduce routing in force (describe()).
   const RoutingTable& routing() const { return routing_; }
+  // Benchmarks and tests: this group's routing mode instead of TPCOMM_ROUTE.
+  // Every rank must set the same mode between the same two calls.
+  void setRouteMode(const std::string& mode) { routing_.setMode(mode); }
   // The custom kernel's state: null until the first CUDA allreduce.
   std::shared_ptr<CustomPath> customPath() const;
   // graph_capture(): zero-copy registration of captured custom allreduces.

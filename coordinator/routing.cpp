@@ -45,6 +45,12 @@ RoutingTable::RoutingTable(int worldSize, RoutingConfig config)
   if (settings().autotune) tuneSource_ = "pending (at the custom kernel's set-up)";
 }
 
+void RoutingTable::setMode(const std::string& mode) {
+  TPCOMM_CHECK(mode == "auto" || mode == "nccl" || mode == "oneshot" || mode == "twoshot",
+               kInvalidUsage, "routing mode '", mode, "' is not one of auto, nccl, oneshot, twoshot");
+  config_.mode = mode;
+}
+
 void RoutingTable::applyTuned(int64_t oneShotMaxBytes, int64_t customMaxBytes,
                               std::string source) {
   customLimit_ = std::clamp<int64_t>(customMaxBytes, 0, config_.customMaxBytes);

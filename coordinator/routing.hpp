@@ -57,6 +57,8 @@ class RoutingTable {
   // says where they came from, for describe().
   void applyTuned(int64_t oneShotMaxBytes, int64_t customMaxBytes, std::string source);
   const std::string& tuneSource() const { return tuneSource_; }
+  // Replaces TPCOMM_ROUTE for this table (auto, nccl, oneshot, twoshot).
+  void setMode(const std::string& mode);
   const RoutingConfig& config() const { return config_; }
 
   RouteDecision decide(c10d::ReduceOp::RedOpType op, at::ScalarType dtype, int64_t bytes) const;

@@ -159,6 +159,14 @@ tensors through the device backend (NCCL), created on first use.)")
           "output = sum (or mean) of every rank's input, out of place; returns a Work when "
           "async_op, else None (ordered on the current stream).")
       .def(
+          "set_route_mode",
+          [](backend::ProcessGroupTpcomm& self, const std::string& mode) {
+            self.coordinator().setRouteMode(mode);
+          },
+          py::arg("mode"),
+          "This group's CUDA allreduce routing mode (auto, nccl, oneshot, twoshot) instead of "
+          "TPCOMM_ROUTE; every rank must set the same mode between the same two calls.")
+      .def(
           "begin_graph_registration",
           [](backend::ProcessGroupTpcomm& self) { self.coordinator().beginGraphRegistration(); },
           "graph_capture(): custom allreduces captured from now on read their inputs in place "

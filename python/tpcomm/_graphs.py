@@ -51,5 +51,7 @@ def all_reduce_into(input_, out, group=None, average=False):
     stream; the custom kernel reads `input_` in place where it can."""
     if group is None:
         group = dist.group.WORLD
-    _backend(group).all_reduce_into(input_, out, average, False)
+    work = _backend(group).all_reduce_into(input_, out, average, False)
+    if work is not None:  # CPU tensors: Gloo's work; CUDA: ordered on the current stream
+        work.wait()
     return out

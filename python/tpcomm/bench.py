@@ -2,6 +2,7 @@
 
     python -m tpcomm.bench mq [--readers 1 3] [--quick]
     python -m tpcomm.bench car [--world-sizes 2 4 8] [--max-mib 64] [--png car_bench.png]
+    python -m tpcomm.bench allreduce [--max-mib 64] [--quick]
 
 mq: broadcast of tensor dicts from one writer to N readers on this host,
 through tpcomm.MessageQueue and, in the same run, through the Gloo path
@@ -9,6 +10,9 @@ through tpcomm.MessageQueue and, in the same run, through the Gloo path
 plus single-thread memcpy bandwidth as the ceiling.
 
 car: the custom allreduce on one GPU (see tpcomm._bench_car).
+
+allreduce: dist.all_reduce over the tpcomm backend per route, and the host
+overhead of its dispatch (see tpcomm._bench_allreduce).
 """
 
 import argparse
@@ -142,6 +146,9 @@ def main(argv=None):
     car.add_argument("--max-mib", type=int, default=64, help="largest size (default 64 MiB)")
     car.add_argument("--quick", action="store_true", help="fewer iterations")
     car.add_argument("--png", default="car_bench.png", help="plot of time vs size")
+    ar = sub.add_parser("allreduce", help="dist.all_reduce per route on the GPUs present")
+    ar.add_argument("--max-mib", type=int, default=64, help="largest size (default 64 MiB)")
+    ar.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     args = parser.parse_args(argv)
     if args.what == "mq":
         return bench_mq(args.readers, args.quick, args.chunk_mb)
@@ -149,6 +156,10 @@ def main(argv=None):
         from tpcomm._bench_car import run
 
         return run(args.world_sizes, args.max_mib, args.quick, args.png)
+    if args.what == "allreduce":
+        from tpcomm._bench_allreduce import run as run_allreduce
+
+        return run_allreduce(args.max_mib, args.quick)
     return 2
 
 

@@ -72,10 +72,46 @@ def _describe(ctx):
     assert custom["available"] is False
     assert custom["reason"] == "not set up yet (at the group's first CUDA allreduce)"
     assert custom["max_bytes"] == 8 << 20 and custom["zero_copy"] == {}
-    assert d["device"] is None
+    assert d["device"] is None and d["autotune"] == "off"
     assert d["route_mode"] == "auto"
     assert d["cuda_allreduce_routes"] == [{"route": "nccl", "from_bytes": 0, "to_bytes": None}]
     return d["group"]
+
+
+def _cpu_side_of_the_cuda_api(ctx):
+    import pytest
+    import torch
+
+    import tpcomm
+
+    # all_reduce_into and graph_capture() on CPU tensors: a copy and Gloo, and
+    # a registration with nothing to register (no rank set a kernel up).
+    x = torch.arange(6, dtype=torch.float64) * (ctx.rank + 1)
+    out = torch.empty_like(x)
+    with tpcomm.graph_capture():
+        tpcomm.all_reduce_into(x, out)
+    n = ctx.world_size
+    assert torch.equal(out, torch.arange(6, dtype=torch.float64) * (n * (n + 1) // 2))
+    assert torch.equal(x, torch.arange(6, dtype=torch.float64) * (ctx.rank + 1))  # untouched
+    tpcomm.all_reduce_into(x, out, average=True)
+    assert torch.allclose(out, torch.arange(6, dtype=torch.float64) * (n + 1) / 2)
+    with pytest.raises(RuntimeError, match="has 5 elements, expected 6"):
+        tpcomm.all_reduce_into(x, torch.empty(5, dtype=torch.float64))
+    backend = tpcomm._backend_of(None)
+    with pytest.raises(ValueError, match="routing mode 'fast' is not one of auto, nccl"):
+        backend.set_route_mode("fast")
+    backend.set_route_mode("twoshot")
+    assert tpcomm.describe()["route_mode"] == "twoshot"
+    backend.set_route_mode("auto")
+    # An error inside the context still finishes the registration on every rank.
+    with pytest.raises(KeyError):
+        with tpcomm.graph_capture():
+            raise KeyError("body")
+    return True
+
+
+def test_cpu_side_of_the_cuda_api(group):
+    assert all(group.run(_cpu_side_of_the_cuda_api))
 
 
 def test_describe_on_cpu(group):
