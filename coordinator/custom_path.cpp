@@ -88,10 +88,9 @@ int64_t CustomPath::captureSlot(const at::Tensor& input, const at::Tensor& outpu
   if (table_ == nullptr) {
     void* table = nullptr;
     TPCOMM_CUDA_CHECK(cudaMalloc(&table, kTableSlots * sizeof(car::RegisteredInputs)));
-    // Zeroed: ready == 0 until registration fills a slot. Synchronous on the
-    // legacy stream, which a capturing (non-blocking) stream does not join.
-    TPCOMM_CUDA_CHECK(cudaMemset(table, 0, kTableSlots * sizeof(car::RegisteredInputs)));
     table_ = static_cast<car::RegisteredInputs*>(table);
+    // Zeroed (ready == 0 until registration fills a slot), off the capture.
+    car::zeroDeviceMemory(table, kTableSlots * sizeof(car::RegisteredInputs));
   }
   if (slotsUsed_ >= kTableSlots) {
     ++zeroCopy_.staged;

@@ -49,6 +49,8 @@ CustomPath& GroupCoordinator::ensureCustom(at::Device device) {
       skip = detail::concat("world size ", options_.size, " is outside 2..", car::kMaxRanks);
     } else if (routing_.config().mode == "nccl") {
       skip = "TPCOMM_ROUTE=nccl";
+    } else if (!customDeviceFactory_) {
+      skip = "no GPU side for the custom kernel in this coordinator";
     }
     if (!skip.empty()) {
       routing_.setCustomAvailability(false, skip);
@@ -109,7 +111,7 @@ Pending GroupCoordinator::allreduceInto(at::Tensor& input, at::Tensor& output,
                                         const c10d::AllreduceOptions& opts) {
   if (routeFor(input) == Route::kDevice) {
     ensureCustom(input.device());
-    const RouteDecision d = routing_.decide(opts.reduceOp, input.scalar_type(), bytesOf(input));
+    const RouteDecision d = routing_.decide(opts.reduceOp, input.scalar_type(), bytesOf(input), logRoutes_);
     if (logRoutes_) logAllreduceRoute(opts.reduceOp, input, deviceRouteName(d.route), d.reason);
     if (d.route != DeviceRoute::kNccl) return customAllreduce(input, output, d.route, opts);
   }

@@ -65,36 +65,41 @@ void RoutingTable::setCustomAvailability(bool available, std::string reason) {
 }
 
 RouteDecision RoutingTable::decide(c10d::ReduceOp::RedOpType op, at::ScalarType dtype,
-                                   int64_t bytes) const {
+                                   int64_t bytes, bool withReason) const {
   RouteDecision d;
+  // The reason is only put together when asked for (the log, tests): the
+  // per-call path takes the route alone.
+  const auto why = [&](const auto&... parts) {
+    if (withReason) d.reason = detail::concat(parts...);
+  };
   if (config_.mode == "nccl") {
-    d.reason = "TPCOMM_ROUTE=nccl";
+    why("TPCOMM_ROUTE=nccl");
   } else if (op != c10d::ReduceOp::SUM && op != c10d::ReduceOp::AVG) {
-    d.reason = "the custom kernel only sums";
+    why("the custom kernel only sums");
   } else if (dtype != at::kFloat && dtype != at::kHalf && dtype != at::kBFloat16) {
-    d.reason = "dtype " + dtypeName(dtype) + " is not summed by the kernel";
+    why("dtype ", dtypeName(dtype), " is not summed by the kernel");
   } else if (worldSize_ < 2) {
-    d.reason = "one rank";
+    why("one rank");
   } else if (!customAvailable_) {
-    d.reason = "custom kernel unavailable: " + customReason_;
+    why("custom kernel unavailable: ", customReason_);
   } else if (bytes == 0) {
     // Nothing to reduce: no kernel is launched, and no NCCL communicator is
     // made for it.
     d.route = DeviceRoute::kCustomOneShot;
-    d.reason = "empty tensor (nothing is launched)";
+    why("empty tensor (nothing is launched)");
   } else if (bytes > config_.customMaxBytes) {
-    d.reason = detail::concat("above the custom maximum of ", config_.customMaxBytes, " B");
+    why("above the custom maximum of ", config_.customMaxBytes, " B");
   } else if (bytes > customLimit_ && config_.mode == "auto") {
-    d.reason = detail::concat("above the tuned custom limit of ", customLimit_, " B");
+    why("above the tuned custom limit of ", customLimit_, " B");
   } else if (config_.mode == "oneshot" || config_.mode == "twoshot") {
     d.route = config_.mode == "oneshot" ? DeviceRoute::kCustomOneShot : DeviceRoute::kCustomTwoShot;
-    d.reason = "TPCOMM_ROUTE=" + config_.mode;
+    why("TPCOMM_ROUTE=", config_.mode);
   } else if (bytes <= oneShotMax_) {
     d.route = DeviceRoute::kCustomOneShot;
-    d.reason = detail::concat("<= ", oneShotMax_, " B at ", worldSize_, " ranks");
+    why("<= ", oneShotMax_, " B at ", worldSize_, " ranks");
   } else {
     d.route = DeviceRoute::kCustomTwoShot;
-    d.reason = detail::concat("> ", oneShotMax_, " B at ", worldSize_, " ranks");
+    why("> ", oneShotMax_, " B at ", worldSize_, " ranks");
   }
   return d;
 }

@@ -61,7 +61,9 @@ class RoutingTable {
   void setMode(const std::string& mode);
   const RoutingConfig& config() const { return config_; }
 
-  RouteDecision decide(c10d::ReduceOp::RedOpType op, at::ScalarType dtype, int64_t bytes) const;
+  // `withReason` false leaves RouteDecision::reason empty (the per-call path).
+  RouteDecision decide(c10d::ReduceOp::RedOpType op, at::ScalarType dtype, int64_t bytes,
+                       bool withReason = true) const;
   // The size ranges of each route for a SUM of an eligible dtype.
   std::vector<RouteRow> rows() const;
 

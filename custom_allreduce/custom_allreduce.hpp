@@ -176,6 +176,10 @@ class CustomAllreduce {
 // `stream`; with a null stream, done when this returns.
 void resetSignals(void* buffer, cudaStream_t stream);
 
+// Zeroes device memory and waits, on a stream of its own that no capture
+// involves: safe while another stream of the device is being captured.
+void zeroDeviceMemory(void* ptr, size_t bytes);
+
 // Launches a kernel that does nothing (the benchmark's launch baseline).
 void launchEmptyKernel(cudaStream_t stream);
 

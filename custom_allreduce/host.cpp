@@ -102,13 +102,22 @@ void resetSignals(void* buffer, cudaStream_t stream) {
   if (stream == nullptr) TPCOMM_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
+void zeroDeviceMemory(void* ptr, size_t bytes) {
+  cudaStream_t stream = nullptr;
+  TPCOMM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const cudaError_t set = cudaMemsetAsync(ptr, 0, bytes, stream);
+  const cudaError_t done = set == cudaSuccess ? cudaStreamSynchronize(stream) : set;
+  cudaStreamDestroy(stream);
+  TPCOMM_CUDA_CHECK(done);
+}
+
 // --- buffers ----------------------------------------------------------------
 
 RankBuffer::RankBuffer(size_t maxBytes) : layout_(BufferLayout::forMaxBytes(maxBytes)) {
   TPCOMM_CUDA_CHECK(cudaGetDevice(&device_));
   TPCOMM_CUDA_CHECK(cudaMalloc(&base_, layout_.totalBytes));
   try {
-    TPCOMM_CUDA_CHECK(cudaMemset(base_, 0, layout_.signalBytes));
+    zeroDeviceMemory(base_, layout_.signalBytes);
     void* host = nullptr;
     TPCOMM_CUDA_CHECK(cudaHostAlloc(&host, sizeof(uint32_t), cudaHostAllocMapped));
     errorHost_ = static_cast<uint32_t*>(host);
