@@ -41,11 +41,11 @@ TunedRoutes chooseCrossovers(const RouteTimings& t, int64_t maxBytes, double mar
 
 std::string autotuneKey(const std::string& host, const std::string& gpuModel, int worldSize,
                         int64_t maxBytes) {
-  std::string key = host + "-" + gpuModel + "-ws" + std::to_string(worldSize) + "-max" +
-                    std::to_string(maxBytes);
+  std::string key =
+      host + "-" + gpuModel + "-ws" + std::to_string(worldSize) + "-max" + std::to_string(maxBytes);
   for (char& c : key) {
-    const bool safe = std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' ||
-                      c == '_';
+    const bool safe =
+        std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '.' || c == '_';
     if (!safe) c = '_';
   }
   return key;

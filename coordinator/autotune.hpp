@@ -31,10 +31,10 @@ struct TunedRoutes {
 };
 
 struct RouteTimings {
-  std::vector<int64_t> sizes;    // ascending
+  std::vector<int64_t> sizes;  // ascending
   std::vector<double> oneShotUs;
   std::vector<double> twoShotUs;
-  std::vector<double> ncclUs;    // empty: not measured
+  std::vector<double> ncclUs;  // empty: not measured
 };
 
 // One-shot up to the last size before two-shot is first faster by more than

@@ -77,8 +77,8 @@ void CustomPath::checkError() const {
   const uint32_t code = car_->errorCode();
   if (code == 0) return;
   TPCOMM_THROW(kTimeout, "custom allreduce on group '", groupName_, "' (rank ", rank_, " of ",
-               size_, "): ", car::describeError(code), " within ",
-               settings().carTimeoutMs, " ms (TPCOMM_CAR_TIMEOUT_MS)");
+               size_, "): ", car::describeError(code), " within ", settings().carTimeoutMs,
+               " ms (TPCOMM_CAR_TIMEOUT_MS)");
 }
 
 int64_t CustomPath::captureSlot(const at::Tensor& input, const at::Tensor& output,
@@ -174,7 +174,8 @@ void CustomPath::finishGraphRegistration(c10d::Backend& cpu) {
   for (int r = 1; r < size_; ++r) {
     if (counts[r] != counts[0]) {
       std::string all;
-      for (int q = 0; q < size_; ++q) all += detail::concat(q ? ", " : "", "rank ", q, ": ", counts[q]);
+      for (int q = 0; q < size_; ++q)
+        all += detail::concat(q ? ", " : "", "rank ", q, ": ", counts[q]);
       TPCOMM_THROW(kInvalidUsage, "graph_capture() on group '", groupName_,
                    "': ranks captured different numbers of custom allreduces (", all,
                    "); every rank must capture the same calls. The graphs captured in this "

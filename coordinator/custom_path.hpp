@@ -62,8 +62,8 @@ class CustomPath {
   // are contiguous CUDA tensors of the group's device, float32/float16/
   // bfloat16, at most maxBytes(). Inputs that are not 16-byte aligned go
   // through an aligned copy. `registering`: graph_capture() is open.
-  void allreduce(const at::Tensor& input, const at::Tensor& output, DeviceRoute route,
-                 float scale, c10::cuda::CUDAStream stream, bool registering);
+  void allreduce(const at::Tensor& input, const at::Tensor& output, DeviceRoute route, float scale,
+                 c10::cuda::CUDAStream stream, bool registering);
 
   // Raises Timeout naming the peer when a kernel of this group gave up.
   void checkError() const;

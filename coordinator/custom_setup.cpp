@@ -62,9 +62,8 @@ std::vector<std::string> allgatherBytes(c10d::Backend& cpu, int size, const std:
   return out;
 }
 
-CustomSetupResult setUpCustomAllreduce(c10d::Backend& cpu, int rank, int size,
-                                       CustomDevice& device, const std::string& hostId,
-                                       size_t maxBytes) {
+CustomSetupResult setUpCustomAllreduce(c10d::Backend& cpu, int rank, int size, CustomDevice& device,
+                                       const std::string& hostId, size_t maxBytes) {
   CustomSetupResult result;
   if (size < 2 || size > car::kMaxRanks) {
     result.reason = detail::concat("world size ", size, " is outside 2..", car::kMaxRanks);

@@ -60,15 +60,14 @@ class CustomDevice {
 
 struct CustomSetupResult {
   bool available = false;
-  std::string reason;         // why not, when unavailable
-  std::vector<void*> bases;   // every rank's buffer as this process reaches it
-  std::vector<int> devices;   // per rank: index of its GPU among the group's GPUs
+  std::string reason;        // why not, when unavailable
+  std::vector<void*> bases;  // every rank's buffer as this process reaches it
+  std::vector<int> devices;  // per rank: index of its GPU among the group's GPUs
 };
 
 // `hostId`: this process's host identity (settings' hostIdentity()).
-CustomSetupResult setUpCustomAllreduce(c10d::Backend& cpu, int rank, int size,
-                                       CustomDevice& device, const std::string& hostId,
-                                       size_t maxBytes);
+CustomSetupResult setUpCustomAllreduce(c10d::Backend& cpu, int rank, int size, CustomDevice& device,
+                                       const std::string& hostId, size_t maxBytes);
 
 // Allgathers `mine` (the same length on every rank) over `cpu` and returns
 // every rank's bytes in rank order. Bounded by the backend's timeout.

@@ -113,9 +113,9 @@ Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
   if (route == Route::kDevice) {
     ensureCustom(tensors[0].device());
     const RouteDecision d =
-        routing_.decide(opts.reduceOp, tensors[0].scalar_type(), bytesOf(tensors[0]),
-                        logRoutes_);
-    if (logRoutes_) logAllreduceRoute(opts.reduceOp, tensors[0], deviceRouteName(d.route), d.reason);
+        routing_.decide(opts.reduceOp, tensors[0].scalar_type(), bytesOf(tensors[0]), logRoutes_);
+    if (logRoutes_)
+      logAllreduceRoute(opts.reduceOp, tensors[0], deviceRouteName(d.route), d.reason);
     if (d.route != DeviceRoute::kNccl) {
       return customAllreduce(tensors[0], tensors[0], d.route, opts);
     }

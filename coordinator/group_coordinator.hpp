@@ -179,10 +179,10 @@ class GroupCoordinator {
   mutable std::mutex deviceMutex_;
   c10::intrusive_ptr<c10d::Backend> device_;
   CustomDeviceFactory customDeviceFactory_;
-  std::optional<at::Device> cudaDevice_;  // guarded by deviceMutex_
-  std::shared_ptr<CustomPath> custom_;    // guarded by deviceMutex_
+  std::optional<at::Device> cudaDevice_;             // guarded by deviceMutex_
+  std::shared_ptr<CustomPath> custom_;               // guarded by deviceMutex_
   std::optional<c10::cuda::CUDAStream> commStream_;  // async custom calls
-  int registrationDepth_ = 0;             // guarded by deviceMutex_
+  int registrationDepth_ = 0;                        // guarded by deviceMutex_
   uint64_t debugSequence_ = 0;
   RouteStats stats_;
   RoutingTable routing_;

@@ -22,8 +22,11 @@ void GroupCoordinator::bindDevice(at::Device device) {
     cudaDevice_ = device;
   } else {
     TPCOMM_CHECK(*cudaDevice_ == device, kInvalidUsage, "group '", options_.groupName, "' rank ",
-                 options_.rank, ": a call on ", device, ", but this rank's CUDA calls on the "
-                 "group use ", *cudaDevice_, " (the GPU of its first CUDA call); move the "
+                 options_.rank, ": a call on ", device,
+                 ", but this rank's CUDA calls on the "
+                 "group use ",
+                 *cudaDevice_,
+                 " (the GPU of its first CUDA call); move the "
                  "tensor there or use a group per GPU");
   }
 }
@@ -69,14 +72,14 @@ CustomPath& GroupCoordinator::ensureCustom(at::Device device) {
   return *created;
 }
 
-Pending GroupCoordinator::customAllreduce(at::Tensor& input, at::Tensor& output,
-                                          DeviceRoute route, const c10d::AllreduceOptions& opts) {
+Pending GroupCoordinator::customAllreduce(at::Tensor& input, at::Tensor& output, DeviceRoute route,
+                                          const c10d::AllreduceOptions& opts) {
   std::shared_ptr<CustomPath> custom = customPath();
   const float scale =
       opts.reduceOp == c10d::ReduceOp::AVG ? 1.f / static_cast<float>(options_.size) : 1.f;
-  stats_.record(
-      route == DeviceRoute::kCustomOneShot ? StatsRoute::kCustomOneShot : StatsRoute::kCustomTwoShot,
-      bytesOf(input));
+  stats_.record(route == DeviceRoute::kCustomOneShot ? StatsRoute::kCustomOneShot
+                                                     : StatsRoute::kCustomTwoShot,
+                bytesOf(input));
   bool registering = false;
   {
     std::lock_guard<std::mutex> lock(deviceMutex_);
@@ -100,10 +103,11 @@ Pending GroupCoordinator::customAllreduce(at::Tensor& input, at::Tensor& output,
   ready.record(current);
   ready.block(stream);  // after whatever produced the input
   custom->allreduce(input, output, route, scale, stream, registering);
-  std::vector<at::Tensor> keep{output};
-  if (!input.is_same(output)) keep.push_back(input);
-  pending.work = c10::make_intrusive<StreamWork>(options_.rank, c10d::OpType::ALLREDUCE, stream,
-                                                 keep, [custom] { custom->checkError(); });
+  std::vector<at::Tensor> inputs;
+  if (!input.is_same(output)) inputs.push_back(input);
+  pending.work =
+      c10::make_intrusive<StreamWork>(options_.rank, c10d::OpType::ALLREDUCE, stream,
+                                      pending.outputs, inputs, [custom] { custom->checkError(); });
   return pending;
 }
 
@@ -111,7 +115,8 @@ Pending GroupCoordinator::allreduceInto(at::Tensor& input, at::Tensor& output,
                                         const c10d::AllreduceOptions& opts) {
   if (routeFor(input) == Route::kDevice) {
     ensureCustom(input.device());
-    const RouteDecision d = routing_.decide(opts.reduceOp, input.scalar_type(), bytesOf(input), logRoutes_);
+    const RouteDecision d =
+        routing_.decide(opts.reduceOp, input.scalar_type(), bytesOf(input), logRoutes_);
     if (logRoutes_) logAllreduceRoute(opts.reduceOp, input, deviceRouteName(d.route), d.reason);
     if (d.route != DeviceRoute::kNccl) return customAllreduce(input, output, d.route, opts);
   }

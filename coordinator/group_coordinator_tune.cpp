@@ -82,13 +82,14 @@ void GroupCoordinator::tuneRouting(CustomPath& custom) {
   }
   RouteTimings t;
   for (int64_t size = 4096; size <= maxBytes; size *= 2) t.sizes.push_back(size);
-  at::Tensor buffer = at::zeros({maxBytes / 2}, at::TensorOptions().dtype(at::kHalf).device(device));
+  at::Tensor buffer =
+      at::zeros({maxBytes / 2}, at::TensorOptions().dtype(at::kHalf).device(device));
   const bool withNccl = custom.distinctGpus();
   for (int64_t size : t.sizes) {
     at::Tensor x = buffer.narrow(0, 0, size / 2);
     for (DeviceRoute route : {DeviceRoute::kCustomOneShot, DeviceRoute::kCustomTwoShot}) {
-      const double us =
-          timeUs(stream, [&] { custom.allreduce(x, x, route, 1.f, stream, /*registering=*/false); });
+      const double us = timeUs(
+          stream, [&] { custom.allreduce(x, x, route, 1.f, stream, /*registering=*/false); });
       (route == DeviceRoute::kCustomOneShot ? t.oneShotUs : t.twoShotUs).push_back(us);
     }
     if (withNccl) {

@@ -47,15 +47,16 @@ RoutingTable::RoutingTable(int worldSize, RoutingConfig config)
 
 void RoutingTable::setMode(const std::string& mode) {
   TPCOMM_CHECK(mode == "auto" || mode == "nccl" || mode == "oneshot" || mode == "twoshot",
-               kInvalidUsage, "routing mode '", mode, "' is not one of auto, nccl, oneshot, twoshot");
+               kInvalidUsage, "routing mode '", mode,
+               "' is not one of auto, nccl, oneshot, twoshot");
   config_.mode = mode;
 }
 
-void RoutingTable::applyTuned(int64_t oneShotMaxBytes, int64_t customMaxBytes,
-                              std::string source) {
+void RoutingTable::applyTuned(int64_t oneShotMaxBytes, int64_t customMaxBytes, std::string source) {
   customLimit_ = std::clamp<int64_t>(customMaxBytes, 0, config_.customMaxBytes);
   // An explicit TPCOMM_ONESHOT_MAX_BYTES wins over the measurement.
-  if (config_.oneShotMaxBytes < 0) oneShotMax_ = std::clamp<int64_t>(oneShotMaxBytes, 0, customLimit_);
+  if (config_.oneShotMaxBytes < 0)
+    oneShotMax_ = std::clamp<int64_t>(oneShotMaxBytes, 0, customLimit_);
   tuneSource_ = std::move(source);
 }
 

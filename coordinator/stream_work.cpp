@@ -6,14 +6,18 @@
 namespace tpcomm::coord {
 
 StreamWork::StreamWork(int rank, c10d::OpType type, c10::cuda::CUDAStream stream,
-                       std::vector<at::Tensor> outputs, std::function<void()> checkError)
+                       std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
+                       std::function<void()> checkError)
     : c10d::Work(rank, type),
       stream_(stream),
       done_(cudaEventDisableTiming),
       outputs_(std::move(outputs)),
+      inputs_(std::move(inputs)),
       checkError_(std::move(checkError)) {
-  for (const auto& t : outputs_) {
-    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
+  for (const auto* list : {&outputs_, &inputs_}) {
+    for (const auto& t : *list) {
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
+    }
   }
   done_.record(stream_);
   future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(),

@@ -24,8 +24,10 @@ class StreamWork : public c10d::Work {
   // Records the completion event on `stream` now: call it right after the
   // enqueue. `checkError` throws if the call failed on the GPU (it reads a
   // host-mapped error word; it runs only once the event has completed).
+  // `inputs` are only kept alive (and recorded on the stream) with the outputs.
   StreamWork(int rank, c10d::OpType type, c10::cuda::CUDAStream stream,
-             std::vector<at::Tensor> outputs, std::function<void()> checkError);
+             std::vector<at::Tensor> outputs, std::vector<at::Tensor> inputs,
+             std::function<void()> checkError);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -37,6 +39,7 @@ class StreamWork : public c10d::Work {
   c10::cuda::CUDAStream stream_;
   at::cuda::CUDAEvent done_;
   std::vector<at::Tensor> outputs_;
+  std::vector<at::Tensor> inputs_;
   std::function<void()> checkError_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };

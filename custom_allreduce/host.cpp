@@ -61,8 +61,9 @@ Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DT
   p.count = count;
   p.dtype = dtype;
   p.algorithm = algorithm;
-  p.blocks = chooseBlocks(algorithm, worldSize_, bytes,
-                          options.blocks > 0 ? options.blocks : static_cast<int>(settings().carBlocks));
+  p.blocks =
+      chooseBlocks(algorithm, worldSize_, bytes,
+                   options.blocks > 0 ? options.blocks : static_cast<int>(settings().carBlocks));
   p.rank = rank_;
   p.worldSize = worldSize_;
   p.buffers = buffers_.data();
@@ -186,8 +187,8 @@ ExportedPointer exportPointer(const void* ptr) {
   CUdeviceptr base = 0;
   size_t size = 0;
   const CUresult r = getRange(&base, &size, reinterpret_cast<CUdeviceptr>(ptr));
-  TPCOMM_CHECK(r == CUDA_SUCCESS, kCuda, "cuMemGetAddressRange failed (CUresult ", static_cast<int>(r),
-               ") for a tensor at ", ptr);
+  TPCOMM_CHECK(r == CUDA_SUCCESS, kCuda, "cuMemGetAddressRange failed (CUresult ",
+               static_cast<int>(r), ") for a tensor at ", ptr);
   cudaIpcMemHandle_t handle;
   const cudaError_t e = cudaIpcGetMemHandle(&handle, reinterpret_cast<void*>(base));
   if (e != cudaSuccess) {

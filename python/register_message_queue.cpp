@@ -151,7 +151,8 @@ void registerMessageQueue(py::module_& m) {
           "Reads the next message into a uint8 tensor (large ones reuse recycled memory).")
       .def("shutdown", &mq::Reader::shutdown);
 
-  m.def("host_id", &hostIdentity, "This process's host identity (TPCOMM_HOST_ID or the host name).");
+  m.def("host_id", &hostIdentity,
+        "This process's host identity (TPCOMM_HOST_ID or the host name).");
 }
 
 }  // namespace tpcomm::python

@@ -39,8 +39,8 @@ struct ThreadGroup {
       options.debugChecks = debugChecks;
       coord::CustomDeviceFactory custom;
       if (customDevices) custom = customDevices(r);
-      coordinators.push_back(std::make_shared<coord::GroupCoordinator>(options, store, cpu.back(),
-                                                                       factory, custom));
+      coordinators.push_back(
+          std::make_shared<coord::GroupCoordinator>(options, store, cpu.back(), factory, custom));
     }
   }
   int size() const { return hub->size(); }

@@ -63,7 +63,8 @@ TEST(Autotune, CacheFileRoundTripsAndRejectsWhatItDidNotWrite) {
 
 TEST(Autotune, WriteCreatesTheDirectoryAndReadFindsIt) {
   const std::string dir = "/tmp/tpcomm-autotune-test-" + std::to_string(::getpid());
-  const std::string path = dir + "/a/b/" + autotuneKey("node 1", "NVIDIA H100 80GB HBM3", 4, 8 << 20) + ".txt";
+  const std::string path =
+      dir + "/a/b/" + autotuneKey("node 1", "NVIDIA H100 80GB HBM3", 4, 8 << 20) + ".txt";
   EXPECT_NE(path.find("node_1-NVIDIA_H100_80GB_HBM3-ws4-max8388608.txt"), std::string::npos);
   EXPECT_FALSE(readTuned(path, 8 << 20));
   EXPECT_EQ(writeTuned(path, "oneshot_max_bytes=65536\ncustom_max_bytes=4194304\n"), "");
