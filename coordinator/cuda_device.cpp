@@ -50,6 +50,11 @@ namespace {
 class CudaDevice : public CustomDevice {
  public:
   explicit CudaDevice(int device) : device_(device) {}
+  // Unmaps the peers' buffers (set-up only; zero-copy mappings stay for the
+  // graphs that use them), then frees this rank's.
+  ~CudaDevice() override {
+    for (void* peer : opened_) car::closeIpcHandle(peer);
+  }
 
   std::string gpuUuid() override { return gpuUuidOf(device_); }
 
@@ -79,7 +84,9 @@ class CudaDevice : public CustomDevice {
 
   void* open(const std::string& handle) override {
     c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-    return car::openIpcHandle(handle);
+    void* peer = car::openIpcHandle(handle);
+    opened_.push_back(peer);
+    return peer;
   }
 
   void writeProbe(void* peer, int fromRank, uint32_t value) override {
@@ -99,6 +106,7 @@ class CudaDevice : public CustomDevice {
   int device_;
   std::optional<c10::cuda::CUDAStream> stream_;
   std::unique_ptr<car::RankBuffer> buffer_;
+  std::vector<void*> opened_;
 };
 
 }  // namespace

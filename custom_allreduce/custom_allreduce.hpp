@@ -216,6 +216,9 @@ class RankBuffer {
 // Opens a peer's buffer from its IPC handle bytes; each handle is opened once
 // per process and stays open until exit.
 void* openIpcHandle(const std::string& handle);
+// Unmaps a buffer openIpcHandle returned (its handle may then be opened
+// again). Never throws; does nothing for any other pointer.
+void closeIpcHandle(void* ptr);
 
 // Writes `value` into the probe word of a peer buffer and reads back this
 // rank's own probe words (the write probe of the eligibility check). Both

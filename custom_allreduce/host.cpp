@@ -145,11 +145,24 @@ std::string RankBuffer::ipcHandle() const {
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
 }
 
+namespace {
+
+// Every handle this process opened, and where.
+std::mutex& ipcMutex() {
+  static auto* mutex = new std::mutex();  // never destroyed: used at exit
+  return *mutex;
+}
+std::map<std::string, void*>& ipcOpened() {
+  static auto* opened = new std::map<std::string, void*>();  // never destroyed: used at exit
+  return *opened;
+}
+
+}  // namespace
+
 void* openIpcHandle(const std::string& bytes) {
   TPCOMM_CHECK_EQ(bytes.size(), sizeof(cudaIpcMemHandle_t), "(IPC handle size)");
-  static std::mutex mutex;
-  static std::map<std::string, void*> opened;
-  std::lock_guard<std::mutex> lock(mutex);
+  std::lock_guard<std::mutex> lock(ipcMutex());
+  auto& opened = ipcOpened();
   auto it = opened.find(bytes);
   if (it != opened.end()) return it->second;
   cudaIpcMemHandle_t handle;
@@ -158,6 +171,17 @@ void* openIpcHandle(const std::string& bytes) {
   TPCOMM_CUDA_CHECK(cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess));
   opened.emplace(bytes, ptr);
   return ptr;
+}
+
+void closeIpcHandle(void* ptr) {
+  std::lock_guard<std::mutex> lock(ipcMutex());
+  auto& opened = ipcOpened();
+  for (auto it = opened.begin(); it != opened.end(); ++it) {
+    if (it->second != ptr) continue;
+    opened.erase(it);
+    if (cudaIpcCloseMemHandle(ptr) != cudaSuccess) cudaGetLastError();  // e.g. at exit
+    return;
+  }
 }
 
 std::vector<uint32_t> readProbes(void* ownBuffer, int worldSize, cudaStream_t stream) {
