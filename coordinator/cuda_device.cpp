@@ -102,6 +102,43 @@ class CudaDevice : public CustomDevice {
   uint32_t* errorHost() override { return buffer_->errorHost(); }
   uint32_t* errorDevice() override { return buffer_->errorDevice(); }
 
+  car::RegisteredInputs* allocateTable(size_t slots) override {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    void* table = nullptr;
+    TPCOMM_CUDA_CHECK(cudaMalloc(&table, slots * sizeof(car::RegisteredInputs)));
+    try {
+      car::zeroDeviceMemory(table, slots * sizeof(car::RegisteredInputs));  // off any capture
+    } catch (...) {
+      cudaFree(table);
+      throw;
+    }
+    return static_cast<car::RegisteredInputs*>(table);
+  }
+
+  void freeTable(car::RegisteredInputs* table) override {
+    if (cudaFree(table) != cudaSuccess) cudaGetLastError();  // never throws (destructors)
+  }
+
+  car::ExportedPointer exportPointer(const void* ptr) override {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    return car::exportPointer(ptr);
+  }
+
+  void* openRegistered(const std::string& handle) override {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    return car::openIpcHandle(handle);
+  }
+
+  void fillTable(car::RegisteredInputs* table, const std::vector<int64_t>& slots,
+                 const std::vector<car::RegisteredInputs>& entries) override {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+    for (size_t i = 0; i < slots.size(); ++i) {
+      TPCOMM_CUDA_CHECK(cudaMemcpyAsync(table + slots[i], &entries[i], sizeof(entries[i]),
+                                        cudaMemcpyHostToDevice, stream_->stream()));
+    }
+    TPCOMM_CUDA_CHECK(cudaStreamSynchronize(stream_->stream()));
+  }
+
  private:
   int device_;
   std::optional<c10::cuda::CUDAStream> stream_;

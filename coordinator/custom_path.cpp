@@ -60,9 +60,9 @@ CustomPath::CustomPath(c10d::Backend& cpu, int rank, int size, at::Device device
 CustomPath::CustomPath(std::string reason) : reason_(std::move(reason)) {}
 
 CustomPath::~CustomPath() {
-  // Never throws; the table may outlive nothing that reads it (graphs that
-  // still point at it are the caller's to destroy first).
-  if (table_ != nullptr) cudaFree(table_);
+  // Never throws. Graphs that still point at the table are the caller's to
+  // destroy first.
+  if (table_ != nullptr) gpu_->freeTable(table_);
 }
 
 void CustomPath::raiseEarlierFailure(const std::string& what) const {
@@ -81,35 +81,31 @@ void CustomPath::checkError() const {
                " ms (TPCOMM_CAR_TIMEOUT_MS)");
 }
 
-int64_t CustomPath::captureSlot(const at::Tensor& input, const at::Tensor& output,
-                                car::Algorithm algorithm, bool* stage) {
+const car::RegisteredInputs* CustomPath::registerCapturedCall(const void* input, const void* output,
+                                                              car::Algorithm algorithm,
+                                                              bool* stage) {
+  TPCOMM_CHECK(available_, kInvalidUsage, "custom allreduce on group '", groupName_,
+               "' is not available: ", reason_);
   std::lock_guard<std::mutex> lock(mutex_);
   *stage = true;
-  if (table_ == nullptr) {
-    void* table = nullptr;
-    TPCOMM_CUDA_CHECK(cudaMalloc(&table, kTableSlots * sizeof(car::RegisteredInputs)));
-    table_ = static_cast<car::RegisteredInputs*>(table);
-    // Zeroed (ready == 0 until registration fills a slot), off the capture.
-    car::zeroDeviceMemory(table, kTableSlots * sizeof(car::RegisteredInputs));
-  }
+  if (table_ == nullptr) table_ = gpu_->allocateTable(kTableSlots);
   if (slotsUsed_ >= kTableSlots) {
     ++zeroCopy_.staged;
     zeroCopy_.lastStagedReason = detail::concat("more than ", kTableSlots, " captured calls");
-    return -1;
+    return nullptr;
   }
   Captured c{slotsUsed_, true, "", 0, car_->stagingOf(rank_)};
-  const bool inPlaceOneShot =
-      algorithm == car::Algorithm::kOneShot && input.data_ptr() == output.data_ptr();
+  const bool inPlaceOneShot = algorithm == car::Algorithm::kOneShot && input == output;
   if (inPlaceOneShot) {
     zeroCopy_.lastStagedReason = "an in-place one-shot call (peers would read while it writes)";
   } else {
     try {
-      const car::ExportedPointer exported = car::exportPointer(input.data_ptr());
+      const car::ExportedPointer exported = gpu_->exportPointer(input);
       c.staged = false;
       c.handle = exported.handle;
       c.offset = exported.offset;
-      c.own = input.data_ptr();
-    } catch (const Error& e) {
+      c.own = input;
+    } catch (const std::exception& e) {
       zeroCopy_.lastStagedReason = e.what();
     }
   }
@@ -120,7 +116,7 @@ int64_t CustomPath::captureSlot(const at::Tensor& input, const at::Tensor& outpu
   }
   *stage = c.staged;
   captured_.push_back(c);
-  return slotsUsed_++;
+  return table_ + slotsUsed_++;
 }
 
 void CustomPath::allreduce(const at::Tensor& input, const at::Tensor& output, DeviceRoute route,
@@ -147,11 +143,9 @@ void CustomPath::allreduce(const at::Tensor& input, const at::Tensor& output, De
   if (registering && isCapturing(stream.stream())) {
     RelaxedCaptureMode relaxed;
     bool stage = true;
-    const int64_t slot = captureSlot(input, output, options.algorithm, &stage);
-    if (slot >= 0) {
-      options.registered = table_ + slot;
-      options.stageInput = stage;
-    }
+    options.registered =
+        registerCapturedCall(input.data_ptr(), output.data_ptr(), options.algorithm, &stage);
+    options.stageInput = stage;
   }
   car_->allreduce(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
                   carDType(input.scalar_type()), stream.stream(), options);
@@ -209,9 +203,8 @@ void CustomPath::finishGraphRegistration(c10d::Backend& cpu) {
         } else {
           uint64_t offset = 0;
           std::memcpy(&offset, &record[1 + kHandle], sizeof(offset));
-          c10::cuda::CUDAGuard device(device_);
           entry.input[r] =
-              static_cast<const char*>(car::openIpcHandle(record.substr(1, kHandle))) + offset;
+              static_cast<const char*>(gpu_->openRegistered(record.substr(1, kHandle))) + offset;
         }
       }
       entry.ready = 1;
@@ -229,13 +222,9 @@ void CustomPath::finishGraphRegistration(c10d::Backend& cpu) {
                  " could not map its peers' captured inputs (", text,
                  "); the graphs captured in this context refuse to replay");
   }
-  c10::cuda::CUDAGuard device(device_);
-  auto stream = c10::cuda::getStreamFromPool(false, device_.index());
-  for (size_t i = 0; i < captured.size(); ++i) {
-    TPCOMM_CUDA_CHECK(cudaMemcpyAsync(table_ + captured[i].slot, &host[i], sizeof(host[i]),
-                                      cudaMemcpyHostToDevice, stream.stream()));
-  }
-  TPCOMM_CUDA_CHECK(cudaStreamSynchronize(stream.stream()));
+  std::vector<int64_t> slots;
+  for (const auto& c : captured) slots.push_back(c.slot);
+  gpu_->fillTable(table_, slots, host);
 }
 
 bool CustomPath::distinctGpus() const {

@@ -68,6 +68,13 @@ class CustomPath {
   // Raises Timeout naming the peer when a kernel of this group gave up.
   void checkError() const;
 
+  // While graph_capture() is open and a call is being captured: the table
+  // slot the call's kernel reads its sources from (null when the table is
+  // full: the call then stages), and in `stage` whether this rank still
+  // copies its own input. Called by allreduce(); public for tests.
+  const car::RegisteredInputs* registerCapturedCall(const void* input, const void* output,
+                                                    car::Algorithm algorithm, bool* stage);
+
   // Collective: fills the zero-copy table of every call captured since the
   // last one (see above). Raises InvalidUsage on every rank when ranks
   // captured different numbers of calls; those graphs then refuse to replay.
@@ -82,9 +89,6 @@ class CustomPath {
     uint64_t offset;     // input - allocation start
     const void* own;     // this rank's table entry
   };
-  // A table slot for a call being captured, or -1 (stage, no table).
-  int64_t captureSlot(const at::Tensor& input, const at::Tensor& output, car::Algorithm algorithm,
-                      bool* stage);
   [[noreturn]] void raiseEarlierFailure(const std::string& what) const;
 
   int rank_ = 0;

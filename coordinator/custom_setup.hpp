@@ -56,6 +56,20 @@ class CustomDevice {
   // the host reads it and as the device writes it (valid after allocate()).
   virtual uint32_t* errorHost() = 0;
   virtual uint32_t* errorDevice() = 0;
+
+  // Zero-copy (graph_capture()), see custom_path.hpp:
+  // A zeroed device table of `slots` entries (ready == 0 everywhere).
+  virtual car::RegisteredInputs* allocateTable(size_t slots) = 0;
+  virtual void freeTable(car::RegisteredInputs* table) = 0;
+  // The IPC handle of the allocation holding `ptr` and ptr's offset in it;
+  // throws when the memory cannot be exported.
+  virtual car::ExportedPointer exportPointer(const void* ptr) = 0;
+  // Maps a peer's captured allocation; stays mapped for the process's life
+  // (graphs may replay until then).
+  virtual void* openRegistered(const std::string& handle) = 0;
+  // Writes entries[i] into table[slots[i]] and waits until it is done.
+  virtual void fillTable(car::RegisteredInputs* table, const std::vector<int64_t>& slots,
+                         const std::vector<car::RegisteredInputs>& entries) = 0;
 };
 
 struct CustomSetupResult {

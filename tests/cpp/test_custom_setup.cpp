@@ -9,6 +9,7 @@
 #include <set>
 
 #include "coordinator/common/error.hpp"
+#include "coordinator/custom_path.hpp"
 #include "coordinator/custom_setup.hpp"
 #include "group_fixture.hpp"
 
@@ -60,6 +61,34 @@ class FakeDevice : public CustomDevice {
   std::vector<uint32_t> readProbes(int n) override { return {probes_, probes_ + n}; }
   uint32_t* errorHost() override { return &error_; }
   uint32_t* errorDevice() override { return &error_; }
+
+  // Zero-copy: a host "device table"; a pointer's "allocation" is its 4 KiB
+  // page, and a mapping lands at the same address.
+  car::RegisteredInputs* allocateTable(size_t slots) override {
+    table.assign(slots, car::RegisteredInputs{});
+    return table.data();
+  }
+  void freeTable(car::RegisteredInputs*) override { freed = true; }
+  car::ExportedPointer exportPointer(const void* ptr) override {
+    if (unexportable.count(ptr)) {
+      throw std::runtime_error("cudaIpcGetMemHandle: invalid argument (expandable segments)");
+    }
+    const uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+    return {"page:" + std::to_string(p & ~uintptr_t{0xfff}), p & 0xfff};
+  }
+  void* openRegistered(const std::string& handle) override {
+    const std::string text = handle.substr(0, handle.find('\0'));
+    EXPECT_EQ(text.rfind("page:", 0), 0u) << text;
+    return reinterpret_cast<void*>(std::stoull(text.substr(5)));
+  }
+  void fillTable(car::RegisteredInputs* t, const std::vector<int64_t>& slots,
+                 const std::vector<car::RegisteredInputs>& entries) override {
+    EXPECT_EQ(t, table.data());
+    for (size_t i = 0; i < slots.size(); ++i) table.at(slots[i]) = entries[i];
+  }
+  std::vector<car::RegisteredInputs> table;
+  std::set<const void*> unexportable;
+  bool freed = false;
 
  private:
   std::shared_ptr<FakeWorld> world_;
@@ -220,6 +249,117 @@ TEST(CustomSetup, EagerConnectSetsUpTheCoordinatorsRouting) {
               std::string::npos)
         << e.what();
   }
+}
+
+// graph_capture()'s registration over fake ranks: which address every
+// rank's kernel reads each peer's input from once the context exits.
+struct ZeroCopyGroup {
+  static constexpr size_t kMax = 1 << 20;
+  ThreadGroup group;
+  std::vector<std::unique_ptr<coord::CustomPath>> paths;
+  std::vector<FakeDevice*> fakes;
+  std::vector<void*> bases;  // each rank's buffer
+
+  explicit ZeroCopyGroup(int n) : group(n), paths(n), fakes(n), bases(n) {
+    auto world = std::make_shared<FakeWorld>();
+    runRanks(n, [&](int r) {
+      auto fake = std::make_unique<FakeDevice>(world, r, FakeSpec{"gpu-" + std::to_string(r)});
+      fakes[r] = fake.get();
+      paths[r] = std::make_unique<coord::CustomPath>(*group.cpu[r], r, n, at::Device(at::kCUDA, 0),
+                                                     std::move(fake), kMax,
+                                                     std::chrono::milliseconds(1000), "zc");
+      bases[r] = fakes[r]->ownBase();
+    });
+  }
+  const void* staging(int r) const {
+    return static_cast<const char*>(bases[r]) + car::BufferLayout::forMaxBytes(kMax).stagingOffset;
+  }
+  // Where out-of-place calls write (never read by the registration).
+  static const void* output() { return reinterpret_cast<const void*>(0x7e0000000000ull); }
+  // Rank r's input of captured call i (16-byte aligned, a page per rank and call).
+  static const void* input(int r, int i) {
+    return reinterpret_cast<const void*>(0x7f0000000000ull + (r * 16 + i) * 0x1000 + 0x40);
+  }
+};
+
+TEST(CustomZeroCopy, ExitFillsEveryRanksTableWithItsPeersInputsOrStagings) {
+  ZeroCopyGroup z(3);
+  const auto one = car::Algorithm::kOneShot, two = car::Algorithm::kTwoShot;
+  std::vector<std::vector<bool>> staged(3);
+  runRanks(3, [&](int r) {
+    auto& path = *z.paths[r];
+    if (r == 2) z.fakes[r]->unexportable.insert(ZeroCopyGroup::input(r, 2));
+    bool stage = false;
+    // Call 0: out of place, one-shot -> read in place. Call 1: in place,
+    // one-shot -> staged (peers would read while it writes). Call 2: in
+    // place, two-shot -> read in place, except rank 2's (not exportable).
+    std::vector<const car::RegisteredInputs*> slots;
+    slots.push_back(path.registerCapturedCall(ZeroCopyGroup::input(r, 0), ZeroCopyGroup::output(),
+                                              one, &stage));
+    staged[r].push_back(stage);
+    slots.push_back(path.registerCapturedCall(ZeroCopyGroup::input(r, 1),
+                                              ZeroCopyGroup::input(r, 1), one, &stage));
+    staged[r].push_back(stage);
+    slots.push_back(path.registerCapturedCall(ZeroCopyGroup::input(r, 2),
+                                              ZeroCopyGroup::input(r, 2), two, &stage));
+    staged[r].push_back(stage);
+    // One slot per call, in capture order: what each captured kernel reads.
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(slots[i], z.fakes[r]->table.data() + i);
+    // Before the exit no slot is ready: a replay now stops with an error.
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(z.fakes[r]->table[i].ready, 0u);
+    path.finishGraphRegistration(*z.group.cpu[r]);
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(staged[r], (std::vector<bool>{false, true, r == 2})) << "rank " << r;
+    for (int i = 0; i < 3; ++i) {
+      const car::RegisteredInputs& e = z.fakes[r]->table[i];
+      EXPECT_EQ(e.ready, 1u);
+      for (int q = 0; q < 3; ++q) {
+        const bool qStaged = i == 1 || (i == 2 && q == 2);
+        EXPECT_EQ(e.input[q], qStaged ? z.staging(q) : ZeroCopyGroup::input(q, i))
+            << "rank " << r << " call " << i << " peer " << q;
+      }
+    }
+    const coord::ZeroCopyStats stats = z.paths[r]->zeroCopyStats();
+    EXPECT_EQ(stats.registered, r == 2 ? 1 : 2);
+    EXPECT_EQ(stats.staged, r == 2 ? 2 : 1);
+  }
+  EXPECT_NE(z.paths[2]->zeroCopyStats().lastStagedReason.find("expandable"), std::string::npos);
+  EXPECT_EQ(z.paths[0]->zeroCopyStats().lastStagedReason,
+            "an in-place one-shot call (peers would read while it writes)");
+}
+
+TEST(CustomZeroCopy, DifferentCaptureCountsRaiseOnEveryRankAndFillNothing) {
+  ZeroCopyGroup z(3);
+  std::vector<std::string> errors(3);
+  runRanks(3, [&](int r) {
+    bool stage = false;
+    for (int i = 0; i < (r == 0 ? 2 : 1); ++i) {
+      z.paths[r]->registerCapturedCall(ZeroCopyGroup::input(r, i), ZeroCopyGroup::output(),
+                                       car::Algorithm::kOneShot, &stage);
+    }
+    try {
+      z.paths[r]->finishGraphRegistration(*z.group.cpu[r]);
+    } catch (const tpcomm::Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidUsage);
+      errors[r] = e.what();
+    }
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NE(errors[r].find("ranks captured different numbers of custom allreduces (rank 0: 2, "
+                             "rank 1: 1, rank 2: 1)"),
+              std::string::npos)
+        << errors[r];
+    for (const auto& slot : z.fakes[r]->table) EXPECT_EQ(slot.ready, 0u);
+  }
+  // The next context starts afresh: one call each registers and fills.
+  runRanks(3, [&](int r) {
+    bool stage = false;
+    z.paths[r]->registerCapturedCall(ZeroCopyGroup::input(r, 5), ZeroCopyGroup::output(),
+                                     car::Algorithm::kOneShot, &stage);
+    z.paths[r]->finishGraphRegistration(*z.group.cpu[r]);
+  });
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(z.fakes[r]->table[r == 0 ? 2 : 1].ready, 1u);
 }
 
 }  // namespace
