@@ -17,6 +17,12 @@ namespace {
 // Captured calls one group can register (80 bytes of device memory each).
 constexpr int64_t kTableSlots = 4096;
 
+bool aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % car::kPackBytes == 0;
+}
+
+}  // namespace
+
 car::DType carDType(at::ScalarType type) {
   switch (type) {
     case at::kFloat:
@@ -30,12 +36,6 @@ car::DType carDType(at::ScalarType type) {
                    " (the kernel sums float32, float16 and bfloat16)");
   }
 }
-
-bool aligned(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % car::kPackBytes == 0;
-}
-
-}  // namespace
 
 CustomPath::CustomPath(c10d::Backend& cpu, int rank, int size, at::Device device,
                        std::unique_ptr<CustomDevice> gpu, size_t maxBytes,
@@ -160,10 +160,10 @@ void CustomPath::finishGraphRegistration(c10d::Backend& cpu) {
     captured.swap(captured_);
   }
   // Round 1: the same number of captured calls everywhere.
-  const std::string count = std::to_string(captured.size()) + std::string(24, '\0');
   std::vector<std::string> counts;
-  for (const auto& c : allgatherBytes(cpu, size_, count.substr(0, 24))) {
-    counts.push_back(c.substr(0, c.find('\0')));
+  for (const auto& c :
+       allgatherBytes(cpu, size_, fixedWidth(std::to_string(captured.size()), 24))) {
+    counts.push_back(trimmed(c));
   }
   for (int r = 1; r < size_; ++r) {
     if (counts[r] != counts[0]) {
@@ -213,11 +213,9 @@ void CustomPath::finishGraphRegistration(c10d::Backend& cpu) {
     failure = e.what();
   }
   // Round 3: every rank mapped every peer's inputs, or no table is filled.
-  std::string status = failure.substr(0, 380);
-  status.resize(384, '\0');
-  const std::vector<std::string> statuses = allgatherBytes(cpu, size_, status);
+  const std::vector<std::string> statuses = allgatherBytes(cpu, size_, fixedWidth(failure, 384));
   for (int r = 0; r < size_; ++r) {
-    const std::string text = statuses[r].substr(0, statuses[r].find('\0'));
+    const std::string text = trimmed(statuses[r]);
     TPCOMM_CHECK(text.empty(), kCuda, "graph_capture() on group '", groupName_, "': rank ", r,
                  " could not map its peers' captured inputs (", text,
                  "); the graphs captured in this context refuse to replay");

@@ -32,6 +32,9 @@
 
 namespace tpcomm::coord {
 
+// The kernel's dtype for a tensor dtype; InvalidUsage for any other.
+car::DType carDType(at::ScalarType type);
+
 struct ZeroCopyStats {
   int64_t registered = 0;  // captured calls whose input peers read in place
   int64_t staged = 0;      // captured calls that still copy (see lastStagedReason)

@@ -16,9 +16,7 @@ constexpr size_t kMessageWidth = 384;
 constexpr uint32_t kProbeToken = 0x7C0DE000;
 
 void putField(std::string& out, const std::string& value, size_t width) {
-  std::string field = value.substr(0, width);
-  field.resize(width, '\0');
-  out += field;
+  out += fixedWidth(value, width);
 }
 
 // Field `index` of a record made of fields of the given widths.
@@ -26,9 +24,8 @@ std::string getField(const std::string& record, const std::vector<size_t>& width
                      bool text = true) {
   size_t offset = 0;
   for (size_t i = 0; i < index; ++i) offset += widths[i];
-  std::string field = record.substr(offset, widths[index]);
-  if (text) field.resize(std::min(field.size(), field.find('\0')));
-  return field;
+  const std::string field = record.substr(offset, widths[index]);
+  return text ? trimmed(field) : field;
 }
 
 std::string failureOf(const std::exception& e) {
@@ -45,6 +42,14 @@ std::string firstFailure(const std::vector<std::string>& messages) {
 }
 
 }  // namespace
+
+std::string fixedWidth(const std::string& value, size_t width) {
+  std::string field = value.substr(0, width);
+  field.resize(width, '\0');
+  return field;
+}
+
+std::string trimmed(const std::string& field) { return field.substr(0, field.find('\0')); }
 
 std::vector<std::string> allgatherBytes(c10d::Backend& cpu, int size, const std::string& mine) {
   auto options = at::TensorOptions().dtype(at::kByte);

@@ -83,6 +83,11 @@ struct CustomSetupResult {
 CustomSetupResult setUpCustomAllreduce(c10d::Backend& cpu, int rank, int size, CustomDevice& device,
                                        const std::string& hostId, size_t maxBytes);
 
+// `value` cut or padded with NULs to `width` bytes (the exchanges' fields),
+// and a field back without its padding.
+std::string fixedWidth(const std::string& value, size_t width);
+std::string trimmed(const std::string& field);
+
 // Allgathers `mine` (the same length on every rank) over `cpu` and returns
 // every rank's bytes in rank order. Bounded by the backend's timeout.
 std::vector<std::string> allgatherBytes(c10d::Backend& cpu, int size, const std::string& mine);

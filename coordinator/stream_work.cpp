@@ -3,6 +3,8 @@
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include "coordinator/cuda_util.hpp"
+
 namespace tpcomm::coord {
 
 StreamWork::StreamWork(int rank, c10d::OpType type, c10::cuda::CUDAStream stream,
@@ -46,9 +48,7 @@ bool StreamWork::wait(std::chrono::milliseconds /*timeout: the kernel bounds its
   const auto current = c10::cuda::getCurrentCUDAStream(stream_.device_index());
   done_.block(current);
   // Under capture there is nothing to ask the GPU yet.
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  if (cudaStreamIsCapturing(current.stream(), &status) != cudaSuccess) cudaGetLastError();
-  if (status == cudaStreamCaptureStatusNone && checkError_ && done_.query()) checkError_();
+  if (!isCapturing(current.stream()) && checkError_ && done_.query()) checkError_();
   return true;
 }
 

@@ -12,6 +12,7 @@
 
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
+#include "coordinator/custom_path.hpp"
 #include "custom_allreduce/custom_allreduce.hpp"
 
 namespace py = pybind11;
@@ -19,20 +20,6 @@ namespace py = pybind11;
 namespace tpcomm::python {
 
 namespace {
-
-car::DType toDType(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return car::DType::kFloat32;
-    case at::kHalf:
-      return car::DType::kFloat16;
-    case at::kBFloat16:
-      return car::DType::kBFloat16;
-    default:
-      TPCOMM_THROW(kInvalidUsage, "custom allreduce: dtype ", c10::toString(t.scalar_type()),
-                   " (the kernel sums float32, float16 and bfloat16)");
-  }
-}
 
 car::Algorithm toAlgorithm(const std::string& name) {
   if (name == "oneshot" || name == "one-shot") return car::Algorithm::kOneShot;
@@ -66,7 +53,7 @@ class Rank {
                  "custom allreduce: tensors must be contiguous");
     TPCOMM_CHECK(input.scalar_type() == output.scalar_type() && input.numel() == output.numel(),
                  kInvalidUsage, "custom allreduce: output must match the input's dtype and size");
-    const car::DType dtype = toDType(input);
+    const car::DType dtype = coord::carDType(input.scalar_type());
     cudaStream_t s = stream ? reinterpret_cast<cudaStream_t>(*stream)
                             : c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
     const size_t count = static_cast<size_t>(input.numel());
