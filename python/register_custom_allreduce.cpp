@@ -13,6 +13,7 @@
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
 #include "coordinator/custom_path.hpp"
+#include "coordinator/custom_setup.hpp"
 #include "custom_allreduce/custom_allreduce.hpp"
 
 namespace py = pybind11;
@@ -33,13 +34,24 @@ class Rank {
  public:
   Rank(int rank, int worldSize, std::shared_ptr<car::RankBuffer> own,
        const std::vector<uintptr_t>& buffers, double timeoutMs)
-      : own_(std::move(own)),
-        impl_(rank, worldSize, toPointers(buffers), own_->layout().maxBytes,
-              std::chrono::milliseconds(static_cast<int64_t>(timeoutMs)), own_->errorHost(),
-              own_->errorDevice()) {
-    TPCOMM_CHECK(reinterpret_cast<uintptr_t>(own_->base()) == buffers.at(rank), kInvalidUsage,
+      : keep_(own),
+        ownBase_(own->base()),
+        impl_(rank, worldSize, toPointers(buffers), own->layout().maxBytes,
+              std::chrono::milliseconds(static_cast<int64_t>(timeoutMs)), own->errorHost(),
+              own->errorDevice()) {
+    TPCOMM_CHECK(reinterpret_cast<uintptr_t>(ownBase_) == buffers.at(rank), kInvalidUsage,
                  "custom allreduce: buffers[", rank, "] is not this rank's own buffer");
   }
+
+  // A rank of a group the shared set-up made (coordinator/custom_setup.hpp):
+  // `gpu` owns this rank's buffer and the peers' mappings.
+  Rank(int rank, int worldSize, std::shared_ptr<coord::CustomDevice> gpu,
+       const std::vector<void*>& bases, size_t maxBytes, double timeoutMs)
+      : keep_(gpu),
+        ownBase_(gpu->ownBase()),
+        impl_(rank, worldSize, bases, maxBytes,
+              std::chrono::milliseconds(static_cast<int64_t>(timeoutMs)), gpu->errorHost(),
+              gpu->errorDevice()) {}
 
   // out = sum of every rank's `input`, enqueued on `stream` (default: the
   // current stream of the input's device).
@@ -65,7 +77,7 @@ class Rank {
   }
 
   car::CustomAllreduce& impl() { return impl_; }
-  car::RankBuffer& buffer() { return *own_; }
+  void* ownBase() const { return ownBase_; }
 
  private:
   static std::vector<void*> toPointers(const std::vector<uintptr_t>& in) {
@@ -74,7 +86,8 @@ class Rank {
     return out;
   }
 
-  std::shared_ptr<car::RankBuffer> own_;
+  std::shared_ptr<void> keep_;  // this rank's buffer (and the peers' mappings)
+  void* ownBase_;
   car::CustomAllreduce impl_;
 };
 
@@ -107,41 +120,31 @@ void registerCustomAllreduce(py::module_& m) {
       .def(
           "reset_signals",
           [](Rank& r) {
-            car::resetSignals(r.buffer().base(), nullptr);
+            car::resetSignals(r.ownBase(), nullptr);
             r.impl().clearError();
           },
           "Zeroes this rank's flags after a failure (no kernel may be in flight; every rank "
           "must do it).");
 
   m.def(
-      "car_open_ipc_handle",
-      [](const py::bytes& handle) {
-        return reinterpret_cast<uintptr_t>(car::openIpcHandle(std::string(handle)));
+      "car_set_up",
+      [](const c10::intrusive_ptr<c10d::Backend>& cpu, int rank, int worldSize, int device,
+         size_t maxBytes, double timeoutMs) {
+        std::shared_ptr<coord::CustomDevice> gpu = coord::makeCudaDevice(device);
+        coord::CustomSetupResult result;
+        {
+          py::gil_scoped_release release;  // the exchange waits on the peers
+          result =
+              coord::setUpCustomAllreduce(*cpu, rank, worldSize, *gpu, hostIdentity(), maxBytes);
+        }
+        if (!result.available) return py::make_tuple(false, result.reason, py::none());
+        return py::make_tuple(
+            true, "", py::cast(Rank(rank, worldSize, gpu, result.bases, maxBytes, timeoutMs)));
       },
-      "Opens a peer's buffer (once per handle per process); returns its address.");
-  m.def(
-      "car_write_probe",
-      [](uintptr_t peer, int fromRank, uint32_t value) {
-        car::writeProbe(reinterpret_cast<void*>(peer), fromRank, value);
-      },
-      "Stores `value` into probe slot `from_rank` of a peer buffer from a kernel.");
-  m.def(
-      "car_read_probes",
-      [](uintptr_t own, int worldSize) {
-        return car::readProbes(reinterpret_cast<void*>(own), worldSize);
-      },
-      "This buffer's probe slots 0..world_size-1.");
-  m.def(
-      "car_can_access_peer",
-      [](int device, int peer) {
-        if (device == peer) return true;
-        int ok = 0;
-        const cudaError_t status = cudaDeviceCanAccessPeer(&ok, device, peer);
-        TPCOMM_CHECK(status == cudaSuccess, kCuda, "cudaDeviceCanAccessPeer(", device, ", ", peer,
-                     ") failed: ", cudaGetErrorString(status));
-        return ok != 0;
-      },
-      "Whether GPU `device` can reach GPU `peer` (a GPU reaches itself).");
+      py::arg("cpu_backend"), py::arg("rank"), py::arg("world_size"), py::arg("device"),
+      py::arg("max_bytes"), py::arg("timeout_ms"),
+      "The set-up the backend uses (coordinator/custom_setup.hpp) over `cpu_backend`: "
+      "(eligible, reason, CarRank or None), the same verdict on every rank.");
   m.def(
       "car_group_eligibility",
       [](const std::vector<std::string>& hostIds, const std::vector<int>& devices,

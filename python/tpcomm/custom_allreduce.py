@@ -94,13 +94,13 @@ class LocalGroup:
 
 class IpcCommunicator:
     """One rank per process; buffers exchanged as CUDA IPC handles over the
-    group's CPU path. Use `create`; every member of `pg` calls it."""
+    group's CPU path, by the same set-up the backend uses. Use `create`; every
+    member of `pg` calls it."""
 
-    def __init__(self, pg, rank, world_size, buffer, car_rank, eligible, reason, max_bytes):
+    def __init__(self, pg, rank, world_size, car_rank, eligible, reason, max_bytes):
         self.pg = pg
         self.rank = rank
         self.world_size = world_size
-        self.buffer = buffer
         self._rank = car_rank
         self.eligible = eligible
         self.reason = reason
@@ -109,55 +109,16 @@ class IpcCommunicator:
     @classmethod
     def create(cls, pg=None, max_bytes=None, timeout_ms=None, device=None):
         """Allocates this rank's buffer on `device` (default: the current GPU),
-        exchanges handles, opens the peers' buffers, runs the write probe and
-        decides eligibility (`eligible`, `reason`), the same on every rank."""
+        exchanges handles over `pg`'s CPU backend, opens the peers' buffers,
+        runs the write probe and decides eligibility (`eligible`, `reason`),
+        the same on every rank."""
         pg = dist.group.WORLD if pg is None else pg
         rank, n = dist.get_rank(pg), dist.get_world_size(pg)
         max_bytes, timeout_ms = _defaults(max_bytes, timeout_ms)
         device = torch.cuda.current_device() if device is None else torch.device(device).index
-        with torch.cuda.device(device):
-            buffer = _C.CarBuffer(max_bytes)
-            me = {"host": _C.host_id(), "device": device, "handle": buffer.ipc_handle(),
-                  "uuid": str(torch.cuda.get_device_properties(device).uuid)}
-            every = [None] * n
-            dist.all_gather_object(every, me, group=pg)
-            hosts = [e["host"] for e in every]
-            # Process-local device indices differ with CUDA_VISIBLE_DEVICES:
-            # GPUs are matched by UUID (ranks sharing one GPU share its UUID).
-            uuids = [e["uuid"] for e in every]
-            ids = [uuids.index(u) for u in uuids]
-            local = {str(torch.cuda.get_device_properties(i).uuid): i
-                     for i in range(torch.cuda.device_count())}
-            row = [u in local and _C.car_can_access_peer(device, local[u]) for u in uuids]
-            rows = [None] * n
-            dist.all_gather_object(rows, row, group=pg)
-            car_rank = None
-            ok, reason = _C.car_group_eligibility(hosts, ids, rows, True, "")
-            if ok:
-                bases = [buffer.base if r == rank else _C.car_open_ipc_handle(every[r]["handle"])
-                         for r in range(n)]
-                probe_ok, detail = cls._probe(pg, rank, n, bases)
-                ok, reason = _C.car_group_eligibility(hosts, ids, rows, probe_ok, detail)
-                if ok:
-                    car_rank = _C.CarRank(rank, n, buffer, bases, timeout_ms)
-        return cls(pg, rank, n, buffer, car_rank, ok, reason, max_bytes)
-
-    @staticmethod
-    def _probe(pg, rank, n, bases):
-        """Every rank writes a token into every peer's probe slot through the
-        peer pointer (from a kernel); then every rank reads what arrived."""
-        token = 0x7C0DE000
-        for r in range(n):
-            if r != rank:
-                _C.car_write_probe(bases[r], rank, token + rank)
-        dist.barrier(group=pg)
-        seen = _C.car_read_probes(bases[rank], n)
-        missing = [r for r in range(n) if r != rank and seen[r] != token + r]
-        mine = f"rank {rank} saw no write from ranks {missing}" if missing else ""
-        every = [None] * n
-        dist.all_gather_object(every, mine, group=pg)
-        failures = [m for m in every if m]
-        return not failures, "; ".join(failures)
+        cpu = pg._get_backend(torch.device("cpu"))
+        ok, reason, car_rank = _C.car_set_up(cpu, rank, n, device, max_bytes, timeout_ms)
+        return cls(pg, rank, n, car_rank, ok, reason, max_bytes)
 
     def _check_usable(self):
         if not self.eligible:

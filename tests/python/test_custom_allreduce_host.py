@@ -24,6 +24,31 @@ def test_group_eligibility_explains_itself():
     assert reason == "the IPC write probe failed: rank 1 saw no write from ranks [0]"
 
 
+def _ipc_communicator_verdict(ctx):
+    import torch
+
+    from tpcomm.custom_allreduce import IpcCommunicator
+
+    comm = IpcCommunicator.create(device=0, max_bytes=1 << 16)
+    return comm.eligible, comm.reason, torch.cuda.is_available()
+
+
+def test_ipc_communicator_uses_the_shared_set_up(group):
+    """IpcCommunicator runs the backend's set-up (the C++ exchange over the
+    group's CPU backend): every rank gets the same verdict; without a GPU the
+    allocation fails on every rank and the verdict names the first."""
+    verdicts = group.run(_ipc_communicator_verdict)
+    assert len({v[:2] for v in verdicts}) == 1, verdicts
+    eligible, reason, has_gpu = verdicts[0]
+    if group.world_size == 1:
+        assert (eligible, reason) == (False, "world size 1 is outside 2..8")
+    elif has_gpu:
+        assert eligible and reason == "", reason
+    else:
+        assert not eligible
+        assert reason.startswith("rank 0: could not allocate its custom-allreduce buffer: "), reason
+
+
 def test_call_eligibility_and_choices():
     assert _C.car_call_eligibility("bfloat16", 1024, 4096, 4096, 1 << 20) == (True, "")
     assert _C.car_call_eligibility("int32", 1024, 4096, 4096, 1 << 20)[1].startswith(
