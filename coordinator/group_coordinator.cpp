@@ -111,13 +111,13 @@ Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
   });
   const Route route = routeFor(tensors[0]);
   if (route == Route::kDevice) {
-    ensureCustom(tensors[0].device());
+    std::shared_ptr<CustomPath> custom = ensureCustom(tensors[0].device());
     const RouteDecision d =
         routing_.decide(opts.reduceOp, tensors[0].scalar_type(), bytesOf(tensors[0]), logRoutes_);
     if (logRoutes_)
       logAllreduceRoute(opts.reduceOp, tensors[0], deviceRouteName(d.route), d.reason);
     if (d.route != DeviceRoute::kNccl) {
-      return customAllreduce(tensors[0], tensors[0], d.route, opts);
+      return customAllreduce(std::move(custom), tensors[0], tensors[0], d.route, opts);
     }
     return passThrough(backendFor(route, bytesOf(tensors)).allreduce(tensors, opts), tensors);
   }

@@ -26,6 +26,7 @@
 // tpcomm::Error (InvalidUsage for a mismatch found by TPCOMM_DEBUG) or
 // whatever the routed backend throws.
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -158,11 +159,11 @@ class GroupCoordinator {
   c10d::Backend& deviceBackend();
   void bindDevice(at::Device device);
   // Sets up the custom kernel on the first call (collective), then returns it.
-  CustomPath& ensureCustom(at::Device device);
+  std::shared_ptr<CustomPath> ensureCustom(at::Device device);
   // TPCOMM_AUTOTUNE: the crossovers from the cache or measured (collective).
   void tuneRouting(CustomPath& custom);
-  Pending customAllreduce(at::Tensor& input, at::Tensor& output, DeviceRoute route,
-                          const c10d::AllreduceOptions& opts);
+  Pending customAllreduce(std::shared_ptr<CustomPath> custom, at::Tensor& input, at::Tensor& output,
+                          DeviceRoute route, const c10d::AllreduceOptions& opts);
   // TPCOMM_DEBUG: raises on every rank when ranks disagree on the call's
   // signature. `describe` builds it and runs only when the check is on, so
   // the default path formats nothing.
@@ -182,7 +183,7 @@ class GroupCoordinator {
   std::optional<at::Device> cudaDevice_;             // guarded by deviceMutex_
   std::shared_ptr<CustomPath> custom_;               // guarded by deviceMutex_
   std::optional<c10::cuda::CUDAStream> commStream_;  // async custom calls
-  int registrationDepth_ = 0;                        // guarded by deviceMutex_
+  std::atomic<int> registrationDepth_{0};            // read on every custom call, without the lock
   uint64_t debugSequence_ = 0;
   RouteStats stats_;
   RoutingTable routing_;

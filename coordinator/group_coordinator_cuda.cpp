@@ -41,11 +41,11 @@ std::shared_ptr<CustomPath> GroupCoordinator::customPath() const {
   return custom_;
 }
 
-CustomPath& GroupCoordinator::ensureCustom(at::Device device) {
+std::shared_ptr<CustomPath> GroupCoordinator::ensureCustom(at::Device device) {
   std::shared_ptr<CustomPath> created;
   {
     std::lock_guard<std::mutex> lock(deviceMutex_);
-    if (custom_) return *custom_;
+    if (custom_) return custom_;
     // Decided from what every rank shares, so either every rank sets up or none.
     std::string skip;
     if (options_.size < 2 || options_.size > car::kMaxRanks) {
@@ -58,7 +58,7 @@ CustomPath& GroupCoordinator::ensureCustom(at::Device device) {
     if (!skip.empty()) {
       routing_.setCustomAvailability(false, skip);
       custom_ = std::make_shared<CustomPath>(skip);
-      return *custom_;
+      return custom_;
     }
     created = std::make_shared<CustomPath>(
         *cpu_, options_.rank, options_.size, device, customDeviceFactory_(device.index()),
@@ -69,22 +69,18 @@ CustomPath& GroupCoordinator::ensureCustom(at::Device device) {
   }
   // Outside the lock: the measurement may create the device backend.
   if (settings().autotune && created->available()) tuneRouting(*created);
-  return *created;
+  return created;
 }
 
-Pending GroupCoordinator::customAllreduce(at::Tensor& input, at::Tensor& output, DeviceRoute route,
+Pending GroupCoordinator::customAllreduce(std::shared_ptr<CustomPath> custom, at::Tensor& input,
+                                          at::Tensor& output, DeviceRoute route,
                                           const c10d::AllreduceOptions& opts) {
-  std::shared_ptr<CustomPath> custom = customPath();
   const float scale =
       opts.reduceOp == c10d::ReduceOp::AVG ? 1.f / static_cast<float>(options_.size) : 1.f;
   stats_.record(route == DeviceRoute::kCustomOneShot ? StatsRoute::kCustomOneShot
                                                      : StatsRoute::kCustomTwoShot,
                 bytesOf(input));
-  bool registering = false;
-  {
-    std::lock_guard<std::mutex> lock(deviceMutex_);
-    registering = registrationDepth_ > 0;
-  }
+  const bool registering = registrationDepth_.load() > 0;
   const auto current = c10::cuda::getCurrentCUDAStream(input.device().index());
   Pending pending;
   pending.outputs = {output};
@@ -114,11 +110,13 @@ Pending GroupCoordinator::customAllreduce(at::Tensor& input, at::Tensor& output,
 Pending GroupCoordinator::allreduceInto(at::Tensor& input, at::Tensor& output,
                                         const c10d::AllreduceOptions& opts) {
   if (routeFor(input) == Route::kDevice) {
-    ensureCustom(input.device());
+    std::shared_ptr<CustomPath> custom = ensureCustom(input.device());
     const RouteDecision d =
         routing_.decide(opts.reduceOp, input.scalar_type(), bytesOf(input), logRoutes_);
     if (logRoutes_) logAllreduceRoute(opts.reduceOp, input, deviceRouteName(d.route), d.reason);
-    if (d.route != DeviceRoute::kNccl) return customAllreduce(input, output, d.route, opts);
+    if (d.route != DeviceRoute::kNccl) {
+      return customAllreduce(std::move(custom), input, output, d.route, opts);
+    }
   }
   output.copy_(input);
   std::vector<at::Tensor> tensors{output};
