@@ -77,8 +77,12 @@ void CustomPath::checkError() const {
   const uint32_t code = car_->errorCode();
   if (code == 0) return;
   TPCOMM_THROW(kTimeout, "custom allreduce on group '", groupName_, "' (rank ", rank_, " of ",
-               size_, "): ", car::describeError(code), " within ", settings().carTimeoutMs,
-               " ms (TPCOMM_CAR_TIMEOUT_MS)");
+               size_, "): ", car::describeError(code), " within ", car_->timeout().count(),
+               " ms (the group's timeout, or TPCOMM_CAR_TIMEOUT_MS when set)");
+}
+
+void CustomPath::setTimeout(std::chrono::milliseconds timeout) {
+  if (car_) car_->setTimeout(timeout);
 }
 
 const car::RegisteredInputs* CustomPath::registerCapturedCall(const void* input, const void* output,

@@ -70,6 +70,8 @@ class CustomPath {
 
   // Raises Timeout naming the peer when a kernel of this group gave up.
   void checkError() const;
+  // How long the kernel waits for a peer (calls enqueued afterwards).
+  void setTimeout(std::chrono::milliseconds timeout);
 
   // While graph_capture() is open and a call is being captured: the table
   // slot the call's kernel reads its sources from (null when the table is

@@ -426,6 +426,7 @@ void GroupCoordinator::setTimeout(std::chrono::milliseconds timeout) {
   options_.timeout = timeout;
   cpu_->setTimeout(timeout);
   if (auto device = deviceBackendIfCreated()) device->setTimeout(timeout);
+  if (auto custom = customPath()) custom->setTimeout(customTimeout());
 }
 
 void GroupCoordinator::abort() {

@@ -140,6 +140,9 @@ class GroupCoordinator {
   // Benchmarks and tests: this group's routing mode instead of TPCOMM_ROUTE.
   // Every rank must set the same mode between the same two calls.
   void setRouteMode(const std::string& mode) { routing_.setMode(mode); }
+  // How long the custom kernel waits for a peer: TPCOMM_CAR_TIMEOUT_MS when
+  // set, else the group's timeout.
+  std::chrono::milliseconds customTimeout() const;
   // The custom kernel's state: null until the first CUDA allreduce.
   std::shared_ptr<CustomPath> customPath() const;
   // graph_capture(): zero-copy registration of captured custom allreduces.

@@ -41,6 +41,13 @@ std::shared_ptr<CustomPath> GroupCoordinator::customPath() const {
   return custom_;
 }
 
+std::chrono::milliseconds GroupCoordinator::customTimeout() const {
+  // A kernel waiting for a peer is a collective waiting for a peer: it gets
+  // the group's timeout unless TPCOMM_CAR_TIMEOUT_MS says otherwise.
+  const int64_t set = settings().carTimeoutMs;
+  return set > 0 ? std::chrono::milliseconds(set) : options_.timeout;
+}
+
 std::shared_ptr<CustomPath> GroupCoordinator::ensureCustom(at::Device device) {
   std::shared_ptr<CustomPath> created;
   {
@@ -62,8 +69,7 @@ std::shared_ptr<CustomPath> GroupCoordinator::ensureCustom(at::Device device) {
     }
     created = std::make_shared<CustomPath>(
         *cpu_, options_.rank, options_.size, device, customDeviceFactory_(device.index()),
-        static_cast<size_t>(routing_.config().customMaxBytes),
-        std::chrono::milliseconds(settings().carTimeoutMs), options_.groupName);
+        static_cast<size_t>(routing_.config().customMaxBytes), customTimeout(), options_.groupName);
     routing_.setCustomAvailability(created->available(), created->reason());
     custom_ = created;
   }

@@ -26,6 +26,7 @@
 //   two-shot  rank r sums part r of all stagings into its result region,
 //             then every rank gathers the N parts (reads 2 x bytes per rank)
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -139,6 +140,10 @@ class CustomAllreduce {
   int rank() const { return rank_; }
   int worldSize() const { return worldSize_; }
   size_t maxBytes() const { return layout_.maxBytes; }
+  // How long a kernel waits for a peer; calls enqueued afterwards use a new
+  // value (every rank of a group should use the same one).
+  std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeoutMs_.load()); }
+  void setTimeout(std::chrono::milliseconds timeout);
 
   // Enqueues out = scale x sum over ranks of in (count elements) on
   // `stream`. `in` may equal `out`. Capturable in a CUDA graph: the copy into
@@ -167,7 +172,7 @@ class CustomAllreduce {
   int worldSize_;
   std::vector<void*> buffers_;
   BufferLayout layout_;
-  std::chrono::milliseconds timeout_;
+  std::atomic<int64_t> timeoutMs_;
   uint32_t* errorHost_;
   uint32_t* errorDevice_;
 };

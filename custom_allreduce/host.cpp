@@ -21,7 +21,7 @@ CustomAllreduce::CustomAllreduce(int rank, int worldSize, std::vector<void*> buf
       worldSize_(worldSize),
       buffers_(std::move(buffers)),
       layout_(BufferLayout::forMaxBytes(maxBytes)),
-      timeout_(timeout),
+      timeoutMs_(timeout.count()),
       errorHost_(errorWordHost),
       errorDevice_(errorWordDevice) {
   TPCOMM_CHECK(worldSize_ >= 2 && worldSize_ <= kMaxRanks, kInvalidUsage,
@@ -34,9 +34,13 @@ CustomAllreduce::CustomAllreduce(int rank, int worldSize, std::vector<void*> buf
   }
   TPCOMM_CHECK(errorHost_ != nullptr && errorDevice_ != nullptr, kInvalidUsage,
                "custom allreduce: no error word");
-  TPCOMM_CHECK(timeout_.count() > 0, kInvalidUsage,
-               "custom allreduce: the timeout must be "
-               "positive");
+  setTimeout(timeout);
+}
+
+void CustomAllreduce::setTimeout(std::chrono::milliseconds timeout) {
+  TPCOMM_CHECK(timeout.count() > 0, kInvalidUsage,
+               "custom allreduce: the timeout must be positive, got ", timeout.count(), " ms");
+  timeoutMs_.store(timeout.count());
 }
 
 Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DType dtype,
@@ -72,7 +76,7 @@ Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DT
   p.scale = options.scale;
   p.stagingOffset = layout_.stagingOffset;
   p.resultOffset = layout_.resultOffset;
-  p.timeoutNs = static_cast<uint64_t>(timeout_.count()) * 1000000ull;
+  p.timeoutNs = static_cast<uint64_t>(timeoutMs_.load()) * 1000000ull;
   p.errorDevice = errorDevice_;
   launchAllreduce(p, stream);
   return algorithm;
@@ -92,7 +96,7 @@ void CustomAllreduce::checkError() const {
   const uint32_t code = errorCode();
   if (code != 0) {
     TPCOMM_THROW(kTimeout, "custom allreduce on rank ", rank_, " of ", worldSize_, ": ",
-                 describeError(code), " within ", timeout_.count(), " ms");
+                 describeError(code), " within ", timeoutMs_.load(), " ms");
   }
 }
 

@@ -121,6 +121,7 @@ tensors through the device backend (NCCL), created on first use.)")
             custom["reason"] = routing.customReason();
             custom["max_bytes"] = routing.config().customMaxBytes;
             custom["oneshot_max_bytes"] = routing.oneShotMaxBytes();
+            custom["timeout_ms"] = c.customTimeout().count();
             py::dict zeroCopy;
             if (auto path = c.customPath()) {
               const auto z = path->zeroCopyStats();

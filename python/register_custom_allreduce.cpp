@@ -3,6 +3,7 @@
 // Errors map as in register_message_queue.cpp (Timeout -> TimeoutError,
 // PeerLost -> PeerLostError, InvalidUsage -> ValueError).
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -36,6 +37,7 @@ class Rank {
        const std::vector<uintptr_t>& buffers, double timeoutMs)
       : keep_(own),
         ownBase_(own->base()),
+        device_(own->device()),
         impl_(rank, worldSize, toPointers(buffers), own->layout().maxBytes,
               std::chrono::milliseconds(static_cast<int64_t>(timeoutMs)), own->errorHost(),
               own->errorDevice()) {
@@ -45,10 +47,11 @@ class Rank {
 
   // A rank of a group the shared set-up made (coordinator/custom_setup.hpp):
   // `gpu` owns this rank's buffer and the peers' mappings.
-  Rank(int rank, int worldSize, std::shared_ptr<coord::CustomDevice> gpu,
+  Rank(int rank, int worldSize, int device, std::shared_ptr<coord::CustomDevice> gpu,
        const std::vector<void*>& bases, size_t maxBytes, double timeoutMs)
       : keep_(gpu),
         ownBase_(gpu->ownBase()),
+        device_(device),
         impl_(rank, worldSize, bases, maxBytes,
               std::chrono::milliseconds(static_cast<int64_t>(timeoutMs)), gpu->errorHost(),
               gpu->errorDevice()) {}
@@ -65,7 +68,10 @@ class Rank {
                  "custom allreduce: tensors must be contiguous");
     TPCOMM_CHECK(input.scalar_type() == output.scalar_type() && input.numel() == output.numel(),
                  kInvalidUsage, "custom allreduce: output must match the input's dtype and size");
+    TPCOMM_CHECK(input.device().index() == device_, kInvalidUsage, "custom allreduce: a tensor on ",
+                 input.device(), ", but this rank's buffer is on cuda:", device_);
     const car::DType dtype = coord::carDType(input.scalar_type());
+    c10::cuda::CUDAGuard guard(input.device());  // the launch goes to the tensors' GPU
     cudaStream_t s = stream ? reinterpret_cast<cudaStream_t>(*stream)
                             : c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
     const size_t count = static_cast<size_t>(input.numel());
@@ -88,6 +94,7 @@ class Rank {
 
   std::shared_ptr<void> keep_;  // this rank's buffer (and the peers' mappings)
   void* ownBase_;
+  int device_;  // the GPU of this rank's buffer
   car::CustomAllreduce impl_;
 };
 
@@ -139,7 +146,8 @@ void registerCustomAllreduce(py::module_& m) {
         }
         if (!result.available) return py::make_tuple(false, result.reason, py::none());
         return py::make_tuple(
-            true, "", py::cast(Rank(rank, worldSize, gpu, result.bases, maxBytes, timeoutMs)));
+            true, "",
+            py::cast(Rank(rank, worldSize, device, gpu, result.bases, maxBytes, timeoutMs)));
       },
       py::arg("cpu_backend"), py::arg("rank"), py::arg("world_size"), py::arg("device"),
       py::arg("max_bytes"), py::arg("timeout_ms"),
@@ -185,7 +193,7 @@ void registerCustomAllreduce(py::module_& m) {
   m.def("car_defaults", [] {
     py::dict d;
     d["max_bytes"] = settings().carMaxBytes;
-    d["timeout_ms"] = settings().carTimeoutMs;
+    d["timeout_ms"] = settings().carTimeoutMs > 0 ? settings().carTimeoutMs : kDirectCarTimeoutMs;
     d["blocks"] = settings().carBlocks;
     return d;
   });

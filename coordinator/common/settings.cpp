@@ -23,9 +23,10 @@ const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_CAR_MAX_BYTES", "int", "8388608",
      "The largest allreduce the custom peer-to-peer kernel takes (bytes, a multiple of 16); "
      "each rank's staging buffer is twice this."},
-    {"TPCOMM_CAR_TIMEOUT_MS", "int", "10000",
+    {"TPCOMM_CAR_TIMEOUT_MS", "int", "0",
      "How long a custom-allreduce kernel waits for a peer before it stops and the host raises "
-     "an error naming that peer."},
+     "an error naming that peer. 0: the group's timeout (init_process_group's, as for any "
+     "collective); without a group (tpcomm.custom_allreduce) 10 minutes."},
     {"TPCOMM_CAR_BLOCKS", "int", "0",
      "Thread blocks per custom-allreduce kernel, 1 to 64 (0: chosen from the size and world "
      "size)."},
@@ -87,7 +88,7 @@ Settings Settings::parse(const Lookup& lookup) {
                  " is not a multiple of 16");
   }
   if (auto v = lookup("TPCOMM_CAR_TIMEOUT_MS")) {
-    s.carTimeoutMs = parseInt("TPCOMM_CAR_TIMEOUT_MS", *v, 1, int64_t{24} * 3600 * 1000);
+    s.carTimeoutMs = parseInt("TPCOMM_CAR_TIMEOUT_MS", *v, 0, int64_t{24} * 3600 * 1000);
   }
   if (auto v = lookup("TPCOMM_CAR_BLOCKS")) s.carBlocks = parseInt("TPCOMM_CAR_BLOCKS", *v, 0, 64);
   if (auto v = lookup("TPCOMM_ROUTE")) {

@@ -14,6 +14,10 @@
 
 namespace tpcomm {
 
+// The custom kernel's wait when TPCOMM_CAR_TIMEOUT_MS is 0 and no group's
+// timeout applies (NCCL's default collective timeout).
+inline constexpr int64_t kDirectCarTimeoutMs = 10 * 60 * 1000;
+
 struct Settings {
   // TPCOMM_DEBUG: before each collective, compare op, shapes and dtypes
   // across ranks through the CPU group and raise naming the ranks that differ.
@@ -26,8 +30,10 @@ struct Settings {
   // staging buffers are sized from it (twice this per rank).
   int64_t carMaxBytes = 8 << 20;
   // TPCOMM_CAR_TIMEOUT_MS: how long a custom-allreduce kernel waits for a
-  // peer before it gives up and the host raises naming that peer.
-  int64_t carTimeoutMs = 10000;
+  // peer before it gives up and the host raises naming that peer. 0: the
+  // group's timeout (init_process_group's), as for every other collective;
+  // the direct API (no group) then waits kDirectCarTimeoutMs.
+  int64_t carTimeoutMs = 0;
   // TPCOMM_CAR_BLOCKS: thread blocks per custom-allreduce kernel (0: chosen
   // from the size).
   int64_t carBlocks = 0;

@@ -10,9 +10,10 @@ backend): for tests, benchmarks and the routing that builds on it.
 
 Sums float32, float16 and bfloat16 tensors of up to `max_bytes` (default
 TPCOMM_CAR_MAX_BYTES), 16-byte aligned, at world sizes 2 to 8. Every rank gets
-the same bits. A peer that does not arrive within TPCOMM_CAR_TIMEOUT_MS makes
-the kernel stop; check() then raises TimeoutError naming it, and reset() (on
-every rank) makes the group usable again.
+the same bits. A peer that does not arrive within `timeout_ms` (default
+TPCOMM_CAR_TIMEOUT_MS, or 10 minutes when that is 0) makes the kernel stop;
+check() then raises TimeoutError naming it, and reset() (on every rank) makes
+the group usable again.
 """
 
 import torch

@@ -41,7 +41,7 @@ TEST(Settings, MalformedValueNamesVariableAndValue) {
 TEST(Settings, CustomAllreduceIntegers) {
   Settings d = Settings::parse(fakeEnv({}));
   EXPECT_EQ(d.carMaxBytes, 8 << 20);
-  EXPECT_EQ(d.carTimeoutMs, 10000);
+  EXPECT_EQ(d.carTimeoutMs, 0);  // the group's timeout
   EXPECT_EQ(d.carBlocks, 0);
   Settings s = Settings::parse(fakeEnv({{"TPCOMM_CAR_MAX_BYTES", "1024"},
                                         {"TPCOMM_CAR_TIMEOUT_MS", "250"},
@@ -51,7 +51,7 @@ TEST(Settings, CustomAllreduceIntegers) {
   EXPECT_EQ(s.carBlocks, 8);
   const std::vector<std::pair<const char*, const char*>> bad = {
       {"TPCOMM_CAR_MAX_BYTES", "12x"}, {"TPCOMM_CAR_MAX_BYTES", "1000"},
-      {"TPCOMM_CAR_TIMEOUT_MS", "0"},  {"TPCOMM_CAR_BLOCKS", "65"},
+      {"TPCOMM_CAR_TIMEOUT_MS", "-1"}, {"TPCOMM_CAR_BLOCKS", "65"},
       {"TPCOMM_CAR_BLOCKS", ""},       {"TPCOMM_CAR_BLOCKS", "99999999999999999999"}};
   for (const auto& [name, value] : bad) {
     try {

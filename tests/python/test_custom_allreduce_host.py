@@ -68,6 +68,13 @@ def test_settings_size_the_kernel():
                          env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[('blocks', 4), ('max_bytes', 65536), ('timeout_ms', 250)]"
+    # Unset, a group's kernel waits as long as the group (test_registration);
+    # the direct API, which has no group, waits 10 minutes as NCCL does.
+    del env["TPCOMM_CAR_TIMEOUT_MS"]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[('blocks', 4), ('max_bytes', 65536), ('timeout_ms', 600000)]"
     env["TPCOMM_CAR_MAX_BYTES"] = "1000"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=120)

@@ -62,6 +62,8 @@ def test_build_targets_a100_and_h100():
 
 
 def _describe(ctx):
+    import torch.distributed as dist
+
     import tpcomm
 
     d = tpcomm.describe()
@@ -72,6 +74,13 @@ def _describe(ctx):
     assert custom["available"] is False
     assert custom["reason"] == "not set up yet (at the group's first CUDA allreduce)"
     assert custom["max_bytes"] == 8 << 20 and custom["zero_copy"] == {}
+    # The kernel waits for a peer as long as any collective of the group: the
+    # harness's init_process_group(timeout=60 s), then what set_timeout sets.
+    assert custom["timeout_ms"] == 60_000
+    from datetime import timedelta
+    dist.group.WORLD.set_timeout(timedelta(seconds=75))
+    assert tpcomm.describe()["custom_allreduce"]["timeout_ms"] == 75_000
+    dist.group.WORLD.set_timeout(timedelta(seconds=60))
     assert d["device"] is None and d["autotune"] == "off"
     assert d["route_mode"] == "auto"
     assert d["cuda_allreduce_routes"] == [{"route": "nccl", "from_bytes": 0, "to_bytes": None}]
