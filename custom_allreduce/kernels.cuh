@@ -8,6 +8,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cstring>
+
 #include "custom_allreduce/signal.cuh"
 
 namespace tpcomm::car {
@@ -41,21 +43,27 @@ __device__ __forceinline__ __nv_bfloat16 fromFloat<__nv_bfloat16>(float x) {
 __device__ __forceinline__ Pack loadPack(const Pack* p) { return __ldcg(p); }
 
 // Sum over ranks of pack `index` of every rank's source, times `scale`.
+// The pack's bytes move between a Pack and its elements by memcpy (register
+// moves once compiled): reading a Pack through a T* is undefined behaviour
+// that an optimiser may exploit (the CPU emulation's did: it returned a Pack
+// it considered never written).
 template <typename T, int N>
 __device__ __forceinline__ Pack sumPack(const char* const (&src)[N], size_t index, float scale) {
   constexpr int kPer = Elements<T>::kPerPack;
   float acc[kPer];
 #pragma unroll
   for (int r = 0; r < N; ++r) {
-    Pack v = loadPack(reinterpret_cast<const Pack*>(src[r]) + index);
-    const T* e = reinterpret_cast<const T*>(&v);
+    const Pack v = loadPack(reinterpret_cast<const Pack*>(src[r]) + index);
+    T e[kPer];
+    memcpy(e, &v, sizeof(Pack));
 #pragma unroll
     for (int k = 0; k < kPer; ++k) acc[k] = r == 0 ? toFloat(e[k]) : acc[k] + toFloat(e[k]);
   }
-  Pack out;
-  T* o = reinterpret_cast<T*>(&out);
+  T o[kPer];
 #pragma unroll
   for (int k = 0; k < kPer; ++k) o[k] = fromFloat<T>(acc[k] * scale);
+  Pack out;
+  memcpy(&out, o, sizeof(Pack));
   return out;
 }
 

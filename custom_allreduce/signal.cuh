@@ -5,6 +5,9 @@
 #include <cstdint>
 
 #include "custom_allreduce/signal.hpp"
+#ifdef TPCOMM_CAR_EMULATION
+#include "custom_allreduce/emulation.hpp"  // the kernels on the CPU (tests only)
+#endif
 
 namespace tpcomm::car {
 
@@ -26,6 +29,7 @@ struct KernelArgs {
   uint32_t* error;  // mapped host memory
 };
 
+#ifndef TPCOMM_CAR_EMULATION
 __device__ __forceinline__ uint64_t globalTimer() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -42,6 +46,26 @@ __device__ __forceinline__ uint32_t loadAcquire(const uint32_t* p) {
   return v;
 }
 
+// The error word (mapped host memory): any thread may read it while another
+// writes it.
+__device__ __forceinline__ uint32_t loadError(const uint32_t* p) {
+  return *reinterpret_cast<const volatile uint32_t*>(p);
+}
+__device__ __forceinline__ void storeError(uint32_t* p, uint32_t code) {
+  *reinterpret_cast<volatile uint32_t*>(p) = code;
+  __threadfence_system();
+}
+#else
+inline uint64_t globalTimer() { return emu::nowNs(); }
+inline void storeRelease(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
+inline uint32_t loadAcquire(const uint32_t* p) {
+  std::this_thread::yield();  // spinning ranks share the CPU with working ones
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+}
+inline uint32_t loadError(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline void storeError(uint32_t* p, uint32_t code) { __atomic_store_n(p, code, __ATOMIC_SEQ_CST); }
+#endif
+
 __device__ __forceinline__ Signal* signalOf(const KernelArgs& a, int rank) {
   return reinterpret_cast<Signal*>(a.buffers[rank]);
 }
@@ -57,10 +81,8 @@ __device__ __forceinline__ bool sourcesOf(const KernelArgs& a, const char* (&src
     return true;
   }
   if (a.registered->ready == 0) {
-    volatile uint32_t* error = a.error;
-    if (threadIdx.x == 0 && *error == 0) {
-      *error = errorCode(0, kNotRegistered, blockIdx.x);
-      __threadfence_system();
+    if (threadIdx.x == 0 && loadError(a.error) == 0) {
+      storeError(a.error, errorCode(0, kNotRegistered, blockIdx.x));
     }
     return false;
   }
@@ -85,10 +107,12 @@ __device__ __forceinline__ uint32_t nextEpoch(const KernelArgs& a) {
 // Every rank's block `blockIdx.x` reaches `phase` of call `epoch`. Returns
 // false (on every thread of the block) when a peer did not arrive within the
 // timeout or another block already failed; the error word then names it.
+// The verdict is combined by __syncthreads_or, not a shared variable: a
+// shared flag reset by the next barrier could be reset before a slow thread
+// of this one read it (a race the CPU emulation's thread checker found).
 template <int N>
 __device__ bool barrier(const KernelArgs& a, int phase, uint32_t epoch) {
-  __shared__ int failed;
-  if (threadIdx.x == 0) failed = 0;
+  int failed = 0;
   __syncthreads();  // this block's writes before the release below
   if (threadIdx.x < N) {
     const int peer = threadIdx.x;
@@ -99,22 +123,18 @@ __device__ bool barrier(const KernelArgs& a, int phase, uint32_t epoch) {
     while (static_cast<int32_t>(loadAcquire(mine) - epoch) < 0) {
       if ((++spins & 1023) == 0) {
         const bool late = globalTimer() - start > a.timeoutNs;
-        if (late || *reinterpret_cast<volatile uint32_t*>(a.error) != 0) {
+        if (late || loadError(a.error) != 0) {
           // A plain store: atomics on mapped host memory are not portable.
           // Blocks that race here each write a valid code.
-          volatile uint32_t* error = a.error;
-          if (late && *error == 0) {
-            *error = errorCode(peer, phase, blockIdx.x);
-            __threadfence_system();
-          }
+          if (late && loadError(a.error) == 0)
+            storeError(a.error, errorCode(peer, phase, blockIdx.x));
           failed = 1;
           break;
         }
       }
     }
   }
-  __syncthreads();
-  return failed == 0;
+  return __syncthreads_or(failed) == 0;
 }
 
 }  // namespace tpcomm::car

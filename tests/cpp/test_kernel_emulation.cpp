@@ -1,0 +1,428 @@
+// The allreduce kernels' own source (kernels.cuh) compiled for the CPU (see
+// custom_allreduce/emulation.hpp) and run with one process per rank over
+// shared memory. Each rank's result is compared bit for bit with a float32
+// rank-order sum (what the GPU must produce too) and with a float64 sum
+// within rounding. This checks the kernels' partitions, tails, two-shot
+// parts, epochs over many calls with changing block counts, zero-copy
+// sources, the AVG scale and the timeout's error codes; it does not check
+// GPU timing or the GPU memory model.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "custom_allreduce/kernels.cuh"
+
+namespace tpcomm::car {
+namespace {
+
+using KernelFn = void (*)(KernelArgs);
+
+template <typename T, int N>
+KernelFn pick(Algorithm algorithm) {
+  return algorithm == Algorithm::kOneShot ? oneShotKernel<T, N> : twoShotKernel<T, N>;
+}
+
+template <typename T>
+KernelFn pickSize(Algorithm algorithm, int n) {
+  switch (n) {
+    case 2:
+      return pick<T, 2>(algorithm);
+    case 3:
+      return pick<T, 3>(algorithm);
+    case 4:
+      return pick<T, 4>(algorithm);
+    case 5:
+      return pick<T, 5>(algorithm);
+    case 6:
+      return pick<T, 6>(algorithm);
+    case 7:
+      return pick<T, 7>(algorithm);
+    default:
+      return pick<T, 8>(algorithm);
+  }
+}
+
+KernelFn kernelFor(DType dtype, Algorithm algorithm, int n) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return pickSize<float>(algorithm, n);
+    case DType::kFloat16:
+      return pickSize<__half>(algorithm, n);
+    default:
+      return pickSize<__nv_bfloat16>(algorithm, n);
+  }
+}
+
+// Element i of a tensor of `dtype` as float, and a float stored as `dtype`.
+float load(DType dtype, const void* p, size_t i) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return static_cast<const float*>(p)[i];
+    case DType::kFloat16:
+      return __half2float(static_cast<const __half*>(p)[i]);
+    default:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  }
+}
+
+void store(DType dtype, void* p, size_t i, float v) {
+  switch (dtype) {
+    case DType::kFloat32:
+      static_cast<float*>(p)[i] = v;
+      break;
+    case DType::kFloat16:
+      static_cast<__half*>(p)[i] = __float2half_rn(v);
+      break;
+    default:
+      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
+  }
+}
+
+// Half the spacing of `dtype`'s values near 1.
+double roundingOf(DType dtype) {
+  return dtype == DType::kFloat32 ? std::ldexp(1.0, -24)
+                                  : std::ldexp(1.0, dtype == DType::kFloat16 ? -11 : -8);
+}
+
+struct Call {
+  Algorithm algorithm = Algorithm::kOneShot;
+  DType dtype = DType::kFloat32;
+  size_t count = 0;
+  int blocks = 1;
+  int threads = 32;
+  bool inPlace = false;
+  float scale = 1.f;
+  bool zeroCopy = false;     // sources from a table of the ranks' inputs
+  std::vector<bool> stages;  // zero-copy: which ranks still copy
+  bool ready = true;         // zero-copy: the table was filled
+  uint64_t timeoutNs = 0;    // 0: the run's
+  // Set by the group.
+  std::vector<void*> in, out;
+  std::vector<std::vector<char>> original;  // the inputs as they were
+  std::vector<RegisteredInputs*> tables;
+};
+
+// Shared memory mapped before the ranks fork.
+class Arena {
+ public:
+  explicit Arena(size_t bytes) : size_(bytes) {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("mmap failed");
+    base_ = static_cast<char*>(p);  // zero-filled
+  }
+  ~Arena() { munmap(base_, size_); }
+  void* take(size_t bytes) {
+    used_ = (used_ + 255) / 256 * 256;
+    if (used_ + bytes > size_) throw std::runtime_error("arena too small");
+    void* p = base_ + used_;
+    used_ += bytes;
+    return p;
+  }
+
+ private:
+  char* base_ = nullptr;
+  size_t size_ = 0;
+  size_t used_ = 0;
+};
+
+class EmulatedGroup {
+ public:
+  EmulatedGroup(int n, size_t maxBytes, std::vector<Call> calls)
+      : n_(n), layout_(BufferLayout::forMaxBytes(maxBytes)), calls_(std::move(calls)) {
+    size_t bytes = n * layout_.totalBytes + 4096;
+    for (const Call& c : calls_) {
+      bytes += n * (2 * c.count * dtypeSize(c.dtype) + sizeof(RegisteredInputs) + 768);
+    }
+    arena_ = std::make_unique<Arena>(bytes);
+    errors_ = static_cast<uint32_t*>(arena_->take(sizeof(uint32_t) * kMaxRanks));
+    for (int r = 0; r < n; ++r)
+      buffers_.push_back(static_cast<char*>(arena_->take(layout_.totalBytes)));
+    std::mt19937 random(1234 + n);
+    std::uniform_real_distribution<float> value(-1.f, 1.f);
+    for (Call& c : calls_) {
+      if (c.stages.empty()) c.stages.assign(n, false);
+      const size_t size = c.count * dtypeSize(c.dtype);
+      for (int r = 0; r < n; ++r) {
+        c.in.push_back(arena_->take(size));
+        c.out.push_back(c.inPlace ? c.in[r] : arena_->take(size));
+        for (size_t i = 0; i < c.count; ++i) {
+          // Magnitudes from 2^-6 to 1, so the float32 sums round.
+          store(c.dtype, c.in[r], i, value(random) * std::ldexp(1.f, -static_cast<int>(i % 7)));
+        }
+        c.original.emplace_back(static_cast<char*>(c.in[r]), static_cast<char*>(c.in[r]) + size);
+        if (!c.inPlace) std::memset(c.out[r], 0xA5, size);  // poison
+      }
+      if (c.zeroCopy) {
+        for (int q = 0; q < n; ++q) {
+          auto* table = static_cast<RegisteredInputs*>(arena_->take(sizeof(RegisteredInputs)));
+          for (int r = 0; r < n; ++r) {
+            table->input[r] = c.stages[r] ? buffers_[r] + layout_.stagingOffset : c.in[r];
+          }
+          table->ready = c.ready ? 1 : 0;
+          c.tables.push_back(table);
+        }
+      }
+    }
+  }
+
+  // Runs every call on each rank of `ranks` (a process each, the others
+  // withheld); `callsOf[r]` limits rank r to its first calls. False when a
+  // rank did not exit cleanly within `deadlineS`.
+  bool run(const std::vector<int>& ranks, uint64_t timeoutNs, int deadlineS = 120,
+           std::vector<size_t> callsOf = {}) {
+    std::vector<pid_t> pids;
+    for (int rank : ranks) {
+      const size_t calls = callsOf.empty() ? calls_.size() : callsOf[rank];
+      const pid_t pid = fork();
+      if (pid == 0) {
+        for (size_t i = 0; i < calls; ++i) runCall(calls_[i], rank, timeoutNs);
+        _exit(0);
+      }
+      if (pid < 0) return false;
+      pids.push_back(pid);
+    }
+    bool ok = true;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(deadlineS);
+    for (pid_t pid : pids) {
+      int status = 0;
+      while (waitpid(pid, &status, WNOHANG) == 0) {
+        if (std::chrono::steady_clock::now() > deadline) {
+          kill(pid, SIGKILL);
+          waitpid(pid, &status, 0);
+          ok = false;
+          break;
+        }
+        usleep(2000);
+      }
+      ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    }
+    return ok;
+  }
+
+  uint32_t error(int rank) const { return errors_[rank]; }
+  const std::vector<Call>& calls() const { return calls_; }
+  int size() const { return n_; }
+
+ private:
+  void runCall(const Call& c, int rank, uint64_t timeoutNs) {
+    KernelArgs a{};
+    a.input = c.in[rank];
+    a.output = c.out[rank];
+    a.count = c.count;
+    for (int r = 0; r < n_; ++r) a.buffers[r] = buffers_[r];
+    a.registered = c.zeroCopy ? c.tables[rank] : nullptr;
+    a.stagingOffset = layout_.stagingOffset;
+    a.resultOffset = layout_.resultOffset;
+    a.rank = rank;
+    a.stage = c.zeroCopy ? (c.stages[rank] ? 1 : 0) : 1;
+    a.scale = c.scale;
+    a.timeoutNs = c.timeoutNs ? c.timeoutNs : timeoutNs;
+    a.error = &errors_[rank];
+    emu::launch(kernelFor(c.dtype, c.algorithm, n_), a, c.blocks, c.threads);
+  }
+
+  int n_;
+  BufferLayout layout_;
+  std::vector<Call> calls_;
+  std::unique_ptr<Arena> arena_;
+  uint32_t* errors_ = nullptr;
+  std::vector<char*> buffers_;
+};
+
+std::string describe(const Call& c, int n) {
+  return std::string(algorithmName(c.algorithm)) + " " + dtypeName(c.dtype) +
+         " n=" + std::to_string(n) + " count=" + std::to_string(c.count) +
+         " blocks=" + std::to_string(c.blocks) + " threads=" + std::to_string(c.threads) +
+         (c.inPlace ? " in place" : "") + (c.zeroCopy ? " zero-copy" : "");
+}
+
+// Every rank's output equals the float32 rank-order sum bit for bit, and the
+// float64 sum within rounding. Stops at the first wrong element per call.
+void expectResults(const EmulatedGroup& g) {
+  const int n = g.size();
+  for (const Call& c : g.calls()) {
+    const size_t elementBytes = dtypeSize(c.dtype);
+    std::vector<char> expected(c.count * elementBytes);
+    for (size_t i = 0; i < c.count; ++i) {
+      float acc = 0.f;
+      double exact = 0.0, magnitude = 0.0;
+      for (int r = 0; r < n; ++r) {
+        const float v = load(c.dtype, c.original[r].data(), i);
+        acc = r == 0 ? v : acc + v;
+        exact += v;
+        magnitude += std::fabs(v);
+      }
+      store(c.dtype, expected.data(), i, acc * c.scale);
+      const double got = load(c.dtype, expected.data(), i);
+      const double tolerance = (n * std::ldexp(1.0, -24) * magnitude) * c.scale +
+                               roundingOf(c.dtype) * std::fabs(exact * c.scale) * 2 + 1e-30;
+      ASSERT_LE(std::fabs(got - exact * c.scale), tolerance) << describe(c, n) << " element " << i;
+    }
+    for (int r = 0; r < n; ++r) {
+      const char* out = static_cast<const char*>(c.out[r]);
+      for (size_t i = 0; i < c.count; ++i) {
+        if (std::memcmp(out + i * elementBytes, expected.data() + i * elementBytes, elementBytes) !=
+            0) {
+          ADD_FAILURE() << describe(c, n) << ": rank " << r << " element " << i << " is "
+                        << load(c.dtype, out, i) << ", expected "
+                        << load(c.dtype, expected.data(), i);
+          break;
+        }
+      }
+    }
+  }
+}
+
+constexpr uint64_t kGenerousNs = 60ull * 1000 * 1000 * 1000;  // a loaded CI machine
+
+std::vector<int> allRanks(int n) {
+  std::vector<int> out;
+  for (int r = 0; r < n; ++r) out.push_back(r);
+  return out;
+}
+
+class KernelEmulation : public ::testing::TestWithParam<int> {};
+
+// Every dtype and algorithm, counts around the pack size and the block and
+// part boundaries, 1 and 3 blocks: one long sequence of calls per rank, so
+// the per-block epochs advance while the block count changes.
+TEST_P(KernelEmulation, EveryDtypeAlgorithmAndTailMatchesTheReference) {
+  const int n = GetParam();
+  std::vector<Call> calls;
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+      for (size_t count : {size_t{1}, size_t{3}, size_t{8}, size_t{9}, size_t{31}, size_t{69},
+                           size_t{500}, size_t{2007}, size_t{5000}}) {
+        for (int blocks : {1, 3}) {
+          Call c;
+          c.dtype = dtype;
+          c.algorithm = algorithm;
+          c.count = count;
+          c.blocks = blocks;
+          calls.push_back(c);
+        }
+      }
+    }
+  }
+  EmulatedGroup g(n, 32 << 10, calls);
+  ASSERT_TRUE(g.run(allRanks(n), kGenerousNs));
+  for (int r = 0; r < n; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
+  expectResults(g);
+}
+
+// In place (output = input), the AVG scale, and zero-copy sources: every
+// rank's input read where it lies, some ranks still staging, two-shot in
+// place (the host never asks for one-shot zero-copy in place).
+TEST_P(KernelEmulation, InPlaceScaleAndZeroCopy) {
+  const int n = GetParam();
+  std::vector<Call> calls;
+  for (Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+      Call c;
+      c.algorithm = algorithm;
+      c.dtype = dtype;
+      c.count = 1003;
+      c.blocks = 2;
+      c.inPlace = true;
+      calls.push_back(c);
+      c.inPlace = false;
+      c.scale = 1.f / static_cast<float>(n);
+      calls.push_back(c);
+      c.scale = 1.f;
+      c.zeroCopy = true;
+      calls.push_back(c);
+      c.stages.assign(n, false);
+      for (int r = 0; r < n; r += 2) c.stages[r] = true;
+      calls.push_back(c);
+      if (algorithm == Algorithm::kTwoShot) {
+        c.inPlace = true;
+        c.stages.assign(n, false);
+        calls.push_back(c);
+      }
+    }
+  }
+  EmulatedGroup g(n, 32 << 10, calls);
+  ASSERT_TRUE(g.run(allRanks(n), kGenerousNs));
+  for (int r = 0; r < n; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
+  expectResults(g);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, KernelEmulation, ::testing::Range(2, 9));
+
+// The product's thread count (kThreads per block) with several packs per
+// thread.
+TEST(KernelEmulationFull, ProductBlockSize) {
+  std::vector<Call> calls;
+  for (Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+    Call c;
+    c.algorithm = algorithm;
+    c.count = 4 * 2 * kThreads * 3 + 3;
+    c.blocks = 2;
+    c.threads = kThreads;
+    calls.push_back(c);
+  }
+  EmulatedGroup g(3, 128 << 10, calls);
+  ASSERT_TRUE(g.run(allRanks(3), kGenerousNs));
+  expectResults(g);
+}
+
+// A withheld rank: the others stop within the timeout, name it in the error
+// word, leave the output alone; a rank that took part in an earlier call got
+// that call's result.
+TEST(KernelEmulationFailure, WithheldRankIsNamedAndOutputUntouched) {
+  Call first;
+  first.count = 300;
+  first.blocks = 2;
+  Call second = first;
+  second.algorithm = Algorithm::kTwoShot;
+  second.timeoutNs = 200ull * 1000 * 1000;
+  EmulatedGroup g(3, 32 << 10, {first, second});
+  const auto start = std::chrono::steady_clock::now();
+  // Rank 2 takes part in the first call only.
+  ASSERT_TRUE(g.run({0, 1, 2}, kGenerousNs, 60, {2, 2, 1}));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(g.error(r), errorCode(2, kStart, 0)) << describeError(g.error(r));
+    EXPECT_EQ(describeError(g.error(r)), "rank 2 did not arrive (block 0, start barrier)");
+    const auto* out = static_cast<const unsigned char*>(g.calls()[1].out[r]);
+    for (size_t i = 0; i < 300 * 4; ++i) ASSERT_EQ(out[i], 0xA5) << "rank " << r << " byte " << i;
+  }
+  EXPECT_EQ(g.error(2), 0u);
+  // The first call, which every rank made, is right everywhere.
+  EmulatedGroup reference(3, 32 << 10, {first});
+  ASSERT_TRUE(reference.run({0, 1, 2}, kGenerousNs));
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(std::memcmp(g.calls()[0].out[r], reference.calls()[0].out[r], 300 * 4), 0);
+  }
+}
+
+// A zero-copy table that was never filled: every rank stops with the
+// not-registered code before touching any flag or output.
+TEST(KernelEmulationFailure, UnfilledZeroCopyTableRefusesToRun) {
+  Call c;
+  c.count = 100;
+  c.algorithm = Algorithm::kTwoShot;
+  c.zeroCopy = true;
+  c.ready = false;
+  EmulatedGroup g(2, 32 << 10, {c});
+  ASSERT_TRUE(g.run({0, 1}, kGenerousNs));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(g.error(r), errorCode(0, kNotRegistered, 0));
+    EXPECT_NE(describeError(g.error(r)).find("replayed before the context exited"),
+              std::string::npos);
+    const auto* out = static_cast<const unsigned char*>(g.calls()[0].out[r]);
+    for (size_t i = 0; i < 100 * 4; ++i) ASSERT_EQ(out[i], 0xA5);
+  }
+}
+
+}  // namespace
+}  // namespace tpcomm::car
