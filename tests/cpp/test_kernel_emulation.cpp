@@ -12,55 +12,29 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "custom_allreduce/kernels.cuh"
+#include "custom_allreduce/dispatch.cuh"
 
 namespace tpcomm::car {
+
+// The product's launch as the emulation runs it: the host API
+// (CustomAllreduce::allreduce in host.cpp) ends here, with dispatch.cuh's
+// kernel choice and argument mapping, as kernels.cu launches on a GPU.
+// Fewer threads per block than on the GPU keep the emulation quick; the
+// kernels' loops stride by whatever blockDim is.
+void launchAllreduce(const LaunchParams& p, cudaStream_t /*stream*/) {
+  emu::launch(kernelFor(p.dtype, p.algorithm, p.worldSize), kernelArgsOf(p), p.blocks, 32);
+}
+
 namespace {
-
-using KernelFn = void (*)(KernelArgs);
-
-template <typename T, int N>
-KernelFn pick(Algorithm algorithm) {
-  return algorithm == Algorithm::kOneShot ? oneShotKernel<T, N> : twoShotKernel<T, N>;
-}
-
-template <typename T>
-KernelFn pickSize(Algorithm algorithm, int n) {
-  switch (n) {
-    case 2:
-      return pick<T, 2>(algorithm);
-    case 3:
-      return pick<T, 3>(algorithm);
-    case 4:
-      return pick<T, 4>(algorithm);
-    case 5:
-      return pick<T, 5>(algorithm);
-    case 6:
-      return pick<T, 6>(algorithm);
-    case 7:
-      return pick<T, 7>(algorithm);
-    default:
-      return pick<T, 8>(algorithm);
-  }
-}
-
-KernelFn kernelFor(DType dtype, Algorithm algorithm, int n) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return pickSize<float>(algorithm, n);
-    case DType::kFloat16:
-      return pickSize<__half>(algorithm, n);
-    default:
-      return pickSize<__nv_bfloat16>(algorithm, n);
-  }
-}
 
 // Element i of a tensor of `dtype` as float, and a float stored as `dtype`.
 float load(DType dtype, const void* p, size_t i) {
@@ -93,6 +67,11 @@ double roundingOf(DType dtype) {
                                   : std::ldexp(1.0, dtype == DType::kFloat16 ? -11 : -8);
 }
 
+// The spacing of `dtype`'s subnormals (float16's are coarse: 2^-24).
+double subnormalOf(DType dtype) {
+  return std::ldexp(1.0, dtype == DType::kFloat16 ? -24 : dtype == DType::kFloat32 ? -149 : -133);
+}
+
 struct Call {
   Algorithm algorithm = Algorithm::kOneShot;
   DType dtype = DType::kFloat32;
@@ -105,6 +84,8 @@ struct Call {
   std::vector<bool> stages;  // zero-copy: which ranks still copy
   bool ready = true;         // zero-copy: the table was filled
   uint64_t timeoutNs = 0;    // 0: the run's
+  bool hostApi = false;      // through CustomAllreduce::allreduce (blocks 0: by size)
+  bool chooseAlgorithm = false;
   // Set by the group.
   std::vector<void*> in, out;
   std::vector<std::vector<char>> original;  // the inputs as they were
@@ -209,11 +190,17 @@ class EmulatedGroup {
   }
 
   uint32_t error(int rank) const { return errors_[rank]; }
+  uint32_t* errorWord(int rank) { return &errors_[rank]; }
+  std::vector<void*> bases() const { return {buffers_.begin(), buffers_.end()}; }
   const std::vector<Call>& calls() const { return calls_; }
   int size() const { return n_; }
 
  private:
   void runCall(const Call& c, int rank, uint64_t timeoutNs) {
+    if (c.hostApi) {
+      runThroughHostApi(c, rank, c.timeoutNs ? c.timeoutNs : timeoutNs);
+      return;
+    }
     KernelArgs a{};
     a.input = c.in[rank];
     a.output = c.out[rank];
@@ -228,6 +215,25 @@ class EmulatedGroup {
     a.timeoutNs = c.timeoutNs ? c.timeoutNs : timeoutNs;
     a.error = &errors_[rank];
     emu::launch(kernelFor(c.dtype, c.algorithm, n_), a, c.blocks, c.threads);
+  }
+
+  void runThroughHostApi(const Call& c, int rank, uint64_t timeoutNs) {
+    CustomAllreduce car(rank, n_, bases(), layout_.maxBytes,
+                        std::chrono::milliseconds(std::max<uint64_t>(1, timeoutNs / 1000000)),
+                        &errors_[rank], &errors_[rank]);
+    CallOptions options;
+    options.chooseAlgorithm = c.chooseAlgorithm;
+    options.algorithm = c.algorithm;
+    options.blocks = c.blocks;
+    options.scale = c.scale;
+    options.registered = c.zeroCopy ? c.tables[rank] : nullptr;
+    options.stageInput = c.zeroCopy ? static_cast<bool>(c.stages[rank]) : true;
+    try {
+      car.allreduce(c.in[rank], c.out[rank], c.count, c.dtype, nullptr, options);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+      _exit(3);
+    }
   }
 
   int n_;
@@ -264,7 +270,8 @@ void expectResults(const EmulatedGroup& g) {
       store(c.dtype, expected.data(), i, acc * c.scale);
       const double got = load(c.dtype, expected.data(), i);
       const double tolerance = (n * std::ldexp(1.0, -24) * magnitude) * c.scale +
-                               roundingOf(c.dtype) * std::fabs(exact * c.scale) * 2 + 1e-30;
+                               roundingOf(c.dtype) * std::fabs(exact * c.scale) * 2 +
+                               subnormalOf(c.dtype);
       ASSERT_LE(std::fabs(got - exact * c.scale), tolerance) << describe(c, n) << " element " << i;
     }
     for (int r = 0; r < n; ++r) {
@@ -358,6 +365,51 @@ TEST_P(KernelEmulation, InPlaceScaleAndZeroCopy) {
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, KernelEmulation, ::testing::Range(2, 9));
 
+// Through the host API (CustomAllreduce::allreduce): the algorithm and block
+// count chosen by size (two-shot above the one-shot limit at 4 and 5 ranks),
+// AVG, an empty call that launches nothing, and zero-copy options.
+class HostApiEmulation : public ::testing::TestWithParam<int> {};
+
+TEST_P(HostApiEmulation, CallsThroughCustomAllreduceMatchTheReference) {
+  const int n = GetParam();
+  std::vector<Call> calls;
+  Call c;
+  c.hostApi = true;
+  c.chooseAlgorithm = true;
+  c.blocks = 0;
+  c.count = 200000;  // 800 KB of float32: two-shot at 4 and 5 ranks, one-shot at 2
+  calls.push_back(c);
+  c.count = 0;
+  calls.push_back(c);
+  c.dtype = DType::kBFloat16;
+  c.count = 777;
+  c.chooseAlgorithm = false;
+  c.algorithm = Algorithm::kTwoShot;
+  calls.push_back(c);
+  c.dtype = DType::kFloat16;
+  c.count = 4096 + 3;
+  c.algorithm = Algorithm::kOneShot;
+  c.scale = 1.f / static_cast<float>(n);
+  calls.push_back(c);
+  c.scale = 1.f;
+  c.zeroCopy = true;
+  c.stages.assign(n, false);
+  c.stages[n - 1] = true;
+  calls.push_back(c);
+  c.algorithm = Algorithm::kTwoShot;
+  c.inPlace = true;
+  c.stages.assign(n, false);
+  calls.push_back(c);
+  EmulatedGroup g(n, 1 << 20, calls);
+  ASSERT_TRUE(g.run(allRanks(n), kGenerousNs, 300));
+  for (int r = 0; r < n; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
+  expectResults(g);
+  EXPECT_EQ(chooseAlgorithm(n, 800000, 1 << 20),
+            n == 2 ? Algorithm::kOneShot : Algorithm::kTwoShot);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, HostApiEmulation, ::testing::Values(2, 4, 5));
+
 // The product's thread count (kThreads per block) with several packs per
 // thread.
 TEST(KernelEmulationFull, ProductBlockSize) {
@@ -403,6 +455,37 @@ TEST(KernelEmulationFailure, WithheldRankIsNamedAndOutputUntouched) {
   for (int r = 0; r < 3; ++r) {
     EXPECT_EQ(std::memcmp(g.calls()[0].out[r], reference.calls()[0].out[r], 300 * 4), 0);
   }
+}
+
+// Through the host API: after a peer did not arrive, the rank's next call is
+// refused (PeerLost, naming the peer) before anything is launched.
+TEST(KernelEmulationFailure, HostApiRefusesCallsAfterATimeout) {
+  Call c;
+  c.count = 64;
+  EmulatedGroup g(2, 32 << 10, {c});
+  const BufferLayout layout = BufferLayout::forMaxBytes(32 << 10);
+  // Rank 1 never calls; rank 0 waits 200 ms, then its next call must fail.
+  const pid_t pid = fork();
+  if (pid == 0) {
+    CustomAllreduce car(0, 2, g.bases(), layout.maxBytes, std::chrono::milliseconds(200),
+                        g.errorWord(0), g.errorWord(0));
+    const Call& call = g.calls()[0];
+    car.allreduce(call.in[0], call.out[0], call.count, DType::kFloat32, nullptr);
+    if (car.errorCode() != errorCode(1, kStart, 0)) _exit(4);
+    try {
+      car.allreduce(call.in[0], call.out[0], call.count, DType::kFloat32, nullptr);
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      const bool named =
+          what.find("rank 1 did not arrive (block 0, start barrier)") != std::string::npos;
+      _exit(e.code() == ErrorCode::kPeerLost && named ? 0 : 5);
+    }
+    _exit(6);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "4: no error code, 5: wrong error, 6: not refused";
 }
 
 // A zero-copy table that was never filled: every rank stops with the
