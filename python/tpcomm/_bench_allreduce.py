@@ -16,9 +16,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tpcomm._net import free_port
+from tpcomm._net import run_ranks
 
 ROUTES = ("oneshot", "twoshot", "nccl")
 
@@ -125,21 +124,13 @@ def run(max_mib, quick):
         s *= 4 if quick else 2
     print(f"GPUs: {gpus} x {torch.cuda.get_device_name(0)}; "
           + ("ranks share GPU 0 (NCCL left out)" if shared else "one rank per GPU"))
-    ctx = mp.get_context("spawn")
     for world in worlds:
-        port = free_port()
-        results = ctx.SimpleQueue()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, 0 if shared else r, sizes,
-                                                   quick, shared, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=1800)
-        if any(p.exitcode != 0 for p in procs) or results.empty():
+        result = run_ranks(_worker, world, lambda r: (0 if shared else r, sizes, quick, shared),
+                           1800)
+        if result is None:
             print(f"world size {world}: a worker failed")
             return 1
-        rows, overhead, described = results.get()
+        rows, overhead, described = result
         print(f"routing table in force: {described['cuda_allreduce_routes']}")
         _print_table(world, rows)
         if overhead:

@@ -22,9 +22,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tpcomm._net import free_port
+from tpcomm._net import run_ranks
 
 
 def _payloads(quick):
@@ -113,21 +112,12 @@ def bench_mq(readers_list, quick, chunk_mb):
     print(f"single-thread memcpy (64 MB): {memcpy:.2f} GB/s; ring: 8 chunks of {chunk_mb} MB")
     print(f"{'payload':38s} {'readers':>7s} {'mq us/msg':>10s} {'gloo us/msg':>12s} "
           f"{'speed-up':>8s} {'mq GB/s/reader':>15s} {'% memcpy':>9s}")
-    ctx = mp.get_context("spawn")
     for readers in readers_list:
-        port = free_port()
-        results = ctx.SimpleQueue()
-        world = readers + 1
-        procs = [ctx.Process(target=_mq_worker, args=(r, world, port, quick, chunk_mb, results))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=1200)
-        if any(p.exitcode != 0 for p in procs) or results.empty():
+        rows = run_ranks(_mq_worker, readers + 1, lambda r: (quick, chunk_mb), 1200)
+        if rows is None:
             print(f"readers={readers}: a worker failed", file=sys.stderr)
             return 1
-        for name, nbytes, t_mq, t_gloo in results.get():
+        for name, nbytes, t_mq, t_gloo in rows:
             gbps = nbytes / t_mq / 1e9 if nbytes else 0.0
             print(f"{name:38s} {readers:7d} {t_mq * 1e6:10.1f} {t_gloo * 1e6:12.1f} "
                   f"{t_gloo / t_mq:7.1f}x {gbps:15.2f} {100 * gbps / memcpy:8.0f}%")
