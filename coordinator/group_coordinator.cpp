@@ -85,6 +85,19 @@ Pending withoutFutureOnCpu(Route route, Pending pending) {
   return pending;
 }
 
+// The start of each of `parts` equal byte ranges of a contiguous tensor.
+std::vector<void*> slicesOf(const at::Tensor& t, int parts) {
+  std::vector<void*> out;
+  const uint64_t each = bytesOf(t) / parts;
+  for (int r = 0; r < parts; ++r) out.push_back(static_cast<char*>(t.data_ptr()) + r * each);
+  return out;
+}
+
+std::vector<const void*> constSlicesOf(const at::Tensor& t, int parts) {
+  const auto slices = slicesOf(t, parts);
+  return {slices.begin(), slices.end()};
+}
+
 std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
   std::vector<at::Tensor> out;
   for (const auto& list : lists) out.insert(out.end(), list.begin(), list.end());
@@ -99,8 +112,12 @@ Pending GroupCoordinator::broadcast(std::vector<at::Tensor>& tensors,
     return std::string("broadcast root=" + std::to_string(opts.rootRank) + " " +
                        describeTensors(tensors));
   });
-  return passThrough(backendFor(routeFor(tensors[0]), bytesOf(tensors)).broadcast(tensors, opts),
-                     tensors);
+  const Route route = routeFor(tensors[0]);
+  if (route == Route::kCpu) {
+    if (auto done = shmBroadcast(tensors[0], static_cast<int>(opts.rootRank), opts.asyncOp))
+      return *done;
+  }
+  return passThrough(backendFor(route, bytesOf(tensors)).broadcast(tensors, opts), tensors);
 }
 
 Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
@@ -121,7 +138,7 @@ Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
     }
     return passThrough(backendFor(route, bytesOf(tensors)).allreduce(tensors, opts), tensors);
   }
-  if (logRoutes_) logAllreduceRoute(opts.reduceOp, tensors[0], "gloo", "CPU tensor");
+  if (auto done = shmAllreduce(tensors[0], tensors[0], opts.reduceOp, opts.asyncOp)) return *done;
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (!plan.composed()) {
     return passThrough(backendFor(route, bytesOf(tensors)).allreduce(tensors, opts), tensors);
@@ -154,6 +171,11 @@ Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
                        describeTensors(tensors));
   });
   const Route route = routeFor(tensors[0]);
+  if (route == Route::kCpu && cpuShm() != nullptr &&
+      shmReduction(opts.reduceOp, tensors[0].scalar_type(), size(), nullptr)) {
+    for (auto& t : tensors) shmAllreduce(t, t, opts.reduceOp, false);
+    return completedCall(tensors, opts.asyncOp);
+  }
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
     return passThrough(backendFor(route, bytesOf(tensors)).allreduce_coalesced(tensors, opts),
@@ -204,9 +226,14 @@ Pending GroupCoordinator::allgather(std::vector<std::vector<at::Tensor>>& output
                                     std::vector<at::Tensor>& inputs,
                                     const c10d::AllgatherOptions& opts) {
   debugCheck([&] { return std::string("allgather " + describeTensors(inputs)); });
-  return passThrough(
-      backendFor(routeFor(inputs[0]), bytesOf(inputs)).allgather(outputs, inputs, opts),
-      flatten(outputs));
+  const Route route = routeFor(inputs[0]);
+  if (route == Route::kCpu) {
+    std::vector<void*> outs;
+    for (auto& t : outputs[0]) outs.push_back(t.data_ptr());
+    if (auto done = shmAllgather(inputs[0], outs, flatten(outputs), opts.asyncOp)) return *done;
+  }
+  return passThrough(backendFor(route, bytesOf(inputs)).allgather(outputs, inputs, opts),
+                     flatten(outputs));
 }
 
 Pending GroupCoordinator::allgatherBase(at::Tensor& output, at::Tensor& input,
@@ -215,14 +242,27 @@ Pending GroupCoordinator::allgatherBase(at::Tensor& output, at::Tensor& input,
     return std::string("allgather_into_tensor " + describeTensor(input) + " -> " +
                        describeTensor(output));
   });
-  return passThrough(
-      backendFor(routeFor(input), bytesOf(input))._allgather_base(output, input, opts), {output});
+  const Route route = routeFor(input);
+  if (route == Route::kCpu) {
+    if (auto done = shmAllgather(input, slicesOf(output, size()), {output}, opts.asyncOp))
+      return *done;
+  }
+  return passThrough(backendFor(route, bytesOf(input))._allgather_base(output, input, opts),
+                     {output});
 }
 
 Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                              std::vector<at::Tensor>& inputs,
                                              const c10d::AllgatherOptions& opts) {
   debugCheck([&] { return std::string("allgather_coalesced " + describeTensors(inputs)); });
+  if (routeFor(inputs[0]) == Route::kCpu && cpuShm() != nullptr) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      std::vector<void*> outs;
+      for (auto& list : outputs) outs.push_back(list[i].data_ptr());
+      shmAllgather(inputs[i], outs, {}, false);
+    }
+    return completedCall(flatten(outputs), opts.asyncOp);
+  }
   return passThrough(
       backendFor(routeFor(inputs[0]), bytesOf(inputs)).allgather_coalesced(outputs, inputs, opts),
       flatten(outputs));
@@ -235,6 +275,11 @@ Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& 
     return std::string("allgather_into_tensor_coalesced " + describeTensors(inputs) + " -> " +
                        describeTensors(outputs));
   });
+  if (routeFor(inputs[0]) == Route::kCpu && cpuShm() != nullptr) {
+    for (size_t i = 0; i < inputs.size(); ++i)
+      shmAllgather(inputs[i], slicesOf(outputs[i], size()), {}, false);
+    return completedCall(outputs, opts.asyncOp);
+  }
   return passThrough(backendFor(routeFor(inputs[0]), bytesOf(inputs))
                          .allgather_into_tensor_coalesced(outputs, inputs, opts),
                      outputs);
@@ -269,6 +314,11 @@ Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
                        describeTensors(outputs));
   });
   const Route route = routeFor(outputs[0]);
+  if (route == Route::kCpu) {
+    std::vector<const void*> ins;
+    for (const auto& t : inputs[0]) ins.push_back(t.data_ptr());
+    if (auto done = shmReduceScatter(ins, outputs[0], opts.reduceOp, opts.asyncOp)) return *done;
+  }
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
     return withoutFutureOnCpu(
@@ -301,6 +351,11 @@ Pending GroupCoordinator::reduceScatterBase(at::Tensor& output, at::Tensor& inpu
                        describeTensor(input) + " -> " + describeTensor(output));
   });
   const Route route = routeFor(input);
+  if (route == Route::kCpu) {
+    if (auto done = shmReduceScatter(constSlicesOf(input, size()), output, opts.reduceOp,
+                                     opts.asyncOp))
+      return *done;
+  }
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
     return withoutFutureOnCpu(
@@ -330,6 +385,12 @@ Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& 
                        describeTensors(inputs) + " -> " + describeTensors(outputs));
   });
   const Route route = routeFor(inputs[0]);
+  if (route == Route::kCpu && cpuShm() != nullptr &&
+      shmReduction(opts.reduceOp, inputs[0].scalar_type(), size(), nullptr)) {
+    for (size_t i = 0; i < inputs.size(); ++i)
+      shmReduceScatter(constSlicesOf(inputs[i], size()), outputs[i], opts.reduceOp, false);
+    return completedCall(outputs, opts.asyncOp);
+  }
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
     return withoutFutureOnCpu(
@@ -399,6 +460,7 @@ Pending GroupCoordinator::recvAnysource(std::vector<at::Tensor>& tensors, int ta
 
 Pending GroupCoordinator::barrier(const c10d::BarrierOptions& opts) {
   debugCheck([&] { return std::string("barrier"); });
+  if (auto done = shmBarrier(opts.asyncOp)) return *done;
   return passThrough(backendFor(Route::kCpu, 0).barrier(opts), {});
 }
 
@@ -425,11 +487,13 @@ std::shared_ptr<GroupCoordinator> GroupCoordinator::split(
 void GroupCoordinator::setTimeout(std::chrono::milliseconds timeout) {
   options_.timeout = timeout;
   cpu_->setTimeout(timeout);
+  if (auto* shm = shmFast_.load()) shm->setTimeout(timeout);
   if (auto device = deviceBackendIfCreated()) device->setTimeout(timeout);
   if (auto custom = customPath()) custom->setTimeout(customTimeout());
 }
 
 void GroupCoordinator::abort() {
+  if (auto* shm = shmFast_.load()) shm->abort("the group was aborted");
   if (auto device = deviceBackendIfCreated()) device->abort();
   cpu_->abort();
 }

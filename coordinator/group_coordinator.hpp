@@ -14,6 +14,12 @@
 // CUDA allreduce or eager connect; it never needs the device backend, so a
 // group whose ranks share one GPU (which NCCL refuses) can use it.
 //
+// CPU allreduce, all-gather, reduce-scatter, broadcast and barrier of a
+// group whose ranks share a host go through shared memory (cpu_shm_path.hpp)
+// once the group's first such call set it up (collectively, over the CPU
+// backend); they run to completion in the calling thread and return a
+// completed Work. Everything else on CPU goes to Gloo.
+//
 // Where the routed backend lacks an operation the coordinator composes it
 // (AVG and PREMUL_SUM on Gloo, list all-to-all through alltoall_base).
 //
@@ -39,6 +45,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "coordinator/cpu_shm_path.hpp"
 #include "coordinator/custom_path.hpp"
 #include "coordinator/pending.hpp"
 #include "coordinator/route_stats.hpp"
@@ -149,6 +156,15 @@ class GroupCoordinator {
   // begin is local; finish is collective (see CustomPath). They nest.
   void beginGraphRegistration();
   void finishGraphRegistration();
+  // The shared-memory path for CPU collectives: set up (collectively) on the
+  // first call, then null when the group does not use it; `reason` says why.
+  mq::ShmGroup* cpuShm();
+  struct CpuShmState {
+    bool setUp = false;
+    bool available = false;
+    std::string reason;
+  };
+  CpuShmState cpuShmState() const;
   // Calls and bytes per route since creation or the last resetStats().
   std::vector<RouteCount> stats() const { return stats_.snapshot(); }
   void resetStats() { stats_.reset(); }
@@ -175,6 +191,17 @@ class GroupCoordinator {
     if (options_.debugChecks) checkSignature(describe());
   }
   void checkSignature(const std::string& signature);
+  // The shared-memory path's share of a CPU call (group_coordinator_shm.cpp):
+  // each returns nullopt when the path does not take the call (Gloo does).
+  std::optional<Pending> shmAllreduce(const at::Tensor& input, at::Tensor& output,
+                                      const c10d::ReduceOp& op, bool asyncOp);
+  std::optional<Pending> shmAllgather(const at::Tensor& input, const std::vector<void*>& outs,
+                                      std::vector<at::Tensor> results, bool asyncOp);
+  std::optional<Pending> shmReduceScatter(const std::vector<const void*>& ins, at::Tensor& output,
+                                          const c10d::ReduceOp& op, bool asyncOp);
+  std::optional<Pending> shmBroadcast(at::Tensor& tensor, int root, bool asyncOp);
+  std::optional<Pending> shmBarrier(bool asyncOp);
+  void logCpuRoute(const char* op, const at::Tensor& tensor, const char* route, const char* reason);
 
   GroupOptions options_;
   c10::intrusive_ptr<c10d::Store> store_;
@@ -186,6 +213,11 @@ class GroupCoordinator {
   std::optional<at::Device> cudaDevice_;             // guarded by deviceMutex_
   std::shared_ptr<CustomPath> custom_;               // guarded by deviceMutex_
   std::optional<c10::cuda::CUDAStream> commStream_;  // async custom calls
+  mutable std::mutex shmMutex_;
+  bool shmTried_ = false;                  // guarded by shmMutex_
+  std::atomic<mq::ShmGroup*> shmFast_{nullptr};  // shm_.get() once set up: the per-call read
+  std::unique_ptr<mq::ShmGroup> shm_;      // guarded by shmMutex_
+  std::string shmReason_ = "not set up yet (at the group's first CPU collective)";
   std::atomic<int> registrationDepth_{0};            // read on every custom call, without the lock
   uint64_t debugSequence_ = 0;
   RouteStats stats_;

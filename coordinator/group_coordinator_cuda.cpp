@@ -5,6 +5,7 @@
 
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
+#include "coordinator/debug_check.hpp"
 #include "coordinator/group_coordinator.hpp"
 #include "coordinator/stream_work.hpp"
 
@@ -123,6 +124,15 @@ Pending GroupCoordinator::allreduceInto(at::Tensor& input, at::Tensor& output,
     if (d.route != DeviceRoute::kNccl) {
       return customAllreduce(std::move(custom), input, output, d.route, opts);
     }
+  }
+  // CPU through shared memory: out of place, without the copy below.
+  if (routeFor(input) == Route::kCpu && cpuShm() != nullptr &&
+      shmReduction(opts.reduceOp, input.scalar_type(), size(), nullptr)) {
+    debugCheck([&] {
+      return std::string("allreduce " + describeReduceOp(opts.reduceOp) + " " +
+                         describeTensor(input));
+    });
+    return *shmAllreduce(input, output, opts.reduceOp, opts.asyncOp);
   }
   output.copy_(input);
   std::vector<at::Tensor> tensors{output};

@@ -6,6 +6,8 @@ const char* statsRouteName(StatsRoute route) {
   switch (route) {
     case StatsRoute::kGloo:
       return "gloo";
+    case StatsRoute::kCpuShm:
+      return "cpu_shm";
     case StatsRoute::kCustomOneShot:
       return "custom_oneshot";
     case StatsRoute::kCustomTwoShot:

@@ -1,20 +1,17 @@
 #include "message_queue/segment.hpp"
 
 #include <fcntl.h>
-#include <linux/futex.h>
-#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
-#include <climits>
 #include <cstring>
 #include <new>
 #include <thread>
 
 #include "coordinator/common/error.hpp"
+#include "message_queue/futex.hpp"
 
 namespace tpcomm::mq {
 
@@ -49,21 +46,7 @@ std::string randomName() {
   return name;
 }
 
-long futexWait(std::atomic<uint32_t>& word, uint32_t expected, std::chrono::milliseconds slice) {
-  struct timespec ts;
-  ts.tv_sec = slice.count() / 1000;
-  ts.tv_nsec = (slice.count() % 1000) * 1000000L;
-  return ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAIT, expected, &ts,
-                   nullptr, 0);
-}
-
 }  // namespace
-
-bool processAlive(int32_t pid) {
-  if (pid == kDetached) return false;
-  if (pid <= 0) return true;
-  return ::kill(pid, 0) == 0 || errno != ESRCH;
-}
 
 uint64_t segmentBytes(const Geometry& g) {
   TPCOMM_CHECK(g.numReaders >= 1 && g.numReaders <= kMaxReaders, kInvalidUsage,
@@ -179,8 +162,7 @@ char* Segment::chunkData(uint64_t seq) {
 
 void Segment::notify(std::atomic<uint32_t>& word) {
   word.fetch_add(1, std::memory_order_release);
-  ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
-            0);
+  futexWakeAll(word);
 }
 
 void Segment::wait(std::atomic<uint32_t>& word, const std::function<bool()>& ready,
@@ -203,7 +185,8 @@ void Segment::wait(std::atomic<uint32_t>& word, const std::function<bool()>& rea
     TPCOMM_CHECK(now < deadline, kTimeout, "message queue ", name_, ": timed out after ",
                  timeout.count(), " ms ", what);
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
-    futexWait(word, seen, std::min(left + std::chrono::milliseconds(1), kSleepSlice));
+    futexWait(word, seen,
+              std::chrono::microseconds(std::min(left + std::chrono::milliseconds(1), kSleepSlice)));
   }
 }
 

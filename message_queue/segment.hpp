@@ -8,6 +8,7 @@
 #include <functional>
 #include <string>
 
+#include "message_queue/futex.hpp"  // processAlive (0: not attached yet; kDetached: gone)
 #include "message_queue/ring.hpp"
 
 namespace tpcomm::mq {
@@ -91,8 +92,5 @@ class Segment {
   bool unlinked_ = false;
 };
 
-// Whether process `pid` exists (0 = not attached yet: counted alive;
-// kDetached: gone).
-bool processAlive(int32_t pid);
 
 }  // namespace tpcomm::mq

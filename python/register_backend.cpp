@@ -102,7 +102,8 @@ tensors through the device backend (NCCL), created on first use.)")
             }
             return out;
           },
-          "Calls and bytes per route (gloo, custom_oneshot, custom_twoshot, nccl) on this rank.")
+          "Calls and bytes per route (gloo, cpu_shm, custom_oneshot, custom_twoshot, nccl) on this "
+          "rank.")
       .def(
           "describe",
           [](backend::ProcessGroupTpcomm& self) {
@@ -131,6 +132,17 @@ tensors through the device backend (NCCL), created on first use.)")
             }
             custom["zero_copy"] = zeroCopy;
             out["custom_allreduce"] = custom;
+            const auto shmState = c.cpuShmState();
+            const auto shmConfig = coord::CpuShmConfig::fromSettings();
+            py::dict shm;
+            shm["mode"] = shmConfig.mode;
+            shm["set_up"] = shmState.setUp;
+            shm["available"] = shmState.available;
+            shm["reason"] = shmState.reason;
+            shm["buffer_bytes"] = shmConfig.bufferBytes;
+            shm["two_phase_bytes"] = shmConfig.twoPhaseBytes;
+            shm["spin_us"] = shmConfig.spinUs;
+            out["cpu_shm"] = shm;
             out["route_mode"] = routing.config().mode;
             out["autotune"] = routing.tuneSource();
             py::list rows;
@@ -144,8 +156,9 @@ tensors through the device backend (NCCL), created on first use.)")
             out["cuda_allreduce_routes"] = rows;
             return out;
           },
-          "This group's configuration: size, backends, whether the custom allreduce is "
-          "available (and why not), and the CUDA allreduce routing table in force.")
+          "This group's configuration: size, backends, whether the CPU shared-memory path and "
+          "the custom allreduce are available (and why not), and the CUDA allreduce routing "
+          "table in force.")
       .def(
           "all_reduce_into",
           [](backend::ProcessGroupTpcomm& self, at::Tensor input, at::Tensor output, bool average,

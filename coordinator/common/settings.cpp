@@ -43,6 +43,20 @@ const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_AUTOTUNE_DIR", "string", "",
      "Where TPCOMM_AUTOTUNE caches its measurements (empty: $XDG_CACHE_HOME/tpcomm, else "
      "~/.cache/tpcomm)."},
+    {"TPCOMM_CPU_SHM", "string", "auto",
+     "CPU collectives (allreduce, all-gather, reduce-scatter, broadcast, barrier) of groups whose "
+     "ranks share a host go through shared memory: auto (where set-up works on every rank, else "
+     "Gloo), 0 (always Gloo), 1 (like auto, but a failed set-up is an error)."},
+    {"TPCOMM_CPU_SHM_BUFFER_BYTES", "int", "1048576",
+     "Chunk size of the shared-memory CPU collectives (a multiple of 64; each rank maps twice "
+     "this); larger calls stream through in chunks. Must be equal on every rank."},
+    {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "int", "262144",
+     "CPU allreduces from this size on reduce-scatter then all-gather inside shared memory "
+     "(each rank reduces a slice); smaller ones are reduced whole by every rank. Must be equal "
+     "on every rank."},
+    {"TPCOMM_CPU_SHM_SPIN_US", "int", "50",
+     "How long a shared-memory CPU collective polls for its peers (yielding the core) before it "
+     "sleeps on a futex."},
     {"TPCOMM_LOG", "string", "",
      "Comma-separated topics logged to stderr: routes (each distinct routing decision of a "
      "group, once)."},
@@ -100,6 +114,31 @@ Settings Settings::parse(const Lookup& lookup) {
   }
   if (auto v = lookup("TPCOMM_ONESHOT_MAX_BYTES")) {
     s.oneShotMaxBytes = parseInt("TPCOMM_ONESHOT_MAX_BYTES", *v, -1, int64_t{1} << 30);
+  }
+  if (auto v = lookup("TPCOMM_CPU_SHM")) {
+    std::string mode = *v;
+    std::transform(mode.begin(), mode.end(), mode.begin(),
+                   [](unsigned char c) { return std::tolower(c); });
+    if (mode.empty() || mode == "auto") {
+      s.cpuShm = "auto";
+    } else if (mode == "1" || mode == "0") {
+      s.cpuShm = mode;
+    } else {
+      s.cpuShm = parseBool("TPCOMM_CPU_SHM", *v) ? "1" : "0";  // throws unless a boolean
+    }
+  }
+  if (auto v = lookup("TPCOMM_CPU_SHM_BUFFER_BYTES")) {
+    s.cpuShmBufferBytes =
+        parseInt("TPCOMM_CPU_SHM_BUFFER_BYTES", *v, 4096, int64_t{1} << 30);
+    TPCOMM_CHECK(s.cpuShmBufferBytes % 64 == 0, kInvalidUsage,
+                 "setting TPCOMM_CPU_SHM_BUFFER_BYTES=", *v, " is not a multiple of 64");
+  }
+  if (auto v = lookup("TPCOMM_CPU_SHM_TWO_PHASE_BYTES")) {
+    s.cpuShmTwoPhaseBytes =
+        parseInt("TPCOMM_CPU_SHM_TWO_PHASE_BYTES", *v, 0, int64_t{1} << 62);
+  }
+  if (auto v = lookup("TPCOMM_CPU_SHM_SPIN_US")) {
+    s.cpuShmSpinUs = parseInt("TPCOMM_CPU_SHM_SPIN_US", *v, 0, 1000000);
   }
   if (auto v = lookup("TPCOMM_AUTOTUNE")) s.autotune = parseBool("TPCOMM_AUTOTUNE", *v);
   if (auto v = lookup("TPCOMM_AUTOTUNE_DIR")) s.autotuneDir = *v;

@@ -47,6 +47,19 @@ struct Settings {
   bool autotune = false;
   // TPCOMM_AUTOTUNE_DIR: the cache's directory (empty: the user's cache).
   std::string autotuneDir;
+  // TPCOMM_CPU_SHM: CPU collectives of one-host groups through shared memory:
+  // "auto" (where every rank agrees and set-up works, else Gloo), "0" (never),
+  // "1" (like auto, but a failed set-up on a group is an error).
+  std::string cpuShm = "auto";
+  // TPCOMM_CPU_SHM_BUFFER_BYTES: each rank's chunk buffer (twice this per
+  // rank); larger calls stream through it in chunks.
+  int64_t cpuShmBufferBytes = 1 << 20;
+  // TPCOMM_CPU_SHM_TWO_PHASE_BYTES: allreduces from this size on reduce-
+  // scatter then all-gather inside shared memory.
+  int64_t cpuShmTwoPhaseBytes = 256 << 10;
+  // TPCOMM_CPU_SHM_SPIN_US: how long a shared-memory wait polls before it
+  // sleeps on a futex.
+  int64_t cpuShmSpinUs = 50;
   // TPCOMM_LOG: comma-separated topics to log to stderr; "routes" logs each
   // distinct routing decision once per group.
   bool logRoutes = false;

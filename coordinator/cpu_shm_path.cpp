@@ -1,0 +1,247 @@
+#include "coordinator/cpu_shm_path.hpp"
+
+#include <unistd.h>
+
+#include "coordinator/common/error.hpp"
+#include "coordinator/common/settings.hpp"
+#include "coordinator/custom_setup.hpp"  // allgatherBytes, fixedWidth, trimmed
+
+namespace tpcomm::coord {
+
+namespace {
+
+constexpr size_t kModeWidth = 8;
+constexpr size_t kHostWidth = 128;
+constexpr size_t kNumberWidth = 24;
+constexpr size_t kMessageWidth = 384;
+
+// A record of fixed-width fields, and its fields back.
+class Record {
+ public:
+  Record& put(const std::string& value, size_t width) {
+    bytes_ += fixedWidth(value, width);
+    return *this;
+  }
+  Record& put(int64_t value) { return put(std::to_string(value), kNumberWidth); }
+  const std::string& bytes() const { return bytes_; }
+
+ private:
+  std::string bytes_;
+};
+
+class Fields {
+ public:
+  explicit Fields(const std::string& record) : record_(record) {}
+  std::string text(size_t width) {
+    std::string field = trimmed(record_.substr(offset_, width));
+    offset_ += width;
+    return field;
+  }
+  int64_t number() {
+    const std::string field = text(kNumberWidth);
+    return field.empty() ? -1 : std::stoll(field);
+  }
+
+ private:
+  const std::string& record_;
+  size_t offset_ = 0;
+};
+
+std::string firstFailure(const std::vector<std::string>& messages) {
+  for (size_t r = 0; r < messages.size(); ++r) {
+    if (!messages[r].empty()) return detail::concat("rank ", r, ": ", messages[r]);
+  }
+  return "";
+}
+
+// Round 1's verdict: empty when every rank can share one region.
+std::string agreement(const std::vector<std::string>& modes, const std::vector<std::string>& hosts,
+                      const std::vector<int64_t>& buffers, const std::vector<int64_t>& twoPhase) {
+  std::string off;
+  for (size_t r = 0; r < modes.size(); ++r) {
+    if (modes[r] == "0") off += detail::concat(off.empty() ? "" : ",", r);
+  }
+  if (!off.empty()) return detail::concat("TPCOMM_CPU_SHM=0 on rank(s) ", off);
+  for (size_t r = 1; r < hosts.size(); ++r) {
+    if (hosts[r] != hosts[0])
+      return detail::concat("ranks 0 and ", r, " are on different hosts ('", hosts[0], "' and '",
+                            hosts[r], "')");
+  }
+  for (size_t r = 1; r < buffers.size(); ++r) {
+    if (buffers[r] != buffers[0])
+      return detail::concat("ranks disagree on TPCOMM_CPU_SHM_BUFFER_BYTES (rank 0: ", buffers[0],
+                            ", rank ", r, ": ", buffers[r], ")");
+    if (twoPhase[r] != twoPhase[0])
+      return detail::concat("ranks disagree on TPCOMM_CPU_SHM_TWO_PHASE_BYTES (rank 0: ",
+                            twoPhase[0], ", rank ", r, ": ", twoPhase[r], ")");
+  }
+  return "";
+}
+
+std::string failureOf(const std::exception& e) {
+  std::string what = e.what();
+  return what.empty() ? "unknown error" : what;
+}
+
+}  // namespace
+
+CpuShmConfig CpuShmConfig::fromSettings() {
+  CpuShmConfig c;
+  c.mode = settings().cpuShm;
+  c.bufferBytes = settings().cpuShmBufferBytes;
+  c.twoPhaseBytes = settings().cpuShmTwoPhaseBytes;
+  c.spinUs = settings().cpuShmSpinUs;
+  return c;
+}
+
+CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::string& hostId,
+                        const CpuShmConfig& config, std::chrono::milliseconds timeout) {
+  CpuShmSetup result;
+  const auto refuse = [&](std::string reason) -> CpuShmSetup {
+    TPCOMM_CHECK(config.mode != "1", kInvalidUsage,
+                 "TPCOMM_CPU_SHM=1 but the group cannot use shared memory: ", reason);
+    result.reason = std::move(reason);
+    return std::move(result);
+  };
+
+  // Round 1: settings, host, pid.
+  Record mine;
+  mine.put(config.mode, kModeWidth).put(hostId, kHostWidth).put(::getpid());
+  mine.put(config.bufferBytes).put(config.twoPhaseBytes);
+  const auto records = allgatherBytes(cpu, size, mine.bytes());
+  std::vector<std::string> modes(size), hosts(size);
+  std::vector<int64_t> pids(size), buffers(size), twoPhase(size);
+  for (int r = 0; r < size; ++r) {
+    Fields f(records[r]);
+    modes[r] = f.text(kModeWidth);
+    hosts[r] = f.text(kHostWidth);
+    pids[r] = f.number();
+    buffers[r] = f.number();
+    twoPhase[r] = f.number();
+  }
+  std::string reason = agreement(modes, hosts, buffers, twoPhase);
+  if (!reason.empty()) return refuse(reason);
+
+  // Round 2: rank 0 creates the region; the others map it.
+  std::unique_ptr<mq::SharedRegion> region;
+  std::string failure;
+  size_t bytes = 0;
+  try {
+    bytes = mq::ShmGroup::regionBytes(size, static_cast<uint64_t>(config.bufferBytes));
+    if (rank == 0) {
+      region = mq::SharedRegion::create(bytes);
+      mq::ShmGroup::initRegion(region->base(), size, static_cast<uint64_t>(config.bufferBytes));
+    }
+  } catch (const std::exception& e) {
+    failure = "could not create the shared-memory region: " + failureOf(e);
+  }
+  Record created;
+  created.put(failure, kMessageWidth).put(region ? region->fd() : -1);
+  const auto fromZero = allgatherBytes(cpu, size, created.bytes())[0];
+  Fields zero(fromZero);
+  const std::string zeroFailure = zero.text(kMessageWidth);
+  const int64_t fd = zero.number();
+  if (!zeroFailure.empty()) return refuse("rank 0: " + zeroFailure);
+  if (rank != 0) {
+    try {
+      region = mq::SharedRegion::attach(static_cast<int32_t>(pids[0]), static_cast<int32_t>(fd),
+                                        bytes);
+    } catch (const std::exception& e) {
+      failure = "could not map rank 0's shared-memory region: " + failureOf(e);
+    }
+  }
+
+  // Round 3: did everyone map it? Also the point after which rank 0 may
+  // close its descriptor.
+  const auto mapped = allgatherBytes(cpu, size, fixedWidth(failure, kMessageWidth));
+  std::vector<std::string> failures;
+  for (const auto& m : mapped) failures.push_back(trimmed(m));
+  reason = firstFailure(failures);
+  if (!reason.empty()) return refuse(reason);
+  region->closeDescriptor();
+
+  mq::ShmGroupOptions options;
+  options.rank = rank;
+  options.size = size;
+  options.bufferBytes = static_cast<uint64_t>(config.bufferBytes);
+  options.twoPhaseMinBytes = static_cast<uint64_t>(config.twoPhaseBytes);
+  options.spin = std::chrono::microseconds(config.spinUs);
+  options.timeout = timeout;
+  std::vector<int32_t> pid32(pids.begin(), pids.end());
+  result.group = std::make_unique<mq::ShmGroup>(std::move(region), options, std::move(pid32));
+  return result;
+}
+
+std::optional<mq::DType> shmDtype(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+      return mq::DType::kFloat32;
+    case at::kDouble:
+      return mq::DType::kFloat64;
+    case at::kBFloat16:
+      return mq::DType::kBFloat16;
+    case at::kHalf:
+      return mq::DType::kFloat16;
+    case at::kInt:
+      return mq::DType::kInt32;
+    case at::kLong:
+      return mq::DType::kInt64;
+    default:
+      return std::nullopt;
+  }
+}
+
+std::optional<mq::ReduceSpec> shmReduction(const c10d::ReduceOp& op, at::ScalarType dtype,
+                                           int size, const char** why) {
+  const char* ignored = nullptr;
+  if (why == nullptr) why = &ignored;
+  if (!shmDtype(dtype)) {
+    *why = "dtype not reduced in shared memory";
+    return std::nullopt;
+  }
+  mq::ReduceSpec spec;
+  switch (op.op_) {
+    case c10d::ReduceOp::SUM:
+      return spec;
+    case c10d::ReduceOp::AVG:
+      spec.divisor = size;
+      return spec;
+    case c10d::ReduceOp::PRODUCT:
+      spec.kind = mq::ReduceKind::kProduct;
+      return spec;
+    case c10d::ReduceOp::MIN:
+      spec.kind = mq::ReduceKind::kMin;
+      return spec;
+    case c10d::ReduceOp::MAX:
+      spec.kind = mq::ReduceKind::kMax;
+      return spec;
+    case c10d::ReduceOp::PREMUL_SUM: {
+      auto* supplement = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+      if (supplement == nullptr || !at::isFloatingType(dtype)) {
+        *why = "PREMUL_SUM without a factor";
+        return std::nullopt;
+      }
+      spec.premultiply = true;
+      spec.scale = supplement->tensor_factor.defined()
+                       ? supplement->tensor_factor.to(at::kCPU).to(at::kDouble).item<double>()
+                       : supplement->double_factor;
+      return spec;
+    }
+    default:
+      *why = "bitwise reductions go to Gloo";
+      return std::nullopt;
+  }
+}
+
+Pending completedCall(std::vector<at::Tensor> outputs, bool asyncOp) {
+  Pending pending;
+  pending.outputs = std::move(outputs);
+  if (asyncOp) {
+    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+    future->markCompleted(c10::IValue(pending.outputs));
+    pending.work = c10d::Work::create_from_future(future);
+  }
+  return pending;
+}
+
+}  // namespace tpcomm::coord

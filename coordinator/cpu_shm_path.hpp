@@ -1,0 +1,61 @@
+#pragma once
+// The shared-memory path for CPU tensors (message_queue/shm_group.hpp) as the
+// coordinator uses it: the collective set-up over the group's CPU backend,
+// and which calls the path takes. Internal to coordinator/.
+//
+// Set-up (collective: every rank of the group calls it at the same point of
+// its call sequence, the group's first CPU collective), three allgathers of
+// fixed-size records over the CPU backend, so every rank decides from the
+// same data and reaches the same verdict:
+//   1. TPCOMM_CPU_SHM mode, host identity, pid, and the settings that shape
+//      the protocol (buffer bytes, two-phase crossover): refused when any
+//      rank turned the path off, hosts differ, or settings differ
+//   2. rank 0 creates the region (memfd) and sends its pid and descriptor,
+//      or why it failed; the others map it through /proc
+//   3. whether every rank mapped it
+// A rank that fails a step still takes part in every later round.
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "coordinator/pending.hpp"
+#include "message_queue/shm_group.hpp"
+
+namespace tpcomm::coord {
+
+struct CpuShmConfig {
+  std::string mode = "auto";  // TPCOMM_CPU_SHM: auto, 0, 1
+  int64_t bufferBytes = 1 << 20;
+  int64_t twoPhaseBytes = 256 << 10;
+  int64_t spinUs = 50;
+  static CpuShmConfig fromSettings();
+};
+
+struct CpuShmSetup {
+  std::unique_ptr<mq::ShmGroup> group;  // null when the group does not use the path
+  std::string reason;                   // why not (empty when it does)
+};
+
+// Throws InvalidUsage on every rank when mode is "1" and the set-up failed.
+CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::string& hostId,
+                        const CpuShmConfig& config, std::chrono::milliseconds timeout);
+
+// The path's dtype for a tensor's, if it reduces that dtype.
+std::optional<mq::DType> shmDtype(at::ScalarType dtype);
+
+// The reduction for `op` on `dtype` at `size` ranks, or nullopt (with `why`,
+// unless null) when the path does not take it (bitwise ops, bool). PREMUL_SUM's factor is
+// read here (a one-element tensor factor is read on the host).
+std::optional<mq::ReduceSpec> shmReduction(const c10d::ReduceOp& op, at::ScalarType dtype,
+                                           int size, const char** why);
+
+// A call the path already completed: no Work for a synchronous call (torch's
+// Python API then skips wait(), as for ProcessGroupNCCL), else a completed
+// one whose future holds the outputs.
+Pending completedCall(std::vector<at::Tensor> outputs, bool asyncOp);
+
+}  // namespace tpcomm::coord

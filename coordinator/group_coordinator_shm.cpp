@@ -1,0 +1,112 @@
+// GroupCoordinator: CPU collectives through shared memory (cpu_shm_path.hpp).
+#include "coordinator/common/error.hpp"
+#include "coordinator/common/settings.hpp"
+#include "coordinator/debug_check.hpp"
+#include "coordinator/group_coordinator.hpp"
+
+namespace tpcomm::coord {
+
+mq::ShmGroup* GroupCoordinator::cpuShm() {
+  if (mq::ShmGroup* ready = shmFast_.load(std::memory_order_acquire)) return ready;
+  std::lock_guard<std::mutex> lock(shmMutex_);
+  if (shmTried_) return shm_.get();
+  shmTried_ = true;
+  shmReason_ = "set-up failed";
+  CpuShmSetup setup = setUpCpuShm(*cpu_, rank(), size(), hostIdentity(),
+                                  CpuShmConfig::fromSettings(), options_.timeout);
+  shmReason_ = setup.reason;
+  shm_ = std::move(setup.group);
+  shmFast_.store(shm_.get(), std::memory_order_release);
+  return shm_.get();
+}
+
+GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
+  std::lock_guard<std::mutex> lock(shmMutex_);
+  CpuShmState state;
+  state.setUp = shmTried_;
+  state.available = shm_ != nullptr;
+  state.reason = shm_ ? shm_->failure() : shmReason_;
+  return state;
+}
+
+void GroupCoordinator::logCpuRoute(const char* op, const at::Tensor& tensor, const char* route,
+                                   const char* reason) {
+  const std::string what = std::string(op) + " " + dtypeName(tensor.scalar_type());
+  routeLog_.once(std::string("cpu|") + route + "|" + reason + "|" + what,
+                 "tpcomm route: group '" + options_.groupName + "' rank " +
+                     std::to_string(rank()) + ": " + what + " " + std::to_string(bytesOf(tensor)) +
+                     " B -> " + route + " (" + reason + ")");
+}
+
+std::optional<Pending> GroupCoordinator::shmAllreduce(const at::Tensor& input, at::Tensor& output,
+                                                      const c10d::ReduceOp& op, bool asyncOp) {
+  mq::ShmGroup* shm = cpuShm();
+  const char* why = "";
+  std::optional<mq::ReduceSpec> spec;
+  if (shm == nullptr) {
+    why = "shared memory unavailable for this group";
+  } else {
+    spec = shmReduction(op, input.scalar_type(), size(), &why);
+  }
+  if (logRoutes_) logCpuRoute("allreduce", input, spec ? "cpu_shm" : "gloo", spec ? "one host" : why);
+  if (!spec) return std::nullopt;
+  stats_.record(StatsRoute::kCpuShm, bytesOf(input));
+  shm->allreduce(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
+                 *shmDtype(input.scalar_type()), *spec);
+  return completedCall({output}, asyncOp);
+}
+
+std::optional<Pending> GroupCoordinator::shmAllgather(const at::Tensor& input,
+                                                      const std::vector<void*>& outs,
+                                                      std::vector<at::Tensor> results,
+                                                      bool asyncOp) {
+  mq::ShmGroup* shm = cpuShm();
+  if (logRoutes_)
+    logCpuRoute("all_gather", input, shm ? "cpu_shm" : "gloo",
+                shm ? "one host" : "shared memory unavailable for this group");
+  if (shm == nullptr) return std::nullopt;
+  stats_.record(StatsRoute::kCpuShm, bytesOf(input));
+  shm->allgather(input.data_ptr(), bytesOf(input), outs);
+  return completedCall(std::move(results), asyncOp);
+}
+
+std::optional<Pending> GroupCoordinator::shmReduceScatter(const std::vector<const void*>& ins,
+                                                          at::Tensor& output,
+                                                          const c10d::ReduceOp& op, bool asyncOp) {
+  mq::ShmGroup* shm = cpuShm();
+  const char* why = "";
+  std::optional<mq::ReduceSpec> spec;
+  if (shm == nullptr) {
+    why = "shared memory unavailable for this group";
+  } else {
+    spec = shmReduction(op, output.scalar_type(), size(), &why);
+  }
+  if (logRoutes_)
+    logCpuRoute("reduce_scatter", output, spec ? "cpu_shm" : "gloo", spec ? "one host" : why);
+  if (!spec) return std::nullopt;
+  stats_.record(StatsRoute::kCpuShm, bytesOf(output) * size());
+  shm->reduceScatter(ins, output.data_ptr(), static_cast<size_t>(output.numel()),
+                     *shmDtype(output.scalar_type()), *spec);
+  return completedCall({output}, asyncOp);
+}
+
+std::optional<Pending> GroupCoordinator::shmBroadcast(at::Tensor& tensor, int root, bool asyncOp) {
+  mq::ShmGroup* shm = cpuShm();
+  if (logRoutes_)
+    logCpuRoute("broadcast", tensor, shm ? "cpu_shm" : "gloo",
+                shm ? "one host" : "shared memory unavailable for this group");
+  if (shm == nullptr) return std::nullopt;
+  stats_.record(StatsRoute::kCpuShm, bytesOf(tensor));
+  shm->broadcast(tensor.data_ptr(), bytesOf(tensor), root);
+  return completedCall({tensor}, asyncOp);
+}
+
+std::optional<Pending> GroupCoordinator::shmBarrier(bool asyncOp) {
+  mq::ShmGroup* shm = cpuShm();
+  if (shm == nullptr) return std::nullopt;
+  stats_.record(StatsRoute::kCpuShm, 0);
+  shm->barrier();
+  return completedCall({}, asyncOp);
+}
+
+}  // namespace tpcomm::coord

@@ -1,0 +1,59 @@
+#include "message_queue/shared_region.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+
+#include "coordinator/common/error.hpp"
+
+namespace tpcomm::mq {
+
+std::unique_ptr<SharedRegion> SharedRegion::create(size_t bytes) {
+  TPCOMM_CHECK(bytes > 0, kInvalidUsage, "shared region of 0 bytes");
+  const int fd = ::memfd_create("tpcomm-shm", MFD_CLOEXEC);
+  TPCOMM_CHECK(fd >= 0, kSystem, "memfd_create: ", std::strerror(errno));
+  const auto fail = [fd](const char* what) {
+    const int err = errno;
+    ::close(fd);
+    TPCOMM_THROW(kSystem, what, ": ", std::strerror(err));
+  };
+  if (::fchmod(fd, 0600) != 0) fail("fchmod(memfd, 0600)");
+  if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) fail("ftruncate(memfd)");
+  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (base == MAP_FAILED) fail("mmap(memfd)");
+  return std::unique_ptr<SharedRegion>(new SharedRegion(base, bytes, fd));
+}
+
+std::unique_ptr<SharedRegion> SharedRegion::attach(int32_t pid, int32_t fd, size_t bytes) {
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/fd/%d", static_cast<int>(pid), static_cast<int>(fd));
+  const int own = ::open(path, O_RDWR | O_CLOEXEC);
+  TPCOMM_CHECK(own >= 0, kSystem, "open(", path, "): ", std::strerror(errno));
+  struct stat st;
+  if (::fstat(own, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
+    ::close(own);
+    TPCOMM_THROW(kSystem, path, " is not the expected shared region of ", bytes, " bytes");
+  }
+  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, own, 0);
+  const int err = errno;
+  ::close(own);
+  TPCOMM_CHECK(base != MAP_FAILED, kSystem, "mmap(", path, "): ", std::strerror(err));
+  return std::unique_ptr<SharedRegion>(new SharedRegion(base, bytes, -1));
+}
+
+SharedRegion::~SharedRegion() {
+  closeDescriptor();
+  ::munmap(base_, bytes_);
+}
+
+void SharedRegion::closeDescriptor() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+}
+
+}  // namespace tpcomm::mq

@@ -1,0 +1,41 @@
+#pragma once
+// An anonymous shared-memory region for processes of one host: created with
+// memfd_create (mode 0600, no name in /dev/shm or anywhere else), mapped by
+// peers through /proc/<creator pid>/fd/<fd> while the creator keeps the
+// descriptor open. The kernel frees the memory when the last process that
+// mapped it unmaps it or dies, so no exit (SIGKILL at any moment included)
+// can leave anything behind. Internal to message_queue/.
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace tpcomm::mq {
+
+class SharedRegion {
+ public:
+  // Creates and maps `bytes` of zeroed shared memory. Throws System.
+  static std::unique_ptr<SharedRegion> create(size_t bytes);
+  // Maps the region another process of this host created and still holds
+  // open as descriptor `fd`. Throws System naming the path when it cannot
+  // (the creator exited, another user's process, a different /proc).
+  static std::unique_ptr<SharedRegion> attach(int32_t pid, int32_t fd, size_t bytes);
+  ~SharedRegion();
+  SharedRegion(const SharedRegion&) = delete;
+  SharedRegion& operator=(const SharedRegion&) = delete;
+
+  char* base() const { return static_cast<char*>(base_); }
+  size_t bytes() const { return bytes_; }
+  // The creator's descriptor that peers attach through (-1 once closed).
+  int32_t fd() const { return fd_; }
+  // Closes the descriptor once every peer attached; the mapping stays.
+  void closeDescriptor();
+
+ private:
+  SharedRegion(void* base, size_t bytes, int fd) : base_(base), bytes_(bytes), fd_(fd) {}
+  void* base_;
+  size_t bytes_;
+  int fd_;
+};
+
+}  // namespace tpcomm::mq

@@ -1,0 +1,430 @@
+#include "message_queue/shm_group.hpp"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+#include "coordinator/common/error.hpp"
+#include "message_queue/futex.hpp"
+
+namespace tpcomm::mq {
+
+namespace {
+
+constexpr uint64_t kMagic = 0x7470636f6d6d7332ULL;  // "tpcomms2"
+constexpr uint32_t kVersion = 1;
+constexpr size_t kLine = 64;
+constexpr size_t kControlOffset = 256;
+constexpr size_t kPage = 4096;
+constexpr int kMaxRanks = 1024;
+constexpr auto kSleepSlice = std::chrono::milliseconds(10);
+constexpr int kPausePolls = 8;  // rounds of 16 polls before the first sched_yield
+
+// The first failure's cause, in the header's abort word.
+enum FailureCode : uint32_t { kNone = 0, kTimedOut = 1, kDied = 2, kAborted = 3 };
+
+enum class Op : uint8_t { kBarrier = 1, kAllreduce, kAllgather, kReduceScatter, kBroadcast };
+
+const char* opName(Op op) {
+  switch (op) {
+    case Op::kBarrier:
+      return "barrier";
+    case Op::kAllreduce:
+      return "allreduce";
+    case Op::kAllgather:
+      return "all_gather";
+    case Op::kReduceScatter:
+      return "reduce_scatter";
+    case Op::kBroadcast:
+      return "broadcast";
+  }
+  return "unknown";
+}
+
+// op | dtype | reduction | root | count (low 32 bits): what every rank of one
+// call must agree on.
+uint64_t signatureOf(Op op, int dtype, int reduction, int root, uint64_t count) {
+  return (static_cast<uint64_t>(op) << 56) | (static_cast<uint64_t>(dtype & 0xff) << 48) |
+         (static_cast<uint64_t>(reduction & 0xff) << 40) |
+         (static_cast<uint64_t>(root & 0xff) << 32) | (count & 0xffffffffu);
+}
+
+int reductionCode(const ReduceSpec& spec) {
+  return static_cast<int>(spec.kind) | (spec.divisor != 1 ? 4 : 0) | (spec.premultiply ? 8 : 0);
+}
+
+std::string describeSignature(uint64_t sig) {
+  const auto op = static_cast<Op>(sig >> 56);
+  const int dtype = static_cast<int>((sig >> 48) & 0xff);
+  const int reduction = static_cast<int>((sig >> 40) & 0xff);
+  const int root = static_cast<int>((sig >> 32) & 0xff);
+  const uint64_t count = sig & 0xffffffffu;
+  std::string out = opName(op);
+  switch (op) {
+    case Op::kBarrier:
+      return out;
+    case Op::kAllgather:
+      return detail::concat(out, " of ", count, " bytes");
+    case Op::kBroadcast:
+      return detail::concat(out, " of ", count, " bytes from root ", root);
+    default:
+      break;
+  }
+  std::string how = reduceKindName(static_cast<ReduceKind>(reduction & 3));
+  if (reduction & 4) how = "avg";
+  if (reduction & 8) how = "premul_sum";
+  return detail::concat(out, " ", how, " ", dtypeName(static_cast<DType>(dtype)), "[", count,
+                        "]");
+}
+
+size_t alignUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+size_t dataOffset(int size) { return alignUp(kControlOffset + kLine * size, kPage); }
+
+// Elements of each rank's slice in a two-phase chunk of n elements: whole
+// cache lines, so ranks never write the same line.
+size_t sliceElements(size_t n, int size, size_t elementBytes) {
+  const size_t perLine = kLine / elementBytes;
+  return alignUp((n + size - 1) / size, perLine);
+}
+
+}  // namespace
+
+struct ShmGroup::Header {
+  uint64_t magic;
+  uint32_t version;
+  int32_t size;
+  uint64_t bufferBytes;
+  alignas(kLine) std::atomic<uint32_t> failure;  // FailureCode of the first failure
+  std::atomic<int32_t> failedRank;               // the rank that reported it
+  std::atomic<int32_t> culprit;                  // the rank it blames (-1: none)
+  alignas(kLine) std::atomic<uint32_t> wake;     // futex word: bumped to wake sleepers
+  std::atomic<uint32_t> sleepers;
+};
+
+struct alignas(kLine) ShmGroup::Control {
+  std::atomic<uint64_t> arrived;
+  std::atomic<uint64_t> signature[2];
+};
+
+size_t ShmGroup::regionBytes(int size, uint64_t bufferBytes) {
+  static_assert(sizeof(Header) <= kControlOffset, "header must fit before the controls");
+  TPCOMM_CHECK(size >= 1 && size <= kMaxRanks, kInvalidUsage, "shared-memory group of ", size,
+               " ranks (1..", kMaxRanks, ")");
+  TPCOMM_CHECK(bufferBytes >= kLine && bufferBytes % kLine == 0 && bufferBytes <= (1ull << 32),
+               kInvalidUsage, "shared-memory buffer of ", bufferBytes,
+               " bytes: must be a multiple of 64 within 64..4 GiB");
+  return dataOffset(size) + static_cast<size_t>(size) * 2 * bufferBytes;
+}
+
+void ShmGroup::initRegion(char* base, int size, uint64_t bufferBytes) {
+  auto* h = new (base) Header();
+  h->magic = kMagic;
+  h->version = kVersion;
+  h->size = size;
+  h->bufferBytes = bufferBytes;
+  h->failedRank.store(-1);
+  h->culprit.store(-1);
+  for (int r = 0; r < size; ++r) new (base + kControlOffset + kLine * r) Control();
+}
+
+ShmGroup::ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& options,
+                   std::vector<int32_t> pids)
+    : region_(std::move(region)), options_(options), pids_(std::move(pids)) {
+  TPCOMM_CHECK(region_ != nullptr, kInvalidUsage, "ShmGroup without a region");
+  TPCOMM_CHECK(options_.rank >= 0 && options_.rank < options_.size, kInvalidUsage, "rank ",
+               options_.rank, " of a group of ", options_.size);
+  TPCOMM_CHECK_EQ(pids_.size(), static_cast<size_t>(options_.size), "(one pid per rank)");
+  TPCOMM_CHECK_EQ(region_->bytes(), regionBytes(options_.size, options_.bufferBytes),
+                  "(shared region size)");
+  const Header& h = header();
+  TPCOMM_CHECK(h.magic == kMagic && h.version == kVersion && h.size == options_.size &&
+                   h.bufferBytes == options_.bufferBytes,
+               kSystem, "the shared region is not a tpcomm group of ", options_.size, " ranks with ",
+               options_.bufferBytes, "-byte buffers");
+  data_ = region_->base() + dataOffset(options_.size);
+}
+
+ShmGroup::~ShmGroup() = default;
+
+ShmGroup::Header& ShmGroup::header() const { return *reinterpret_cast<Header*>(region_->base()); }
+
+ShmGroup::Control& ShmGroup::control(int r) const {
+  return *reinterpret_cast<Control*>(region_->base() + kControlOffset + kLine * r);
+}
+
+char* ShmGroup::half(int r, uint64_t chunk) const {
+  return data_ + (static_cast<size_t>(r) * 2 + (chunk & 1)) * options_.bufferBytes;
+}
+
+void ShmGroup::setTimeout(std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  options_.timeout = timeout;
+}
+
+std::chrono::milliseconds ShmGroup::timeout() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return options_.timeout;
+}
+
+std::string ShmGroup::failure() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return failure_;
+}
+
+void ShmGroup::throwIfFailed() {
+  TPCOMM_CHECK(failure_.empty(), kPeerLost, "the group's shared-memory collectives stopped after ",
+               "an earlier failure: ", failure_);
+  // A failure another rank reported ends this rank's calls too, even those
+  // whose peers had all arrived already.
+  const Header& h = header();
+  const uint32_t code = h.failure.load(std::memory_order_acquire);
+  if (code == kNone) return;
+  const char* cause = code == kTimedOut ? "timed out" : code == kDied ? "lost a peer" : "aborted";
+  const int culprit = h.culprit.load();
+  failure_ = detail::concat("rank ", h.failedRank.load(), " of the group ", cause,
+                            culprit >= 0 ? detail::concat(" (rank ", culprit, " died)") : "");
+  TPCOMM_THROW(kPeerLost, "the group's shared-memory collectives stopped: ", failure_);
+}
+
+void ShmGroup::abort(const std::string& why) {
+  Header& h = header();
+  uint32_t none = kNone;
+  if (h.failure.compare_exchange_strong(none, kAborted)) {
+    h.failedRank.store(options_.rank);
+    h.culprit.store(-1);
+  }
+  h.wake.fetch_add(1);
+  futexWakeAll(h.wake);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (failure_.empty()) failure_ = why;
+}
+
+void ShmGroup::fail(int code, const std::string& message) {
+  Header& h = header();
+  uint32_t none = kNone;
+  h.failure.compare_exchange_strong(none, static_cast<uint32_t>(code));
+  if (none == kNone) h.failedRank.store(options_.rank);
+  h.wake.fetch_add(1);
+  futexWakeAll(h.wake);
+  failure_ = message;
+  if (code == kTimedOut) TPCOMM_THROW(kTimeout, message);
+  TPCOMM_THROW(kPeerLost, message);
+}
+
+void ShmGroup::step(uint64_t signature) {
+  const uint64_t s = ++steps_;
+  Control& mine = control(options_.rank);
+  mine.signature[s & 1].store(signature, std::memory_order_relaxed);
+  mine.arrived.store(s, std::memory_order_seq_cst);  // publishes this rank's half
+  Header& h = header();
+  if (h.sleepers.load(std::memory_order_seq_cst) != 0) {
+    h.wake.fetch_add(1, std::memory_order_seq_cst);
+    futexWakeAll(h.wake);
+  }
+  waitAll(s, signature);
+  bool agree = true;
+  for (int r = 0; r < options_.size; ++r) {
+    agree &= control(r).signature[s & 1].load(std::memory_order_relaxed) == signature;
+  }
+  if (agree) return;
+  // Every rank sees the same signatures at this step, so every rank throws
+  // here and the next call starts in step on all of them.
+  std::string calls;
+  for (int r = 0; r < options_.size; ++r) {
+    const uint64_t sig = control(r).signature[s & 1].load(std::memory_order_relaxed);
+    calls += detail::concat(r == 0 ? "" : "; ", "rank ", r, " called ", describeSignature(sig));
+  }
+  TPCOMM_THROW(kInvalidUsage, "ranks disagree on a shared-memory collective: ", calls);
+}
+
+void ShmGroup::waitAll(uint64_t s, uint64_t signature) {
+  Header& h = header();
+  const int n = options_.size;
+  int next = 0;  // ranks below `next` are known to have arrived
+  const auto ready = [&] {
+    while (next < n && control(next).arrived.load(std::memory_order_acquire) >= s) ++next;
+    return next == n;
+  };
+  if (ready()) return;
+  const auto start = std::chrono::steady_clock::now();
+  const auto spinUntil = start + options_.spin;
+  const auto deadline = start + options_.timeout;
+  const auto failed = [&] { return h.failure.load(std::memory_order_relaxed) != kNone; };
+  const auto reportOthersFailure = [&] {
+    const int by = h.failedRank.load();
+    const int culprit = h.culprit.load();
+    const uint32_t code = h.failure.load();
+    const char* cause = code == kTimedOut ? "timed out" : code == kDied ? "lost a peer" : "aborted";
+    fail(kAborted, detail::concat("rank ", by, " of the group ", cause,
+                                  culprit >= 0 ? detail::concat(" (rank ", culprit, " died)") : "",
+                                  " during ", describeSignature(signature)));
+  };
+  for (int polls = 0; std::chrono::steady_clock::now() < spinUntil || polls < kPausePolls;
+       ++polls) {
+    for (int i = 0; i < 16; ++i) {
+      if (ready()) return;
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+    }
+    if (failed()) reportOthersFailure();
+    if (polls >= kPausePolls) sched_yield();
+  }
+  while (true) {
+    h.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    const uint32_t seen = h.wake.load(std::memory_order_seq_cst);
+    if (ready()) {
+      h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      return;
+    }
+    const auto now = std::chrono::steady_clock::now();
+    if (!failed() && now < deadline) {
+      const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now);
+      futexWait(h.wake, seen, std::min<std::chrono::microseconds>(left, kSleepSlice));
+    }
+    h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    if (ready()) return;
+    if (failed()) reportOthersFailure();
+    for (int r = next; r < n; ++r) {
+      if (control(r).arrived.load(std::memory_order_acquire) >= s) continue;
+      if (!processAlive(pids_[r])) {
+        h.culprit.store(r);
+        fail(kDied, detail::concat("rank ", r, " (pid ", pids_[r], ") died before it reached ",
+                                   describeSignature(signature)));
+      }
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::string missing;
+      for (int r = next; r < n; ++r) {
+        if (control(r).arrived.load(std::memory_order_acquire) < s)
+          missing += detail::concat(missing.empty() ? "" : ", ", r);
+      }
+      h.culprit.store(-1);
+      fail(kTimedOut, detail::concat("ranks ", missing, " did not reach ",
+                                     describeSignature(signature), " within ",
+                                     options_.timeout.count(), " ms"));
+    }
+  }
+}
+
+void ShmGroup::barrier() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throwIfFailed();
+  step(signatureOf(Op::kBarrier, 0, 0, 0, 0));
+}
+
+void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
+                         const ReduceSpec& spec) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throwIfFailed();
+  const uint64_t sig =
+      signatureOf(Op::kAllreduce, static_cast<int>(dtype), reductionCode(spec), 0, count);
+  const int n = options_.size;
+  const int me = options_.rank;
+  const size_t esize = dtypeBytes(dtype);
+  if (count == 0) return step(sig);
+  const bool twoPhase = n > 1 && count * esize >= options_.twoPhaseMinBytes;
+  const size_t chunkElements = options_.bufferBytes / esize;
+  ReduceSpec reduce = spec;
+  reduce.premultiply = false;  // applied while copying in
+  std::vector<const void*> srcs(n);
+  for (size_t offset = 0; offset < count; offset += chunkElements) {
+    const size_t m = std::min(chunkElements, count - offset);
+    const uint64_t k = chunks_++;
+    copyScaled(half(me, k), static_cast<const char*>(in) + offset * esize, m, dtype, spec);
+    step(sig);
+    char* dst = static_cast<char*>(out) + offset * esize;
+    if (!twoPhase) {
+      for (int r = 0; r < n; ++r) srcs[r] = half(r, k);
+      reduceInto(dst, srcs.data(), n, m, dtype, reduce);
+      continue;
+    }
+    const size_t slice = sliceElements(m, n, esize);
+    const size_t from = std::min(m, slice * me);
+    const size_t to = std::min(m, from + slice);
+    for (int r = 0; r < n; ++r) srcs[r] = half(r, k) + from * esize;
+    reduceInto(half(me, k) + from * esize, srcs.data(), n, to - from, dtype, reduce);
+    step(sig);
+    for (int r = 0; r < n; ++r) {
+      const size_t a = std::min(m, slice * r);
+      const size_t b = std::min(m, a + slice);
+      if (b > a) std::memcpy(dst + a * esize, half(r, k) + a * esize, (b - a) * esize);
+    }
+  }
+}
+
+void ShmGroup::allgather(const void* in, size_t bytes, const std::vector<void*>& outs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throwIfFailed();
+  TPCOMM_CHECK_EQ(outs.size(), static_cast<size_t>(options_.size), "(all_gather outputs)");
+  const uint64_t sig = signatureOf(Op::kAllgather, 0, 0, 0, bytes);
+  if (bytes == 0) return step(sig);
+  const size_t chunk = options_.bufferBytes;
+  for (size_t offset = 0; offset < bytes; offset += chunk) {
+    const size_t m = std::min(chunk, bytes - offset);
+    const uint64_t k = chunks_++;
+    std::memcpy(half(options_.rank, k), static_cast<const char*>(in) + offset, m);
+    step(sig);
+    for (int r = 0; r < options_.size; ++r) {
+      std::memcpy(static_cast<char*>(outs[r]) + offset, half(r, k), m);
+    }
+  }
+}
+
+void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, size_t count,
+                             DType dtype, const ReduceSpec& spec) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throwIfFailed();
+  const int n = options_.size;
+  TPCOMM_CHECK_EQ(ins.size(), static_cast<size_t>(n), "(reduce_scatter inputs)");
+  const uint64_t sig =
+      signatureOf(Op::kReduceScatter, static_cast<int>(dtype), reductionCode(spec), 0, count);
+  if (count == 0) return step(sig);
+  const size_t esize = dtypeBytes(dtype);
+  // Each half holds one piece per destination rank, whole cache lines each
+  // where the buffer allows.
+  const size_t perLine = kLine / esize;
+  size_t piece = options_.bufferBytes / n / esize;
+  if (piece >= perLine) piece = piece / perLine * perLine;
+  TPCOMM_CHECK(piece >= 1, kInvalidUsage, "shared-memory buffer of ", options_.bufferBytes,
+               " bytes is too small for a reduce-scatter of ", dtypeName(dtype), " over ", n,
+               " ranks");
+  ReduceSpec reduce = spec;
+  reduce.premultiply = false;
+  std::vector<const void*> srcs(n);
+  for (size_t offset = 0; offset < count; offset += piece) {
+    const size_t m = std::min(piece, count - offset);
+    const uint64_t k = chunks_++;
+    for (int r = 0; r < n; ++r) {
+      copyScaled(half(options_.rank, k) + r * piece * esize,
+                 static_cast<const char*>(ins[r]) + offset * esize, m, dtype, spec);
+    }
+    step(sig);
+    for (int r = 0; r < n; ++r) srcs[r] = half(r, k) + options_.rank * piece * esize;
+    reduceInto(static_cast<char*>(out) + offset * esize, srcs.data(), n, m, dtype, reduce);
+  }
+}
+
+void ShmGroup::broadcast(void* data, size_t bytes, int root) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throwIfFailed();
+  TPCOMM_CHECK(root >= 0 && root < options_.size, kInvalidUsage, "broadcast root ", root,
+               " outside a group of ", options_.size);
+  const uint64_t sig = signatureOf(Op::kBroadcast, 0, 0, root, bytes);
+  if (bytes == 0) return step(sig);
+  const size_t chunk = options_.bufferBytes;
+  for (size_t offset = 0; offset < bytes; offset += chunk) {
+    const size_t m = std::min(chunk, bytes - offset);
+    const uint64_t k = chunks_++;
+    char* mine = static_cast<char*>(data) + offset;
+    if (options_.rank == root) std::memcpy(half(root, k), mine, m);
+    step(sig);
+    if (options_.rank != root) std::memcpy(mine, half(root, k), m);
+  }
+}
+
+}  // namespace tpcomm::mq

@@ -1,0 +1,142 @@
+#pragma once
+// tpcomm::mq::ShmGroup — collectives among the processes of one host through
+// one shared-memory region: allreduce, all-gather, reduce-scatter, broadcast
+// and barrier on raw buffers. Plain C++ (no torch); the coordinator maps
+// tensors onto it (coordinator/cpu_shm_path.hpp). The public header of the
+// shared-memory collectives, beside the ring's (ring.hpp).
+//
+// Region layout (one region per group, created by rank 0, see
+// shared_region.hpp; offsets from its base):
+//
+//   +------------------------------+ 0
+//   | Header                       |  magic, version, size, bufferBytes;
+//   |                              |  abort word (first failing rank + cause);
+//   |                              |  futex word + sleeper count
+//   +------------------------------+ kControlOffset
+//   | Control[size]                |  one cache line per rank: arrived (u64),
+//   |                              |  signature[2] (u64, by step parity)
+//   +------------------------------+ dataOffset (page aligned)
+//   | rank 0: half 0 | half 1      |  2 x bufferBytes per rank
+//   | rank 1: half 0 | half 1      |
+//   | ...                          |
+//   +------------------------------+
+//
+// Protocol. Every rank counts synchronisation steps s = 1, 2, ... and data
+// chunks k = 0, 1, ...; chunk k uses half k % 2 of every rank's buffer.
+//
+//   action                      | by          | ordering
+//   ----------------------------+-------------+-------------------------------
+//   write own half (chunk k)    | owner       | before arriving at its step s
+//   arrive at step s            | every rank  | signature[s%2] relaxed, then
+//                               |             | arrived = s (seq_cst store)
+//   wait for step s             | every rank  | arrived[j] >= s (acquire) for
+//                               |             | every j, then compare signatures
+//   read peers' halves          | every rank  | after step s, done before the
+//                               |             | rank arrives at its next step
+//
+// A half is written again only by chunk k + 2, after its owner passed the
+// first step of chunk k + 1, which every rank reaches only once it finished
+// reading chunk k; so one step per chunk suffices (two for a two-phase
+// allreduce, whose ranks write their reduced slice into their own half
+// between the two, a slice no other rank reads until the second step).
+// Flags are never reset: step numbers only grow, so a stale value cannot
+// pass a wait.
+//
+// Each step also carries a signature of the call (op, dtype, count, root);
+// ranks that disagree all throw InvalidUsage at the same step, naming every
+// rank's call, and the group stays usable. Waits poll (sched_yield after the
+// first few polls, so more ranks than cores progress) for the spin window,
+// then sleep on the futex word, which an arriving rank bumps only when the
+// sleeper count says someone sleeps. Every wait ends at the timeout (Timeout)
+// or when a rank it waits for has died (PeerLost, zombies included); either
+// marks the group failed in the header, so every rank's next wait fails too
+// instead of waiting out its own timeout, and later calls throw at once.
+//
+// Thread safety: calls on one ShmGroup are serialised by a mutex; ranks must
+// issue the same calls in the same order (as with any collective).
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "message_queue/shared_region.hpp"
+#include "message_queue/shm_reduce.hpp"
+
+namespace tpcomm::mq {
+
+struct ShmGroupOptions {
+  int rank = 0;
+  int size = 1;
+  // Bytes of each half of a rank's buffer (the chunk size); a multiple of 64.
+  uint64_t bufferBytes = 1 << 20;
+  // Allreduces of at least this many bytes reduce-scatter then all-gather
+  // inside shared memory (each rank reduces 1/size of every chunk).
+  uint64_t twoPhaseMinBytes = 256 << 10;
+  // How long a wait polls before it sleeps on the futex.
+  std::chrono::microseconds spin{50};
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+};
+
+class ShmGroup {
+ public:
+  // Bytes of the region for `size` ranks; throws InvalidUsage if absurd.
+  static size_t regionBytes(int size, uint64_t bufferBytes);
+  // Writes the header of a fresh (zeroed) region; the creator calls it
+  // before any peer attaches.
+  static void initRegion(char* base, int size, uint64_t bufferBytes);
+
+  // `region` must have been initialised for options.size ranks and
+  // bufferBytes; `pids[r]` is rank r's process (liveness checks). Throws
+  // System if the header does not match.
+  ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& options,
+           std::vector<int32_t> pids);
+  ~ShmGroup();
+
+  // out = reduction over ranks of `in` (count elements). `out` may be `in`.
+  void allreduce(const void* in, void* out, size_t count, DType dtype, const ReduceSpec& spec);
+  // outs[r] = rank r's `in` (bytes each). outs[rank] may be `in`.
+  void allgather(const void* in, size_t bytes, const std::vector<void*>& outs);
+  // out = reduction over ranks of their ins[rank] (count elements each).
+  void reduceScatter(const std::vector<const void*>& ins, void* out, size_t count, DType dtype,
+                     const ReduceSpec& spec);
+  // data on every rank = data of `root` (bytes).
+  void broadcast(void* data, size_t bytes, int root);
+  void barrier();
+
+  void setTimeout(std::chrono::milliseconds timeout);
+  std::chrono::milliseconds timeout() const;
+  const ShmGroupOptions& options() const { return options_; }
+  // Empty while the group works; else why it stopped.
+  std::string failure() const;
+  // Marks the group failed on every rank (their waits end with PeerLost).
+  void abort(const std::string& why);
+
+ private:
+  struct Header;
+  struct Control;
+  Header& header() const;
+  Control& control(int r) const;
+  char* half(int r, uint64_t chunk) const;
+
+  // Arrives at the next step and waits for every rank; throws InvalidUsage
+  // when signatures differ, Timeout/PeerLost as described above.
+  void step(uint64_t signature);
+  void waitAll(uint64_t s, uint64_t signature);
+  [[noreturn]] void fail(int code, const std::string& message);
+  void throwIfFailed();
+
+  std::unique_ptr<SharedRegion> region_;
+  ShmGroupOptions options_;
+  std::vector<int32_t> pids_;
+  char* data_ = nullptr;
+  uint64_t steps_ = 0;
+  uint64_t chunks_ = 0;
+  mutable std::mutex mutex_;  // one call at a time
+  std::string failure_;       // guarded by mutex_
+};
+
+}  // namespace tpcomm::mq

@@ -1,0 +1,51 @@
+#pragma once
+// Element-wise reductions of the shared-memory collectives (shm_group.hpp).
+// Internal to message_queue/; plain C++, no torch.
+//
+// Every reduction reads its sources in the order given (rank order) and
+// accumulates in `Acc<T>`: float32 for float32, bfloat16 and float16 (one
+// rounding at the end), float64 for float64, and wrapping unsigned
+// arithmetic for the integers (as two's-complement hardware and Gloo do).
+// The same inputs therefore give the same bits on every rank and every run.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace tpcomm::mq {
+
+enum class DType : uint8_t { kFloat32, kFloat64, kBFloat16, kFloat16, kInt32, kInt64 };
+enum class ReduceKind : uint8_t { kSum, kProduct, kMin, kMax };
+
+size_t dtypeBytes(DType dtype);
+const char* dtypeName(DType dtype);
+const char* reduceKindName(ReduceKind kind);
+
+struct ReduceSpec {
+  ReduceKind kind = ReduceKind::kSum;
+  // AVG: the sum divided by `divisor` before the one rounding (truncating
+  // division for integers, as NCCL's ncclAvg). 1: no division.
+  int divisor = 1;
+  // PREMUL_SUM: each rank scales its own input by this while copying it in
+  // (in float32 for 16-bit types and float32, float64 for float64).
+  bool premultiply = false;
+  double scale = 1.0;
+};
+
+// out[i] = reduce(srcs[0][i], ..., srcs[n-1][i]) for i < count. `out` may be
+// one of the sources (each element's sources are read before it is written).
+void reduceInto(void* out, const void* const* srcs, int n, size_t count, DType dtype,
+                const ReduceSpec& spec);
+
+// dst[i] = src[i] * spec.scale, rounded to dtype (PREMUL_SUM's copy-in), or
+// a plain copy when !spec.premultiply. Floating dtypes only scale.
+void copyScaled(void* dst, const void* src, size_t count, DType dtype, const ReduceSpec& spec);
+
+// The conversions the 16-bit reductions use, exposed for tests: round to
+// nearest even, NaN kept NaN.
+float bf16ToFloat(uint16_t h);
+uint16_t floatToBf16(float f);
+float fp16ToFloat(uint16_t h);
+uint16_t floatToFp16(float f);
+
+}  // namespace tpcomm::mq
