@@ -50,7 +50,15 @@ std::string ProcessGroupTpcomm::describeCall(const char* op) const {
 template <typename Call>
 WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Call&& call) {
   return translateErrors([&]() -> WorkPtr {
-    Pending pending = call();
+    Pending pending;
+    try {
+      pending = call();
+    } catch (const tpcomm::Error& e) {
+      // A failure while the call ran in this thread (the CPU shared-memory
+      // path) names the call, as a failed Work's wait() does.
+      if (e.code() == ErrorCode::kInvalidUsage) throw;
+      throw tpcomm::Error(e.code(), "tpcomm: " + describeCall(op) + " failed: " + e.what());
+    }
     if (!pending.work) {
       // A synchronous call (asyncOp=false) that the routed backend already
       // ordered on the current stream returns no Work (ProcessGroupNCCL does

@@ -163,8 +163,13 @@ class GroupCoordinator {
     bool setUp = false;
     bool available = false;
     std::string reason;
+    std::string mode;  // auto, 0, 1
   };
   CpuShmState cpuShmState() const;
+  // Benchmarks and tests: this group's TPCOMM_CPU_SHM mode (auto, 0, 1)
+  // instead of the process's; every rank must call it before the group's
+  // first CPU collective. Throws InvalidUsage once the path is set up.
+  void setCpuShmMode(const std::string& mode);
   // Calls and bytes per route since creation or the last resetStats().
   std::vector<RouteCount> stats() const { return stats_.snapshot(); }
   void resetStats() { stats_.reset(); }
@@ -218,6 +223,7 @@ class GroupCoordinator {
   std::atomic<mq::ShmGroup*> shmFast_{nullptr};  // shm_.get() once set up: the per-call read
   std::unique_ptr<mq::ShmGroup> shm_;      // guarded by shmMutex_
   std::string shmReason_ = "not set up yet (at the group's first CPU collective)";
+  std::string shmMode_;                    // setCpuShmMode's override; guarded by shmMutex_
   std::atomic<int> registrationDepth_{0};            // read on every custom call, without the lock
   uint64_t debugSequence_ = 0;
   RouteStats stats_;

@@ -12,12 +12,35 @@ mq::ShmGroup* GroupCoordinator::cpuShm() {
   if (shmTried_) return shm_.get();
   shmTried_ = true;
   shmReason_ = "set-up failed";
-  CpuShmSetup setup = setUpCpuShm(*cpu_, rank(), size(), hostIdentity(),
-                                  CpuShmConfig::fromSettings(), options_.timeout);
+  CpuShmConfig config = CpuShmConfig::fromSettings();
+  if (!shmMode_.empty()) config.mode = shmMode_;
+  CpuShmSetup setup;
+  try {
+    setup = setUpCpuShm(*cpu_, rank(), size(), hostIdentity(), config, options_.timeout);
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    // The exchange over the CPU backend failed (a peer missing or gone):
+    // the group's later CPU calls go to Gloo, which reports the same.
+    shmReason_ = std::string("set-up exchange failed: ") + e.what();
+    const std::string what = e.what();
+    if (what.find("imed out") != std::string::npos)
+      TPCOMM_THROW(kTimeout, "setting up the CPU shared-memory path: ", what);
+    TPCOMM_THROW(kPeerLost, "setting up the CPU shared-memory path: ", what);
+  }
   shmReason_ = setup.reason;
   shm_ = std::move(setup.group);
   shmFast_.store(shm_.get(), std::memory_order_release);
   return shm_.get();
+}
+
+void GroupCoordinator::setCpuShmMode(const std::string& mode) {
+  TPCOMM_CHECK(mode == "auto" || mode == "0" || mode == "1", kInvalidUsage, "CPU shared-memory mode '",
+               mode, "' is not one of auto, 0, 1");
+  std::lock_guard<std::mutex> lock(shmMutex_);
+  TPCOMM_CHECK(!shmTried_, kInvalidUsage,
+               "set_cpu_shm_mode: the group's CPU shared-memory path is already set up");
+  shmMode_ = mode;
 }
 
 GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
@@ -26,6 +49,7 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
   state.setUp = shmTried_;
   state.available = shm_ != nullptr;
   state.reason = shm_ ? shm_->failure() : shmReason_;
+  state.mode = shmMode_.empty() ? settings().cpuShm : shmMode_;
   return state;
 }
 

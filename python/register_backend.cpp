@@ -135,7 +135,7 @@ tensors through the device backend (NCCL), created on first use.)")
             const auto shmState = c.cpuShmState();
             const auto shmConfig = coord::CpuShmConfig::fromSettings();
             py::dict shm;
-            shm["mode"] = shmConfig.mode;
+            shm["mode"] = shmState.mode;
             shm["set_up"] = shmState.setUp;
             shm["available"] = shmState.available;
             shm["reason"] = shmState.reason;
@@ -180,6 +180,14 @@ tensors through the device backend (NCCL), created on first use.)")
           py::arg("mode"),
           "This group's CUDA allreduce routing mode (auto, nccl, oneshot, twoshot) instead of "
           "TPCOMM_ROUTE; every rank must set the same mode between the same two calls.")
+      .def(
+          "set_cpu_shm_mode",
+          [](backend::ProcessGroupTpcomm& self, const std::string& mode) {
+            self.coordinator().setCpuShmMode(mode);
+          },
+          py::arg("mode"),
+          "This group's TPCOMM_CPU_SHM mode (auto, 0, 1) instead of the process's; every rank "
+          "calls it before the group's first CPU collective (benchmarks, tests).")
       .def(
           "begin_graph_registration",
           [](backend::ProcessGroupTpcomm& self) { self.coordinator().beginGraphRegistration(); },

@@ -3,6 +3,7 @@
     python -m tpcomm.bench mq [--readers 1 3] [--quick]
     python -m tpcomm.bench car [--world-sizes 2 4 8] [--max-mib 64] [--png car_bench.png]
     python -m tpcomm.bench allreduce [--max-mib 64] [--quick]
+    python -m tpcomm.bench cpu [--world-sizes 2 4] [--max-mib 64] [--quick] [--png cpu_bench.png]
 
 mq: broadcast of tensor dicts from one writer to N readers on this host,
 through tpcomm.MessageQueue and, in the same run, through the Gloo path
@@ -13,6 +14,10 @@ car: the custom allreduce on one GPU (see tpcomm._bench_car).
 
 allreduce: dist.all_reduce over the tpcomm backend per route, and the host
 overhead of its dispatch (see tpcomm._bench_allreduce).
+
+cpu: CPU all_reduce, all_gather_into_tensor and reduce_scatter_tensor through
+plain Gloo, tpcomm with its shared-memory path off and on, interleaved (see
+tpcomm._bench_cpu).
 """
 
 import argparse
@@ -139,6 +144,12 @@ def main(argv=None):
     ar = sub.add_parser("allreduce", help="dist.all_reduce per route on the GPUs present")
     ar.add_argument("--max-mib", type=int, default=64, help="largest size (default 64 MiB)")
     ar.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    cpu = sub.add_parser("cpu", help="CPU collectives: Gloo vs tpcomm shared memory off/on")
+    cpu.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    cpu.add_argument("--max-mib", type=int, default=64, help="largest size (default 64 MiB)")
+    cpu.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    cpu.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best kept)")
+    cpu.add_argument("--png", default="cpu_bench.png", help="plot of time vs size ('' for none)")
     args = parser.parse_args(argv)
     if args.what == "mq":
         return bench_mq(args.readers, args.quick, args.chunk_mb)
@@ -150,6 +161,10 @@ def main(argv=None):
         from tpcomm._bench_allreduce import run as run_allreduce
 
         return run_allreduce(args.max_mib, args.quick)
+    if args.what == "cpu":
+        from tpcomm._bench_cpu import run as run_cpu
+
+        return run_cpu(args.world_sizes, args.max_mib, args.quick, args.png, args.rounds)
     return 2
 
 

@@ -5,13 +5,21 @@ from harness import Group
 _groups = {}
 
 
+# The suite that compares tpcomm bit for bit with plain Gloo runs with the CPU
+# shared-memory path off: with it on, reductions are rank-ordered float32/
+# float64 sums (bitwise equal across ranks, not to Gloo's order), which
+# tests/python/test_cpu_shm.py checks against float64 references instead.
+GLOO_EXACT = {"TPCOMM_CPU_SHM": "0"}
+
+
 @pytest.fixture(scope="session")
 def groups():
-    """Shared worker groups keyed by world size (plain settings), reused by all tests."""
+    """Shared worker groups keyed by world size (CPU shared-memory path off:
+    results bitwise equal to Gloo's), reused by all tests."""
 
     def get(world_size):
         if world_size not in _groups:
-            _groups[world_size] = Group(world_size)
+            _groups[world_size] = Group(world_size, env=GLOO_EXACT)
         return _groups[world_size]
 
     yield get
@@ -23,3 +31,22 @@ def groups():
 @pytest.fixture(params=[1, 2, 3, 4], ids=lambda n: f"ws{n}")
 def group(request, groups):
     return groups(request.param)
+
+
+_shm_groups = {}
+
+
+@pytest.fixture(scope="session")
+def shm_groups():
+    """Shared worker groups keyed by world size with the CPU shared-memory
+    path on (TPCOMM_CPU_SHM=1: a failed set-up is an error, not Gloo)."""
+
+    def get(world_size):
+        if world_size not in _shm_groups:
+            _shm_groups[world_size] = Group(world_size, env={"TPCOMM_CPU_SHM": "1"})
+        return _shm_groups[world_size]
+
+    yield get
+    for g in _shm_groups.values():
+        g.close()
+    _shm_groups.clear()

@@ -1,0 +1,159 @@
+"""python -m tpcomm.bench cpu: CPU collectives through plain Gloo, tpcomm with
+its shared-memory path off, and tpcomm with it on, interleaved in one process
+set per world size (so the three see the same machine load), for
+all_reduce, all_gather_into_tensor and reduce_scatter_tensor from 4 B to
+64 MB. Prints us/call, algorithm bandwidth and the ratio to Gloo, and saves a
+plot of time against size when matplotlib is installed.
+"""
+
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tpcomm._net import run_ranks
+
+PATHS = ("gloo", "tpcomm shm off", "tpcomm shm on")
+OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def _sizes(max_mib, quick):
+    sizes, n = [], 4
+    while n <= max_mib << 20:
+        sizes.append(n)
+        n *= 4 if not quick else 16
+    return sizes
+
+
+def _iters(nbytes, quick):
+    if nbytes <= 64 << 10:
+        iters = 100
+    elif nbytes <= 1 << 20:
+        iters = 20
+    elif nbytes <= 4 << 20:
+        iters = 8
+    else:
+        iters = 3
+    return max(2, iters // 4) if quick else iters
+
+
+def _call(op, group, world, nbytes):
+    """A closure running one call of `op` whose per-rank payload is nbytes
+    of float32 (at least one element per rank)."""
+    n = max(1, nbytes // 4)
+    if op == "all_reduce":
+        x = torch.ones(n)
+        return lambda: dist.all_reduce(x, group=group)
+    if op == "all_gather_into_tensor":
+        x = torch.ones(n)
+        out = torch.empty(n * world)
+        return lambda: dist.all_gather_into_tensor(out, x, group=group)
+    x = torch.ones(n * world)
+    out = torch.empty(n)
+    return lambda: dist.reduce_scatter_tensor(out, x, group=group)
+
+
+def _worker(rank, world, port, max_mib, quick, rounds, results):
+    import tpcomm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("tpcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=600))
+    control = dist.new_group(backend="gloo")  # barriers and the max of the timings
+    groups = {"gloo": dist.new_group(backend="gloo"),
+              "tpcomm shm off": dist.new_group(backend="tpcomm"),
+              "tpcomm shm on": dist.new_group(backend="tpcomm")}
+    tpcomm._backend_of(groups["tpcomm shm off"]).set_cpu_shm_mode("0")
+    tpcomm._backend_of(groups["tpcomm shm on"]).set_cpu_shm_mode("auto")
+    for g in groups.values():
+        dist.barrier(group=g)  # sets the path up (or not)
+    assert tpcomm.describe(groups["tpcomm shm on"])["cpu_shm"]["available"]
+    rows = []
+    for op in OPS:
+        for nbytes in _sizes(max_mib, quick):
+            calls = {p: _call(op, g, world, nbytes) for p, g in groups.items()}
+            for fn in calls.values():
+                fn()  # warm-up
+            best = {p: float("inf") for p in PATHS}
+            iters = _iters(nbytes, quick)
+            for _ in range(rounds):
+                for path in PATHS:
+                    dist.barrier(group=control)
+                    start = time.perf_counter()
+                    for _ in range(iters):
+                        calls[path]()
+                    elapsed = torch.tensor([(time.perf_counter() - start) / iters])
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
+                    best[path] = min(best[path], elapsed.item())
+            rows.append((op, nbytes, best["gloo"], best["tpcomm shm off"], best["tpcomm shm on"]))
+    if rank == 0:
+        results.put(rows)
+    dist.destroy_process_group()
+
+
+def _fmt_bytes(n):
+    for unit, size in (("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= size:
+            return f"{n // size} {unit}"
+    return f"{n} B"
+
+
+def _save_plot(table, png):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    worlds = sorted(table)
+    fig, axes = plt.subplots(len(worlds), len(OPS), figsize=(5 * len(OPS), 4 * len(worlds)),
+                             squeeze=False)
+    for i, world in enumerate(worlds):
+        rows = table[world]
+        for j, op in enumerate(OPS):
+            ax = axes[i][j]
+            mine = [r for r in rows if r[0] == op]
+            sizes = [r[1] for r in mine]
+            for k, path in enumerate(PATHS):
+                ax.plot(sizes, [r[2 + k] * 1e6 for r in mine], marker="o", label=path)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{op}, {world} ranks")
+            ax.set_xlabel("bytes per rank")
+            ax.set_ylabel("us per call")
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"plot: {png}")
+
+
+def run(world_sizes=(2, 4), max_mib=64, quick=False, png="cpu_bench.png", rounds=3):
+    import os
+
+    cores = os.cpu_count()
+    print(f"CPU collectives, {cores} cores; best of {rounds} interleaved rounds per size; "
+          "bytes are per rank (all_gather input, reduce_scatter output); algbw = bytes / time")
+    table = {}
+    for world in world_sizes:
+        rows = run_ranks(_worker, world, lambda r: (max_mib, quick, rounds), 3600)
+        if rows is None:
+            print(f"world size {world}: a rank failed", file=sys.stderr)
+            return 1
+        table[world] = rows
+        for op in OPS:
+            print(f"\n{op}, world size {world}")
+            print(f"{'size':>8s} {'gloo us':>10s} {'shm off us':>11s} {'shm on us':>10s} "
+                  f"{'on GB/s':>8s} {'off/gloo':>9s} {'gloo/on':>8s}")
+            for o, nbytes, gloo, off, on in rows:
+                if o != op:
+                    continue
+                print(f"{_fmt_bytes(nbytes):>8s} {gloo * 1e6:10.1f} {off * 1e6:11.1f} "
+                      f"{on * 1e6:10.1f} {nbytes / on / 1e9:8.2f} {off / gloo:8.2f}x "
+                      f"{gloo / on:7.1f}x")
+    if png:
+        _save_plot(table, png)
+    return 0

@@ -1,0 +1,400 @@
+"""The shared-memory path for CPU collectives (TPCOMM_CPU_SHM) through the
+plain torch.distributed API, at world sizes 1 to 5: every op, dtype and
+reduction against a rank-order reference (bit for bit) and float64, results
+bitwise equal on every rank, sizes across chunk and two-phase boundaries,
+offset views, async Work, DDP/FSDP2/functional collectives, two simulated
+hosts (Gloo), a killed rank, and nothing left in /dev/shm."""
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from harness import Group
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64]
+R = dist.ReduceOp
+# Small chunks (1 KiB of float32) and an early two-phase crossover, so that
+# modest sizes cross chunk boundaries and both allreduce algorithms run.
+SMALL = {"TPCOMM_CPU_SHM": "1", "TPCOMM_CPU_SHM_BUFFER_BYTES": "4096",
+         "TPCOMM_CPU_SHM_TWO_PHASE_BYTES": "8192"}
+SIZES = [0, 1, 7, 1023, 1024, 1025, 2048 + 5, 5000]
+
+_groups = {}
+
+
+@pytest.fixture(scope="module")
+def small_groups():
+    def get(world_size):
+        if world_size not in _groups:
+            _groups[world_size] = Group(world_size, env=SMALL)
+        return _groups[world_size]
+
+    yield get
+    for g in _groups.values():
+        g.close()
+    _groups.clear()
+
+
+@pytest.fixture(params=[1, 2, 3, 4, 5], ids=lambda n: f"ws{n}")
+def shm(request, small_groups):
+    return small_groups(request.param)
+
+
+def make(rank, n, dtype, small=False, salt=0):
+    g = torch.Generator().manual_seed(7919 * rank + 31 * n + salt)
+    if small:  # products stay exact: values in {-2, -1, 1, 2}
+        v = torch.randint(1, 3, (n,), generator=g) * (torch.randint(0, 2, (n,), generator=g) * 2 - 1)
+        return v.to(dtype)
+    if dtype.is_floating_point:
+        return (torch.rand(n, generator=g, dtype=torch.float64) * 4 - 2).to(dtype)
+    return torch.randint(-1000, 1000, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def rank_order(inputs, op, dtype, world, scale=None):
+    """The promised result: ranks combined in order 0..n-1 in float32 (float64
+    for float64, the dtype for integers), one rounding at the end."""
+    acc_dtype = torch.float64 if dtype == torch.float64 else (
+        torch.float32 if dtype.is_floating_point else dtype)
+    if scale is not None:
+        inputs = [(x * scale).to(dtype) for x in inputs]
+    acc = inputs[0].to(acc_dtype)
+    for x in inputs[1:]:
+        x = x.to(acc_dtype)
+        if op in (R.SUM, R.AVG, R.PREMUL_SUM):
+            acc = acc + x
+        elif op == R.PRODUCT:
+            acc = acc * x
+        elif op == R.MIN:
+            acc = torch.minimum(acc, x)
+        else:
+            acc = torch.maximum(acc, x)
+    if op == R.AVG:
+        acc = torch.div(acc, world, rounding_mode="trunc") if not dtype.is_floating_point \
+            else acc / world
+    return acc.to(dtype)
+
+
+def same_on_every_rank(ctx, t):
+    flat = t.reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(1, dtype=torch.uint8)
+    gathered = [torch.empty_like(flat) for _ in range(ctx.world_size)]
+    dist.all_gather(gathered, flat, group=ctx.ref)
+    return all(torch.equal(g, flat) for g in gathered)
+
+
+def _allreduce_every_dtype_and_op(ctx):
+    w, r = ctx.world_size, ctx.rank
+    ops = [R.SUM, R.AVG, R.MIN, R.MAX, R.PRODUCT, "premul"]
+    for dtype in DTYPES:
+        tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-6}.get(dtype, 1e-12)
+        for op in ops:
+            if op == "premul" and not dtype.is_floating_point:
+                continue
+            for n in SIZES:
+                small = op == R.PRODUCT
+                inputs = [make(k, n, dtype, small) for k in range(w)]
+                x = inputs[r].clone()
+                if op == "premul":
+                    dist.all_reduce(x, op=dist._make_nccl_premul_sum(0.375))
+                    want = rank_order(inputs, R.PREMUL_SUM, dtype, w, scale=0.375)
+                else:
+                    dist.all_reduce(x, op=op)
+                    want = rank_order(inputs, op, dtype, w)
+                what = f"all_reduce {op} {dtype} n={n}"
+                assert torch.equal(x, want), f"{what}: {x} != {want}"
+                assert same_on_every_rank(ctx, x), what
+                if op == R.SUM and dtype.is_floating_point:
+                    exact = torch.stack([t.double() for t in inputs]).sum(0) if n else x.double()
+                    torch.testing.assert_close(x.double(), exact, rtol=tol, atol=tol)
+    return True
+
+
+def test_allreduce_every_dtype_and_op_against_the_references(shm):
+    assert all(shm.run(_allreduce_every_dtype_and_op, timeout_s=600))
+
+
+def _gathers_scatters_broadcasts(ctx):
+    w, r = ctx.world_size, ctx.rank
+    for dtype in (torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool):
+        for n in SIZES:
+            inputs = [make(k, n, torch.int64 if not dtype.is_floating_point else dtype)
+                      .to(dtype) for k in range(w)]
+            # all_gather_into_tensor from an offset view
+            backing = torch.zeros(n + 3, dtype=dtype)
+            backing[3:] = inputs[r]
+            out = torch.empty(n * w, dtype=dtype)
+            dist.all_gather_into_tensor(out, backing[3:])
+            assert torch.equal(out, torch.cat(inputs)), f"all_gather_into_tensor {dtype} {n}"
+            outs = [torch.empty(n, dtype=dtype) for _ in range(w)]
+            dist.all_gather(outs, inputs[r])
+            assert all(torch.equal(o, i) for o, i in zip(outs, inputs)), f"all_gather {dtype}"
+            for root in range(w):
+                t = inputs[r].clone()
+                dist.broadcast(t, src=root)
+                assert torch.equal(t, inputs[root]), f"broadcast {dtype} {n} from {root}"
+        dist.barrier()
+    for dtype in (torch.float32, torch.float16, torch.int32):
+        for n in SIZES:
+            full = [make(k, n * w, dtype) for k in range(w)]
+            out = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter_tensor(out, full[r])
+            want = rank_order([f[r * n:(r + 1) * n] for f in full], R.SUM, dtype, w)
+            assert torch.equal(out, want), f"reduce_scatter_tensor {dtype} {n}"
+            out2 = torch.empty(n, dtype=dtype)
+            dist.reduce_scatter(out2, list(full[r].chunk(w)) if n else
+                                [torch.empty(0, dtype=dtype)] * w, op=R.AVG)
+            want = rank_order([f[r * n:(r + 1) * n] for f in full], R.AVG, dtype, w)
+            assert torch.equal(out2, want), f"reduce_scatter AVG {dtype} {n}"
+    return True
+
+
+def test_gathers_scatters_broadcasts_and_barrier(shm):
+    assert all(shm.run(_gathers_scatters_broadcasts, timeout_s=600))
+
+
+def _async_and_routes(ctx):
+    import tpcomm
+    w, r = ctx.world_size, ctx.rank
+    tpcomm.reset_stats()
+    x = torch.full((1000,), float(r + 1))
+    work = dist.all_reduce(x, async_op=True)
+    assert work.wait() and work.is_completed()
+    assert torch.equal(work.get_future().wait()[0], x)
+    assert x[0].item() == w * (w + 1) / 2
+    out = torch.empty(1000 * w)
+    work = dist.all_gather_into_tensor(out, x, async_op=True)
+    work.wait()
+    assert torch.equal(out, x.repeat(w))
+    work = dist.barrier(async_op=True)
+    work.wait()
+    s = tpcomm.stats()
+    assert s["cpu_shm"]["calls"] == 3 and s["gloo"]["calls"] == 0, s
+    d = tpcomm.describe()["cpu_shm"]
+    assert d["available"] and d["set_up"] and d["mode"] == "1", d
+    # Not taken by the path: bitwise ops go to Gloo, with the same answer.
+    y = torch.tensor([r + 1], dtype=torch.int32)
+    dist.all_reduce(y, op=R.BOR)
+    assert tpcomm.stats()["gloo"]["calls"] == 1
+    # Non-contiguous tensors are refused as before.
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        dist.all_reduce(torch.ones(4, 4).t())
+    # A call whose size differs on one rank: every rank raises, the group lives on.
+    if w > 1:
+        z = torch.ones(5 if r == 1 else 4)
+        with pytest.raises(RuntimeError, match="ranks disagree on a shared-memory collective"):
+            dist.all_reduce(z)
+        z = torch.ones(4)
+        dist.all_reduce(z)
+        assert z[0].item() == w
+    return True
+
+
+def test_async_work_routes_and_refusals(shm):
+    assert all(shm.run(_async_and_routes))
+
+
+def _subgroups(ctx):
+    import tpcomm
+    w, r = ctx.world_size, ctx.rank
+    ranks = list(range(0, w, 2))
+    sub = dist.new_group(ranks)
+    if r in ranks:
+        x = torch.full((300,), float(r))
+        dist.all_reduce(x, group=sub)
+        assert x[0].item() == sum(ranks)
+        assert tpcomm.describe(sub)["cpu_shm"]["available"]
+    child = dist.group.WORLD.split_group(list(range(w)))
+    y = torch.full((10,), 1.0)
+    dist.all_reduce(y, group=child)
+    assert y[0].item() == w and tpcomm.describe(child)["cpu_shm"]["available"]
+    return True
+
+
+def test_subgroups_and_split_groups_use_the_path(shm):
+    assert all(shm.run(_subgroups))
+
+
+# ---------------------------------------------------------------- real users
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+
+
+def _batches(rank, steps):
+    g = torch.Generator().manual_seed(100 + rank)
+    return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
+            for _ in range(steps)]
+
+
+def _reference_params(world, steps):
+    """Data-parallel SGD in float64 in one process: the gradient is the mean of
+    every rank's gradient, as DDP and FSDP2 compute it."""
+    model = _model().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    batches = [_batches(r, steps) for r in range(world)]
+    for step in range(steps):
+        opt.zero_grad()
+        loss = sum(nn.functional.mse_loss(model(b[step][0].double()), b[step][1].double())
+                   for b in batches) / world
+        loss.backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _train(model, batches):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for x, y in batches:
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _ddp_and_fsdp(ctx, steps):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import tpcomm
+
+    tpcomm.reset_stats()
+    ref = _reference_params(ctx.world_size, steps)
+    ddp = DDP(_model(), process_group=dist.group.WORLD, bucket_cap_mb=0.001)
+    _train(ddp, _batches(ctx.rank, steps))
+    params = [p.detach() for p in ddp.module.parameters()]
+    flat = torch.cat([p.reshape(-1) for p in params])
+    assert same_on_every_rank(ctx, flat), "DDP replicas differ"
+    for p, q in zip(params, ref):
+        torch.testing.assert_close(p.double(), q, rtol=1e-4, atol=1e-5)
+    model = _model()
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    _train(model, _batches(ctx.rank, steps))
+    full = [p.full_tensor() for p in model.parameters()]
+    assert same_on_every_rank(ctx, torch.cat([p.reshape(-1) for p in full]))
+    for p, q in zip(full, ref):
+        torch.testing.assert_close(p.double(), q, rtol=1e-4, atol=1e-5)
+    assert tpcomm.stats()["cpu_shm"]["calls"] > 0
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_and_fsdp2_match_float64_and_replicas_agree(small_groups, world_size):
+    assert all(small_groups(world_size).run(_ddp_and_fsdp, 8, timeout_s=300))
+
+
+def _functional(ctx):
+    import torch.distributed._functional_collectives as funcol
+    w, r = ctx.world_size, ctx.rank
+    group = dist.group.WORLD
+    inputs = [make(k, 12 * w, torch.float32) for k in range(w)]
+    x = inputs[r]
+    total = rank_order(inputs, R.SUM, torch.float32, w)
+    assert torch.equal(funcol.all_reduce(x, "sum", group).wait(), total)
+    assert torch.equal(funcol.all_gather_tensor(x, 0, group), torch.cat(inputs))
+    assert torch.equal(funcol.reduce_scatter_tensor(x, "sum", 0, group), total.chunk(w)[r])
+    outs = funcol.all_gather_into_tensor_coalesced([x, x * 2], group)
+    assert torch.equal(outs[1], torch.cat(inputs) * 2)
+    outs = funcol.reduce_scatter_tensor_coalesced([x, x], "sum", [0, 0], group)
+    assert torch.equal(outs[1], total.chunk(w)[r])
+    outs = funcol.all_reduce_coalesced([x, x], "sum", group)
+    assert torch.equal(outs[1].wait(), total)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def compiled(t):
+        return funcol.all_reduce(t, "sum", group) + 1
+
+    assert torch.equal(compiled(x), total + 1)
+    return True
+
+
+def test_functional_collectives_and_compile(shm):
+    assert all(shm.run(_functional))
+
+
+# ---------------------------------------------------------------- hosts, faults
+def _two_hosts(ctx):
+    import tpcomm
+    x = torch.full((100,), float(ctx.rank + 1))
+    dist.all_reduce(x)
+    d = tpcomm.describe()["cpu_shm"]
+    return x[0].item(), d["available"], d["reason"], tpcomm.stats()["gloo"]["calls"]
+
+
+def test_two_simulated_hosts_fall_back_to_gloo():
+    hosts = {0: {"TPCOMM_HOST_ID": "host-a"}, 1: {"TPCOMM_HOST_ID": "host-b"}}
+    group = Group(2, env_per_rank=hosts)
+    try:
+        results = group.run(_two_hosts)
+    finally:
+        group.close()
+    for value, available, reason, gloo_calls in results:
+        assert value == 3.0 and not available and gloo_calls == 1
+        assert "different hosts" in reason, reason
+
+
+def _required_but_refused(ctx):
+    try:
+        dist.all_reduce(torch.ones(3))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_required_path_on_two_hosts_raises_on_every_rank():
+    hosts = {0: {"TPCOMM_HOST_ID": "host-a"}, 1: {"TPCOMM_HOST_ID": "host-b"}}
+    group = Group(2, env={"TPCOMM_CPU_SHM": "1"}, env_per_rank=hosts)
+    try:
+        messages = group.run(_required_but_refused)
+    finally:
+        group.close()
+    for m in messages:
+        assert m is not None and "TPCOMM_CPU_SHM=1" in m and "different hosts" in m, m
+
+
+def _killed_rank(ctx):
+    dist.all_reduce(torch.ones(8))  # the path is set up
+    if ctx.rank == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.5)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8))
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e), time.monotonic() - start
+    return None
+
+
+def test_killed_rank_raises_on_the_survivors_within_the_timeout():
+    group = Group(3, env={"TPCOMM_CPU_SHM": "1"}, pg_timeout_s=10)
+    try:
+        for conn in group._conns:
+            conn.send((_killed_rank.__module__, _killed_rank.__name__, ()))
+        results = []
+        for rank in (0, 1):
+            assert group._conns[rank].poll(60), f"rank {rank} hung"
+            status, value = group._conns[rank].recv()
+            assert status == "ok", value
+            results.append(value)
+    finally:
+        group.close(kill=True)
+    for kind, msg, elapsed in results:
+        assert kind == "DistBackendError", (kind, msg)
+        assert "rank 2" in msg and "tpcomm: allreduce on group" in msg, msg
+        assert elapsed < 20, elapsed  # within 2x the 10 s timeout (death is seen at once)
+
+
+def test_dev_shm_is_unchanged():
+    """Runs last in this module: the path never names anything in /dev/shm."""
+    before = set(os.listdir("/dev/shm"))
+    group = Group(2, env={"TPCOMM_CPU_SHM": "1"})
+    try:
+        group.run(_async_and_routes)
+    finally:
+        group.close(kill=True)
+    assert set(os.listdir("/dev/shm")) - before == set()
