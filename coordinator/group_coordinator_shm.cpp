@@ -72,7 +72,8 @@ std::optional<Pending> GroupCoordinator::shmAllreduce(const at::Tensor& input, a
   } else {
     spec = shmReduction(op, input.scalar_type(), size(), &why);
   }
-  if (logRoutes_) logCpuRoute("allreduce", input, spec ? "cpu_shm" : "gloo", spec ? "one host" : why);
+  if (logRoutes_)
+    logAllreduceRoute(op, input, spec ? "cpu_shm" : "gloo", spec ? "one host" : why);
   if (!spec) return std::nullopt;
   stats_.record(StatsRoute::kCpuShm, bytesOf(input));
   shm->allreduce(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),

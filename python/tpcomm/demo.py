@@ -1,6 +1,6 @@
 """The main job: tensor-parallel decoding over tpcomm.
 
-    python -m tpcomm.demo [--tp 2] [--steps 32] [--device auto|cpu|cuda]
+    python -m tpcomm.demo [--tp 2] [--steps 32] [--device auto|cpu|cuda] [--compare-tp1]
 
 Starts --tp local processes (on GPUs when there are at least that many, else
 on CPU), builds a small transformer with column- and row-parallel layers from
@@ -154,29 +154,14 @@ def _routes_line(routes):
     return ", ".join(parts)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
-    parser.add_argument("--steps", type=int, default=32, help="decode steps (default 32)")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    args = parser.parse_args(argv)
-    cfg = Config()
-    if args.tp < 1 or not 1 <= args.steps <= 4096:
-        parser.error("--tp must be positive and --steps within 1..4096")
-    try:
-        cfg.check_tp(args.tp)
-    except ValueError as e:
-        parser.error(str(e))
-    device = _choose_device(args.device, args.tp)
-    print(f"tpcomm demo: tensor-parallel decoding, TP={args.tp} on {device.upper()}, "
-          f"{cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, vocab {cfg.vocab}, "
-          f"batch {cfg.batch}, {args.steps} steps (prompt {cfg.prompt})", flush=True)
-
+def _launch(tp, steps, device):
+    """Runs one decode job on `tp` local processes; returns the driver's
+    report, or None (after printing why) when a rank failed or hung."""
     ctx = mp.get_context("spawn")
     result = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, args.tp, port, args.steps, device, result))
-             for r in range(args.tp)]
+    procs = [ctx.Process(target=_worker, args=(r, tp, port, steps, device, result))
+             for r in range(tp)]
     for p in procs:
         p.start()
     messages = _collect(procs, result, timeout_s=600)
@@ -192,13 +177,49 @@ def main(argv=None):
         if hung:
             print(f"FAILED: ranks {hung} did not finish within 600 s", file=sys.stderr)
         print("FAILED: the run did not complete", file=sys.stderr)
+        return None
+    return done[0]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps (default 32)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--compare-tp1", action="store_true",
+                        help="first run the same job at TP=1 and print both speeds")
+    args = parser.parse_args(argv)
+    cfg = Config()
+    if args.tp < 1 or not 1 <= args.steps <= 4096:
+        parser.error("--tp must be positive and --steps within 1..4096")
+    try:
+        cfg.check_tp(args.tp)
+    except ValueError as e:
+        parser.error(str(e))
+    device = _choose_device(args.device, args.tp)
+    print(f"tpcomm demo: tensor-parallel decoding, TP={args.tp} on {device.upper()}, "
+          f"{cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, vocab {cfg.vocab}, "
+          f"batch {cfg.batch}, {args.steps} steps (prompt {cfg.prompt})", flush=True)
+
+    baseline = None
+    if args.compare_tp1 and args.tp > 1:
+        done = _launch(1, args.steps, device)
+        if done is None:
+            return 1
+        baseline = cfg.batch * args.steps / done[3]
+        print(f"TP=1 in the same run: {baseline:.0f} tokens/s, "
+              f"{1e3 * done[3] / args.steps:.2f} ms/step")
+    done = _launch(args.tp, args.steps, device)
+    if done is None:
         return 1
-    _, inputs, logits, elapsed, routes, broadcasts, graphed = done[0]
+    _, inputs, logits, elapsed, routes, broadcasts, graphed = done
     inputs, logits = torch.from_numpy(inputs), torch.from_numpy(logits)
     tokens = cfg.batch * args.steps
     mode = "CUDA graph replays" if graphed else "eager"
     print(f"decoded {args.steps} steps x {cfg.batch} sequences in {elapsed:.3f} s ({mode}): "
           f"{tokens / elapsed:.0f} tokens/s, {1e3 * elapsed / args.steps:.2f} ms/step")
+    if baseline is not None:
+        print(f"TP={args.tp} vs TP=1: {tokens / elapsed / baseline:.2f}x the tokens/s")
     print(f"collectives per route on the driver: {_routes_line(routes)}")
     print(f"message-queue broadcasts of step inputs: {broadcasts}")
     ok, diff, exact, generated, why = check(cfg, inputs, logits)

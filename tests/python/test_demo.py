@@ -22,7 +22,7 @@ def test_tensor_parallel_demo_passes_its_check(tp, steps):
     # 2 allreduces per layer + the embedding's, and the LM head's all-gather, per step
     calls = steps * (2 * 4 + 1 + 1)
     if tp > 1:
-        assert f"gloo {calls} calls" in out, out
+        assert f"cpu_shm {calls} calls" in out, out
         assert f"message-queue broadcasts of step inputs: {steps}" in out
     want = max(0, steps - 4) * 8
     assert f"generated tokens equal to its argmax: {want}/{want}" in out, out

@@ -145,6 +145,6 @@ def test_log_routes_writes_each_decision_once():
     assert out.returncode == 0, out.stderr
     lines = [l for l in out.stderr.splitlines() if l.startswith("tpcomm route:")]
     assert lines == [
-        "tpcomm route: group '0' rank 0: allreduce SUM float32 16 B -> gloo (CPU tensor)",
-        "tpcomm route: group '0' rank 0: allreduce MAX int64 24 B -> gloo (CPU tensor)",
+        "tpcomm route: group '0' rank 0: allreduce SUM float32 16 B -> cpu_shm (one host)",
+        "tpcomm route: group '0' rank 0: allreduce MAX int64 24 B -> cpu_shm (one host)",
     ], out.stderr
