@@ -69,6 +69,10 @@ struct GroupOptions {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   std::string groupName;
   bool debugChecks = false;  // TPCOMM_DEBUG
+  // Whether the group may set up the CPU shared-memory path at all (false:
+  // every CPU call goes to the CPU backend without a set-up exchange; unit
+  // tests over in-process fake backends).
+  bool cpuShm = true;
 };
 
 enum class Route { kCpu, kDevice };

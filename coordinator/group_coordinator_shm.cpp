@@ -11,6 +11,10 @@ mq::ShmGroup* GroupCoordinator::cpuShm() {
   std::lock_guard<std::mutex> lock(shmMutex_);
   if (shmTried_) return shm_.get();
   shmTried_ = true;
+  if (!options_.cpuShm) {
+    shmReason_ = "turned off for this group";
+    return nullptr;
+  }
   shmReason_ = "set-up failed";
   CpuShmConfig config = CpuShmConfig::fromSettings();
   if (!shmMode_.empty()) config.mode = shmMode_;

@@ -33,6 +33,7 @@ struct ThreadGroup {
     for (int r = 0; r < size; ++r) {
       cpu.push_back(c10::make_intrusive<ThreadedBackend>(hub, r));
       coord::GroupOptions options;
+      options.cpuShm = false;  // fake CPU backends: the Gloo route, no shm set-up
       options.rank = r;
       options.size = size;
       options.groupName = "test";

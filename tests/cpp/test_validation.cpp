@@ -186,6 +186,7 @@ class FailingBackend : public ThreadedBackend {
 TEST(BackendErrors, CommunicationFailureIsDistBackendErrorNamingTheCall) {
   auto hub = std::make_shared<Hub>(1);
   coord::GroupOptions options;
+  options.cpuShm = false;  // fake CPU backends: the Gloo route, no shm set-up
   options.groupName = "g";
   auto coordinator = std::make_shared<coord::GroupCoordinator>(
       options, c10::make_intrusive<c10d::HashStore>(), c10::make_intrusive<FailingBackend>(hub, 0),
@@ -256,6 +257,7 @@ TEST(BackendWork, SynchronousCallWithoutWorkReturnsNoneAfterFinishing) {
   auto store = c10::make_intrusive<c10d::HashStore>();
   runRanks(2, [&](int r) {
     coord::GroupOptions options;
+    options.cpuShm = false;  // fake CPU backends: the Gloo route, no shm set-up
     options.rank = r;
     options.size = 2;
     auto coordinator = std::make_shared<coord::GroupCoordinator>(
@@ -274,6 +276,7 @@ TEST(BackendWork, SynchronousCallWithoutWorkReturnsNoneAfterFinishing) {
 TEST(BackendWork, NoDeviceBackendIsAClearError) {
   auto hub = std::make_shared<Hub>(1);
   coord::GroupOptions options;
+  options.cpuShm = false;  // fake CPU backends: the Gloo route, no shm set-up
   options.groupName = "cpu-only";
   auto coordinator = std::make_shared<coord::GroupCoordinator>(
       options, c10::make_intrusive<c10d::HashStore>(), c10::make_intrusive<ThreadedBackend>(hub, 0),
