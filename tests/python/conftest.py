@@ -50,3 +50,21 @@ def shm_groups():
     for g in _shm_groups.values():
         g.close()
     _shm_groups.clear()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def dev_shm_unchanged():
+    """After the whole suite (crashes and killed ranks included) /dev/shm
+    holds no entry that was not there before it."""
+    import os
+
+    def names():
+        return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+    before = names()
+    yield
+    # Worker groups shut down first (their fixtures end before this one).
+    for g in list(_groups.values()) + list(_shm_groups.values()):
+        g.close()
+    left = sorted(n for n in names() - before if n.startswith("tpcomm"))
+    assert not left, f"left in /dev/shm by the test suite: {left}"
