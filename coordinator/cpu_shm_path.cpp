@@ -97,13 +97,6 @@ CpuShmConfig CpuShmConfig::fromSettings() {
 CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::string& hostId,
                         const CpuShmConfig& config, std::chrono::milliseconds timeout) {
   CpuShmSetup result;
-  const auto refuse = [&](std::string reason) -> CpuShmSetup {
-    TPCOMM_CHECK(config.mode != "1", kInvalidUsage,
-                 "TPCOMM_CPU_SHM=1 but the group cannot use shared memory: ", reason);
-    result.reason = std::move(reason);
-    return std::move(result);
-  };
-
   // Round 1: settings, host, pid.
   Record mine;
   mine.put(config.mode, kModeWidth).put(hostId, kHostWidth).put(::getpid());
@@ -119,18 +112,39 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
     buffers[r] = f.number();
     twoPhase[r] = f.number();
   }
+  // TPCOMM_CPU_SHM=1 on any rank makes a refusal an error on every rank, so
+  // that no rank goes on through Gloo while another raised.
+  std::string required;
+  for (int r = 0; r < size; ++r) {
+    if (modes[r] == "1") required += detail::concat(required.empty() ? "" : ",", r);
+  }
+  const auto refuse = [&](std::string reason) -> CpuShmSetup {
+    TPCOMM_CHECK(required.empty(), kInvalidUsage, "TPCOMM_CPU_SHM=1 (on rank(s) ", required,
+                 ") but the group cannot use shared memory: ", reason);
+    result.reason = std::move(reason);
+    return std::move(result);
+  };
   std::string reason = agreement(modes, hosts, buffers, twoPhase);
   if (!reason.empty()) return refuse(reason);
+
+  mq::ShmGroupOptions options;
+  options.rank = rank;
+  options.size = size;
+  options.bufferBytes = static_cast<uint64_t>(config.bufferBytes);
+  options.twoPhaseMinBytes = static_cast<uint64_t>(config.twoPhaseBytes);
+  options.spin = std::chrono::microseconds(config.spinUs);
+  options.timeout = timeout;
 
   // Round 2: rank 0 creates the region; the others map it.
   std::unique_ptr<mq::SharedRegion> region;
   std::string failure;
   size_t bytes = 0;
   try {
-    bytes = mq::ShmGroup::regionBytes(size, static_cast<uint64_t>(config.bufferBytes));
+    bytes = mq::ShmGroup::regionBytes(size, options.bufferBytes);
     if (rank == 0) {
       region = mq::SharedRegion::create(bytes);
-      mq::ShmGroup::initRegion(region->base(), size, static_cast<uint64_t>(config.bufferBytes));
+      mq::ShmGroup::initRegion(region->base(), size, options.bufferBytes,
+                               options.twoPhaseMinBytes);
     }
   } catch (const std::exception& e) {
     failure = "could not create the shared-memory region: " + failureOf(e);
@@ -142,33 +156,29 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   const std::string zeroFailure = zero.text(kMessageWidth);
   const int64_t fd = zero.number();
   if (!zeroFailure.empty()) return refuse("rank 0: " + zeroFailure);
-  if (rank != 0) {
-    try {
+  std::unique_ptr<mq::ShmGroup> group;
+  try {
+    if (rank != 0) {
       region = mq::SharedRegion::attach(static_cast<int32_t>(pids[0]), static_cast<int32_t>(fd),
                                         bytes);
-    } catch (const std::exception& e) {
-      failure = "could not map rank 0's shared-memory region: " + failureOf(e);
     }
+    // Checks the header it mapped (magic, size, settings): a rank that
+    // reached some other file says so in round 3.
+    std::vector<int32_t> pid32(pids.begin(), pids.end());
+    group = std::make_unique<mq::ShmGroup>(std::move(region), options, std::move(pid32));
+  } catch (const std::exception& e) {
+    failure = "could not map rank 0's shared-memory region: " + failureOf(e);
   }
 
   // Round 3: did everyone map it? Also the point after which rank 0 may
-  // close its descriptor.
+  // close its descriptor (the mapping stays).
   const auto mapped = allgatherBytes(cpu, size, fixedWidth(failure, kMessageWidth));
   std::vector<std::string> failures;
   for (const auto& m : mapped) failures.push_back(trimmed(m));
   reason = firstFailure(failures);
   if (!reason.empty()) return refuse(reason);
-  region->closeDescriptor();
-
-  mq::ShmGroupOptions options;
-  options.rank = rank;
-  options.size = size;
-  options.bufferBytes = static_cast<uint64_t>(config.bufferBytes);
-  options.twoPhaseMinBytes = static_cast<uint64_t>(config.twoPhaseBytes);
-  options.spin = std::chrono::microseconds(config.spinUs);
-  options.timeout = timeout;
-  std::vector<int32_t> pid32(pids.begin(), pids.end());
-  result.group = std::make_unique<mq::ShmGroup>(std::move(region), options, std::move(pid32));
+  group->closeDescriptor();
+  result.group = std::move(group);
   return result;
 }
 

@@ -227,7 +227,8 @@ class GroupCoordinator {
   std::atomic<mq::ShmGroup*> shmFast_{nullptr};  // shm_.get() once set up: the per-call read
   std::unique_ptr<mq::ShmGroup> shm_;      // guarded by shmMutex_
   std::string shmReason_ = "not set up yet (at the group's first CPU collective)";
-  std::string shmMode_;                    // setCpuShmMode's override; guarded by shmMutex_
+  std::string shmMode_;   // setCpuShmMode's override; guarded by shmMutex_
+  std::string shmError_;  // a refused TPCOMM_CPU_SHM=1 set-up, raised by every call
   std::atomic<int> registrationDepth_{0};            // read on every custom call, without the lock
   uint64_t debugSequence_ = 0;
   RouteStats stats_;

@@ -9,7 +9,11 @@ namespace tpcomm::coord {
 mq::ShmGroup* GroupCoordinator::cpuShm() {
   if (mq::ShmGroup* ready = shmFast_.load(std::memory_order_acquire)) return ready;
   std::lock_guard<std::mutex> lock(shmMutex_);
-  if (shmTried_) return shm_.get();
+  if (shmTried_) {
+    // TPCOMM_CPU_SHM=1 refused: every later call raises the same.
+    if (!shmError_.empty()) throw Error(ErrorCode::kInvalidUsage, shmError_);
+    return shm_.get();
+  }
   shmTried_ = true;
   if (!options_.cpuShm) {
     shmReason_ = "turned off for this group";
@@ -21,7 +25,8 @@ mq::ShmGroup* GroupCoordinator::cpuShm() {
   CpuShmSetup setup;
   try {
     setup = setUpCpuShm(*cpu_, rank(), size(), hostIdentity(), config, options_.timeout);
-  } catch (const Error&) {
+  } catch (const Error& e) {
+    if (e.code() == ErrorCode::kInvalidUsage) shmError_ = shmReason_ = e.what();
     throw;
   } catch (const std::exception& e) {
     // The exchange over the CPU backend failed (a peer missing or gone):

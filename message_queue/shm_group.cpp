@@ -22,8 +22,23 @@ constexpr int kMaxRanks = 1024;
 constexpr auto kSleepSlice = std::chrono::milliseconds(10);
 constexpr int kPausePolls = 8;  // rounds of 16 polls before the first sched_yield
 
-// The first failure's cause, in the header's abort word.
-enum FailureCode : uint32_t { kNone = 0, kTimedOut = 1, kDied = 2, kAborted = 3 };
+// The first failure, in the header's failure word: cause, the rank that
+// reported it and the rank it blames, published together by one CAS.
+enum FailureCode : uint64_t { kNone = 0, kTimedOut = 1, kDied = 2, kAborted = 3 };
+
+uint64_t packFailure(uint64_t code, int by, int culprit) {
+  return (code << 48) | (static_cast<uint64_t>(by & 0xffffff) << 24) |
+         static_cast<uint64_t>((culprit + 1) & 0xffffff);
+}
+
+std::string describeFailure(uint64_t word) {
+  const uint64_t code = word >> 48;
+  const int by = static_cast<int>((word >> 24) & 0xffffff);
+  const int culprit = static_cast<int>(word & 0xffffff) - 1;
+  const char* cause = code == kTimedOut ? "timed out" : code == kDied ? "lost a peer" : "aborted";
+  return detail::concat("rank ", by, " of the group ", cause,
+                        culprit >= 0 ? detail::concat(" (rank ", culprit, " died)") : "");
+}
 
 enum class Op : uint8_t { kBarrier = 1, kAllreduce, kAllgather, kReduceScatter, kBroadcast };
 
@@ -43,41 +58,49 @@ const char* opName(Op op) {
   return "unknown";
 }
 
-// op | dtype | reduction | root | count (low 32 bits): what every rank of one
-// call must agree on.
-uint64_t signatureOf(Op op, int dtype, int reduction, int root, uint64_t count) {
-  return (static_cast<uint64_t>(op) << 56) | (static_cast<uint64_t>(dtype & 0xff) << 48) |
-         (static_cast<uint64_t>(reduction & 0xff) << 40) |
-         (static_cast<uint64_t>(root & 0xff) << 32) | (count & 0xffffffffu);
-}
-
 int reductionCode(const ReduceSpec& spec) {
   return static_cast<int>(spec.kind) | (spec.divisor != 1 ? 4 : 0) | (spec.premultiply ? 8 : 0);
 }
 
-std::string describeSignature(uint64_t sig) {
-  const auto op = static_cast<Op>(sig >> 56);
-  const int dtype = static_cast<int>((sig >> 48) & 0xff);
-  const int reduction = static_cast<int>((sig >> 40) & 0xff);
-  const int root = static_cast<int>((sig >> 32) & 0xff);
-  const uint64_t count = sig & 0xffffffffu;
-  std::string out = opName(op);
-  switch (op) {
-    case Op::kBarrier:
-      return out;
-    case Op::kAllgather:
-      return detail::concat(out, " of ", count, " bytes");
-    case Op::kBroadcast:
-      return detail::concat(out, " of ", count, " bytes from root ", root);
-    default:
-      break;
+}  // namespace
+
+// What every rank of one call must agree on: op, dtype, reduction and root
+// in `head`, the element (or byte) count in full in `count`.
+struct ShmGroup::Signature {
+  uint64_t head = 0;
+  uint64_t count = 0;
+  Signature(int op, int dtype, int reduction, int root, uint64_t n)
+      : head((static_cast<uint64_t>(op) << 56) | (static_cast<uint64_t>(dtype & 0xff) << 48) |
+             (static_cast<uint64_t>(reduction & 0xff) << 40) |
+             static_cast<uint64_t>(static_cast<uint32_t>(root))),
+        count(n) {}
+  Signature(uint64_t h, uint64_t c) : head(h), count(c) {}
+  bool operator==(const Signature& o) const { return head == o.head && count == o.count; }
+  std::string describe() const {
+    const auto op = static_cast<Op>(head >> 56);
+    const int dtype = static_cast<int>((head >> 48) & 0xff);
+    const int reduction = static_cast<int>((head >> 40) & 0xff);
+    const int root = static_cast<int>(static_cast<uint32_t>(head));
+    std::string out = opName(op);
+    switch (op) {
+      case Op::kBarrier:
+        return out;
+      case Op::kAllgather:
+        return detail::concat(out, " of ", count, " bytes");
+      case Op::kBroadcast:
+        return detail::concat(out, " of ", count, " bytes from root ", root);
+      default:
+        break;
+    }
+    std::string how = reduceKindName(static_cast<ReduceKind>(reduction & 3));
+    if (reduction & 4) how = "avg";
+    if (reduction & 8) how = "premul_sum";
+    return detail::concat(out, " ", how, " ", dtypeName(static_cast<DType>(dtype)), "[", count,
+                          "]");
   }
-  std::string how = reduceKindName(static_cast<ReduceKind>(reduction & 3));
-  if (reduction & 4) how = "avg";
-  if (reduction & 8) how = "premul_sum";
-  return detail::concat(out, " ", how, " ", dtypeName(static_cast<DType>(dtype)), "[", count,
-                        "]");
-}
+};
+
+namespace {
 
 size_t alignUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
@@ -97,16 +120,18 @@ struct ShmGroup::Header {
   uint32_t version;
   int32_t size;
   uint64_t bufferBytes;
-  alignas(kLine) std::atomic<uint32_t> failure;  // FailureCode of the first failure
-  std::atomic<int32_t> failedRank;               // the rank that reported it
-  std::atomic<int32_t> culprit;                  // the rank it blames (-1: none)
+  uint64_t twoPhaseMinBytes;
+  alignas(kLine) std::atomic<uint64_t> failure;  // packFailure() of the first failure; 0: none
   alignas(kLine) std::atomic<uint32_t> wake;     // futex word: bumped to wake sleepers
   std::atomic<uint32_t> sleepers;
 };
 
 struct alignas(kLine) ShmGroup::Control {
   std::atomic<uint64_t> arrived;
-  std::atomic<uint64_t> signature[2];
+  struct {
+    std::atomic<uint64_t> head;
+    std::atomic<uint64_t> count;
+  } signature[2];
 };
 
 size_t ShmGroup::regionBytes(int size, uint64_t bufferBytes) {
@@ -119,14 +144,13 @@ size_t ShmGroup::regionBytes(int size, uint64_t bufferBytes) {
   return dataOffset(size) + static_cast<size_t>(size) * 2 * bufferBytes;
 }
 
-void ShmGroup::initRegion(char* base, int size, uint64_t bufferBytes) {
+void ShmGroup::initRegion(char* base, int size, uint64_t bufferBytes, uint64_t twoPhaseMinBytes) {
   auto* h = new (base) Header();
   h->magic = kMagic;
   h->version = kVersion;
   h->size = size;
   h->bufferBytes = bufferBytes;
-  h->failedRank.store(-1);
-  h->culprit.store(-1);
+  h->twoPhaseMinBytes = twoPhaseMinBytes;
   for (int r = 0; r < size; ++r) new (base + kControlOffset + kLine * r) Control();
 }
 
@@ -141,9 +165,12 @@ ShmGroup::ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& 
                   "(shared region size)");
   const Header& h = header();
   TPCOMM_CHECK(h.magic == kMagic && h.version == kVersion && h.size == options_.size &&
-                   h.bufferBytes == options_.bufferBytes,
+                   h.bufferBytes == options_.bufferBytes &&
+                   h.twoPhaseMinBytes == options_.twoPhaseMinBytes,
                kSystem, "the shared region is not a tpcomm group of ", options_.size, " ranks with ",
-               options_.bufferBytes, "-byte buffers");
+               options_.bufferBytes, "-byte buffers and a two-phase crossover of ",
+               options_.twoPhaseMinBytes, " bytes");
+  timeoutMs_.store(options_.timeout.count());
   data_ = region_->base() + dataOffset(options_.size);
 }
 
@@ -159,65 +186,59 @@ char* ShmGroup::half(int r, uint64_t chunk) const {
   return data_ + (static_cast<size_t>(r) * 2 + (chunk & 1)) * options_.bufferBytes;
 }
 
-void ShmGroup::setTimeout(std::chrono::milliseconds timeout) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  options_.timeout = timeout;
-}
+void ShmGroup::setTimeout(std::chrono::milliseconds timeout) { timeoutMs_.store(timeout.count()); }
 
 std::chrono::milliseconds ShmGroup::timeout() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return options_.timeout;
+  return std::chrono::milliseconds(timeoutMs_.load());
 }
 
 std::string ShmGroup::failure() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+  std::lock_guard<std::mutex> lock(failureMutex_);
   return failure_;
 }
 
+void ShmGroup::setFailure(const std::string& message) {
+  std::lock_guard<std::mutex> lock(failureMutex_);
+  if (failure_.empty()) failure_ = message;
+}
+
 void ShmGroup::throwIfFailed() {
-  TPCOMM_CHECK(failure_.empty(), kPeerLost, "the group's shared-memory collectives stopped after ",
-               "an earlier failure: ", failure_);
+  const std::string earlier = failure();
+  TPCOMM_CHECK(earlier.empty(), kPeerLost, "the group's shared-memory collectives stopped after ",
+               "an earlier failure: ", earlier);
   // A failure another rank reported ends this rank's calls too, even those
   // whose peers had all arrived already.
-  const Header& h = header();
-  const uint32_t code = h.failure.load(std::memory_order_acquire);
-  if (code == kNone) return;
-  const char* cause = code == kTimedOut ? "timed out" : code == kDied ? "lost a peer" : "aborted";
-  const int culprit = h.culprit.load();
-  failure_ = detail::concat("rank ", h.failedRank.load(), " of the group ", cause,
-                            culprit >= 0 ? detail::concat(" (rank ", culprit, " died)") : "");
-  TPCOMM_THROW(kPeerLost, "the group's shared-memory collectives stopped: ", failure_);
+  const uint64_t word = header().failure.load(std::memory_order_acquire);
+  if (word == 0) return;
+  setFailure(describeFailure(word));
+  TPCOMM_THROW(kPeerLost, "the group's shared-memory collectives stopped: ", describeFailure(word));
+}
+
+void ShmGroup::publishFailure(uint64_t code, int culprit) {
+  Header& h = header();
+  uint64_t none = 0;
+  h.failure.compare_exchange_strong(none, packFailure(code, options_.rank, culprit));
+  h.wake.fetch_add(1);
+  futexWakeAll(h.wake);
 }
 
 void ShmGroup::abort(const std::string& why) {
-  Header& h = header();
-  uint32_t none = kNone;
-  if (h.failure.compare_exchange_strong(none, kAborted)) {
-    h.failedRank.store(options_.rank);
-    h.culprit.store(-1);
-  }
-  h.wake.fetch_add(1);
-  futexWakeAll(h.wake);
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (failure_.empty()) failure_ = why;
+  publishFailure(kAborted, -1);
+  setFailure(why);
 }
 
-void ShmGroup::fail(int code, const std::string& message) {
-  Header& h = header();
-  uint32_t none = kNone;
-  h.failure.compare_exchange_strong(none, static_cast<uint32_t>(code));
-  if (none == kNone) h.failedRank.store(options_.rank);
-  h.wake.fetch_add(1);
-  futexWakeAll(h.wake);
-  failure_ = message;
+void ShmGroup::fail(int code, int culprit, const std::string& message) {
+  publishFailure(static_cast<uint64_t>(code), culprit);
+  setFailure(message);
   if (code == kTimedOut) TPCOMM_THROW(kTimeout, message);
   TPCOMM_THROW(kPeerLost, message);
 }
 
-void ShmGroup::step(uint64_t signature) {
+void ShmGroup::step(const Signature& signature) {
   const uint64_t s = ++steps_;
   Control& mine = control(options_.rank);
-  mine.signature[s & 1].store(signature, std::memory_order_relaxed);
+  mine.signature[s & 1].head.store(signature.head, std::memory_order_relaxed);
+  mine.signature[s & 1].count.store(signature.count, std::memory_order_relaxed);
   mine.arrived.store(s, std::memory_order_seq_cst);  // publishes this rank's half
   Header& h = header();
   if (h.sleepers.load(std::memory_order_seq_cst) != 0) {
@@ -225,22 +246,27 @@ void ShmGroup::step(uint64_t signature) {
     futexWakeAll(h.wake);
   }
   waitAll(s, signature);
+  const auto theirs = [&](int r) {
+    return Signature(control(r).signature[s & 1].head.load(std::memory_order_relaxed),
+                     control(r).signature[s & 1].count.load(std::memory_order_relaxed));
+  };
   bool agree = true;
-  for (int r = 0; r < options_.size; ++r) {
-    agree &= control(r).signature[s & 1].load(std::memory_order_relaxed) == signature;
-  }
+  for (int r = 0; r < options_.size; ++r) agree &= theirs(r) == signature;
   if (agree) return;
   // Every rank sees the same signatures at this step, so every rank throws
-  // here and the next call starts in step on all of them.
+  // here, with the same step count. Calls that disagree may have used
+  // different numbers of chunks (a barrier against an allreduce): restart
+  // the chunk count from the step, which every rank agrees on. That is
+  // safe: every read of an earlier chunk ended before its reader arrived
+  // here, and nobody reads this call's chunk.
+  chunks_ = s;
   std::string calls;
-  for (int r = 0; r < options_.size; ++r) {
-    const uint64_t sig = control(r).signature[s & 1].load(std::memory_order_relaxed);
-    calls += detail::concat(r == 0 ? "" : "; ", "rank ", r, " called ", describeSignature(sig));
-  }
+  for (int r = 0; r < options_.size; ++r)
+    calls += detail::concat(r == 0 ? "" : "; ", "rank ", r, " called ", theirs(r).describe());
   TPCOMM_THROW(kInvalidUsage, "ranks disagree on a shared-memory collective: ", calls);
 }
 
-void ShmGroup::waitAll(uint64_t s, uint64_t signature) {
+void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
   Header& h = header();
   const int n = options_.size;
   int next = 0;  // ranks below `next` are known to have arrived
@@ -251,16 +277,12 @@ void ShmGroup::waitAll(uint64_t s, uint64_t signature) {
   if (ready()) return;
   const auto start = std::chrono::steady_clock::now();
   const auto spinUntil = start + options_.spin;
-  const auto deadline = start + options_.timeout;
-  const auto failed = [&] { return h.failure.load(std::memory_order_relaxed) != kNone; };
-  const auto reportOthersFailure = [&] {
-    const int by = h.failedRank.load();
-    const int culprit = h.culprit.load();
-    const uint32_t code = h.failure.load();
-    const char* cause = code == kTimedOut ? "timed out" : code == kDied ? "lost a peer" : "aborted";
-    fail(kAborted, detail::concat("rank ", by, " of the group ", cause,
-                                  culprit >= 0 ? detail::concat(" (rank ", culprit, " died)") : "",
-                                  " during ", describeSignature(signature)));
+  const auto limit = timeout();
+  const auto deadline = start + limit;
+  const auto failed = [&] { return h.failure.load(std::memory_order_acquire) != 0; };
+  const auto joinFailure = [&] {
+    fail(kAborted, -1,
+         detail::concat(describeFailure(h.failure.load()), " during ", signature.describe()));
   };
   for (int polls = 0; std::chrono::steady_clock::now() < spinUntil || polls < kPausePolls;
        ++polls) {
@@ -270,9 +292,10 @@ void ShmGroup::waitAll(uint64_t s, uint64_t signature) {
       __builtin_ia32_pause();
 #endif
     }
-    if (failed()) reportOthersFailure();
+    if (failed()) joinFailure();
     if (polls >= kPausePolls) sched_yield();
   }
+  auto lastLivenessCheck = start;
   while (true) {
     h.sleepers.fetch_add(1, std::memory_order_seq_cst);
     std::atomic_thread_fence(std::memory_order_seq_cst);
@@ -281,32 +304,38 @@ void ShmGroup::waitAll(uint64_t s, uint64_t signature) {
       h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
       return;
     }
-    const auto now = std::chrono::steady_clock::now();
+    auto now = std::chrono::steady_clock::now();
     if (!failed() && now < deadline) {
       const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now);
       futexWait(h.wake, seen, std::min<std::chrono::microseconds>(left, kSleepSlice));
     }
     h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
     if (ready()) return;
-    if (failed()) reportOthersFailure();
-    for (int r = next; r < n; ++r) {
-      if (control(r).arrived.load(std::memory_order_acquire) >= s) continue;
-      if (!processAlive(pids_[r])) {
-        h.culprit.store(r);
-        fail(kDied, detail::concat("rank ", r, " (pid ", pids_[r], ") died before it reached ",
-                                   describeSignature(signature)));
+    if (failed()) joinFailure();
+    now = std::chrono::steady_clock::now();
+    // Peers' liveness at most once per sleep slice (every arrival wakes
+    // every sleeper; the check costs system calls).
+    if (now - lastLivenessCheck >= kSleepSlice || now >= deadline) {
+      lastLivenessCheck = now;
+      for (int r = next; r < n; ++r) {
+        if (control(r).arrived.load(std::memory_order_acquire) >= s) continue;
+        if (!processAlive(pids_[r])) {
+          fail(kDied, r,
+               detail::concat("rank ", r, " (pid ", pids_[r], ") died before it reached ",
+                              signature.describe()));
+        }
       }
     }
-    if (std::chrono::steady_clock::now() >= deadline) {
+    if (now >= deadline) {
+      if (ready()) return;  // the last peer arrived just now
       std::string missing;
       for (int r = next; r < n; ++r) {
         if (control(r).arrived.load(std::memory_order_acquire) < s)
           missing += detail::concat(missing.empty() ? "" : ", ", r);
       }
-      h.culprit.store(-1);
-      fail(kTimedOut, detail::concat("ranks ", missing, " did not reach ",
-                                     describeSignature(signature), " within ",
-                                     options_.timeout.count(), " ms"));
+      fail(kTimedOut, -1,
+           detail::concat("ranks ", missing, " did not reach ", signature.describe(), " within ",
+                          limit.count(), " ms"));
     }
   }
 }
@@ -314,15 +343,15 @@ void ShmGroup::waitAll(uint64_t s, uint64_t signature) {
 void ShmGroup::barrier() {
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
-  step(signatureOf(Op::kBarrier, 0, 0, 0, 0));
+  step(Signature(static_cast<int>(Op::kBarrier), 0, 0, 0, 0));
 }
 
 void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
                          const ReduceSpec& spec) {
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
-  const uint64_t sig =
-      signatureOf(Op::kAllreduce, static_cast<int>(dtype), reductionCode(spec), 0, count);
+  const Signature sig(static_cast<int>(Op::kAllreduce), static_cast<int>(dtype),
+                      reductionCode(spec), 0, count);
   const int n = options_.size;
   const int me = options_.rank;
   const size_t esize = dtypeBytes(dtype);
@@ -361,7 +390,7 @@ void ShmGroup::allgather(const void* in, size_t bytes, const std::vector<void*>&
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
   TPCOMM_CHECK_EQ(outs.size(), static_cast<size_t>(options_.size), "(all_gather outputs)");
-  const uint64_t sig = signatureOf(Op::kAllgather, 0, 0, 0, bytes);
+  const Signature sig(static_cast<int>(Op::kAllgather), 0, 0, 0, bytes);
   if (bytes == 0) return step(sig);
   const size_t chunk = options_.bufferBytes;
   for (size_t offset = 0; offset < bytes; offset += chunk) {
@@ -381,8 +410,8 @@ void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, siz
   throwIfFailed();
   const int n = options_.size;
   TPCOMM_CHECK_EQ(ins.size(), static_cast<size_t>(n), "(reduce_scatter inputs)");
-  const uint64_t sig =
-      signatureOf(Op::kReduceScatter, static_cast<int>(dtype), reductionCode(spec), 0, count);
+  const Signature sig(static_cast<int>(Op::kReduceScatter), static_cast<int>(dtype),
+                      reductionCode(spec), 0, count);
   if (count == 0) return step(sig);
   const size_t esize = dtypeBytes(dtype);
   // Each half holds one piece per destination rank, whole cache lines each
@@ -414,7 +443,7 @@ void ShmGroup::broadcast(void* data, size_t bytes, int root) {
   throwIfFailed();
   TPCOMM_CHECK(root >= 0 && root < options_.size, kInvalidUsage, "broadcast root ", root,
                " outside a group of ", options_.size);
-  const uint64_t sig = signatureOf(Op::kBroadcast, 0, 0, root, bytes);
+  const Signature sig(static_cast<int>(Op::kBroadcast), 0, 0, root, bytes);
   if (bytes == 0) return step(sig);
   const size_t chunk = options_.bufferBytes;
   for (size_t offset = 0; offset < bytes; offset += chunk) {

@@ -54,7 +54,9 @@
 //
 // Thread safety: calls on one ShmGroup are serialised by a mutex; ranks must
 // issue the same calls in the same order (as with any collective).
+// setTimeout, failure and abort may be called from any thread at any time.
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -86,11 +88,11 @@ class ShmGroup {
   // Bytes of the region for `size` ranks; throws InvalidUsage if absurd.
   static size_t regionBytes(int size, uint64_t bufferBytes);
   // Writes the header of a fresh (zeroed) region; the creator calls it
-  // before any peer attaches.
-  static void initRegion(char* base, int size, uint64_t bufferBytes);
+  // before any peer attaches. Every rank's options must match it.
+  static void initRegion(char* base, int size, uint64_t bufferBytes, uint64_t twoPhaseMinBytes);
 
-  // `region` must have been initialised for options.size ranks and
-  // bufferBytes; `pids[r]` is rank r's process (liveness checks). Throws
+  // `region` must have been initialised for options.size ranks, bufferBytes
+  // and twoPhaseMinBytes; `pids[r]` is rank r's process (liveness checks). Throws
   // System if the header does not match.
   ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& options,
            std::vector<int32_t> pids);
@@ -114,19 +116,26 @@ class ShmGroup {
   std::string failure() const;
   // Marks the group failed on every rank (their waits end with PeerLost).
   void abort(const std::string& why);
+  // Closes the region's descriptor once every peer mapped it (set-up).
+  void closeDescriptor() { region_->closeDescriptor(); }
 
  private:
   struct Header;
   struct Control;
+  struct Signature;
   Header& header() const;
   Control& control(int r) const;
   char* half(int r, uint64_t chunk) const;
 
   // Arrives at the next step and waits for every rank; throws InvalidUsage
   // when signatures differ, Timeout/PeerLost as described above.
-  void step(uint64_t signature);
-  void waitAll(uint64_t s, uint64_t signature);
-  [[noreturn]] void fail(int code, const std::string& message);
+  void step(const Signature& signature);
+  void waitAll(uint64_t s, const Signature& signature);
+  // Publishes the first failure in the header (code, this rank, the rank
+  // blamed or -1) and wakes every sleeper.
+  void publishFailure(uint64_t code, int culprit);
+  [[noreturn]] void fail(int code, int culprit, const std::string& message);
+  void setFailure(const std::string& message);
   void throwIfFailed();
 
   std::unique_ptr<SharedRegion> region_;
@@ -135,8 +144,10 @@ class ShmGroup {
   char* data_ = nullptr;
   uint64_t steps_ = 0;
   uint64_t chunks_ = 0;
-  mutable std::mutex mutex_;  // one call at a time
-  std::string failure_;       // guarded by mutex_
+  std::atomic<int64_t> timeoutMs_{0};
+  std::mutex mutex_;                  // one call at a time (held while it waits)
+  mutable std::mutex failureMutex_;   // guards failure_ (never held while waiting)
+  std::string failure_;
 };
 
 }  // namespace tpcomm::mq

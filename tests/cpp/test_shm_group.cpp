@@ -32,7 +32,7 @@ std::vector<int> runRanks(int size, const ShmGroupOptions& base,
                           const std::function<void(std::vector<pid_t>&)>& meanwhile = {}) {
   const size_t bytes = ShmGroup::regionBytes(size, base.bufferBytes);
   auto region = SharedRegion::create(bytes);
-  ShmGroup::initRegion(region->base(), size, base.bufferBytes);
+  ShmGroup::initRegion(region->base(), size, base.bufferBytes, base.twoPhaseMinBytes);
   const pid_t parent = ::getpid();
   std::vector<pid_t> pids(size);
   for (int r = 0; r < size; ++r) {
@@ -410,6 +410,29 @@ TEST(ShmGroup, MismatchedCallsRaiseOnEveryRankAndTheGroupStaysUsable) {
     std::vector<float> y(4, static_cast<float>(me + 1));
     g.allreduce(y.data(), y.data(), y.size(), DType::kFloat32, ReduceSpec{});
     CHILD_CHECK(y[0] == 6.0f, "after the mismatch: %g", y[0]);
+    // Calls that use different numbers of chunks (a barrier against an
+    // allreduce, a size of 0 against 100): the ranks must still agree on
+    // which buffer half the next chunks use.
+    for (int round = 0; round < 2; ++round) {
+      std::vector<float> z(100, 1.0f);
+      try {
+        if (round == 0 && me == 0) {
+          g.barrier();
+        } else {
+          g.allreduce(z.data(), z.data(), me == 2 && round == 1 ? 0 : z.size(), DType::kFloat32,
+                      ReduceSpec{});
+        }
+        return 5;
+      } catch (const Error& e) {
+        CHILD_CHECK(e.code() == ErrorCode::kInvalidUsage, "round %d: %s", round, e.what());
+      }
+      for (int i = 0; i < 5; ++i) {  // several chunks of 64 floats each, both halves
+        std::vector<float> v(64 * 3 + i, static_cast<float>(me + i));
+        g.allreduce(v.data(), v.data(), v.size(), DType::kFloat32, ReduceSpec{});
+        const float want = static_cast<float>(3 * i + 3);
+        for (float x : v) CHILD_CHECK(x == want, "round %d call %d: %g vs %g", round, i, x, want);
+      }
+    }
     return 0;
   };
   for (int code : runRanks(3, smallBuffers(1ull << 40), body)) EXPECT_EQ(code, 0);

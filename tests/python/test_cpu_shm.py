@@ -339,22 +339,30 @@ def test_two_simulated_hosts_fall_back_to_gloo():
 
 
 def _required_but_refused(ctx):
-    try:
-        dist.all_reduce(torch.ones(3))
-    except RuntimeError as e:
-        return str(e)
-    return None
+    messages = []
+    for _ in range(2):  # the set-up, then a later call: both raise
+        try:
+            dist.all_reduce(torch.ones(3))
+            messages.append(None)
+        except RuntimeError as e:
+            messages.append(str(e))
+    return messages
 
 
 def test_required_path_on_two_hosts_raises_on_every_rank():
-    hosts = {0: {"TPCOMM_HOST_ID": "host-a"}, 1: {"TPCOMM_HOST_ID": "host-b"}}
-    group = Group(2, env={"TPCOMM_CPU_SHM": "1"}, env_per_rank=hosts)
+    # TPCOMM_CPU_SHM=1 on rank 0 only: rank 1 (auto) must raise too rather
+    # than go on through Gloo alone.
+    ranks = {0: {"TPCOMM_HOST_ID": "host-a", "TPCOMM_CPU_SHM": "1"},
+             1: {"TPCOMM_HOST_ID": "host-b", "TPCOMM_CPU_SHM": "auto"}}
+    group = Group(2, env_per_rank=ranks)
     try:
-        messages = group.run(_required_but_refused)
+        results = group.run(_required_but_refused)
     finally:
         group.close()
-    for m in messages:
-        assert m is not None and "TPCOMM_CPU_SHM=1" in m and "different hosts" in m, m
+    for messages in results:
+        for m in messages:
+            assert m is not None and "TPCOMM_CPU_SHM=1 (on rank(s) 0)" in m, m
+            assert "different hosts" in m, m
 
 
 def _killed_rank(ctx):
