@@ -143,8 +143,7 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
     bytes = mq::ShmGroup::regionBytes(size, options.bufferBytes);
     if (rank == 0) {
       region = mq::SharedRegion::create(bytes);
-      mq::ShmGroup::initRegion(region->base(), size, options.bufferBytes,
-                               options.twoPhaseMinBytes);
+      mq::ShmGroup::initRegion(region->base(), size, options.bufferBytes, options.twoPhaseMinBytes);
     }
   } catch (const std::exception& e) {
     failure = "could not create the shared-memory region: " + failureOf(e);
@@ -159,8 +158,8 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   std::unique_ptr<mq::ShmGroup> group;
   try {
     if (rank != 0) {
-      region = mq::SharedRegion::attach(static_cast<int32_t>(pids[0]), static_cast<int32_t>(fd),
-                                        bytes);
+      region =
+          mq::SharedRegion::attach(static_cast<int32_t>(pids[0]), static_cast<int32_t>(fd), bytes);
     }
     // Checks the header it mapped (magic, size, settings): a rank that
     // reached some other file says so in round 3.
@@ -201,8 +200,8 @@ std::optional<mq::DType> shmDtype(at::ScalarType dtype) {
   }
 }
 
-std::optional<mq::ReduceSpec> shmReduction(const c10d::ReduceOp& op, at::ScalarType dtype,
-                                           int size, const char** why) {
+std::optional<mq::ReduceSpec> shmReduction(const c10d::ReduceOp& op, at::ScalarType dtype, int size,
+                                           const char** why) {
   const char* ignored = nullptr;
   if (why == nullptr) why = &ignored;
   if (!shmDtype(dtype)) {

@@ -50,8 +50,8 @@ std::optional<mq::DType> shmDtype(at::ScalarType dtype);
 // The reduction for `op` on `dtype` at `size` ranks, or nullopt (with `why`,
 // unless null) when the path does not take it (bitwise ops, bool). PREMUL_SUM's factor is
 // read here (a one-element tensor factor is read on the host).
-std::optional<mq::ReduceSpec> shmReduction(const c10d::ReduceOp& op, at::ScalarType dtype,
-                                           int size, const char** why);
+std::optional<mq::ReduceSpec> shmReduction(const c10d::ReduceOp& op, at::ScalarType dtype, int size,
+                                           const char** why);
 
 // A call the path already completed: no Work for a synchronous call (torch's
 // Python API then skips wait(), as for ProcessGroupNCCL), else a completed

@@ -352,8 +352,8 @@ Pending GroupCoordinator::reduceScatterBase(at::Tensor& output, at::Tensor& inpu
   });
   const Route route = routeFor(input);
   if (route == Route::kCpu) {
-    if (auto done = shmReduceScatter(constSlicesOf(input, size()), output, opts.reduceOp,
-                                     opts.asyncOp))
+    if (auto done =
+            shmReduceScatter(constSlicesOf(input, size()), output, opts.reduceOp, opts.asyncOp))
       return *done;
   }
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);

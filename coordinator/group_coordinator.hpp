@@ -223,13 +223,13 @@ class GroupCoordinator {
   std::shared_ptr<CustomPath> custom_;               // guarded by deviceMutex_
   std::optional<c10::cuda::CUDAStream> commStream_;  // async custom calls
   mutable std::mutex shmMutex_;
-  bool shmTried_ = false;                  // guarded by shmMutex_
+  bool shmTried_ = false;                        // guarded by shmMutex_
   std::atomic<mq::ShmGroup*> shmFast_{nullptr};  // shm_.get() once set up: the per-call read
-  std::unique_ptr<mq::ShmGroup> shm_;      // guarded by shmMutex_
+  std::unique_ptr<mq::ShmGroup> shm_;            // guarded by shmMutex_
   std::string shmReason_ = "not set up yet (at the group's first CPU collective)";
   std::string shmMode_;   // setCpuShmMode's override; guarded by shmMutex_
   std::string shmError_;  // a refused TPCOMM_CPU_SHM=1 set-up, raised by every call
-  std::atomic<int> registrationDepth_{0};            // read on every custom call, without the lock
+  std::atomic<int> registrationDepth_{0};  // read on every custom call, without the lock
   uint64_t debugSequence_ = 0;
   RouteStats stats_;
   RoutingTable routing_;

@@ -44,8 +44,8 @@ mq::ShmGroup* GroupCoordinator::cpuShm() {
 }
 
 void GroupCoordinator::setCpuShmMode(const std::string& mode) {
-  TPCOMM_CHECK(mode == "auto" || mode == "0" || mode == "1", kInvalidUsage, "CPU shared-memory mode '",
-               mode, "' is not one of auto, 0, 1");
+  TPCOMM_CHECK(mode == "auto" || mode == "0" || mode == "1", kInvalidUsage,
+               "CPU shared-memory mode '", mode, "' is not one of auto, 0, 1");
   std::lock_guard<std::mutex> lock(shmMutex_);
   TPCOMM_CHECK(!shmTried_, kInvalidUsage,
                "set_cpu_shm_mode: the group's CPU shared-memory path is already set up");
@@ -66,9 +66,9 @@ void GroupCoordinator::logCpuRoute(const char* op, const at::Tensor& tensor, con
                                    const char* reason) {
   const std::string what = std::string(op) + " " + dtypeName(tensor.scalar_type());
   routeLog_.once(std::string("cpu|") + route + "|" + reason + "|" + what,
-                 "tpcomm route: group '" + options_.groupName + "' rank " +
-                     std::to_string(rank()) + ": " + what + " " + std::to_string(bytesOf(tensor)) +
-                     " B -> " + route + " (" + reason + ")");
+                 "tpcomm route: group '" + options_.groupName + "' rank " + std::to_string(rank()) +
+                     ": " + what + " " + std::to_string(bytesOf(tensor)) + " B -> " + route + " (" +
+                     reason + ")");
 }
 
 std::optional<Pending> GroupCoordinator::shmAllreduce(const at::Tensor& input, at::Tensor& output,
@@ -81,8 +81,7 @@ std::optional<Pending> GroupCoordinator::shmAllreduce(const at::Tensor& input, a
   } else {
     spec = shmReduction(op, input.scalar_type(), size(), &why);
   }
-  if (logRoutes_)
-    logAllreduceRoute(op, input, spec ? "cpu_shm" : "gloo", spec ? "one host" : why);
+  if (logRoutes_) logAllreduceRoute(op, input, spec ? "cpu_shm" : "gloo", spec ? "one host" : why);
   if (!spec) return std::nullopt;
   stats_.record(StatsRoute::kCpuShm, bytesOf(input));
   shm->allreduce(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),

@@ -185,8 +185,9 @@ void Segment::wait(std::atomic<uint32_t>& word, const std::function<bool()>& rea
     TPCOMM_CHECK(now < deadline, kTimeout, "message queue ", name_, ": timed out after ",
                  timeout.count(), " ms ", what);
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now);
-    futexWait(word, seen,
-              std::chrono::microseconds(std::min(left + std::chrono::milliseconds(1), kSleepSlice)));
+    futexWait(
+        word, seen,
+        std::chrono::microseconds(std::min(left + std::chrono::milliseconds(1), kSleepSlice)));
   }
 }
 

@@ -92,5 +92,4 @@ class Segment {
   bool unlinked_ = false;
 };
 
-
 }  // namespace tpcomm::mq

@@ -167,8 +167,8 @@ ShmGroup::ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& 
   TPCOMM_CHECK(h.magic == kMagic && h.version == kVersion && h.size == options_.size &&
                    h.bufferBytes == options_.bufferBytes &&
                    h.twoPhaseMinBytes == options_.twoPhaseMinBytes,
-               kSystem, "the shared region is not a tpcomm group of ", options_.size, " ranks with ",
-               options_.bufferBytes, "-byte buffers and a two-phase crossover of ",
+               kSystem, "the shared region is not a tpcomm group of ", options_.size,
+               " ranks with ", options_.bufferBytes, "-byte buffers and a two-phase crossover of ",
                options_.twoPhaseMinBytes, " bytes");
   timeoutMs_.store(options_.timeout.count());
   data_ = region_->base() + dataOffset(options_.size);

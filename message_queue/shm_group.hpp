@@ -145,8 +145,8 @@ class ShmGroup {
   uint64_t steps_ = 0;
   uint64_t chunks_ = 0;
   std::atomic<int64_t> timeoutMs_{0};
-  std::mutex mutex_;                  // one call at a time (held while it waits)
-  mutable std::mutex failureMutex_;   // guards failure_ (never held while waiting)
+  std::mutex mutex_;                 // one call at a time (held while it waits)
+  mutable std::mutex failureMutex_;  // guards failure_ (never held while waiting)
   std::string failure_;
 };
 

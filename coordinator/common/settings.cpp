@@ -128,14 +128,12 @@ Settings Settings::parse(const Lookup& lookup) {
     }
   }
   if (auto v = lookup("TPCOMM_CPU_SHM_BUFFER_BYTES")) {
-    s.cpuShmBufferBytes =
-        parseInt("TPCOMM_CPU_SHM_BUFFER_BYTES", *v, 4096, int64_t{1} << 30);
+    s.cpuShmBufferBytes = parseInt("TPCOMM_CPU_SHM_BUFFER_BYTES", *v, 4096, int64_t{1} << 30);
     TPCOMM_CHECK(s.cpuShmBufferBytes % 64 == 0, kInvalidUsage,
                  "setting TPCOMM_CPU_SHM_BUFFER_BYTES=", *v, " is not a multiple of 64");
   }
   if (auto v = lookup("TPCOMM_CPU_SHM_TWO_PHASE_BYTES")) {
-    s.cpuShmTwoPhaseBytes =
-        parseInt("TPCOMM_CPU_SHM_TWO_PHASE_BYTES", *v, 0, int64_t{1} << 62);
+    s.cpuShmTwoPhaseBytes = parseInt("TPCOMM_CPU_SHM_TWO_PHASE_BYTES", *v, 0, int64_t{1} << 62);
   }
   if (auto v = lookup("TPCOMM_CPU_SHM_SPIN_US")) {
     s.cpuShmSpinUs = parseInt("TPCOMM_CPU_SHM_SPIN_US", *v, 0, 1000000);

@@ -11,8 +11,8 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstring>
 #include <csignal>
+#include <cstring>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -188,9 +188,10 @@ void reference(DType d, const ReduceSpec& spec, int size, size_t count, bool sma
             break;
         }
       }
-      int64_t v = (spec.kind == ReduceKind::kSum || spec.kind == ReduceKind::kProduct)
-                      ? (d == DType::kInt32 ? static_cast<int32_t>(uacc) : static_cast<int64_t>(uacc))
-                      : acc;
+      int64_t v =
+          (spec.kind == ReduceKind::kSum || spec.kind == ReduceKind::kProduct)
+              ? (d == DType::kInt32 ? static_cast<int32_t>(uacc) : static_cast<int64_t>(uacc))
+              : acc;
       if (spec.divisor != 1) v /= spec.divisor;
       if (d == DType::kInt32) {
         const int32_t y = static_cast<int32_t>(v);
@@ -252,13 +253,13 @@ double tolerance(DType d) {
   }
 }
 
-#define CHILD_CHECK(cond, ...)                  \
-  do {                                          \
-    if (!(cond)) {                              \
-      std::fprintf(stderr, __VA_ARGS__);        \
-      std::fprintf(stderr, " [%s]\n", #cond);   \
-      return 1;                                 \
-    }                                           \
+#define CHILD_CHECK(cond, ...)                \
+  do {                                        \
+    if (!(cond)) {                            \
+      std::fprintf(stderr, __VA_ARGS__);      \
+      std::fprintf(stderr, " [%s]\n", #cond); \
+      return 1;                               \
+    }                                         \
   } while (0)
 
 const std::vector<DType> kDtypes = {DType::kFloat32, DType::kFloat64, DType::kBFloat16,
@@ -550,14 +551,14 @@ TEST(ShmGroup, AnIdleWaiterSleepsInsteadOfBurningACore) {
 
 TEST(ShmReduce, SixteenBitConversionsRoundToNearestEven) {
   EXPECT_EQ(floatToBf16(1.0f), 0x3f80);
-  EXPECT_EQ(floatToBf16(1.0f + 1.0f / 256), 0x3f80);                // tie: to even
-  EXPECT_EQ(floatToBf16(1.0f + 3.0f / 256), 0x3f82);                // tie: to even (up)
+  EXPECT_EQ(floatToBf16(1.0f + 1.0f / 256), 0x3f80);  // tie: to even
+  EXPECT_EQ(floatToBf16(1.0f + 3.0f / 256), 0x3f82);  // tie: to even (up)
   EXPECT_EQ(floatToBf16(std::nanf("")) & 0x7fc0, 0x7fc0);
   EXPECT_EQ(floatToFp16(1.0f), 0x3c00);
   EXPECT_EQ(floatToFp16(65504.0f), 0x7bff);
-  EXPECT_EQ(floatToFp16(70000.0f), 0x7c00);                          // overflow: inf
-  EXPECT_EQ(floatToFp16(1.0f + 1.0f / 2048), 0x3c00);               // tie: to even
-  EXPECT_EQ(floatToFp16(5.960464477539063e-08f), 0x0001);            // smallest subnormal
+  EXPECT_EQ(floatToFp16(70000.0f), 0x7c00);                // overflow: inf
+  EXPECT_EQ(floatToFp16(1.0f + 1.0f / 2048), 0x3c00);      // tie: to even
+  EXPECT_EQ(floatToFp16(5.960464477539063e-08f), 0x0001);  // smallest subnormal
   EXPECT_EQ(floatToFp16(-2.0f), 0xc000);
   EXPECT_TRUE(std::isnan(fp16ToFloat(0x7e00)));
   EXPECT_EQ(fp16ToFloat(0x0001), 5.960464477539063e-08f);
