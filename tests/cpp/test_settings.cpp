@@ -64,6 +64,38 @@ TEST(Settings, CustomAllreduceIntegers) {
   }
 }
 
+TEST(Settings, CpuSharedMemory) {
+  Settings d = Settings::parse(fakeEnv({}));
+  EXPECT_EQ(d.cpuShm, "auto");
+  EXPECT_EQ(d.cpuShmBufferBytes, 1 << 20);
+  EXPECT_EQ(d.cpuShmTwoPhaseBytes, 256 << 10);
+  EXPECT_EQ(d.cpuShmSpinUs, 50);
+  const std::vector<std::pair<const char*, const char*>> modes = {
+      {"", "auto"}, {"AUTO", "auto"}, {"0", "0"}, {"1", "1"}, {"off", "0"}, {"true", "1"}};
+  for (const auto& [value, mode] : modes) {
+    EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_CPU_SHM", value}})).cpuShm, mode) << value;
+  }
+  Settings s = Settings::parse(fakeEnv({{"TPCOMM_CPU_SHM_BUFFER_BYTES", "8192"},
+                                        {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "0"},
+                                        {"TPCOMM_CPU_SHM_SPIN_US", "0"}}));
+  EXPECT_EQ(s.cpuShmBufferBytes, 8192);
+  EXPECT_EQ(s.cpuShmTwoPhaseBytes, 0);
+  EXPECT_EQ(s.cpuShmSpinUs, 0);
+  const std::vector<std::pair<const char*, const char*>> bad = {
+      {"TPCOMM_CPU_SHM", "sometimes"},         {"TPCOMM_CPU_SHM_BUFFER_BYTES", "4100"},
+      {"TPCOMM_CPU_SHM_BUFFER_BYTES", "1024"}, {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "-1"},
+      {"TPCOMM_CPU_SHM_SPIN_US", "2000000"}};
+  for (const auto& [name, value] : bad) {
+    try {
+      Settings::parse(fakeEnv({{name, value}}));
+      ADD_FAILURE() << name << "=" << value << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidUsage);
+      EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Settings, TableDocumentsEverySetting) {
   const auto& table = settingTable();
   ASSERT_FALSE(table.empty());

@@ -326,16 +326,21 @@ def _two_hosts(ctx):
     return x[0].item(), d["available"], d["reason"], tpcomm.stats()["gloo"]["calls"]
 
 
-def test_two_simulated_hosts_fall_back_to_gloo():
-    hosts = {0: {"TPCOMM_HOST_ID": "host-a"}, 1: {"TPCOMM_HOST_ID": "host-b"}}
-    group = Group(2, env_per_rank=hosts)
+@pytest.mark.parametrize("per_rank, why", [
+    ({0: {"TPCOMM_HOST_ID": "host-a"}, 1: {"TPCOMM_HOST_ID": "host-b"}}, "different hosts"),
+    ({1: {"TPCOMM_CPU_SHM": "0"}}, "TPCOMM_CPU_SHM=0 on rank(s) 1"),
+    ({0: {"TPCOMM_CPU_SHM_BUFFER_BYTES": "8192"}},
+     "ranks disagree on TPCOMM_CPU_SHM_BUFFER_BYTES (rank 0: 8192, rank 1: 1048576)"),
+], ids=["two-hosts", "off-on-one-rank", "settings-differ"])
+def test_groups_the_path_cannot_serve_use_gloo_on_every_rank(per_rank, why):
+    group = Group(2, env_per_rank=per_rank)
     try:
         results = group.run(_two_hosts)
     finally:
         group.close()
     for value, available, reason, gloo_calls in results:
         assert value == 3.0 and not available and gloo_calls == 1
-        assert "different hosts" in reason, reason
+        assert why in reason, reason
 
 
 def _required_but_refused(ctx):
