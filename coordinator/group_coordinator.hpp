@@ -3,7 +3,9 @@
 // ProcessGroupGloo) and, created on first use, the device backend (torch's
 // ProcessGroupNCCL), and routes every call to one of them:
 //
-//   CPU tensors, barrier, monitored barrier  -> CPU backend
+//   CPU allreduce, all-gather, reduce-scatter,
+//   broadcast, barrier of a one-host group   -> shared memory (CpuShm)
+//   other CPU calls, monitored barrier       -> CPU backend
 //   CUDA allreduces the routing table sends  -> custom kernel (CustomPath)
 //   to the custom kernel
 //   other CUDA tensors                       -> device backend

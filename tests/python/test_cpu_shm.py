@@ -411,3 +411,17 @@ def test_dev_shm_is_unchanged():
     finally:
         group.close(kill=True)
     assert set(os.listdir("/dev/shm")) - before == set()
+
+
+def test_cpu_benchmark_runs_and_prints_its_tables():
+    """The benchmark itself (figures are not checked: it is not a timed test)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "tpcomm.bench", "cpu", "--world-sizes", "2",
+                          "--max-mib", "1", "--quick", "--rounds", "1", "--png", ""],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
+        assert f"{op}, world size 2" in out.stdout, out.stdout
+    assert "gloo/on" in out.stdout and "256 KB" in out.stdout, out.stdout
