@@ -36,6 +36,7 @@ requirements=(
   "numpy==2.4.6"
   "pytest==9.2.0"
   "pytest-timeout==2.4.0"
+  "matplotlib==3.11.2"  # the benchmarks' plots
 )
 
 log() { echo "[run.sh] $*" >&2; }
