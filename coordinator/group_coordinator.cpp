@@ -1,5 +1,7 @@
 #include "coordinator/group_coordinator.hpp"
 
+#include <algorithm>
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "coordinator/common/error.hpp"
@@ -385,8 +387,12 @@ Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& 
                        describeTensors(inputs) + " -> " + describeTensors(outputs));
   });
   const Route route = routeFor(inputs[0]);
-  if (route == Route::kCpu && cpuShm() != nullptr &&
-      shmReduction(opts.reduceOp, inputs[0].scalar_type(), size(), nullptr)) {
+  // Through shared memory only when it reduces every input's dtype (they may
+  // differ): the call is never split between the two paths.
+  const bool everyDtype = std::all_of(inputs.begin(), inputs.end(), [&](const at::Tensor& t) {
+    return shmReduction(opts.reduceOp, t.scalar_type(), size(), nullptr).has_value();
+  });
+  if (route == Route::kCpu && everyDtype && cpuShm() != nullptr) {
     for (size_t i = 0; i < inputs.size(); ++i)
       shmReduceScatter(constSlicesOf(inputs[i], size()), outputs[i], opts.reduceOp, false);
     return completedCall(outputs, opts.asyncOp);

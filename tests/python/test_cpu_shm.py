@@ -323,6 +323,11 @@ def _functional(ctx):
     assert torch.equal(outs[1], total.chunk(w)[r])
     outs = funcol.all_reduce_coalesced([x, x], "sum", group)
     assert torch.equal(outs[1].wait(), total)
+    # Mixed dtypes, one of which the path does not reduce: all through Gloo.
+    u = (torch.arange(4 * w) % 7).to(torch.uint8)
+    outs = funcol.reduce_scatter_tensor_coalesced([x, u], "sum", [0, 0], group)
+    assert torch.equal(outs[1], (u.chunk(w)[r].int() * w).to(torch.uint8)), outs[1]
+    torch.testing.assert_close(outs[0], total.chunk(w)[r])
 
     @torch.compile(fullgraph=True, backend="eager")
     def compiled(t):
