@@ -481,10 +481,10 @@ TEST(ShmGroup, AKilledRankMakesTheOthersRaiseNamingIt) {
 
 TEST(ShmGroup, ARankThatNeverArrivesTimesOutAndThePeerLearnsIt) {
   ShmGroupOptions o = smallBuffers(1ull << 40);
-  o.timeout = 300ms;
+  o.timeout = 1s;
   const auto body = [](ShmGroup& g) {
     if (g.options().rank == 1) {
-      std::this_thread::sleep_for(1500ms);
+      std::this_thread::sleep_for(3s);
       try {
         g.barrier();
         return 2;
@@ -502,7 +502,7 @@ TEST(ShmGroup, ARankThatNeverArrivesTimesOutAndThePeerLearnsIt) {
       CHILD_CHECK(e.code() == ErrorCode::kTimeout, "%s", e.what());
       CHILD_CHECK(std::string(e.what()).find("ranks 1 did not reach barrier") != std::string::npos,
                   "%s", e.what());
-      CHILD_CHECK(std::chrono::steady_clock::now() - start < 600ms, "bounded by 2x the timeout");
+      CHILD_CHECK(std::chrono::steady_clock::now() - start < 2s, "bounded by 2x the timeout");
     }
     return 0;
   };
