@@ -4,7 +4,8 @@
 
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
-#include "coordinator/custom_setup.hpp"  // allgatherBytes, fixedWidth, trimmed
+#include "coordinator/composite_ops.hpp"
+#include "coordinator/custom_setup.hpp"  // the set-up exchange helpers
 
 namespace tpcomm::coord {
 
@@ -47,13 +48,6 @@ class Fields {
   size_t offset_ = 0;
 };
 
-std::string firstFailure(const std::vector<std::string>& messages) {
-  for (size_t r = 0; r < messages.size(); ++r) {
-    if (!messages[r].empty()) return detail::concat("rank ", r, ": ", messages[r]);
-  }
-  return "";
-}
-
 // Round 1's verdict: empty when every rank can share one region.
 std::string agreement(const std::vector<std::string>& modes, const std::vector<std::string>& hosts,
                       const std::vector<int64_t>& buffers, const std::vector<int64_t>& twoPhase) {
@@ -76,11 +70,6 @@ std::string agreement(const std::vector<std::string>& modes, const std::vector<s
                             twoPhase[0], ", rank ", r, ": ", twoPhase[r], ")");
   }
   return "";
-}
-
-std::string failureOf(const std::exception& e) {
-  std::string what = e.what();
-  return what.empty() ? "unknown error" : what;
 }
 
 }  // namespace
@@ -200,21 +189,30 @@ std::optional<mq::DType> shmDtype(at::ScalarType dtype) {
   }
 }
 
-std::optional<mq::ReduceSpec> shmReduction(const c10d::ReduceOp& op, at::ScalarType dtype, int size,
-                                           const char** why) {
+bool shmReduces(const c10d::ReduceOp& op, at::ScalarType dtype, const char** why) {
   const char* ignored = nullptr;
   if (why == nullptr) why = &ignored;
   if (!shmDtype(dtype)) {
     *why = "dtype not reduced in shared memory";
-    return std::nullopt;
+    return false;
   }
-  mq::ReduceSpec spec;
   switch (op.op_) {
     case c10d::ReduceOp::SUM:
-      return spec;
     case c10d::ReduceOp::AVG:
-      spec.divisor = size;
-      return spec;
+    case c10d::ReduceOp::PREMUL_SUM:
+    case c10d::ReduceOp::PRODUCT:
+    case c10d::ReduceOp::MIN:
+    case c10d::ReduceOp::MAX:
+      return true;
+    default:
+      *why = "bitwise reductions go to Gloo";
+      return false;
+  }
+}
+
+mq::ReduceSpec shmReduction(const c10d::ReduceOp& op, int size) {
+  mq::ReduceSpec spec;
+  switch (op.op_) {
     case c10d::ReduceOp::PRODUCT:
       spec.kind = mq::ReduceKind::kProduct;
       return spec;
@@ -224,22 +222,19 @@ std::optional<mq::ReduceSpec> shmReduction(const c10d::ReduceOp& op, at::ScalarT
     case c10d::ReduceOp::MAX:
       spec.kind = mq::ReduceKind::kMax;
       return spec;
-    case c10d::ReduceOp::PREMUL_SUM: {
-      auto* supplement = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
-      if (supplement == nullptr || !at::isFloatingType(dtype)) {
-        *why = "PREMUL_SUM without a factor";
-        return std::nullopt;
-      }
-      spec.premultiply = true;
-      spec.scale = supplement->tensor_factor.defined()
-                       ? supplement->tensor_factor.to(at::kCPU).to(at::kDouble).item<double>()
-                       : supplement->double_factor;
-      return spec;
-    }
     default:
-      *why = "bitwise reductions go to Gloo";
-      return std::nullopt;
+      break;
   }
+  // SUM, AVG and PREMUL_SUM: the Gloo path's plan (its factor included).
+  const ReductionPlan plan = planWithoutAvgOrPremul(op);
+  if (plan.divideBySize) spec.divisor = size;
+  if (plan.premultiplies()) {
+    spec.premultiply = true;
+    spec.scale = plan.scaleTensor.defined()
+                     ? plan.scaleTensor.to(at::kCPU).to(at::kDouble).item<double>()
+                     : *plan.scale;
+  }
+  return spec;
 }
 
 Pending completedCall(std::vector<at::Tensor> outputs, bool asyncOp) {

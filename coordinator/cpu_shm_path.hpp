@@ -47,11 +47,13 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
 // The path's dtype for a tensor's, if it reduces that dtype.
 std::optional<mq::DType> shmDtype(at::ScalarType dtype);
 
-// The reduction for `op` on `dtype` at `size` ranks, or nullopt (with `why`,
-// unless null) when the path does not take it (bitwise ops, bool). PREMUL_SUM's factor is
-// read here (a one-element tensor factor is read on the host).
-std::optional<mq::ReduceSpec> shmReduction(const c10d::ReduceOp& op, at::ScalarType dtype, int size,
-                                           const char** why);
+// Whether the path reduces `op` on `dtype` (not bitwise ops, not bool or
+// other dtypes); `why` (unless null) says why not. Cheap: reads no factor.
+bool shmReduces(const c10d::ReduceOp& op, at::ScalarType dtype, const char** why);
+
+// The reduction for an `op` that shmReduces at `size` ranks (PREMUL_SUM's
+// factor read as the Gloo path reads it; a tensor factor on the host).
+mq::ReduceSpec shmReduction(const c10d::ReduceOp& op, int size);
 
 // A call the path already completed: no Work for a synchronous call (torch's
 // Python API then skips wait(), as for ProcessGroupNCCL), else a completed

@@ -28,20 +28,19 @@ std::string getField(const std::string& record, const std::vector<size_t>& width
   return text ? trimmed(field) : field;
 }
 
+}  // namespace
+
 std::string failureOf(const std::exception& e) {
   std::string what = e.what();
   return what.empty() ? "unknown error" : what;
 }
 
-// The first rank's message in `messages` that is not empty, as "rank r: msg".
 std::string firstFailure(const std::vector<std::string>& messages) {
   for (size_t r = 0; r < messages.size(); ++r) {
     if (!messages[r].empty()) return detail::concat("rank ", r, ": ", messages[r]);
   }
   return "";
 }
-
-}  // namespace
 
 std::string fixedWidth(const std::string& value, size_t width) {
   std::string field = value.substr(0, width);

@@ -88,6 +88,12 @@ CustomSetupResult setUpCustomAllreduce(c10d::Backend& cpu, int rank, int size, C
 std::string fixedWidth(const std::string& value, size_t width);
 std::string trimmed(const std::string& field);
 
+// A set-up step's failure message (never empty), and the first rank's
+// non-empty message of an exchange as "rank r: msg" ("" when none): shared
+// by the set-up exchanges (this one and the CPU shared-memory path's).
+std::string failureOf(const std::exception& e);
+std::string firstFailure(const std::vector<std::string>& messages);
+
 // Allgathers `mine` (the same length on every rank) over `cpu` and returns
 // every rank's bytes in rank order. Bounded by the backend's timeout.
 std::vector<std::string> allgatherBytes(c10d::Backend& cpu, int size, const std::string& mine);

@@ -174,7 +174,7 @@ Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
   });
   const Route route = routeFor(tensors[0]);
   if (route == Route::kCpu && cpuShm() != nullptr &&
-      shmReduction(opts.reduceOp, tensors[0].scalar_type(), size(), nullptr)) {
+      shmReduces(opts.reduceOp, tensors[0].scalar_type(), nullptr)) {
     for (auto& t : tensors) shmAllreduce(t, t, opts.reduceOp, false);
     return completedCall(tensors, opts.asyncOp);
   }
@@ -390,7 +390,7 @@ Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& 
   // Through shared memory only when it reduces every input's dtype (they may
   // differ): the call is never split between the two paths.
   const bool everyDtype = std::all_of(inputs.begin(), inputs.end(), [&](const at::Tensor& t) {
-    return shmReduction(opts.reduceOp, t.scalar_type(), size(), nullptr).has_value();
+    return shmReduces(opts.reduceOp, t.scalar_type(), nullptr);
   });
   if (route == Route::kCpu && everyDtype && cpuShm() != nullptr) {
     for (size_t i = 0; i < inputs.size(); ++i)

@@ -212,7 +212,10 @@ class GroupCoordinator {
                                           const c10d::ReduceOp& op, bool asyncOp);
   std::optional<Pending> shmBroadcast(at::Tensor& tensor, int root, bool asyncOp);
   std::optional<Pending> shmBarrier(bool asyncOp);
-  void logCpuRoute(const char* op, const at::Tensor& tensor, const char* route, const char* reason);
+  // The group's shared-memory path when it takes this call (`reduceOp`
+  // null: a call that only moves bytes), else null; logs the decision
+  // under TPCOMM_LOG=routes.
+  mq::ShmGroup* shmFor(const char* op, const at::Tensor& tensor, const c10d::ReduceOp* reduceOp);
 
   GroupOptions options_;
   c10::intrusive_ptr<c10d::Store> store_;

@@ -127,7 +127,7 @@ Pending GroupCoordinator::allreduceInto(at::Tensor& input, at::Tensor& output,
   }
   // CPU through shared memory: out of place, without the copy below.
   if (routeFor(input) == Route::kCpu && cpuShm() != nullptr &&
-      shmReduction(opts.reduceOp, input.scalar_type(), size(), nullptr)) {
+      shmReduces(opts.reduceOp, input.scalar_type(), nullptr)) {
     debugCheck([&] {
       return std::string("allreduce " + describeReduceOp(opts.reduceOp) + " " +
                          describeTensor(input));

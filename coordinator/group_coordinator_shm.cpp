@@ -62,30 +62,34 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
   return state;
 }
 
-void GroupCoordinator::logCpuRoute(const char* op, const at::Tensor& tensor, const char* route,
-                                   const char* reason) {
-  const std::string what = std::string(op) + " " + dtypeName(tensor.scalar_type());
-  routeLog_.once(std::string("cpu|") + route + "|" + reason + "|" + what,
-                 "tpcomm route: group '" + options_.groupName + "' rank " + std::to_string(rank()) +
-                     ": " + what + " " + std::to_string(bytesOf(tensor)) + " B -> " + route + " (" +
-                     reason + ")");
+mq::ShmGroup* GroupCoordinator::shmFor(const char* op, const at::Tensor& tensor,
+                                       const c10d::ReduceOp* reduceOp) {
+  mq::ShmGroup* shm = cpuShm();
+  const char* why = "shared memory unavailable for this group";
+  const bool taken =
+      shm != nullptr && (reduceOp == nullptr || shmReduces(*reduceOp, tensor.scalar_type(), &why));
+  if (logRoutes_) {
+    // TPCOMM_LOG=routes: "allreduce SUM float32 16 B -> cpu_shm (one host)", once per kind.
+    const std::string what = std::string(op) +
+                             (reduceOp ? " " + describeReduceOp(*reduceOp) : std::string()) + " " +
+                             dtypeName(tensor.scalar_type());
+    const char* route = taken ? "cpu_shm" : "gloo";
+    const char* reason = taken ? "one host" : why;
+    routeLog_.once(std::string("cpu|") + route + "|" + reason + "|" + what,
+                   "tpcomm route: group '" + options_.groupName + "' rank " +
+                       std::to_string(rank()) + ": " + what + " " +
+                       std::to_string(bytesOf(tensor)) + " B -> " + route + " (" + reason + ")");
+  }
+  return taken ? shm : nullptr;
 }
 
 std::optional<Pending> GroupCoordinator::shmAllreduce(const at::Tensor& input, at::Tensor& output,
                                                       const c10d::ReduceOp& op, bool asyncOp) {
-  mq::ShmGroup* shm = cpuShm();
-  const char* why = "";
-  std::optional<mq::ReduceSpec> spec;
-  if (shm == nullptr) {
-    why = "shared memory unavailable for this group";
-  } else {
-    spec = shmReduction(op, input.scalar_type(), size(), &why);
-  }
-  if (logRoutes_) logAllreduceRoute(op, input, spec ? "cpu_shm" : "gloo", spec ? "one host" : why);
-  if (!spec) return std::nullopt;
+  mq::ShmGroup* shm = shmFor("allreduce", input, &op);
+  if (shm == nullptr) return std::nullopt;
   stats_.record(StatsRoute::kCpuShm, bytesOf(input));
   shm->allreduce(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
-                 *shmDtype(input.scalar_type()), *spec);
+                 *shmDtype(input.scalar_type()), shmReduction(op, size()));
   return completedCall({output}, asyncOp);
 }
 
@@ -93,10 +97,7 @@ std::optional<Pending> GroupCoordinator::shmAllgather(const at::Tensor& input,
                                                       const std::vector<void*>& outs,
                                                       std::vector<at::Tensor> results,
                                                       bool asyncOp) {
-  mq::ShmGroup* shm = cpuShm();
-  if (logRoutes_)
-    logCpuRoute("all_gather", input, shm ? "cpu_shm" : "gloo",
-                shm ? "one host" : "shared memory unavailable for this group");
+  mq::ShmGroup* shm = shmFor("all_gather", input, nullptr);
   if (shm == nullptr) return std::nullopt;
   stats_.record(StatsRoute::kCpuShm, bytesOf(input));
   shm->allgather(input.data_ptr(), bytesOf(input), outs);
@@ -106,28 +107,16 @@ std::optional<Pending> GroupCoordinator::shmAllgather(const at::Tensor& input,
 std::optional<Pending> GroupCoordinator::shmReduceScatter(const std::vector<const void*>& ins,
                                                           at::Tensor& output,
                                                           const c10d::ReduceOp& op, bool asyncOp) {
-  mq::ShmGroup* shm = cpuShm();
-  const char* why = "";
-  std::optional<mq::ReduceSpec> spec;
-  if (shm == nullptr) {
-    why = "shared memory unavailable for this group";
-  } else {
-    spec = shmReduction(op, output.scalar_type(), size(), &why);
-  }
-  if (logRoutes_)
-    logCpuRoute("reduce_scatter", output, spec ? "cpu_shm" : "gloo", spec ? "one host" : why);
-  if (!spec) return std::nullopt;
+  mq::ShmGroup* shm = shmFor("reduce_scatter", output, &op);
+  if (shm == nullptr) return std::nullopt;
   stats_.record(StatsRoute::kCpuShm, bytesOf(output) * size());
   shm->reduceScatter(ins, output.data_ptr(), static_cast<size_t>(output.numel()),
-                     *shmDtype(output.scalar_type()), *spec);
+                     *shmDtype(output.scalar_type()), shmReduction(op, size()));
   return completedCall({output}, asyncOp);
 }
 
 std::optional<Pending> GroupCoordinator::shmBroadcast(at::Tensor& tensor, int root, bool asyncOp) {
-  mq::ShmGroup* shm = cpuShm();
-  if (logRoutes_)
-    logCpuRoute("broadcast", tensor, shm ? "cpu_shm" : "gloo",
-                shm ? "one host" : "shared memory unavailable for this group");
+  mq::ShmGroup* shm = shmFor("broadcast", tensor, nullptr);
   if (shm == nullptr) return std::nullopt;
   stats_.record(StatsRoute::kCpuShm, bytesOf(tensor));
   shm->broadcast(tensor.data_ptr(), bytesOf(tensor), root);

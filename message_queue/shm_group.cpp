@@ -172,6 +172,7 @@ ShmGroup::ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& 
                options_.twoPhaseMinBytes, " bytes");
   timeoutMs_.store(options_.timeout.count());
   data_ = region_->base() + dataOffset(options_.size);
+  sources_.resize(options_.size);
 }
 
 ShmGroup::~ShmGroup() = default;
@@ -360,7 +361,7 @@ void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
   const size_t chunkElements = options_.bufferBytes / esize;
   ReduceSpec reduce = spec;
   reduce.premultiply = false;  // applied while copying in
-  std::vector<const void*> srcs(n);
+  std::vector<const void*>& srcs = sources_;
   for (size_t offset = 0; offset < count; offset += chunkElements) {
     const size_t m = std::min(chunkElements, count - offset);
     const uint64_t k = chunks_++;
@@ -424,7 +425,7 @@ void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, siz
                " ranks");
   ReduceSpec reduce = spec;
   reduce.premultiply = false;
-  std::vector<const void*> srcs(n);
+  std::vector<const void*>& srcs = sources_;
   for (size_t offset = 0; offset < count; offset += piece) {
     const size_t m = std::min(piece, count - offset);
     const uint64_t k = chunks_++;

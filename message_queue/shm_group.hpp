@@ -144,6 +144,7 @@ class ShmGroup {
   char* data_ = nullptr;
   uint64_t steps_ = 0;
   uint64_t chunks_ = 0;
+  std::vector<const void*> sources_;  // a reduction's inputs, one per rank (guarded by mutex_)
   std::atomic<int64_t> timeoutMs_{0};
   std::mutex mutex_;                 // one call at a time (held while it waits)
   mutable std::mutex failureMutex_;  // guards failure_ (never held while waiting)

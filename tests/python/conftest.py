@@ -36,14 +36,21 @@ def group(request, groups):
 _shm_groups = {}
 
 
-@pytest.fixture(scope="session")
+# The CPU shared-memory path on (a failed set-up is an error, not Gloo),
+# with small chunks (1 KiB of float32) and an early two-phase crossover, so
+# that modest sizes cross chunk boundaries and both allreduce algorithms run.
+SHM_SMALL_CHUNKS = {"TPCOMM_CPU_SHM": "1", "TPCOMM_CPU_SHM_BUFFER_BYTES": "4096",
+                    "TPCOMM_CPU_SHM_TWO_PHASE_BYTES": "8192"}
+
+
+@pytest.fixture(scope="module")
 def shm_groups():
-    """Shared worker groups keyed by world size with the CPU shared-memory
-    path on (TPCOMM_CPU_SHM=1: a failed set-up is an error, not Gloo)."""
+    """Worker groups keyed by world size with the CPU shared-memory path on
+    (SHM_SMALL_CHUNKS), shared by one module's tests and closed after it."""
 
     def get(world_size):
         if world_size not in _shm_groups:
-            _shm_groups[world_size] = Group(world_size, env={"TPCOMM_CPU_SHM": "1"})
+            _shm_groups[world_size] = Group(world_size, env=SHM_SMALL_CHUNKS)
         return _shm_groups[world_size]
 
     yield get

@@ -18,31 +18,12 @@ from harness import Group
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64]
 R = dist.ReduceOp
-# Small chunks (1 KiB of float32) and an early two-phase crossover, so that
-# modest sizes cross chunk boundaries and both allreduce algorithms run.
-SMALL = {"TPCOMM_CPU_SHM": "1", "TPCOMM_CPU_SHM_BUFFER_BYTES": "4096",
-         "TPCOMM_CPU_SHM_TWO_PHASE_BYTES": "8192"}
-SIZES = [0, 1, 7, 1023, 1024, 1025, 2048 + 5, 5000]
-
-_groups = {}
-
-
-@pytest.fixture(scope="module")
-def small_groups():
-    def get(world_size):
-        if world_size not in _groups:
-            _groups[world_size] = Group(world_size, env=SMALL)
-        return _groups[world_size]
-
-    yield get
-    for g in _groups.values():
-        g.close()
-    _groups.clear()
+SIZES = [0, 1, 7, 1023, 1024, 1025, 2048 + 5, 5000]  # chunks of 1024 float32 (conftest)
 
 
 @pytest.fixture(params=[1, 2, 3, 4, 5], ids=lambda n: f"ws{n}")
-def shm(request, small_groups):
-    return small_groups(request.param)
+def shm(request, shm_groups):
+    return shm_groups(request.param)
 
 
 def make(rank, n, dtype, small=False, salt=0):
@@ -289,11 +270,11 @@ def _ddp_and_fsdp(ctx, steps):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_ddp_and_fsdp2_match_float64_and_replicas_agree(small_groups, world_size):
-    assert all(small_groups(world_size).run(_ddp_and_fsdp, 8, timeout_s=300))
+def test_ddp_and_fsdp2_match_float64_and_replicas_agree(shm_groups, world_size):
+    assert all(shm_groups(world_size).run(_ddp_and_fsdp, 8, timeout_s=300))
 
 
-def test_existing_ddp_fsdp2_and_functional_tests_pass_with_the_path_on(small_groups):
+def test_existing_ddp_fsdp2_and_functional_tests_pass_with_the_path_on(shm_groups):
     """The suite's own DDP, FSDP2 and functional-collective checks, which compare
     with Gloo bit for bit, with the path on at 2 ranks: a sum of two terms does
     not depend on the order, so equality with Gloo still holds there (from 3
@@ -301,7 +282,7 @@ def test_existing_ddp_fsdp2_and_functional_tests_pass_with_the_path_on(small_gro
     import test_collectives
     import test_users
 
-    group = small_groups(2)
+    group = shm_groups(2)
     assert len(group.run(test_users._ddp_bit_identical, 20, timeout_s=300)) == 2
     assert len(group.run(test_users._fsdp2_matches_gloo, 10, timeout_s=300)) == 2
     assert all(group.run(test_collectives._functional))
