@@ -30,6 +30,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -162,10 +163,27 @@ class CustomAllreduce {
   void checkError() const;
   // The failure code a kernel left (0: none).
   uint32_t errorCode() const;
-  // Clears the failure after a timeout. The flags are then out of step with
-  // the peers': every rank must call resetSignals() on its own buffer (with
-  // no kernel in flight) before the group is used again.
+  // Clears this rank's error word only (the flags and the poison stay): use
+  // reset() to make the group usable again.
   void clearError();
+
+  // The collective reset after a failure; every rank of the group calls it,
+  // and the group is usable again when it returns:
+  //   1. synchronize(): every kernel this rank launched has ended (each ends
+  //      within its timeout, at once when the group is poisoned);
+  //   2. barrier(): so no rank of the group has a kernel in flight, and no
+  //      late flag write of a failed call can land after step 3;
+  //   3. zeroSignals(own buffer): flags, poison and epochs, then the error
+  //      word is cleared;
+  //   4. barrier(): no rank launches (and writes flags into a peer) before
+  //      every rank has zeroed.
+  // Epochs restart at 1 on every rank alike.
+  struct ResetOps {
+    std::function<void()> synchronize;
+    std::function<void()> barrier;  // a CPU barrier of the whole group, bounded in time
+    std::function<void(void* buffer)> zeroSignals;  // done when it returns
+  };
+  void reset(const ResetOps& ops);
 
  private:
   int rank_;
@@ -177,7 +195,7 @@ class CustomAllreduce {
   uint32_t* errorDevice_;
 };
 
-// Zeroes the signal area of a buffer (flags and epochs), ordered on
+// Zeroes the signal area of a buffer (flags, poison and epochs), ordered on
 // `stream`; with a null stream, done when this returns.
 void resetSignals(void* buffer, cudaStream_t stream);
 

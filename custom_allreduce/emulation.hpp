@@ -55,6 +55,18 @@ inline pthread_barrier_t& blockBarrier() {
 inline std::atomic<int> orSlots[3];
 inline thread_local unsigned orCalls = 0;
 
+// Reads of a zero-copy table's `ready` word (loadReady): the kernels read it
+// once per block, so that a block's threads cannot disagree about it.
+inline std::atomic<uint64_t> readyReads{0};
+
+// A slow rank, on demand of a test: this process's blocks sleep this long
+// after passing a barrier of the given phase (before the work that follows).
+inline int leaveDelayMs[4] = {0, 0, 0, 0};
+inline void afterBarrier(int phase) {
+  if (leaveDelayMs[phase] > 0)
+    std::this_thread::sleep_for(std::chrono::milliseconds(leaveDelayMs[phase]));
+}
+
 inline uint64_t nowNs() {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
                                    std::chrono::steady_clock::now().time_since_epoch())

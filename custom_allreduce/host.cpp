@@ -102,6 +102,16 @@ void CustomAllreduce::checkError() const {
 
 void CustomAllreduce::clearError() { *reinterpret_cast<volatile uint32_t*>(errorHost_) = 0; }
 
+void CustomAllreduce::reset(const ResetOps& ops) {
+  TPCOMM_CHECK(ops.synchronize && ops.barrier && ops.zeroSignals, kInvalidUsage,
+               "custom allreduce: a reset needs synchronize, barrier and zeroSignals");
+  ops.synchronize();
+  ops.barrier();
+  ops.zeroSignals(buffers_[rank_]);
+  clearError();
+  ops.barrier();
+}
+
 void resetSignals(void* buffer, cudaStream_t stream) {
   TPCOMM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, sizeof(Signal), stream));
   if (stream == nullptr) TPCOMM_CUDA_CHECK(cudaDeviceSynchronize());

@@ -98,20 +98,25 @@ __device__ __forceinline__ void stageTail(const KernelArgs& a, size_t first, siz
   }
 }
 
-// Zero-copy and out == in on a one-shot call is never asked for (the host
-// stages such inputs): peers would read this rank's input while it writes.
+// Zero-copy with an output that overlaps the input on a one-shot call is
+// never asked for (the host stages such inputs): peers would read this rank's
+// input while it writes. The end barrier keeps our staging intact until
+// every peer has summed it.
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) oneShotKernel(KernelArgs a) {
   constexpr int kPer = Elements<T>::kPerPack;
   const size_t packs = a.count / kPer;
   const size_t tail = a.count % kPer;
-  const char* src[N];
-  if (!sourcesOf<N>(a, src)) return;
-  const uint32_t epoch = nextEpoch(a);
+  __shared__ uint32_t epoch;  // set by thread 0, read after __syncthreads_or
+  int refused = 0;
+  if (threadIdx.x == 0) refused = openCall(a, &epoch);
   if (a.stage) {
     stagePacks(a, 0, packs);
     stageTail<T>(a, packs * kPer, tail);
   }
+  if (__syncthreads_or(refused)) return;
+  const char* src[N];
+  sourcesOf<N>(a, src);
   if (!barrier<N>(a, kStart, epoch)) return;
   Pack* out = reinterpret_cast<Pack*>(a.output);
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < packs;
@@ -139,15 +144,18 @@ __global__ void __launch_bounds__(kThreads) twoShotKernel(KernelArgs a) {
   const size_t tail = a.count % kPer;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t thread = blockIdx.x * blockDim.x + threadIdx.x;
-  const char* src[N];
-  if (!sourcesOf<N>(a, src)) return;
-  const uint32_t epoch = nextEpoch(a);
+  __shared__ uint32_t epoch;  // set by thread 0, read after __syncthreads_or
+  int refused = 0;
+  if (threadIdx.x == 0) refused = openCall(a, &epoch);
   // Stage part by part, so that block b stages exactly the packs block b of
   // part p's owner reduces.
   if (a.stage) {
     for (int p = 0; p < N; ++p) stagePacks(a, partBegin(packs, N, p), partBegin(packs, N, p + 1));
     stageTail<T>(a, packs * kPer, tail);
   }
+  if (__syncthreads_or(refused)) return;
+  const char* src[N];
+  sourcesOf<N>(a, src);
   if (!barrier<N>(a, kStart, epoch)) return;
   // Reduce this rank's part into its result region (the tail belongs to
   // the last rank).
@@ -177,7 +185,7 @@ __global__ void __launch_bounds__(kThreads) twoShotKernel(KernelArgs a) {
     const T* src = reinterpret_cast<const T*>(a.buffers[N - 1] + a.resultOffset);
     reinterpret_cast<T*>(a.output)[i] = __ldcg(src + i);
   }
-  barrier<N>(a, kEnd, epoch);
+  // No end barrier: see signal.hpp ("Why two-shot needs no end barrier").
 }
 
 }  // namespace tpcomm::car

@@ -129,12 +129,16 @@ std::string describeError(uint32_t code) {
   const int peer = static_cast<int>(code & 0xff);
   const int block = static_cast<int>((code >> 8) & 0xff);
   const int phase = static_cast<int>((code >> 16) & 0x7f);
+  const int reporter = reporterOf(code);
   if (phase == kNotRegistered) {
     return "a graph captured inside graph_capture() was replayed before the context exited "
            "(its zero-copy buffers were never registered)";
   }
-  return detail::concat("rank ", peer, " did not arrive (block ", block, ", ",
-                        phase < kPhases ? kPhaseNames[phase] : "unknown", " barrier)");
+  const std::string cause =
+      detail::concat("rank ", peer, " did not arrive (block ", block, ", ",
+                     phase < kPhases ? kPhaseNames[phase] : "unknown", " barrier)");
+  if (reporter < 0) return cause;
+  return detail::concat("the group is poisoned: rank ", reporter, " gave up because ", cause);
 }
 
 }  // namespace tpcomm::car

@@ -46,11 +46,13 @@ __device__ __forceinline__ uint32_t loadAcquire(const uint32_t* p) {
   return v;
 }
 
-// The error word (mapped host memory): any thread may read it while another
-// writes it.
-__device__ __forceinline__ uint32_t loadError(const uint32_t* p) {
+// A word another agent may write at any time (the error word in mapped host
+// memory, the poison word, the zero-copy table's `ready`): a plain load that
+// the compiler must not cache or hoist.
+__device__ __forceinline__ uint32_t loadRelaxed(const uint32_t* p) {
   return *reinterpret_cast<const volatile uint32_t*>(p);
 }
+__device__ __forceinline__ uint32_t loadReady(const uint32_t* p) { return loadRelaxed(p); }
 __device__ __forceinline__ void storeError(uint32_t* p, uint32_t code) {
   *reinterpret_cast<volatile uint32_t*>(p) = code;
   __threadfence_system();
@@ -62,7 +64,12 @@ inline uint32_t loadAcquire(const uint32_t* p) {
   std::this_thread::yield();  // spinning ranks share the CPU with working ones
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 }
-inline uint32_t loadError(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+inline uint32_t loadRelaxed(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
+// Counted, so that the emulation can check that one thread per block reads it.
+inline uint32_t loadReady(const uint32_t* p) {
+  emu::readyReads.fetch_add(1);
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
 inline void storeError(uint32_t* p, uint32_t code) { __atomic_store_n(p, code, __ATOMIC_SEQ_CST); }
 #endif
 
@@ -70,43 +77,67 @@ __device__ __forceinline__ Signal* signalOf(const KernelArgs& a, int rank) {
   return reinterpret_cast<Signal*>(a.buffers[rank]);
 }
 
-// Where each rank's input is read from. False (on every thread) when the
-// zero-copy table was never filled: the graph was replayed before
-// graph_capture() exited; the error word then says so.
-template <int N>
-__device__ __forceinline__ bool sourcesOf(const KernelArgs& a, const char* (&src)[N]) {
-  if (a.registered == nullptr) {
-#pragma unroll
-    for (int r = 0; r < N; ++r) src[r] = a.buffers[r] + a.stagingOffset;
-    return true;
-  }
-  if (a.registered->ready == 0) {
-    if (threadIdx.x == 0 && loadError(a.error) == 0) {
-      storeError(a.error, errorCode(0, kNotRegistered, blockIdx.x));
-    }
-    return false;
-  }
-#pragma unroll
-  for (int r = 0; r < N; ++r) src[r] = static_cast<const char*>(a.registered->input[r]);
-  return true;
+// Records `code` in this rank's error word unless a failure is already there
+// (blocks that race here each write a valid code; a plain store, as atomics
+// on mapped host memory are not portable).
+__device__ __forceinline__ void recordError(const KernelArgs& a, uint32_t code) {
+  if (loadRelaxed(a.error) == 0) storeError(a.error, code);
 }
 
-// This block's call number: one more than last time, kept in device memory
-// so graph replays advance it.
-__device__ __forceinline__ uint32_t nextEpoch(const KernelArgs& a) {
-  __shared__ uint32_t epoch;
-  if (threadIdx.x == 0) {
-    uint32_t* slot = &signalOf(a, a.rank)->epoch[blockIdx.x];
-    epoch = *slot + 1;
-    *slot = epoch;
+// This rank gave up (`code` names whom it waited for): every rank's poison
+// word gets the code with this rank as its reporter, unless one is set.
+template <int N>
+__device__ __forceinline__ void poisonGroup(const KernelArgs& a, uint32_t code) {
+  const uint32_t poison = poisonCode(code, a.rank);
+#pragma unroll
+  for (int r = 0; r < N; ++r) {
+    uint32_t* word = &signalOf(a, r)->poison.value;
+    if (loadRelaxed(word) == 0) storeRelease(word, poison);
   }
-  __syncthreads();
-  return epoch;
+  __threadfence_system();
+}
+
+// The start of a call, on thread 0 of each block (steps 0 of signal.hpp):
+// whether the call may run, and if so its epoch in `*epoch`. Refused (1)
+// when the group is poisoned or the zero-copy table was never filled (a graph
+// replayed before graph_capture() exited); the error word then says why and
+// the epoch stays, so nothing of this call reaches a peer. The three loads
+// are independent, so their latencies overlap (and overlap the staging copy
+// the other threads start meanwhile).
+__device__ __forceinline__ int openCall(const KernelArgs& a, uint32_t* epoch) {
+  Signal* own = signalOf(a, a.rank);
+  const uint32_t poison = loadRelaxed(&own->poison.value);
+  const uint32_t ready = a.registered == nullptr ? 1u : loadReady(&a.registered->ready);
+  const uint32_t next = own->epoch[blockIdx.x] + 1;
+  if (poison != 0) {
+    recordError(a, poison);
+    return 1;
+  }
+  if (ready == 0) {
+    recordError(a, errorCode(0, kNotRegistered, blockIdx.x));
+    return 1;
+  }
+  own->epoch[blockIdx.x] = next;
+  *epoch = next;
+  return 0;
+}
+
+// Where each rank's input is read from (after openCall accepted the call:
+// the zero-copy table, when there is one, is filled).
+template <int N>
+__device__ __forceinline__ void sourcesOf(const KernelArgs& a, const char* (&src)[N]) {
+#pragma unroll
+  for (int r = 0; r < N; ++r) {
+    src[r] = a.registered == nullptr ? a.buffers[r] + a.stagingOffset
+                                     : static_cast<const char*>(a.registered->input[r]);
+  }
 }
 
 // Every rank's block `blockIdx.x` reaches `phase` of call `epoch`. Returns
 // false (on every thread of the block) when a peer did not arrive within the
-// timeout or another block already failed; the error word then names it.
+// timeout, another block of this rank already failed, or the group is
+// poisoned (checked while waiting and once more after the wait); the error
+// word then says which. A block that times out poisons the group.
 // The verdict is combined by __syncthreads_or, not a shared variable: a
 // shared flag reset by the next barrier could be reset before a slow thread
 // of this one read it (a race the CPU emulation's thread checker found).
@@ -118,22 +149,37 @@ __device__ bool barrier(const KernelArgs& a, int phase, uint32_t epoch) {
     const int peer = threadIdx.x;
     storeRelease(&signalOf(a, peer)->flags[blockIdx.x][phase][a.rank].value, epoch);
     const uint32_t* mine = &signalOf(a, a.rank)->flags[blockIdx.x][phase][peer].value;
+    const uint32_t* poison = &signalOf(a, a.rank)->poison.value;
     const uint64_t start = globalTimer();
     uint32_t spins = 0;
     while (static_cast<int32_t>(loadAcquire(mine) - epoch) < 0) {
       if ((++spins & 1023) == 0) {
         const bool late = globalTimer() - start > a.timeoutNs;
-        if (late || loadError(a.error) != 0) {
-          // A plain store: atomics on mapped host memory are not portable.
-          // Blocks that race here each write a valid code.
-          if (late && loadError(a.error) == 0)
-            storeError(a.error, errorCode(peer, phase, blockIdx.x));
+        const uint32_t poisoned = loadRelaxed(poison);
+        if (late || poisoned != 0 || loadRelaxed(a.error) != 0) {
+          if (poisoned != 0) {
+            recordError(a, poisoned);
+          } else if (late) {
+            const uint32_t code = errorCode(peer, phase, blockIdx.x);
+            recordError(a, code);
+            poisonGroup<N>(a, code);
+          }
           failed = 1;
           break;
         }
       }
     }
+    if (!failed) {
+      const uint32_t poisoned = loadRelaxed(poison);
+      if (poisoned != 0) {
+        recordError(a, poisoned);
+        failed = 1;
+      }
+    }
   }
+#ifdef TPCOMM_CAR_EMULATION
+  emu::afterBarrier(phase);  // a slow rank, when a test asks for one
+#endif
   return __syncthreads_or(failed) == 0;
 }
 

@@ -6,30 +6,56 @@
 //                               this rank (ld.acquire.sys); one 128-byte slot
 //                               each, so no two writers share a cache line
 //   probe[peer]                 the eligibility check's write probe
+//   poison                      nonzero once any rank's kernel gave up: the
+//                               failure code, written by the rank that gave up
+//                               into every rank's buffer
 //   epoch[block]                this rank's call counter per block index
 //
 // Per call, block b of every rank:
 //
 //   step | does                                          | then
 //   -----+-----------------------------------------------+--------------------
-//   0    | e = ++epoch[b] (in device memory: each graph  |
-//        | replay is a new call)                         |
+//   0    | thread 0 reads poison, the zero-copy table's  |
+//        | `ready` and epoch[b] (once per block; the     |
+//        | verdict reaches every thread through          |
+//        | __syncthreads_or); e = epoch[b] + 1 is stored |
+//        | back (in device memory: each graph replay is  |
+//        | a new call) unless the call is refused        |
 //   1    | copies its share of the input to its staging  |
+//        | (overlapping step 0's loads)                  |
 //   2    | start: writes e to flags[b][start][me] of     | peers' staging
 //        | every peer; waits flags[b][start][p] >= e     | shares are complete
-//   3    | one-shot: sums all stagings -> output         |
+//   3    | one-shot: sums all stagings -> output, then   |
+//        | end barrier (peers are done reading our       |
+//        | staging before our next call rewrites it)     |
 //        | two-shot: sums part `me` -> own result,       |
-//        | middle barrier, gathers parts -> output       |
-//   4    | end: as start, phase end                      | peers are done
-//        |                                               | reading our buffers
+//        | middle barrier, gathers parts -> output; no   |
+//        | end barrier (see below)                       |
 //
 // Block b of every rank touches the same elements in every step (one fixed
 // partition of the packs over blocks and threads), so a per-block barrier
 // orders everything that block reads. Flags only grow (no flag is ever
 // reset between calls), so a stale flag cannot pass for a fresh one. Every
-// wait is bounded by %globaltimer: on timeout the block writes an error
-// code (bit 31 | phase << 16 | block << 8 | peer) to the error word and
-// exits; the host raises naming the peer.
+// wait is bounded by %globaltimer.
+//
+// Why two-shot needs no end barrier: a rank's launches of one group are
+// serialised (host side, launch order), so a peer's block reaching the start
+// barrier of call k+1 means that peer's whole kernel k has finished,
+// including its gather of our result region. Our result region is rewritten
+// only after that start barrier; our staging is rewritten before it, but
+// every peer's reads of it ended before call k's middle barrier, which every
+// block of our kernel k passed. Both hold whatever block counts k and k+1 use.
+//
+// Failure: a block that waits in vain writes an error code (bit 31 |
+// phase << 16 | block << 8 | peer) to its rank's error word (mapped host
+// memory) and the same code, with its own rank in bits 24..27 (rank + 1), to
+// every rank's poison word. A kernel that finds its poison word set (at
+// entry, while waiting, after a barrier) copies it to its error word and
+// stops without touching its output: queued kernels and graph replays after
+// a failure end at once with the original cause instead of handing a slow
+// peer wrong data or waiting out their own timeout. Poison stays until the
+// group's collective reset (every rank synchronised, CPU barrier, signals
+// zeroed, CPU barrier).
 
 #include <cstdint>
 
@@ -51,6 +77,7 @@ struct alignas(128) FlagSlot {
 struct Signal {
   FlagSlot flags[kMaxBlocks][kPhases][kMaxRanks];
   FlagSlot probe[kMaxRanks];
+  FlagSlot poison;
   uint32_t epoch[kMaxBlocks];
 };
 
@@ -60,5 +87,12 @@ inline constexpr uint32_t errorCode(int peer, int phase, int block) {
   return kErrorBit | (static_cast<uint32_t>(phase) << 16) | (static_cast<uint32_t>(block) << 8) |
          static_cast<uint32_t>(peer);
 }
+
+// The code `reporter` writes into every rank's poison word.
+inline constexpr uint32_t poisonCode(uint32_t code, int reporter) {
+  return (code & ~(0xfu << 24)) | (static_cast<uint32_t>(reporter + 1) << 24);
+}
+// Which rank gave up (-1: this rank's own code).
+inline constexpr int reporterOf(uint32_t code) { return static_cast<int>((code >> 24) & 0xf) - 1; }
 
 }  // namespace tpcomm::car

@@ -86,6 +86,12 @@ struct Call {
   uint64_t timeoutNs = 0;    // 0: the run's
   bool hostApi = false;      // through CustomAllreduce::allreduce (blocks 0: by size)
   bool chooseAlgorithm = false;
+  std::vector<uint64_t> timeouts;  // per rank, overriding timeoutNs (0: not)
+  int slowRank = -1;               // this rank's blocks sleep slowMs after passing
+  int slowPhase = kStart;          // a barrier of this phase
+  int slowMs = 0;
+  bool resetBefore = false;  // every rank runs CustomAllreduce::reset first
+  bool check = true;         // expectResults compares this call's outputs
   // Set by the group.
   std::vector<void*> in, out;
   std::vector<std::vector<char>> original;  // the inputs as they were
@@ -123,8 +129,15 @@ class EmulatedGroup {
     for (const Call& c : calls_) {
       bytes += n * (2 * c.count * dtypeSize(c.dtype) + sizeof(RegisteredInputs) + 768);
     }
-    arena_ = std::make_unique<Arena>(bytes);
+    arena_ = std::make_unique<Arena>(bytes + sizeof(pthread_barrier_t));
     errors_ = static_cast<uint32_t*>(arena_->take(sizeof(uint32_t) * kMaxRanks));
+    // The ranks' CPU barrier (the reset's), shared by their processes.
+    cpuBarrier_ = static_cast<pthread_barrier_t*>(arena_->take(sizeof(pthread_barrier_t)));
+    pthread_barrierattr_t attr;
+    pthread_barrierattr_init(&attr);
+    pthread_barrierattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    pthread_barrier_init(cpuBarrier_, &attr, static_cast<unsigned>(n));
+    pthread_barrierattr_destroy(&attr);
     for (int r = 0; r < n; ++r)
       buffers_.push_back(static_cast<char*>(arena_->take(layout_.totalBytes)));
     std::mt19937 random(1234 + n);
@@ -197,8 +210,13 @@ class EmulatedGroup {
 
  private:
   void runCall(const Call& c, int rank, uint64_t timeoutNs) {
+    if (!c.timeouts.empty() && c.timeouts[rank] != 0) timeoutNs = c.timeouts[rank];
+    else if (c.timeoutNs != 0) timeoutNs = c.timeoutNs;
+    if (c.resetBefore) resetThroughHostApi(rank);
+    std::fill(std::begin(emu::leaveDelayMs), std::end(emu::leaveDelayMs), 0);
+    if (c.slowRank == rank) emu::leaveDelayMs[c.slowPhase] = c.slowMs;
     if (c.hostApi) {
-      runThroughHostApi(c, rank, c.timeoutNs ? c.timeoutNs : timeoutNs);
+      runThroughHostApi(c, rank, timeoutNs);
       return;
     }
     KernelArgs a{};
@@ -212,9 +230,31 @@ class EmulatedGroup {
     a.rank = rank;
     a.stage = c.zeroCopy ? (c.stages[rank] ? 1 : 0) : 1;
     a.scale = c.scale;
-    a.timeoutNs = c.timeoutNs ? c.timeoutNs : timeoutNs;
+    a.timeoutNs = timeoutNs;
     a.error = &errors_[rank];
+    const uint64_t readsBefore = emu::readyReads.load();
     emu::launch(kernelFor(c.dtype, c.algorithm, n_), a, c.blocks, c.threads);
+    // One thread per block reads the table's `ready` (so that a block's
+    // threads cannot disagree about it).
+    const uint64_t reads = emu::readyReads.load() - readsBefore;
+    if (reads != (c.zeroCopy ? static_cast<uint64_t>(c.blocks) : 0)) {
+      std::fprintf(stderr, "rank %d: %llu reads of `ready` by %d blocks\n", rank,
+                   static_cast<unsigned long long>(reads), c.blocks);
+      _exit(7);
+    }
+  }
+
+  // The product's reset (CustomAllreduce::reset) with the emulation's
+  // operations: kernels here end before launch() returns, the CPU barrier is
+  // the ranks' shared one, zeroing is a memset.
+  void resetThroughHostApi(int rank) {
+    CustomAllreduce car(rank, n_, bases(), layout_.maxBytes, std::chrono::milliseconds(1000),
+                        &errors_[rank], &errors_[rank]);
+    CustomAllreduce::ResetOps ops;
+    ops.synchronize = [] {};
+    ops.barrier = [this] { pthread_barrier_wait(cpuBarrier_); };
+    ops.zeroSignals = [](void* buffer) { std::memset(buffer, 0, sizeof(Signal)); };
+    car.reset(ops);
   }
 
   void runThroughHostApi(const Call& c, int rank, uint64_t timeoutNs) {
@@ -241,6 +281,7 @@ class EmulatedGroup {
   std::vector<Call> calls_;
   std::unique_ptr<Arena> arena_;
   uint32_t* errors_ = nullptr;
+  pthread_barrier_t* cpuBarrier_ = nullptr;
   std::vector<char*> buffers_;
 };
 
@@ -256,6 +297,7 @@ std::string describe(const Call& c, int n) {
 void expectResults(const EmulatedGroup& g) {
   const int n = g.size();
   for (const Call& c : g.calls()) {
+    if (!c.check) continue;
     const size_t elementBytes = dtypeSize(c.dtype);
     std::vector<char> expected(c.count * elementBytes);
     for (size_t i = 0; i < c.count; ++i) {
@@ -442,9 +484,12 @@ TEST(KernelEmulationFailure, WithheldRankIsNamedAndOutputUntouched) {
   // Rank 2 takes part in the first call only.
   ASSERT_TRUE(g.run({0, 1, 2}, kGenerousNs, 60, {2, 2, 1}));
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  // Each of ranks 0 and 1 either timed out itself or found the group
+  // poisoned by the other first; either way the cause is rank 2.
   for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(g.error(r), errorCode(2, kStart, 0)) << describeError(g.error(r));
-    EXPECT_EQ(describeError(g.error(r)), "rank 2 did not arrive (block 0, start barrier)");
+    EXPECT_EQ(g.error(r) & ~(0xfu << 24), errorCode(2, kStart, 0)) << describeError(g.error(r));
+    EXPECT_NE(describeError(g.error(r)).find("rank 2 did not arrive (block 0, start barrier)"),
+              std::string::npos);
     const auto* out = static_cast<const unsigned char*>(g.calls()[1].out[r]);
     for (size_t i = 0; i < 300 * 4; ++i) ASSERT_EQ(out[i], 0xA5) << "rank " << r << " byte " << i;
   }
@@ -455,6 +500,74 @@ TEST(KernelEmulationFailure, WithheldRankIsNamedAndOutputUntouched) {
   for (int r = 0; r < 3; ++r) {
     EXPECT_EQ(std::memcmp(g.calls()[0].out[r], reference.calls()[0].out[r], 300 * 4), 0);
   }
+}
+
+// A timeout poisons the group: a rank's kernels queued behind the failed one
+// (or graph replays) end at once with the original cause instead of waiting
+// out their own timeout, and a peer that comes late finds the poison at entry
+// instead of pairing its call with its peers' next one (whose flags and
+// staging it would take for its own). Outputs stay untouched everywhere.
+TEST(KernelEmulationFailure, ATimeoutPoisonsQueuedAndLateKernelsOfEveryRank) {
+  Call first;
+  first.count = 300;
+  first.blocks = 2;
+  first.timeoutNs = 200ull * 1000 * 1000;
+  Call second = first;
+  second.algorithm = Algorithm::kTwoShot;
+  second.timeoutNs = 0;  // the run's: a minute
+  EmulatedGroup g(3, 32 << 10, {first, second});
+  auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(g.run({0, 1}, kGenerousNs, 30)) << "the queued call waited out its timeout";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(g.run({2}, kGenerousNs, 30)) << "the late rank waited";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  for (int r = 0; r < 3; ++r) {
+    const uint32_t code = g.error(r);
+    EXPECT_EQ(code & ~(0xfu << 24), errorCode(2, kStart, 0)) << "rank " << r << ": "
+                                                             << describeError(code);
+    if (r == 2) {
+      EXPECT_TRUE(reporterOf(code) == 0 || reporterOf(code) == 1) << describeError(code);
+      EXPECT_NE(describeError(code).find("the group is poisoned: rank "), std::string::npos);
+    }
+    for (const Call& c : g.calls()) {
+      const auto* out = static_cast<const unsigned char*>(c.out[r]);
+      for (size_t i = 0; i < c.count * 4; ++i) {
+        ASSERT_EQ(out[i], 0xA5) << describe(c, 3) << ": rank " << r << " byte " << i;
+      }
+    }
+  }
+}
+
+// The collective reset waits until no rank has a kernel in flight before
+// anyone zeroes: rank 0 gives up on a two-shot call while rank 1 is slow to
+// reduce; rank 1 then arrives at the middle barrier and writes its flag into
+// rank 0's buffer. Had rank 0 zeroed its flags before that write, the stale
+// flag would let its next call's middle barrier pass before rank 1 (slow
+// again) had reduced its part: rank 0 would gather the failed call's part.
+// The calls after the reset are right on every rank and leave no error.
+TEST(KernelEmulationFailure, ResetWaitsForLateFlagsOfTheFailedCall) {
+  Call failed;
+  failed.algorithm = Algorithm::kTwoShot;
+  failed.count = 4096;
+  failed.timeouts = {100ull * 1000 * 1000, 0};
+  failed.slowRank = 1;
+  failed.slowPhase = kStart;
+  failed.slowMs = 500;
+  failed.check = false;
+  Call next = failed;
+  next.timeouts.clear();
+  next.slowMs = 200;
+  next.resetBefore = true;
+  next.check = true;
+  Call last = next;
+  last.slowRank = -1;
+  last.resetBefore = false;
+  last.algorithm = Algorithm::kOneShot;
+  EmulatedGroup g(2, 32 << 10, {failed, next, last});
+  ASSERT_TRUE(g.run({0, 1}, kGenerousNs, 60));
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
+  expectResults(g);
 }
 
 // Through the host API: after a peer did not arrive, the rank's next call is
