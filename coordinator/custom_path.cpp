@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
@@ -14,14 +15,17 @@ namespace tpcomm::coord {
 
 namespace {
 
-// Captured calls one group can register (80 bytes of device memory each).
-constexpr int64_t kTableSlots = 4096;
-
 bool aligned(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % car::kPackBytes == 0;
 }
 
 }  // namespace
+
+bool rangesOverlap(const void* a, const void* b, size_t bytes) {
+  if (bytes == 0) return false;
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + bytes && y < x + bytes;
+}
 
 car::DType carDType(at::ScalarType type) {
   switch (type) {
@@ -39,7 +43,8 @@ car::DType carDType(at::ScalarType type) {
 
 CustomPath::CustomPath(c10d::Backend& cpu, int rank, int size, at::Device device,
                        std::unique_ptr<CustomDevice> gpu, size_t maxBytes,
-                       std::chrono::milliseconds timeout, std::string groupName)
+                       std::chrono::milliseconds timeout, std::string groupName,
+                       const LaunchSettings& launch, const std::string& skip)
     : rank_(rank),
       size_(size),
       device_(device),
@@ -47,7 +52,8 @@ CustomPath::CustomPath(c10d::Backend& cpu, int rank, int size, at::Device device
       groupName_(std::move(groupName)),
       gpu_(std::move(gpu)) {
   RelaxedCaptureMode relaxed;
-  CustomSetupResult setup = setUpCustomAllreduce(cpu, rank, size, *gpu_, hostIdentity(), maxBytes);
+  CustomSetupResult setup =
+      setUpCustomAllreduce(cpu, rank, size, *gpu_, hostIdentity(), maxBytes, launch, skip);
   available_ = setup.available;
   reason_ = setup.reason;
   devices_ = setup.devices;
@@ -61,15 +67,29 @@ CustomPath::CustomPath(std::string reason) : reason_(std::move(reason)) {}
 
 CustomPath::~CustomPath() {
   // Never throws. Graphs that still point at the table are the caller's to
-  // destroy first.
-  if (table_ != nullptr) gpu_->freeTable(table_);
+  // destroy first. A kernel still in flight would touch the peers' buffers
+  // (unmapped when gpu_ goes) and the table: a sticky illegal-address error.
+  if (!gpu_) return;
+  gpu_->synchronize();
+  for (car::RegisteredInputs* table : tables_) gpu_->freeTable(table);
+}
+
+void CustomPath::reset(c10d::Backend& cpu) {
+  if (!available_) return;  // the same on every rank: nothing to reset
+  RelaxedCaptureMode relaxed;
+  car::CustomAllreduce::ResetOps ops;
+  ops.synchronize = [this] { gpu_->synchronize(); };
+  ops.barrier = [this, &cpu] { allgatherBytes(cpu, size_, "r"); };
+  ops.zeroSignals = [this](void*) { gpu_->zeroSignals(); };
+  car_->reset(ops);
 }
 
 void CustomPath::raiseEarlierFailure(const std::string& what) const {
   TPCOMM_THROW(kPeerLost, "custom allreduce on group '", groupName_, "' (rank ", rank_, " of ",
                size_, "): an earlier call failed: ", what,
-               ". This group's CUDA allreduces cannot continue: destroy it and create a new "
-               "group (the process and its other groups are unaffected).");
+               ". This group's CUDA allreduces refuse to run until every rank calls "
+               "tpcomm.reset_custom_allreduce(group) (or the group is destroyed; the process "
+               "and its other groups are unaffected).");
 }
 
 void CustomPath::checkError() const {
@@ -86,22 +106,30 @@ void CustomPath::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 const car::RegisteredInputs* CustomPath::registerCapturedCall(const void* input, const void* output,
+                                                              size_t bytes,
                                                               car::Algorithm algorithm,
                                                               bool* stage) {
   TPCOMM_CHECK(available_, kInvalidUsage, "custom allreduce on group '", groupName_,
                "' is not available: ", reason_);
   std::lock_guard<std::mutex> lock(mutex_);
   *stage = true;
-  if (table_ == nullptr) table_ = gpu_->allocateTable(kTableSlots);
-  if (slotsUsed_ >= kTableSlots) {
+  if (slotsUsed_ >= kTableCapacity) {
     ++zeroCopy_.staged;
-    zeroCopy_.lastStagedReason = detail::concat("more than ", kTableSlots, " captured calls");
+    zeroCopy_.lastStagedReason =
+        detail::concat("the zero-copy table is full (", kTableCapacity, " captured calls)");
     return nullptr;
   }
+  if (slotsUsed_ == static_cast<int64_t>(tables_.size()) * kTableChunk) {
+    tables_.push_back(gpu_->allocateTable(kTableChunk));
+  }
   Captured c{slotsUsed_, true, "", 0, car_->stagingOf(rank_)};
-  const bool inPlaceOneShot = algorithm == car::Algorithm::kOneShot && input == output;
-  if (inPlaceOneShot) {
-    zeroCopy_.lastStagedReason = "an in-place one-shot call (peers would read while it writes)";
+  // Any shared byte counts, not only the same address: overlapping views
+  // would let peers read while this rank writes.
+  const bool overlappingOneShot =
+      algorithm == car::Algorithm::kOneShot && rangesOverlap(input, output, bytes);
+  if (overlappingOneShot) {
+    zeroCopy_.lastStagedReason =
+        "a one-shot call whose output overlaps its input (peers would read while it writes)";
   } else {
     try {
       const car::ExportedPointer exported = gpu_->exportPointer(input);
@@ -120,7 +148,8 @@ const car::RegisteredInputs* CustomPath::registerCapturedCall(const void* input,
   }
   *stage = c.staged;
   captured_.push_back(c);
-  return table_ + slotsUsed_++;
+  const int64_t slot = slotsUsed_++;
+  return tables_[slot / kTableChunk] + slot % kTableChunk;
 }
 
 void CustomPath::allreduce(const at::Tensor& input, const at::Tensor& output, DeviceRoute route,
@@ -148,7 +177,9 @@ void CustomPath::allreduce(const at::Tensor& input, const at::Tensor& output, De
     RelaxedCaptureMode relaxed;
     bool stage = true;
     options.registered =
-        registerCapturedCall(input.data_ptr(), output.data_ptr(), options.algorithm, &stage);
+        registerCapturedCall(input.data_ptr(), output.data_ptr(),
+                             static_cast<size_t>(input.numel()) * input.element_size(),
+                             options.algorithm, &stage);
     options.stageInput = stage;
   }
   car_->allreduce(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
@@ -224,9 +255,16 @@ void CustomPath::finishGraphRegistration(c10d::Backend& cpu) {
                  " could not map its peers' captured inputs (", text,
                  "); the graphs captured in this context refuse to replay");
   }
-  std::vector<int64_t> slots;
-  for (const auto& c : captured) slots.push_back(c.slot);
-  gpu_->fillTable(table_, slots, host);
+  // Each chunk of the table with its own entries (slot numbers within it).
+  std::map<int64_t, std::pair<std::vector<int64_t>, std::vector<car::RegisteredInputs>>> chunks;
+  for (size_t i = 0; i < captured.size(); ++i) {
+    auto& chunk = chunks[captured[i].slot / kTableChunk];
+    chunk.first.push_back(captured[i].slot % kTableChunk);
+    chunk.second.push_back(host[i]);
+  }
+  for (const auto& [index, chunk] : chunks) {
+    gpu_->fillTable(tables_.at(index), chunk.first, chunk.second);
+  }
 }
 
 bool CustomPath::distinctGpus() const {
@@ -237,7 +275,11 @@ bool CustomPath::distinctGpus() const {
 
 ZeroCopyStats CustomPath::zeroCopyStats() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  return zeroCopy_;
+  ZeroCopyStats out = zeroCopy_;
+  out.tableSlots = slotsUsed_;
+  out.tableCapacity = kTableCapacity;
+  out.tableFull = slotsUsed_ >= kTableCapacity;
+  return out;
 }
 
 }  // namespace tpcomm::coord

@@ -11,9 +11,9 @@
 // exchange, per captured call, the IPC handle and offset of their input, and
 // every rank maps its peers'. A rank stages its own input instead (its table
 // entry then points at its staging region) when that input is also the
-// output of a one-shot call (peers would read it while it is written), when
-// its memory cannot be exported (the expandable-segments allocator), or when
-// the table is full. Replaying such a graph before the context exited makes
+// output of a one-shot call overlaps it (peers would read it while it is
+// written), when its memory cannot be exported (the expandable-segments
+// allocator), or when the table is full (kTableCapacity captured calls). Replaying such a graph before the context exited makes
 // the kernel stop with an error, not read unmapped memory.
 
 #include <chrono>
@@ -39,7 +39,19 @@ struct ZeroCopyStats {
   int64_t registered = 0;  // captured calls whose input peers read in place
   int64_t staged = 0;      // captured calls that still copy (see lastStagedReason)
   std::string lastStagedReason;
+  int64_t tableSlots = 0;     // slots taken (one per captured call, never reused)
+  int64_t tableCapacity = 0;  // the most there can be
+  bool tableFull = false;     // later captured calls stage
 };
+
+// Zero-copy table slots: allocated a chunk at a time (a captured kernel keeps
+// its slot's address, so the table grows by chunks, never by moving), up to
+// kTableCapacity: a server capturing 67 batch sizes x 64 allreduces takes 4,288.
+inline constexpr int64_t kTableChunk = 4096;
+inline constexpr int64_t kTableCapacity = 16 * kTableChunk;
+
+// Whether [a, a + bytes) and [b, b + bytes) share a byte.
+bool rangesOverlap(const void* a, const void* b, size_t bytes);
 
 class CustomPath {
  public:
@@ -47,10 +59,13 @@ class CustomPath {
   // errors.
   CustomPath(c10d::Backend& cpu, int rank, int size, at::Device device,
              std::unique_ptr<CustomDevice> gpu, size_t maxBytes, std::chrono::milliseconds timeout,
-             std::string groupName);
+             std::string groupName, const LaunchSettings& launch = {},
+             const std::string& skip = "");
   // A path that is off for every rank alike (`reason`), set up without any
   // exchange.
   explicit CustomPath(std::string reason);
+  // Waits for this rank's kernels to end (a kernel in flight would touch
+  // the peers' mappings and the table), then frees them.
   ~CustomPath();
 
   bool available() const { return available_; }
@@ -70,6 +85,10 @@ class CustomPath {
 
   // Raises Timeout naming the peer when a kernel of this group gave up.
   void checkError() const;
+  // Collective (every rank of the group, no call of the group in flight on
+  // another thread): makes the group usable after a failure
+  // (car::CustomAllreduce::reset: synchronise, barrier, zero, barrier).
+  void reset(c10d::Backend& cpu);
   // How long the kernel waits for a peer (calls enqueued afterwards).
   void setTimeout(std::chrono::milliseconds timeout);
 
@@ -78,7 +97,8 @@ class CustomPath {
   // full: the call then stages), and in `stage` whether this rank still
   // copies its own input. Called by allreduce(); public for tests.
   const car::RegisteredInputs* registerCapturedCall(const void* input, const void* output,
-                                                    car::Algorithm algorithm, bool* stage);
+                                                    size_t bytes, car::Algorithm algorithm,
+                                                    bool* stage);
 
   // Collective: fills the zero-copy table of every call captured since the
   // last one (see above). Raises InvalidUsage on every rank when ranks
@@ -108,7 +128,7 @@ class CustomPath {
   std::vector<int> devices_;  // per rank, from the set-up
 
   mutable std::mutex mutex_;
-  car::RegisteredInputs* table_ = nullptr;  // device memory, kTableSlots entries
+  std::vector<car::RegisteredInputs*> tables_;  // device memory, kTableChunk entries each
   int64_t slotsUsed_ = 0;
   std::vector<Captured> captured_;
   ZeroCopyStats zeroCopy_;

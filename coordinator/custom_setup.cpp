@@ -1,6 +1,7 @@
 #include "coordinator/custom_setup.hpp"
 
 #include <algorithm>
+#include <map>
 
 #include "coordinator/common/error.hpp"
 
@@ -13,6 +14,7 @@ constexpr size_t kHostWidth = 128;
 constexpr size_t kUuidWidth = 64;
 constexpr size_t kHandleWidth = 64;
 constexpr size_t kMessageWidth = 384;
+constexpr size_t kSettingsWidth = 512;
 constexpr uint32_t kProbeToken = 0x7C0DE000;
 
 void putField(std::string& out, const std::string& value, size_t width) {
@@ -26,6 +28,61 @@ std::string getField(const std::string& record, const std::vector<size_t>& width
   for (size_t i = 0; i < index; ++i) offset += widths[i];
   const std::string field = record.substr(offset, widths[index]);
   return text ? trimmed(field) : field;
+}
+
+std::string encodeSettings(const LaunchSettings& settings) {
+  std::string out;
+  for (const auto& [name, value] : settings) out += name + "=" + value + "\n";
+  TPCOMM_CHECK(out.size() <= kSettingsWidth, kInvalidUsage, "launch settings of ", out.size(),
+               " bytes");
+  return out;
+}
+
+LaunchSettings decodeSettings(const std::string& text) {
+  LaunchSettings out;
+  size_t begin = 0;
+  while (begin < text.size()) {
+    const size_t end = text.find('\n', begin);
+    const std::string line = text.substr(begin, end - begin);
+    const size_t eq = line.find('=');
+    out.emplace_back(line.substr(0, eq), eq == std::string::npos ? "" : line.substr(eq + 1));
+    if (end == std::string::npos) break;
+    begin = end + 1;
+  }
+  return out;
+}
+
+// The first setting (in rank 0's order) on which ranks disagree, described;
+// "" when all agree.
+std::string settingsMismatch(const std::vector<std::string>& encoded) {
+  std::vector<std::map<std::string, std::string>> byRank;
+  for (const auto& e : encoded) {
+    const LaunchSettings s = decodeSettings(e);
+    byRank.emplace_back(s.begin(), s.end());
+  }
+  std::vector<std::string> names;
+  for (const auto& [name, value] : decodeSettings(encoded[0])) names.push_back(name);
+  for (size_t r = 1; r < byRank.size(); ++r) {
+    for (const auto& [name, value] : byRank[r]) {
+      if (!byRank[0].count(name)) names.push_back(name);
+    }
+  }
+  for (const auto& name : names) {
+    const auto valueOf = [&](size_t r) {
+      auto it = byRank[r].find(name);
+      return it == byRank[r].end() ? std::string("(not set)") : it->second;
+    };
+    bool same = true;
+    for (size_t r = 1; r < byRank.size(); ++r) same = same && valueOf(r) == valueOf(0);
+    if (same) continue;
+    std::string values;
+    for (size_t r = 0; r < byRank.size(); ++r) {
+      values += detail::concat(r ? ", " : "", "rank ", r, ": ", valueOf(r));
+    }
+    return detail::concat("ranks disagree on ", name, " (", values,
+                          "); every rank of a group must use the same value");
+  }
+  return "";
 }
 
 }  // namespace
@@ -67,11 +124,28 @@ std::vector<std::string> allgatherBytes(c10d::Backend& cpu, int size, const std:
 }
 
 CustomSetupResult setUpCustomAllreduce(c10d::Backend& cpu, int rank, int size, CustomDevice& device,
-                                       const std::string& hostId, size_t maxBytes) {
+                                       const std::string& hostId, size_t maxBytes,
+                                       const LaunchSettings& launch, const std::string& skip) {
   CustomSetupResult result;
   if (size < 2 || size > car::kMaxRanks) {
     result.reason = detail::concat("world size ", size, " is outside 2..", car::kMaxRanks);
     return result;  // every rank sees the same size: no round needed
+  }
+
+  // Round 0: the settings that shape a launch, before anything is allocated.
+  LaunchSettings settings{{"TPCOMM_CAR_MAX_BYTES", std::to_string(maxBytes)},
+                          {"kernel protocol", car::protocolId()}};
+  settings.insert(settings.end(), launch.begin(), launch.end());
+  std::vector<std::string> encoded;
+  for (const auto& r : allgatherBytes(cpu, size, fixedWidth(encodeSettings(settings),
+                                                            kSettingsWidth))) {
+    encoded.push_back(trimmed(r));
+  }
+  result.reason = settingsMismatch(encoded);
+  if (!result.reason.empty()) return result;
+  if (!skip.empty()) {  // the same on every rank: its settings agree
+    result.reason = skip;
+    return result;
   }
 
   // Round 1: who and where every rank is, and its buffer's handle.
@@ -111,29 +185,29 @@ CustomSetupResult setUpCustomAllreduce(c10d::Backend& cpu, int rank, int size, C
   }
   result.devices = topology.devices;
   // Round 2 only among ranks of one host: the host check needs no exchange.
-  car::Topology hostsOnly = topology;
-  hostsOnly.canAccessPeer.assign(size, std::vector<bool>(size, true));
-  car::Eligibility e = car::groupEligibility(hostsOnly);
+  car::Eligibility e = car::groupEligibility(topology);  // hosts (no P2P rows yet)
   if (!e.eligible) {
     result.reason = e.reason;
     return result;
   }
 
-  // Round 2: P2P rows.
-  std::string row;
+  // Round 2: P2P access and NVLink rows (a character per peer each).
+  std::string row(2 * size, '?');
   for (int r = 0; r < size; ++r) {
-    bool ok = false;
     try {
-      ok = device.canAccessPeer(uuids[r]);
+      row[r] = device.peerAccess(uuids[r]);
     } catch (const std::exception&) {
-      ok = false;
+      row[r] = 'x';
     }
-    row.push_back(ok ? '1' : '0');
+    try {
+      row[size + r] = device.linkTo(uuids[r]);
+    } catch (const std::exception&) {
+      row[size + r] = '?';
+    }
   }
   for (const auto& other : allgatherBytes(cpu, size, row)) {
-    std::vector<bool> bits;
-    for (char c : other) bits.push_back(c == '1');
-    topology.canAccessPeer.push_back(bits);
+    topology.access.push_back(other.substr(0, size));
+    topology.links.push_back(other.substr(size));
   }
   e = car::groupEligibility(topology);
   if (!e.eligible) {

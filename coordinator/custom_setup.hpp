@@ -8,9 +8,11 @@
 //
 // Rounds (each an allgather of fixed-size records over the CPU backend, so
 // every rank decides from the same data and reaches the same verdict):
+//   0. the settings that shape a launch (compared; refused on a mismatch)
 //   1. host id, GPU UUID, IPC handle of the new buffer, or why the
 //      allocation failed
-//   2. this rank's row of the P2P matrix (checked against one host first)
+//   2. this rank's row of the P2P access and NVLink matrices (checked
+//      against one host first)
 //   3. whether opening every peer's handle and the probe writes worked
 //      (the allgather is also the barrier between the writes and the reads)
 //   4. which peers' probe writes this rank saw
@@ -42,9 +44,13 @@ class CustomDevice {
   virtual std::string allocate(size_t maxBytes) = 0;
   // The buffer allocate() made.
   virtual void* ownBase() = 0;
-  // Whether this GPU can reach the GPU with `uuid` (itself included); false
-  // when no visible GPU has that UUID.
-  virtual bool canAccessPeer(const std::string& uuid) = 0;
+  // Whether this GPU can reach the GPU with `uuid`: 'y' (itself included),
+  // 'x' no P2P, '?' no GPU visible to this process has that UUID (the write
+  // probe decides).
+  virtual char peerAccess(const std::string& uuid) = 0;
+  // What links this GPU to the GPU with `uuid`: 'n' NVLink, 'p' no NVLink,
+  // '?' unknown (the driver's management library is missing).
+  virtual char linkTo(const std::string& uuid) = 0;
   // Maps a peer's buffer from its handle. Throws on failure.
   virtual void* open(const std::string& handle) = 0;
   // Writes `value` into probe slot `fromRank` of a peer's buffer, through
@@ -56,6 +62,13 @@ class CustomDevice {
   // the host reads it and as the device writes it (valid after allocate()).
   virtual uint32_t* errorHost() = 0;
   virtual uint32_t* errorDevice() = 0;
+  // Returns when every kernel this process launched on the GPU has ended
+  // (before peers' buffers or the zero-copy table go away, and in a reset).
+  // Never throws.
+  virtual void synchronize() = 0;
+  // Zeroes the signal area of this rank's buffer (flags, poison, epochs);
+  // done when it returns.
+  virtual void zeroSignals() = 0;
 
   // Zero-copy (graph_capture()), see custom_path.hpp:
   // A zeroed device table of `slots` entries (ready == 0 everywhere).
@@ -79,9 +92,21 @@ struct CustomSetupResult {
   std::vector<int> devices;  // per rank: index of its GPU among the group's GPUs
 };
 
+// Every setting that shapes a launch, as (name, value): ranks that disagree
+// would launch different kernels (blocks without partners, a result region at
+// another offset), so the set-up compares them and refuses the group on every
+// rank, naming the setting and the ranks. The maximum size and the kernel's
+// protocol are always compared; callers add theirs (blocks, routing).
+using LaunchSettings = std::vector<std::pair<std::string, std::string>>;
+
 // `hostId`: this process's host identity (settings' hostIdentity()).
+// `skip` non-empty: this rank's settings turn the kernel off (TPCOMM_ROUTE=
+// nccl); once the settings are known to agree, the group is refused with it
+// before anything is allocated.
 CustomSetupResult setUpCustomAllreduce(c10d::Backend& cpu, int rank, int size, CustomDevice& device,
-                                       const std::string& hostId, size_t maxBytes);
+                                       const std::string& hostId, size_t maxBytes,
+                                       const LaunchSettings& launch = {},
+                                       const std::string& skip = "");
 
 // `value` cut or padded with NULs to `width` bytes (the exchanges' fields),
 // and a field back without its padding.

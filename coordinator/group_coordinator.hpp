@@ -162,6 +162,10 @@ class GroupCoordinator {
   // begin is local; finish is collective (see CustomPath). They nest.
   void beginGraphRegistration();
   void finishGraphRegistration();
+  // Collective: after a custom-allreduce failure (a peer that did not arrive
+  // poisons the group's kernels until then), makes the kernel usable again on
+  // every rank. Does nothing before the kernel is set up.
+  void resetCustom();
   // The shared-memory path for CPU collectives: set up (collectively) on the
   // first call, then null when the group does not use it; `reason` says why.
   mq::ShmGroup* cpuShm();

@@ -54,12 +54,11 @@ std::shared_ptr<CustomPath> GroupCoordinator::ensureCustom(at::Device device) {
   {
     std::lock_guard<std::mutex> lock(deviceMutex_);
     if (custom_) return custom_;
-    // Decided from what every rank shares, so either every rank sets up or none.
+    // Decided from what every rank shares, so either every rank sets up or
+    // none. TPCOMM_ROUTE is a rank's own: the set-up compares it first.
     std::string skip;
     if (options_.size < 2 || options_.size > car::kMaxRanks) {
       skip = detail::concat("world size ", options_.size, " is outside 2..", car::kMaxRanks);
-    } else if (routing_.config().mode == "nccl") {
-      skip = "TPCOMM_ROUTE=nccl";
     } else if (!customDeviceFactory_) {
       skip = "no GPU side for the custom kernel in this coordinator";
     }
@@ -68,9 +67,18 @@ std::shared_ptr<CustomPath> GroupCoordinator::ensureCustom(at::Device device) {
       custom_ = std::make_shared<CustomPath>(skip);
       return custom_;
     }
+    // Every setting that makes a rank launch differently (the maximum size
+    // is compared by the set-up itself).
+    const RoutingConfig& config = routing_.config();
+    const LaunchSettings launch{
+        {"TPCOMM_CAR_BLOCKS", std::to_string(settings().carBlocks)},
+        {"TPCOMM_ROUTE", config.mode},
+        {"TPCOMM_ONESHOT_MAX_BYTES", std::to_string(config.oneShotMaxBytes)},
+        {"TPCOMM_AUTOTUNE", settings().autotune ? "1" : "0"}};
     created = std::make_shared<CustomPath>(
         *cpu_, options_.rank, options_.size, device, customDeviceFactory_(device.index()),
-        static_cast<size_t>(routing_.config().customMaxBytes), customTimeout(), options_.groupName);
+        static_cast<size_t>(config.customMaxBytes), customTimeout(), options_.groupName, launch,
+        config.mode == "nccl" ? "TPCOMM_ROUTE=nccl" : "");
     routing_.setCustomAvailability(created->available(), created->reason());
     custom_ = created;
   }
@@ -96,15 +104,20 @@ Pending GroupCoordinator::customAllreduce(std::shared_ptr<CustomPath> custom, at
     custom->allreduce(input, output, route, scale, current, registering);
     return pending;
   }
+  // On the group's comm stream, so that it overlaps the caller's work; the
+  // kernel's launch order (car::LaunchOrder) keeps it after every earlier
+  // launch of the group on any stream, and every later one after it.
   c10::cuda::CUDAStream stream = current;
   {
     std::lock_guard<std::mutex> lock(deviceMutex_);
     if (!commStream_) commStream_ = c10::cuda::getStreamFromPool(false, input.device().index());
     stream = *commStream_;
   }
-  at::cuda::CUDAEvent ready(cudaEventDisableTiming);
-  ready.record(current);
-  ready.block(stream);  // after whatever produced the input
+  {
+    const std::shared_ptr<at::cuda::CUDAEvent> ready = takePooledEvent(input.device().index());
+    ready->record(current);
+    ready->block(stream);  // after whatever produced the input
+  }
   custom->allreduce(input, output, route, scale, stream, registering);
   std::vector<at::Tensor> inputs;
   if (!input.is_same(output)) inputs.push_back(input);
@@ -154,6 +167,13 @@ void GroupCoordinator::finishGraphRegistration() {
     custom = custom_;
   }
   if (custom) custom->finishGraphRegistration(*cpu_);
+}
+
+void GroupCoordinator::resetCustom() {
+  std::shared_ptr<CustomPath> custom = customPath();
+  // Every rank decides alike: the path exists on every rank or on none
+  // (it is made by the group's first CUDA allreduce, a collective).
+  if (custom) custom->reset(*cpu_);
 }
 
 void GroupCoordinator::eagerConnect(at::Device device) {

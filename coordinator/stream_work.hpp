@@ -11,6 +11,7 @@
 //    the caching allocator does not reuse their memory before the call ends.
 
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include <ATen/cuda/CUDAEvent.h>
@@ -18,6 +19,11 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 namespace tpcomm::coord {
+
+// CUDA events reused across calls (per device): the async path records one
+// per call, and creating an event costs more than the launch it marks. An
+// event goes back to the pool when the last holder drops it.
+std::shared_ptr<at::cuda::CUDAEvent> takePooledEvent(c10::DeviceIndex device);
 
 class StreamWork : public c10d::Work {
  public:
@@ -37,7 +43,7 @@ class StreamWork : public c10d::Work {
 
  private:
   c10::cuda::CUDAStream stream_;
-  at::cuda::CUDAEvent done_;
+  std::shared_ptr<at::cuda::CUDAEvent> done_;  // pooled
   std::vector<at::Tensor> outputs_;
   std::vector<at::Tensor> inputs_;
   std::function<void()> checkError_;

@@ -31,6 +31,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -49,6 +51,10 @@ int compiledCudaVersion();
 // The SM architectures with machine code in this build (e.g. {800, 900}).
 std::vector<int> compiledArchitectures();
 
+// What every rank of a group must share for its kernels to meet: the signal
+// layout and the launch shape (compared by the set-up).
+std::string protocolId();
+
 enum class DType { kFloat32, kFloat16, kBFloat16 };
 const char* dtypeName(DType dtype);
 size_t dtypeSize(DType dtype);
@@ -66,9 +72,10 @@ struct BufferLayout {
   static BufferLayout forMaxBytes(size_t maxBytes);
 };
 
-// Largest one-shot size per world size (known good on NVLink H100-class
-// machines: one-shot reads N x the bytes, so it stops paying off earlier at
-// larger N); above it, two-shot up to the maximum.
+// Largest one-shot size per world size before autotune has measured (1 MiB
+// at 2 ranks, 512 KiB at 3-4, 256 KiB at 5-8: one-shot reads N x the bytes,
+// so it stops paying off earlier at larger N); above it, two-shot up to the
+// maximum.
 size_t oneShotLimit(int worldSize, size_t maxBytes);
 Algorithm chooseAlgorithm(int worldSize, size_t bytes, size_t maxBytes);
 // Thread blocks for a call: `override` when positive (1..kMaxBlocks), else
@@ -84,16 +91,22 @@ struct Eligibility {
 // What the ranks of a group reported about themselves.
 struct Topology {
   std::vector<std::string> hostIds;  // one per rank
-  std::vector<int> devices;          // CUDA device index per rank
-  // canAccessPeer[i][j]: cudaDeviceCanAccessPeer(devices[i], devices[j]);
-  // a device reaches itself (ranks sharing a GPU) without it.
-  std::vector<std::vector<bool>> canAccessPeer;
+  std::vector<int> devices;          // index of each rank's GPU among the group's GPUs
+  // access[i][j]: whether rank i's GPU can reach rank j's: 'y'
+  // (cudaDeviceCanAccessPeer), 'x' (no P2P), '?' (rank j's GPU is not visible
+  // to rank i's process, e.g. one CUDA_VISIBLE_DEVICES GPU per rank: the
+  // write probe decides). Ranks sharing a GPU need nothing.
+  std::vector<std::string> access;
+  // links[i][j]: 'n' NVLink, 'p' no NVLink (P2P over PCIe), '?' unknown (no
+  // NVML). Past 2 GPUs every pair must be NVLink.
+  std::vector<std::string> links;
   bool probeSucceeded = true;  // every rank saw every peer's IPC write
   std::string probeDetail;     // what the probe saw when it failed
 };
 
-// Checked once per group: world size 2..8, one host, P2P between every pair,
-// the write probe.
+// Checked once per group: world size 2..8, one host, P2P between every pair
+// of GPUs, NVLink between every pair past 2 GPUs (the kernel reads every
+// peer's memory directly; over PCIe it loses to NCCL there), the write probe.
 Eligibility groupEligibility(const Topology& topology);
 // Checked per call: dtype is float32/float16/bfloat16 (`dtypeName` of any
 // other type in `otherDtype`), both pointers 16-byte aligned, size within the
@@ -124,9 +137,30 @@ struct CallOptions {
   bool stageInput = true;
 };
 
-// One rank's view of the group: what a kernel launch needs. Not thread-safe;
-// calls on one rank must be issued in the same order on every rank (as for
-// any collective), and every rank of a group must use the same maxBytes.
+// Serialises one rank's launches of a group, whatever stream each goes to:
+// two kernels of one rank in flight at once would bump the same epochs and
+// write the same staging buffer. Eager launches and graph replays alike.
+class LaunchOrder {
+ public:
+  virtual ~LaunchOrder() = default;
+  // Before a launch on `stream`: the stream waits for the previous launch.
+  virtual void before(cudaStream_t stream) = 0;
+  // After it: this launch becomes the previous one.
+  virtual void after(cudaStream_t stream) = 0;
+};
+
+// The product's order: one CUDA event per rank of a group (as NCCL orders a
+// communicator's operations). Eagerly, each launch's stream waits on the
+// event and records it after the launch. Under graph capture, the wait and
+// the record are captured as external event nodes, so that every replay
+// waits for whichever launch (eager or replayed) recorded the event last and
+// then records it itself. Created on the device current at the first launch.
+std::unique_ptr<LaunchOrder> makeEventLaunchOrder();
+
+// One rank's view of the group: what a kernel launch needs. Calls on one
+// rank must be issued in the same order on every rank (as for any
+// collective), and every rank of a group must use the same maxBytes. A launch
+// and its ordering are made under a lock, so threads may share it.
 class CustomAllreduce {
  public:
   // `buffers[r]`: rank r's buffer base as this process reaches it (IPC-opened
@@ -134,9 +168,10 @@ class CustomAllreduce {
   // zeroed before first use. `errorWord` must be device-visible host memory
   // (cudaHostAllocMapped) owned by the caller; the kernels write a failure
   // code there.
+  // `order` null: makeEventLaunchOrder() (the CPU emulation passes its own).
   CustomAllreduce(int rank, int worldSize, std::vector<void*> buffers, size_t maxBytes,
                   std::chrono::milliseconds timeout, uint32_t* errorWordHost,
-                  uint32_t* errorWordDevice);
+                  uint32_t* errorWordDevice, std::unique_ptr<LaunchOrder> order = nullptr);
 
   int rank() const { return rank_; }
   int worldSize() const { return worldSize_; }
@@ -193,6 +228,8 @@ class CustomAllreduce {
   std::atomic<int64_t> timeoutMs_;
   uint32_t* errorHost_;
   uint32_t* errorDevice_;
+  std::mutex launchMutex_;
+  std::unique_ptr<LaunchOrder> order_;  // guarded by launchMutex_
 };
 
 // Zeroes the signal area of a buffer (flags, poison and epochs), ordered on

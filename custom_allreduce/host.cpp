@@ -16,14 +16,16 @@ namespace tpcomm::car {
 
 CustomAllreduce::CustomAllreduce(int rank, int worldSize, std::vector<void*> buffers,
                                  size_t maxBytes, std::chrono::milliseconds timeout,
-                                 uint32_t* errorWordHost, uint32_t* errorWordDevice)
+                                 uint32_t* errorWordHost, uint32_t* errorWordDevice,
+                                 std::unique_ptr<LaunchOrder> order)
     : rank_(rank),
       worldSize_(worldSize),
       buffers_(std::move(buffers)),
       layout_(BufferLayout::forMaxBytes(maxBytes)),
       timeoutMs_(timeout.count()),
       errorHost_(errorWordHost),
-      errorDevice_(errorWordDevice) {
+      errorDevice_(errorWordDevice),
+      order_(std::move(order)) {
   TPCOMM_CHECK(worldSize_ >= 2 && worldSize_ <= kMaxRanks, kInvalidUsage,
                "custom allreduce: world size ", worldSize_, " is outside 2..", kMaxRanks);
   TPCOMM_CHECK(rank_ >= 0 && rank_ < worldSize_, kInvalidUsage, "custom allreduce: rank ", rank_,
@@ -78,9 +80,48 @@ Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DT
   p.resultOffset = layout_.resultOffset;
   p.timeoutNs = static_cast<uint64_t>(timeoutMs_.load()) * 1000000ull;
   p.errorDevice = errorDevice_;
+  std::lock_guard<std::mutex> lock(launchMutex_);
+  if (!order_) order_ = makeEventLaunchOrder();
+  order_->before(stream);
   launchAllreduce(p, stream);
+  order_->after(stream);
   return algorithm;
 }
+
+namespace {
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  TPCOMM_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+class EventLaunchOrder : public LaunchOrder {
+ public:
+  ~EventLaunchOrder() override {
+    if (event_ != nullptr && cudaEventDestroy(event_) != cudaSuccess) cudaGetLastError();
+  }
+  void before(cudaStream_t stream) override {
+    if (event_ == nullptr) {
+      TPCOMM_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    }
+    // A wait on an event never recorded returns at once (eagerly and in a
+    // replay alike).
+    TPCOMM_CUDA_CHECK(cudaStreamWaitEvent(
+        stream, event_, capturing(stream) ? cudaEventWaitExternal : cudaEventWaitDefault));
+  }
+  void after(cudaStream_t stream) override {
+    TPCOMM_CUDA_CHECK(cudaEventRecordWithFlags(
+        event_, stream, capturing(stream) ? cudaEventRecordExternal : cudaEventRecordDefault));
+  }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<LaunchOrder> makeEventLaunchOrder() { return std::make_unique<EventLaunchOrder>(); }
 
 const void* CustomAllreduce::stagingOf(int rank) const {
   TPCOMM_CHECK(rank >= 0 && rank < worldSize_, kInvalidUsage, "custom allreduce: rank ", rank,

@@ -16,6 +16,11 @@ size_t alignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 }  // namespace
 
+std::string protocolId() {
+  return detail::concat("signal ", sizeof(Signal), " B, ", kMaxBlocks, " blocks of ", kThreads,
+                        " threads, poisoned flags, two-shot without end barrier");
+}
+
 const char* dtypeName(DType dtype) {
   switch (dtype) {
     case DType::kFloat32:
@@ -48,7 +53,9 @@ BufferLayout BufferLayout::forMaxBytes(size_t maxBytes) {
 }
 
 size_t oneShotLimit(int worldSize, size_t maxBytes) {
-  size_t limit = maxBytes;  // world size 2: one-shot all the way
+  // One-shot reads N x the bytes; past about 1 MiB even at 2 ranks it is
+  // likely to lose to two-shot (and to NCCL). Autotune replaces these.
+  size_t limit = 1 << 20;
   if (worldSize > 2) limit = 512 << 10;
   if (worldSize > 4) limit = 256 << 10;
   return std::min(limit, maxBytes);
@@ -88,14 +95,30 @@ Eligibility groupEligibility(const Topology& t) {
     }
   }
   TPCOMM_CHECK_EQ(t.devices.size(), t.hostIds.size(), "(devices vs ranks in the topology)");
+  const auto at = [&](const std::vector<std::string>& m, int i, int j) {
+    return i < static_cast<int>(m.size()) && j < static_cast<int>(m[i].size()) ? m[i][j] : '?';
+  };
   for (int i = 0; i < n; ++i) {
     for (int j = 0; j < n; ++j) {
       if (i == j || t.devices[i] == t.devices[j]) continue;
-      const bool ok = i < static_cast<int>(t.canAccessPeer.size()) &&
-                      j < static_cast<int>(t.canAccessPeer[i].size()) && t.canAccessPeer[i][j];
-      if (!ok) {
+      if (at(t.access, i, j) == 'x') {
         e.reason = detail::concat("no P2P access from rank ", i, " (GPU ", t.devices[i],
                                   ") to rank ", j, " (GPU ", t.devices[j], ")");
+        return e;
+      }
+    }
+  }
+  std::vector<int> gpus = t.devices;
+  std::sort(gpus.begin(), gpus.end());
+  const auto distinct = std::unique(gpus.begin(), gpus.end()) - gpus.begin();
+  if (distinct > 2) {
+    for (int i = 0; i < n; ++i) {
+      for (int j = 0; j < n; ++j) {
+        if (i == j || t.devices[i] == t.devices[j] || at(t.links, i, j) != 'p') continue;
+        e.reason = detail::concat("ranks ", i, " and ", j, " (GPUs ", t.devices[i], " and ",
+                                  t.devices[j], ") are not linked by NVLink; past 2 GPUs the "
+                                  "custom kernel needs NVLink between every pair (over PCIe "
+                                  "NCCL is faster)");
         return e;
       }
     }

@@ -129,6 +129,9 @@ tensors through the device backend (NCCL), created on first use.)")
               zeroCopy["registered"] = z.registered;
               zeroCopy["staged"] = z.staged;
               zeroCopy["last_staged_reason"] = z.lastStagedReason;
+              zeroCopy["table_slots"] = z.tableSlots;
+              zeroCopy["table_capacity"] = z.tableCapacity;
+              zeroCopy["table_full"] = z.tableFull;
             }
             custom["zero_copy"] = zeroCopy;
             out["custom_allreduce"] = custom;
@@ -193,6 +196,12 @@ tensors through the device backend (NCCL), created on first use.)")
           [](backend::ProcessGroupTpcomm& self) { self.coordinator().beginGraphRegistration(); },
           "graph_capture(): custom allreduces captured from now on read their inputs in place "
           "once finish_graph_registration() ran (on every rank).")
+      .def(
+          "reset_custom_allreduce",
+          [](backend::ProcessGroupTpcomm& self) { self.coordinator().resetCustom(); },
+          py::call_guard<py::gil_scoped_release>(),
+          "Collective: makes the custom allreduce usable again after a failure (every rank "
+          "synchronises its GPU, then the flags are zeroed between two barriers).")
       .def(
           "finish_graph_registration",
           [](backend::ProcessGroupTpcomm& self) { self.coordinator().finishGraphRegistration(); },

@@ -125,13 +125,24 @@ void registerCustomAllreduce(py::module_& m) {
       .def_property_readonly("error_code", [](Rank& r) { return r.impl().errorCode(); })
       .def("clear_error", [](Rank& r) { r.impl().clearError(); })
       .def(
-          "reset_signals",
-          [](Rank& r) {
-            car::resetSignals(r.ownBase(), nullptr);
-            r.impl().clearError();
+          "reset",
+          [](Rank& r, const py::function& barrier) {
+            car::CustomAllreduce::ResetOps ops;
+            ops.synchronize = [] {
+              if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
+            };
+            ops.barrier = [&barrier] {
+              py::gil_scoped_acquire acquire;
+              barrier();
+            };
+            ops.zeroSignals = [](void* buffer) { car::resetSignals(buffer, nullptr); };
+            py::gil_scoped_release release;
+            r.impl().reset(ops);
           },
-          "Zeroes this rank's flags after a failure (no kernel may be in flight; every rank "
-          "must do it).");
+          py::arg("barrier"),
+          "The collective reset after a failure (every rank calls it): synchronises the "
+          "device, barrier(), zeroes this rank's flags, poison and epochs and its error word, "
+          "barrier().");
 
   m.def(
       "car_set_up",
@@ -141,8 +152,9 @@ void registerCustomAllreduce(py::module_& m) {
         coord::CustomSetupResult result;
         {
           py::gil_scoped_release release;  // the exchange waits on the peers
-          result =
-              coord::setUpCustomAllreduce(*cpu, rank, worldSize, *gpu, hostIdentity(), maxBytes);
+          result = coord::setUpCustomAllreduce(
+              *cpu, rank, worldSize, *gpu, hostIdentity(), maxBytes,
+              {{"TPCOMM_CAR_BLOCKS", std::to_string(settings().carBlocks)}});
         }
         if (!result.available) return py::make_tuple(false, result.reason, py::none());
         return py::make_tuple(
@@ -156,17 +168,18 @@ void registerCustomAllreduce(py::module_& m) {
   m.def(
       "car_group_eligibility",
       [](const std::vector<std::string>& hostIds, const std::vector<int>& devices,
-         const std::vector<std::vector<bool>>& canAccessPeer, bool probeSucceeded,
-         const std::string& probeDetail) {
+         const std::vector<std::string>& access, const std::vector<std::string>& links,
+         bool probeSucceeded, const std::string& probeDetail) {
         car::Topology t;
         t.hostIds = hostIds;
         t.devices = devices;
-        t.canAccessPeer = canAccessPeer;
+        t.access = access;
+        t.links = links;
         t.probeSucceeded = probeSucceeded;
         t.probeDetail = probeDetail;
         return eligibilityTuple(car::groupEligibility(t));
       },
-      py::arg("host_ids"), py::arg("devices"), py::arg("can_access_peer"),
+      py::arg("host_ids"), py::arg("devices"), py::arg("access"), py::arg("links"),
       py::arg("probe_succeeded"), py::arg("probe_detail") = "",
       "(eligible, reason) of a group from what its ranks reported.");
   m.def(

@@ -70,6 +70,15 @@ def describe(group=None):
     return dict(_backend_of(group).describe())
 
 
+def reset_custom_allreduce(group=None):
+    """Collective (every rank of the group): makes the group's custom CUDA
+    allreduce usable again after a failure. Until then a failed call (a peer
+    that did not arrive) poisons the group: its queued kernels and graph
+    replays stop at once, and its next calls raise. Every rank synchronises
+    its GPU, then the kernel's flags are zeroed between two barriers."""
+    _backend_of(group).reset_custom_allreduce()
+
+
 def reset_stats(group=None):
     """Sets the group's route counters on this rank back to zero."""
     _backend_of(group).reset_stats()
@@ -82,6 +91,7 @@ __all__ = [
     "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size", "get_pp_group",
     "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "get_tp_group",
     "get_world_group", "graph_capture", "init_distributed_environment", "initialize_model_parallel",
-    "model_parallel_is_initialized", "model_parallel_layout", "register", "reset_stats",
+    "model_parallel_is_initialized", "model_parallel_layout", "register", "reset_custom_allreduce",
+    "reset_stats",
     "settings", "stats", "tensor_model_parallel_all_gather", "tensor_model_parallel_all_reduce",
     "tensor_model_parallel_gather", "tensor_model_parallel_reduce_scatter"]

@@ -11,9 +11,10 @@ backend): for tests, benchmarks and the routing that builds on it.
 Sums float32, float16 and bfloat16 tensors of up to `max_bytes` (default
 TPCOMM_CAR_MAX_BYTES), 16-byte aligned, at world sizes 2 to 8. Every rank gets
 the same bits. A peer that does not arrive within `timeout_ms` (default
-TPCOMM_CAR_TIMEOUT_MS, or 10 minutes when that is 0) makes the kernel stop;
-check() then raises TimeoutError naming it, and reset() (on every rank) makes
-the group usable again.
+TPCOMM_CAR_TIMEOUT_MS, or 10 minutes when that is 0) makes the kernel stop
+and poisons the group (every rank's later kernels stop at once with the same
+cause); check() then raises TimeoutError naming it, and reset() (on every
+rank) makes the group usable again.
 """
 
 import torch
@@ -87,10 +88,11 @@ class LocalGroup:
             rank.check_error()
 
     def reset(self):
-        """After a failure: zeroes every rank's flags and errors."""
-        torch.cuda.synchronize()
+        """After a failure: zeroes every rank's flags, poison and errors. One
+        device synchronisation covers every rank's kernels (they share this
+        process and GPU), so no barrier is needed between the ranks."""
         for rank in self.ranks:
-            rank.reset_signals()
+            rank.reset(lambda: None)
 
 
 class IpcCommunicator:
@@ -152,9 +154,9 @@ class IpcCommunicator:
         self._rank.check_error()
 
     def reset(self):
-        """After a failure: every rank calls it (no kernel in flight), then a
-        CPU barrier, before the next allreduce."""
+        """After a failure: every rank calls it. Synchronises the device,
+        barrier, zeroes this rank's flags, poison and errors, barrier (no
+        late flag write of the failed call can survive it, and no rank starts
+        before every rank has zeroed)."""
         self._check_usable()
-        torch.cuda.synchronize()
-        self._rank.reset_signals()
-        dist.barrier(group=self.pg)
+        self._rank.reset(lambda: dist.barrier(group=self.pg))

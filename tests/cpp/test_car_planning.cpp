@@ -52,13 +52,15 @@ TEST(CarLayout, EveryFlagSlotHasItsOwnCacheLine) {
 
 TEST(CarAlgorithm, OneShotLimitsByWorldSize) {
   const size_t max = 8 << 20;
-  EXPECT_EQ(oneShotLimit(2, max), max);
+  EXPECT_EQ(oneShotLimit(2, max), 1u << 20);
+  EXPECT_EQ(oneShotLimit(2, 512 << 10), 512u << 10);
   EXPECT_EQ(oneShotLimit(3, max), 512u << 10);
   EXPECT_EQ(oneShotLimit(4, max), 512u << 10);
   EXPECT_EQ(oneShotLimit(5, max), 256u << 10);
   EXPECT_EQ(oneShotLimit(8, max), 256u << 10);
   EXPECT_EQ(oneShotLimit(8, 4096), 4096u);  // never above the maximum
-  EXPECT_EQ(chooseAlgorithm(2, max, max), Algorithm::kOneShot);
+  EXPECT_EQ(chooseAlgorithm(2, 1 << 20, max), Algorithm::kOneShot);
+  EXPECT_EQ(chooseAlgorithm(2, (1 << 20) + 16, max), Algorithm::kTwoShot);
   EXPECT_EQ(chooseAlgorithm(4, 512 << 10, max), Algorithm::kOneShot);
   EXPECT_EQ(chooseAlgorithm(4, (512 << 10) + 16, max), Algorithm::kTwoShot);
   EXPECT_EQ(chooseAlgorithm(8, 256 << 10, max), Algorithm::kOneShot);
@@ -86,7 +88,8 @@ Topology topology(int n) {
     t.hostIds.push_back("node0");
     t.devices.push_back(r);
   }
-  t.canAccessPeer.assign(n, std::vector<bool>(n, true));
+  t.access.assign(n, std::string(n, 'y'));
+  t.links.assign(n, std::string(n, 'n'));
   return t;
 }
 
@@ -99,12 +102,32 @@ TEST(CarEligibility, GroupChecksExplainWhatFails) {
   EXPECT_EQ(groupEligibility(hosts).reason,
             "ranks 0 and 2 are on different hosts ('node0' and 'node1')");
   Topology noP2p = topology(4);
-  noP2p.canAccessPeer[1][3] = false;
+  noP2p.access[1][3] = 'x';
   EXPECT_EQ(groupEligibility(noP2p).reason, "no P2P access from rank 1 (GPU 1) to rank 3 (GPU 3)");
   Topology shared = topology(4);  // four ranks on one GPU (how tests run)
   shared.devices = {0, 0, 0, 0};
-  shared.canAccessPeer.assign(4, std::vector<bool>(4, false));
+  shared.access.assign(4, std::string(4, 'x'));
+  shared.links.assign(4, std::string(4, 'p'));
   EXPECT_TRUE(groupEligibility(shared).eligible) << groupEligibility(shared).reason;
+  // One visible GPU per process: peers' GPUs are unknown to CUDA there; the
+  // write probe decides.
+  Topology hidden = topology(4);
+  hidden.access.assign(4, std::string(4, '?'));
+  hidden.links.assign(4, std::string(4, '?'));
+  EXPECT_TRUE(groupEligibility(hidden).eligible) << groupEligibility(hidden).reason;
+  // PCIe: fine between 2 GPUs, refused past 2 (NVLink needed between every pair).
+  Topology pcie2 = topology(2);
+  pcie2.links.assign(2, std::string(2, 'p'));
+  EXPECT_TRUE(groupEligibility(pcie2).eligible) << groupEligibility(pcie2).reason;
+  Topology pcie2Gpus4Ranks = topology(4);
+  pcie2Gpus4Ranks.devices = {0, 0, 1, 1};
+  pcie2Gpus4Ranks.links.assign(4, std::string(4, 'p'));
+  EXPECT_TRUE(groupEligibility(pcie2Gpus4Ranks).eligible);
+  Topology pcie4 = topology(4);
+  pcie4.links[2][3] = 'p';
+  EXPECT_EQ(groupEligibility(pcie4).reason,
+            "ranks 2 and 3 (GPUs 2 and 3) are not linked by NVLink; past 2 GPUs the custom kernel "
+            "needs NVLink between every pair (over PCIe NCCL is faster)");
   Topology probe = topology(2);
   probe.probeSucceeded = false;
   probe.probeDetail = "rank 1 saw 0 from rank 0";

@@ -3,14 +3,18 @@
 // one rank must be named on all of them, never leave a rank waiting.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "coordinator/common/error.hpp"
 #include "coordinator/custom_path.hpp"
 #include "coordinator/custom_setup.hpp"
+#include "custom_allreduce/signal.hpp"
 #include "group_fixture.hpp"
 
 namespace tpcomm::testing {
@@ -30,6 +34,20 @@ struct FakeSpec {
   std::string failOpen;               // non-empty: open() throws this
   bool dropWrites = false;            // probe writes from this rank vanish
   std::set<std::string> unreachable;  // UUIDs this GPU has no P2P to
+  std::set<std::string> invisible;    // UUIDs this process's CUDA does not see
+  std::set<std::string> pcie;         // UUIDs linked to this GPU without NVLink
+};
+
+// What fake ranks did, in order, for the teardown and reset tests.
+struct FakeLog {
+  std::mutex mutex;
+  std::vector<std::string> events;
+  std::atomic<int> synchronized{0};
+  std::atomic<int> zeroed{0};
+  void add(const std::string& e) {
+    std::lock_guard<std::mutex> lock(mutex);
+    events.push_back(e);
+  }
 };
 
 class FakeDevice : public CustomDevice {
@@ -45,9 +63,31 @@ class FakeDevice : public CustomDevice {
     return handle;
   }
   void* ownBase() override { return probes_; }
-  bool canAccessPeer(const std::string& uuid) override {
-    return spec_.unreachable.count(uuid) == 0;
+  char peerAccess(const std::string& uuid) override {
+    if (spec_.invisible.count(uuid)) return '?';
+    return spec_.unreachable.count(uuid) == 0 ? 'y' : 'x';
   }
+  char linkTo(const std::string& uuid) override { return spec_.pcie.count(uuid) ? 'p' : 'n'; }
+  void synchronize() override {
+    if (!log) return;
+    log->add("rank " + std::to_string(rank_) + " synchronize");
+    ++log->synchronized;
+  }
+  void zeroSignals() override {
+    if (log) {
+      // Every rank's kernels had ended before any rank zeroes (the reset's
+      // first barrier).
+      EXPECT_EQ(log->synchronized.load(), expectedRanks) << "rank " << rank_ << " zeroed early";
+      log->add("rank " + std::to_string(rank_) + " zero");
+      ++log->zeroed;
+    }
+    std::memset(probes_, 0, sizeof(probes_));
+  }
+  ~FakeDevice() override {
+    if (log) log->add("rank " + std::to_string(rank_) + " unmap peers");
+  }
+  std::shared_ptr<FakeLog> log;
+  int expectedRanks = 0;
   void* open(const std::string& handle) override {
     if (!spec_.failOpen.empty()) throw std::runtime_error(spec_.failOpen);
     // The exchange pads handles to a fixed width.
@@ -64,11 +104,19 @@ class FakeDevice : public CustomDevice {
 
   // Zero-copy: a host "device table"; a pointer's "allocation" is its 4 KiB
   // page, and a mapping lands at the same address.
+  // Each chunk of the table a vector of its own (its address never moves).
   car::RegisteredInputs* allocateTable(size_t slots) override {
-    table.assign(slots, car::RegisteredInputs{});
-    return table.data();
+    tables.emplace_back(slots, car::RegisteredInputs{});
+    return tables.back().data();
   }
-  void freeTable(car::RegisteredInputs*) override { freed = true; }
+  void freeTable(car::RegisteredInputs*) override {
+    ++freed;
+    if (log) log->add("rank " + std::to_string(rank_) + " free table");
+  }
+  // Slot i over the chunks.
+  car::RegisteredInputs& slot(size_t i) {
+    return tables.at(i / coord::kTableChunk).at(i % coord::kTableChunk);
+  }
   car::ExportedPointer exportPointer(const void* ptr) override {
     if (unexportable.count(ptr)) {
       throw std::runtime_error("cudaIpcGetMemHandle: invalid argument (expandable segments)");
@@ -83,12 +131,16 @@ class FakeDevice : public CustomDevice {
   }
   void fillTable(car::RegisteredInputs* t, const std::vector<int64_t>& slots,
                  const std::vector<car::RegisteredInputs>& entries) override {
-    EXPECT_EQ(t, table.data());
-    for (size_t i = 0; i < slots.size(); ++i) table.at(slots[i]) = entries[i];
+    for (auto& chunk : tables) {
+      if (chunk.data() != t) continue;
+      for (size_t i = 0; i < slots.size(); ++i) chunk.at(slots[i]) = entries[i];
+      return;
+    }
+    ADD_FAILURE() << "fillTable of a table never allocated";
   }
-  std::vector<car::RegisteredInputs> table;
+  std::deque<std::vector<car::RegisteredInputs>> tables;
   std::set<const void*> unexportable;
-  bool freed = false;
+  int freed = 0;
 
  private:
   std::shared_ptr<FakeWorld> world_;
@@ -111,7 +163,8 @@ struct Verdicts {
 };
 
 Verdicts setUp(int size, const std::function<FakeSpec(int)>& spec,
-               const std::function<std::string(int)>& host = {}) {
+               const std::function<std::string(int)>& host = {},
+               const std::function<coord::LaunchSettings(int)>& launch = {}) {
   ThreadGroup group(size);
   auto world = std::make_shared<FakeWorld>();
   std::vector<std::unique_ptr<FakeDevice>> devices;
@@ -120,7 +173,8 @@ Verdicts setUp(int size, const std::function<FakeSpec(int)>& spec,
   v.results.resize(size);
   runRanks(size, [&](int r) {
     v.results[r] = coord::setUpCustomAllreduce(*group.cpu[r], r, size, *devices[r],
-                                               host ? host(r) : "node-a", 1 << 20);
+                                               host ? host(r) : "node-a", 1 << 20,
+                                               launch ? launch(r) : coord::LaunchSettings{});
   });
   return v;
 }
@@ -260,10 +314,13 @@ struct ZeroCopyGroup {
   std::vector<FakeDevice*> fakes;
   std::vector<void*> bases;  // each rank's buffer
 
-  explicit ZeroCopyGroup(int n) : group(n), paths(n), fakes(n), bases(n) {
+  explicit ZeroCopyGroup(int n, std::shared_ptr<FakeLog> log = nullptr)
+      : group(n), paths(n), fakes(n), bases(n) {
     auto world = std::make_shared<FakeWorld>();
     runRanks(n, [&](int r) {
       auto fake = std::make_unique<FakeDevice>(world, r, FakeSpec{"gpu-" + std::to_string(r)});
+      fake->log = log;
+      fake->expectedRanks = n;
       fakes[r] = fake.get();
       paths[r] = std::make_unique<coord::CustomPath>(*group.cpu[r], r, n, at::Device(at::kCUDA, 0),
                                                      std::move(fake), kMax,
@@ -286,6 +343,7 @@ TEST(CustomZeroCopy, ExitFillsEveryRanksTableWithItsPeersInputsOrStagings) {
   ZeroCopyGroup z(3);
   const auto one = car::Algorithm::kOneShot, two = car::Algorithm::kTwoShot;
   std::vector<std::vector<bool>> staged(3);
+  std::vector<std::string> afterCall2(3);
   runRanks(3, [&](int r) {
     auto& path = *z.paths[r];
     if (r == 2) z.fakes[r]->unexportable.insert(ZeroCopyGroup::input(r, 2));
@@ -294,39 +352,52 @@ TEST(CustomZeroCopy, ExitFillsEveryRanksTableWithItsPeersInputsOrStagings) {
     // one-shot -> staged (peers would read while it writes). Call 2: in
     // place, two-shot -> read in place, except rank 2's (not exportable).
     std::vector<const car::RegisteredInputs*> slots;
+    constexpr size_t kBytes = 256;
     slots.push_back(path.registerCapturedCall(ZeroCopyGroup::input(r, 0), ZeroCopyGroup::output(),
-                                              one, &stage));
+                                              kBytes, one, &stage));
     staged[r].push_back(stage);
     slots.push_back(path.registerCapturedCall(ZeroCopyGroup::input(r, 1),
-                                              ZeroCopyGroup::input(r, 1), one, &stage));
+                                              ZeroCopyGroup::input(r, 1), kBytes, one, &stage));
     staged[r].push_back(stage);
     slots.push_back(path.registerCapturedCall(ZeroCopyGroup::input(r, 2),
-                                              ZeroCopyGroup::input(r, 2), two, &stage));
+                                              ZeroCopyGroup::input(r, 2), kBytes, two, &stage));
+    staged[r].push_back(stage);
+    afterCall2[r] = path.zeroCopyStats().lastStagedReason;
+    // Call 3: one-shot into a distinct view that overlaps the input (64
+    // bytes further on) -> staged, as in place.
+    const void* in3 = ZeroCopyGroup::input(r, 3);
+    slots.push_back(path.registerCapturedCall(in3, static_cast<const char*>(in3) + 64, kBytes, one,
+                                              &stage));
     staged[r].push_back(stage);
     // One slot per call, in capture order: what each captured kernel reads.
-    for (int i = 0; i < 3; ++i) EXPECT_EQ(slots[i], z.fakes[r]->table.data() + i);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(slots[i], &z.fakes[r]->slot(i));
     // Before the exit no slot is ready: a replay now stops with an error.
-    for (int i = 0; i < 3; ++i) EXPECT_EQ(z.fakes[r]->table[i].ready, 0u);
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(z.fakes[r]->slot(i).ready, 0u);
     path.finishGraphRegistration(*z.group.cpu[r]);
   });
   for (int r = 0; r < 3; ++r) {
-    EXPECT_EQ(staged[r], (std::vector<bool>{false, true, r == 2})) << "rank " << r;
-    for (int i = 0; i < 3; ++i) {
-      const car::RegisteredInputs& e = z.fakes[r]->table[i];
+    EXPECT_EQ(staged[r], (std::vector<bool>{false, true, r == 2, true})) << "rank " << r;
+    for (int i = 0; i < 4; ++i) {
+      const car::RegisteredInputs& e = z.fakes[r]->slot(i);
       EXPECT_EQ(e.ready, 1u);
       for (int q = 0; q < 3; ++q) {
-        const bool qStaged = i == 1 || (i == 2 && q == 2);
+        const bool qStaged = i == 1 || i == 3 || (i == 2 && q == 2);
         EXPECT_EQ(e.input[q], qStaged ? z.staging(q) : ZeroCopyGroup::input(q, i))
             << "rank " << r << " call " << i << " peer " << q;
       }
     }
     const coord::ZeroCopyStats stats = z.paths[r]->zeroCopyStats();
     EXPECT_EQ(stats.registered, r == 2 ? 1 : 2);
-    EXPECT_EQ(stats.staged, r == 2 ? 2 : 1);
+    EXPECT_EQ(stats.staged, r == 2 ? 3 : 2);
+    EXPECT_EQ(stats.tableSlots, 4);
+    EXPECT_EQ(stats.tableCapacity, coord::kTableCapacity);
+    EXPECT_FALSE(stats.tableFull);
   }
-  EXPECT_NE(z.paths[2]->zeroCopyStats().lastStagedReason.find("expandable"), std::string::npos);
-  EXPECT_EQ(z.paths[0]->zeroCopyStats().lastStagedReason,
-            "an in-place one-shot call (peers would read while it writes)");
+  EXPECT_NE(afterCall2[2].find("expandable"), std::string::npos) << afterCall2[2];
+  EXPECT_EQ(afterCall2[0],
+            "a one-shot call whose output overlaps its input (peers would read while it writes)");
+  EXPECT_EQ(z.paths[2]->zeroCopyStats().lastStagedReason,
+            "a one-shot call whose output overlaps its input (peers would read while it writes)");
 }
 
 TEST(CustomZeroCopy, DifferentCaptureCountsRaiseOnEveryRankAndFillNothing) {
@@ -335,7 +406,7 @@ TEST(CustomZeroCopy, DifferentCaptureCountsRaiseOnEveryRankAndFillNothing) {
   runRanks(3, [&](int r) {
     bool stage = false;
     for (int i = 0; i < (r == 0 ? 2 : 1); ++i) {
-      z.paths[r]->registerCapturedCall(ZeroCopyGroup::input(r, i), ZeroCopyGroup::output(),
+      z.paths[r]->registerCapturedCall(ZeroCopyGroup::input(r, i), ZeroCopyGroup::output(), 256,
                                        car::Algorithm::kOneShot, &stage);
     }
     try {
@@ -350,16 +421,207 @@ TEST(CustomZeroCopy, DifferentCaptureCountsRaiseOnEveryRankAndFillNothing) {
                              "rank 1: 1, rank 2: 1)"),
               std::string::npos)
         << errors[r];
-    for (const auto& slot : z.fakes[r]->table) EXPECT_EQ(slot.ready, 0u);
+    for (const auto& slot : z.fakes[r]->tables.at(0)) EXPECT_EQ(slot.ready, 0u);
   }
   // The next context starts afresh: one call each registers and fills.
   runRanks(3, [&](int r) {
     bool stage = false;
-    z.paths[r]->registerCapturedCall(ZeroCopyGroup::input(r, 5), ZeroCopyGroup::output(),
+    z.paths[r]->registerCapturedCall(ZeroCopyGroup::input(r, 5), ZeroCopyGroup::output(), 256,
                                      car::Algorithm::kOneShot, &stage);
     z.paths[r]->finishGraphRegistration(*z.group.cpu[r]);
   });
-  for (int r = 0; r < 3; ++r) EXPECT_EQ(z.fakes[r]->table[r == 0 ? 2 : 1].ready, 1u);
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(z.fakes[r]->slot(r == 0 ? 2 : 1).ready, 1u);
+}
+
+// The table grows a chunk at a time past kTableChunk captured calls (a
+// server capturing 67 batch sizes x 64 allreduces needs 4,288), every slot
+// keeps its address, and once kTableCapacity calls are registered later ones
+// stage and the stats say the table is full.
+TEST(CustomZeroCopy, TheTableGrowsByChunksAndSaysWhenFull) {
+  ZeroCopyGroup z(2);
+  const int64_t calls = coord::kTableChunk + 192;
+  runRanks(2, [&](int r) {
+    bool stage = true;
+    for (int64_t i = 0; i < calls; ++i) {
+      const auto* slot = z.paths[r]->registerCapturedCall(
+          ZeroCopyGroup::input(r, static_cast<int>(i % 8)), ZeroCopyGroup::output(), 256,
+          car::Algorithm::kTwoShot, &stage);
+      ASSERT_FALSE(stage) << "call " << i << " staged";
+      ASSERT_EQ(slot, &z.fakes[r]->slot(static_cast<size_t>(i)));
+    }
+    z.paths[r]->finishGraphRegistration(*z.group.cpu[r]);
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(z.fakes[r]->tables.size(), 2u);
+    EXPECT_EQ(z.fakes[r]->slot(0).ready, 1u);
+    EXPECT_EQ(z.fakes[r]->slot(static_cast<size_t>(calls - 1)).ready, 1u);
+    EXPECT_EQ(z.fakes[r]->slot(static_cast<size_t>(calls - 1)).input[1 - r],
+              ZeroCopyGroup::input(1 - r, static_cast<int>((calls - 1) % 8)));
+    const coord::ZeroCopyStats stats = z.paths[r]->zeroCopyStats();
+    EXPECT_EQ(stats.registered, calls);
+    EXPECT_EQ(stats.tableSlots, calls);
+    EXPECT_FALSE(stats.tableFull);
+  }
+  // Fill it up on one rank (no exchange needed to take slots).
+  auto& path = *z.paths[0];
+  bool stage = false;
+  for (int64_t i = calls; i < coord::kTableCapacity; ++i) {
+    ASSERT_NE(path.registerCapturedCall(ZeroCopyGroup::input(0, 0), ZeroCopyGroup::output(), 256,
+                                        car::Algorithm::kTwoShot, &stage),
+              nullptr);
+  }
+  EXPECT_EQ(path.registerCapturedCall(ZeroCopyGroup::input(0, 0), ZeroCopyGroup::output(), 256,
+                                      car::Algorithm::kTwoShot, &stage),
+            nullptr);
+  EXPECT_TRUE(stage);
+  const coord::ZeroCopyStats stats = path.zeroCopyStats();
+  EXPECT_TRUE(stats.tableFull);
+  EXPECT_EQ(stats.tableSlots, coord::kTableCapacity);
+  EXPECT_EQ(stats.lastStagedReason, "the zero-copy table is full (65536 captured calls)");
+  EXPECT_EQ(z.fakes[0]->tables.size(),
+            static_cast<size_t>(coord::kTableCapacity / coord::kTableChunk));
+}
+
+// Byte ranges, not addresses: a view that starts elsewhere but shares bytes
+// overlaps.
+TEST(CustomZeroCopy, OverlapIsAnySharedByte) {
+  alignas(16) char buffer[256];
+  EXPECT_TRUE(coord::rangesOverlap(buffer, buffer, 16));
+  EXPECT_TRUE(coord::rangesOverlap(buffer, buffer + 15, 16));
+  EXPECT_TRUE(coord::rangesOverlap(buffer + 15, buffer, 16));
+  EXPECT_FALSE(coord::rangesOverlap(buffer, buffer + 16, 16));
+  EXPECT_FALSE(coord::rangesOverlap(buffer + 16, buffer, 16));
+  EXPECT_FALSE(coord::rangesOverlap(buffer, buffer, 0));
+}
+
+// Teardown waits for the rank's kernels before the table is freed and the
+// peers' buffers are unmapped (a kernel in flight would touch unmapped memory).
+TEST(CustomTeardown, SynchronisesBeforeFreeingAndUnmapping) {
+  auto log = std::make_shared<FakeLog>();
+  {
+    ZeroCopyGroup z(2, log);
+    runRanks(2, [&](int r) {
+      bool stage = false;
+      z.paths[r]->registerCapturedCall(ZeroCopyGroup::input(r, 0), ZeroCopyGroup::output(), 256,
+                                       car::Algorithm::kTwoShot, &stage);
+    });
+  }
+  for (int r = 0; r < 2; ++r) {
+    const std::string rank = "rank " + std::to_string(r) + " ";
+    std::vector<std::string> mine;
+    for (const auto& e : log->events) {
+      if (e.rfind(rank, 0) == 0) mine.push_back(e.substr(rank.size()));
+    }
+    EXPECT_EQ(mine, (std::vector<std::string>{"synchronize", "free table", "unmap peers"}))
+        << rank;
+  }
+}
+
+// The collective reset: no rank zeroes before every rank's kernels ended (its
+// synchronize), and none returns (and launches again) before every rank
+// zeroed; the error words and signal areas are clear afterwards.
+TEST(CustomReset, EveryRankSynchronisesBeforeAnyZeroesAndZeroesBeforeAnyLeaves) {
+  auto log = std::make_shared<FakeLog>();
+  ZeroCopyGroup z(3, log);
+  for (int r = 0; r < 3; ++r) {
+    *z.fakes[r]->errorHost() = car::errorCode(1, car::kStart, 0);
+    static_cast<uint32_t*>(z.fakes[r]->ownBase())[0] = 7;
+  }
+  runRanks(3, [&](int r) {
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));  // a slow rank
+    z.paths[r]->reset(*z.group.cpu[r]);
+    EXPECT_EQ(log->zeroed.load(), 3) << "rank " << r << " left the reset before every rank zeroed";
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_EQ(*z.fakes[r]->errorHost(), 0u);
+    EXPECT_EQ(static_cast<uint32_t*>(z.fakes[r]->ownBase())[0], 0u);
+    EXPECT_NO_THROW(z.paths[r]->checkError());
+  }
+}
+
+// Settings that shape a launch must agree: a mismatch refuses the group on
+// every rank, naming the setting and every rank's value, before anything is
+// allocated.
+TEST(CustomSetup, RanksThatDisagreeOnALaunchSettingAreRefusedNamingIt) {
+  const Verdicts v = setUp(
+      3,
+      [](int r) {
+        FakeSpec s{"gpu-" + std::to_string(r)};
+        s.failAllocate = "must not be called";
+        return s;
+      },
+      {},
+      [](int r) {
+        return coord::LaunchSettings{{"TPCOMM_CAR_BLOCKS", r == 2 ? "8" : "0"}};
+      });
+  EXPECT_FALSE(v.agreed().available);
+  EXPECT_EQ(v.agreed().reason,
+            "ranks disagree on TPCOMM_CAR_BLOCKS (rank 0: 0, rank 1: 0, rank 2: 8); every rank "
+            "of a group must use the same value");
+}
+
+// TPCOMM_ROUTE=nccl turns the kernel off; the ranks learn they agree before
+// anyone allocates, and a rank that disagrees is named instead of leaving the
+// others waiting in the set-up.
+TEST(CustomSetup, RouteNcclSkipsTheSetUpOnlyWhenEveryRankSaysSo) {
+  for (bool everyRank : {true, false}) {
+    ThreadGroup group(2);
+    auto world = std::make_shared<FakeWorld>();
+    std::vector<coord::CustomSetupResult> results(2);
+    runRanks(2, [&](int r) {
+      FakeSpec spec{"gpu-" + std::to_string(r)};
+      spec.failAllocate = everyRank ? "must not be called" : "";
+      FakeDevice device(world, r, spec);
+      const std::string mode = everyRank || r == 0 ? "nccl" : "auto";
+      results[r] = coord::setUpCustomAllreduce(*group.cpu[r], r, 2, device, "node-a", 1 << 20,
+                                               {{"TPCOMM_ROUTE", mode}},
+                                               mode == "nccl" ? "TPCOMM_ROUTE=nccl" : "");
+    });
+    for (const auto& result : results) {
+      EXPECT_FALSE(result.available);
+      EXPECT_EQ(result.reason, everyRank ? "TPCOMM_ROUTE=nccl"
+                                         : "ranks disagree on TPCOMM_ROUTE (rank 0: nccl, rank 1: "
+                                           "auto); every rank of a group must use the same value");
+    }
+  }
+}
+
+// One CUDA-visible GPU per process: peers' GPUs are unknown to CUDA there,
+// but IPC works; the write probe decides.
+TEST(CustomSetup, PeersInvisibleToCudaAreJudgedByTheProbe) {
+  const Verdicts ok = setUp(4, [](int r) {
+    FakeSpec s{"gpu-" + std::to_string(r)};
+    for (int q = 0; q < 4; ++q) {
+      if (q != r) s.invisible.insert("gpu-" + std::to_string(q));
+    }
+    return s;
+  });
+  EXPECT_TRUE(ok.agreed().available) << ok.agreed().reason;
+  const Verdicts lost = setUp(2, [](int r) {
+    FakeSpec s{"gpu-" + std::to_string(r)};
+    s.invisible.insert("gpu-" + std::to_string(1 - r));
+    s.dropWrites = r == 0;
+    return s;
+  });
+  EXPECT_FALSE(lost.agreed().available);
+  EXPECT_EQ(lost.agreed().reason, "the IPC write probe failed: rank 1 saw no write from rank 0");
+}
+
+// Past 2 GPUs every pair must be NVLink; at 2 GPUs PCIe is accepted.
+TEST(CustomSetup, PcieLinksAreRefusedPastTwoGpus) {
+  const auto pcie = [](int r) {
+    FakeSpec s{"gpu-" + std::to_string(r)};
+    for (int q = 0; q < 8; ++q) {
+      if (q != r) s.pcie.insert("gpu-" + std::to_string(q));
+    }
+    return s;
+  };
+  EXPECT_TRUE(setUp(2, pcie).agreed().available);
+  const Verdicts three = setUp(3, pcie);
+  EXPECT_FALSE(three.agreed().available);
+  EXPECT_EQ(three.agreed().reason,
+            "ranks 0 and 1 (GPUs 0 and 1) are not linked by NVLink; past 2 GPUs the custom kernel "
+            "needs NVLink between every pair (over PCIe NCCL is faster)");
 }
 
 }  // namespace

@@ -30,7 +30,42 @@ namespace tpcomm::car {
 // kernel choice and argument mapping, as kernels.cu launches on a GPU.
 // Fewer threads per block than on the GPU keep the emulation quick; the
 // kernels' loops stride by whatever blockDim is.
-void launchAllreduce(const LaunchParams& p, cudaStream_t /*stream*/) {
+//
+// The host API brackets every launch with its LaunchOrder; CheckedOrder (the
+// order the emulation's host-API calls use) checks that it does, on the
+// launch's own stream: before(s), the launch, after(s), nothing else between.
+namespace {
+enum class OrderState { kIdle, kBefore, kLaunched };
+OrderState orderState = OrderState::kIdle;
+cudaStream_t orderStream = nullptr;
+uint64_t orderedLaunches = 0;
+
+[[noreturn]] void orderViolation(const char* what) {
+  std::fprintf(stderr, "launch order: %s\n", what);
+  _exit(8);
+}
+
+class CheckedOrder : public LaunchOrder {
+ public:
+  void before(cudaStream_t stream) override {
+    if (orderState != OrderState::kIdle) orderViolation("before() inside another launch");
+    orderState = OrderState::kBefore;
+    orderStream = stream;
+  }
+  void after(cudaStream_t stream) override {
+    if (orderState != OrderState::kLaunched) orderViolation("after() without a launch");
+    if (stream != orderStream) orderViolation("after() on another stream than before()");
+    orderState = OrderState::kIdle;
+    ++orderedLaunches;
+  }
+};
+}  // namespace
+
+void launchAllreduce(const LaunchParams& p, cudaStream_t stream) {
+  if (orderState != OrderState::kBefore || stream != orderStream) {
+    orderViolation("a launch not preceded by before() on its stream");
+  }
+  orderState = OrderState::kLaunched;
   emu::launch(kernelFor(p.dtype, p.algorithm, p.worldSize), kernelArgsOf(p), p.blocks, 32);
 }
 
@@ -91,6 +126,7 @@ struct Call {
   int slowPhase = kStart;          // a barrier of this phase
   int slowMs = 0;
   bool resetBefore = false;  // every rank runs CustomAllreduce::reset first
+  cudaStream_t stream = nullptr;  // host API: the stream the call names
   bool check = true;         // expectResults compares this call's outputs
   // Set by the group.
   std::vector<void*> in, out;
@@ -249,7 +285,7 @@ class EmulatedGroup {
   // the ranks' shared one, zeroing is a memset.
   void resetThroughHostApi(int rank) {
     CustomAllreduce car(rank, n_, bases(), layout_.maxBytes, std::chrono::milliseconds(1000),
-                        &errors_[rank], &errors_[rank]);
+                        &errors_[rank], &errors_[rank], std::make_unique<CheckedOrder>());
     CustomAllreduce::ResetOps ops;
     ops.synchronize = [] {};
     ops.barrier = [this] { pthread_barrier_wait(cpuBarrier_); };
@@ -260,7 +296,7 @@ class EmulatedGroup {
   void runThroughHostApi(const Call& c, int rank, uint64_t timeoutNs) {
     CustomAllreduce car(rank, n_, bases(), layout_.maxBytes,
                         std::chrono::milliseconds(std::max<uint64_t>(1, timeoutNs / 1000000)),
-                        &errors_[rank], &errors_[rank]);
+                        &errors_[rank], &errors_[rank], std::make_unique<CheckedOrder>());
     CallOptions options;
     options.chooseAlgorithm = c.chooseAlgorithm;
     options.algorithm = c.algorithm;
@@ -268,11 +304,16 @@ class EmulatedGroup {
     options.scale = c.scale;
     options.registered = c.zeroCopy ? c.tables[rank] : nullptr;
     options.stageInput = c.zeroCopy ? static_cast<bool>(c.stages[rank]) : true;
+    const uint64_t launchesBefore = orderedLaunches;
     try {
-      car.allreduce(c.in[rank], c.out[rank], c.count, c.dtype, nullptr, options);
+      car.allreduce(c.in[rank], c.out[rank], c.count, c.dtype, c.stream, options);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
       _exit(3);
+    }
+    // An empty call launches nothing; every other call is ordered.
+    if (orderedLaunches - launchesBefore != (c.count == 0 ? 0u : 1u)) {
+      orderViolation("a launch that was not ordered");
     }
   }
 
@@ -409,7 +450,8 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, KernelEmulation, ::testing::Range(2, 9));
 
 // Through the host API (CustomAllreduce::allreduce): the algorithm and block
 // count chosen by size (two-shot above the one-shot limit at 4 and 5 ranks),
-// AVG, an empty call that launches nothing, and zero-copy options.
+// AVG, an empty call that launches nothing, zero-copy options, and launches on
+// several streams, each bracketed by the rank's launch order (CheckedOrder).
 class HostApiEmulation : public ::testing::TestWithParam<int> {};
 
 TEST_P(HostApiEmulation, CallsThroughCustomAllreduceMatchTheReference) {
@@ -425,6 +467,7 @@ TEST_P(HostApiEmulation, CallsThroughCustomAllreduceMatchTheReference) {
   calls.push_back(c);
   c.dtype = DType::kBFloat16;
   c.count = 777;
+  c.stream = reinterpret_cast<cudaStream_t>(0x1000);  // launches on several streams
   c.chooseAlgorithm = false;
   c.algorithm = Algorithm::kTwoShot;
   calls.push_back(c);
@@ -437,6 +480,7 @@ TEST_P(HostApiEmulation, CallsThroughCustomAllreduceMatchTheReference) {
   c.zeroCopy = true;
   c.stages.assign(n, false);
   c.stages[n - 1] = true;
+  c.stream = reinterpret_cast<cudaStream_t>(0x2000);
   calls.push_back(c);
   c.algorithm = Algorithm::kTwoShot;
   c.inPlace = true;
@@ -581,7 +625,7 @@ TEST(KernelEmulationFailure, HostApiRefusesCallsAfterATimeout) {
   const pid_t pid = fork();
   if (pid == 0) {
     CustomAllreduce car(0, 2, g.bases(), layout.maxBytes, std::chrono::milliseconds(200),
-                        g.errorWord(0), g.errorWord(0));
+                        g.errorWord(0), g.errorWord(0), std::make_unique<CheckedOrder>());
     const Call& call = g.calls()[0];
     car.allreduce(call.in[0], call.out[0], call.count, DType::kFloat32, nullptr);
     if (car.errorCode() != errorCode(1, kStart, 0)) _exit(4);

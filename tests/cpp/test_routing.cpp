@@ -26,7 +26,10 @@ DeviceRoute routeOf(const RoutingTable& t, int64_t bytes,
 TEST(Routing, DefaultTableByWorldSize) {
   const int64_t max = 8 << 20;
   EXPECT_EQ(routeOf(available(2), 16), DeviceRoute::kCustomOneShot);
-  EXPECT_EQ(routeOf(available(2), max), DeviceRoute::kCustomOneShot);
+  // Untuned, one-shot stops near 1 MiB at 2 ranks too.
+  EXPECT_EQ(routeOf(available(2), 1 << 20), DeviceRoute::kCustomOneShot);
+  EXPECT_EQ(routeOf(available(2), (1 << 20) + 2), DeviceRoute::kCustomTwoShot);
+  EXPECT_EQ(routeOf(available(2), max), DeviceRoute::kCustomTwoShot);
   EXPECT_EQ(routeOf(available(2), max + 2), DeviceRoute::kNccl);
   for (int n : {3, 4}) {
     EXPECT_EQ(routeOf(available(n), 512 << 10), DeviceRoute::kCustomOneShot) << n;
@@ -97,7 +100,7 @@ TEST(Routing, RowsDescribeTheTableInForce) {
   EXPECT_EQ(rows[1].fromBytes, (512 << 10) + 1);
   EXPECT_EQ(rows[2].route, DeviceRoute::kNccl);
   EXPECT_EQ(rows[2].toBytes, -1);
-  EXPECT_EQ(available(2).rows().size(), 2u);  // one-shot up to the maximum, then NCCL
+  EXPECT_EQ(available(2).rows().size(), 3u);  // one-shot to 1 MiB, two-shot, NCCL
   RoutingTable off(4, {});
   ASSERT_EQ(off.rows().size(), 1u);
   EXPECT_EQ(off.rows()[0].route, DeviceRoute::kNccl);

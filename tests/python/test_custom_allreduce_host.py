@@ -11,49 +11,32 @@ from tpcomm import _C
 
 
 def test_group_eligibility_explains_itself():
-    ok, reason = _C.car_group_eligibility(["h"] * 4, [0, 1, 2, 3], [[True] * 4] * 4, True)
+    nv4 = ["nnnn"] * 4
+    ok, reason = _C.car_group_eligibility(["h"] * 4, [0, 1, 2, 3], ["yyyy"] * 4, nv4, True)
     assert ok and reason == ""
-    ok, reason = _C.car_group_eligibility(["h", "h", "g"], [0, 1, 2], [[True] * 3] * 3, True)
+    ok, reason = _C.car_group_eligibility(["h", "h", "g"], [0, 1, 2], ["yyy"] * 3, ["nnn"] * 3,
+                                          True)
     assert not ok and reason == "ranks 0 and 2 are on different hosts ('h' and 'g')"
-    ok, reason = _C.car_group_eligibility(["h", "h"], [0, 1], [[True, False], [True, True]], True)
+    ok, reason = _C.car_group_eligibility(["h", "h"], [0, 1], ["yx", "yy"], ["nn"] * 2, True)
     assert not ok and reason == "no P2P access from rank 0 (GPU 0) to rank 1 (GPU 1)"
-    ok, reason = _C.car_group_eligibility(["h", "h"], [0, 0], [[False] * 2] * 2, True)
+    ok, reason = _C.car_group_eligibility(["h", "h"], [0, 0], ["xx"] * 2, ["pp"] * 2, True)
     assert ok, reason  # two ranks sharing one GPU
-    ok, reason = _C.car_group_eligibility(["h", "h"], [0, 1], [[True] * 2] * 2, False,
+    ok, reason = _C.car_group_eligibility(["h"] * 4, [0, 1, 2, 3], ["????"] * 4, ["????"] * 4,
+                                          True)
+    assert ok, reason  # one visible GPU per process: the probe decides
+    ok, reason = _C.car_group_eligibility(["h"] * 3, [0, 1, 2], ["yyy"] * 3, ["npn"] * 3, True)
+    assert not ok and "not linked by NVLink; past 2 GPUs" in reason, reason
+    ok, reason = _C.car_group_eligibility(["h", "h"], [0, 1], ["yy"] * 2, ["nn"] * 2, False,
                                           "rank 1 saw no write from ranks [0]")
     assert reason == "the IPC write probe failed: rank 1 saw no write from ranks [0]"
-
-
-def _ipc_communicator_verdict(ctx):
-    import torch
-
-    from tpcomm.custom_allreduce import IpcCommunicator
-
-    comm = IpcCommunicator.create(device=0, max_bytes=1 << 16)
-    return comm.eligible, comm.reason, torch.cuda.is_available()
-
-
-def test_ipc_communicator_uses_the_shared_set_up(group):
-    """IpcCommunicator runs the backend's set-up (the C++ exchange over the
-    group's CPU backend): every rank gets the same verdict; without a GPU the
-    allocation fails on every rank and the verdict names the first."""
-    verdicts = group.run(_ipc_communicator_verdict)
-    assert len({v[:2] for v in verdicts}) == 1, verdicts
-    eligible, reason, has_gpu = verdicts[0]
-    if group.world_size == 1:
-        assert (eligible, reason) == (False, "world size 1 is outside 2..8")
-    elif has_gpu:
-        assert eligible and reason == "", reason
-    else:
-        assert not eligible
-        assert reason.startswith("rank 0: could not allocate its custom-allreduce buffer: "), reason
 
 
 def test_call_eligibility_and_choices():
     assert _C.car_call_eligibility("bfloat16", 1024, 4096, 4096, 1 << 20) == (True, "")
     assert _C.car_call_eligibility("int32", 1024, 4096, 4096, 1 << 20)[1].startswith(
         "dtype int32")
-    assert _C.car_choose_algorithm(2, 8 << 20, 8 << 20) == "oneshot"
+    assert _C.car_choose_algorithm(2, 1 << 20, 8 << 20) == "oneshot"
+    assert _C.car_choose_algorithm(2, (1 << 20) + 16, 8 << 20) == "twoshot"
     assert _C.car_choose_algorithm(8, 1 << 20, 8 << 20) == "twoshot"
     assert _C.car_choose_blocks("oneshot", 2, 16, 0) == 1
     with pytest.raises(ValueError, match="algorithm 'ring' is not one of"):
