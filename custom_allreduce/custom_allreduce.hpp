@@ -82,6 +82,17 @@ Algorithm chooseAlgorithm(int worldSize, size_t bytes, size_t maxBytes);
 // enough blocks of kThreads threads for the packs one block handles, capped.
 int chooseBlocks(Algorithm algorithm, int worldSize, size_t bytes, int override);
 
+// Blocks per rank when all `worldSize` ranks of a group run on one GPU
+// (LocalGroup, processes sharing a GPU): every rank's blocks wait for each
+// other, so all worldSize x blocks must be resident at once, and the GPU holds
+// at most `residentTotal` of the kernel. `requested` > 0 is refused
+// (InvalidUsage, with the most it may be) when too many; else `chosen` is
+// capped to fit.
+int sharedGpuBlocks(int worldSize, int requested, int chosen, int residentTotal);
+// How many blocks of the kernel for (dtype, algorithm, world size) the
+// current GPU holds at once (SMs x blocks per SM by occupancy). GPU only.
+int maxResidentBlocks(DType dtype, Algorithm algorithm, int worldSize);
+
 // Whether a group or a call can use the kernel, and if not, why.
 struct Eligibility {
   bool eligible = false;

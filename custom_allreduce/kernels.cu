@@ -11,6 +11,16 @@ void launchAllreduce(const LaunchParams& p, cudaStream_t stream) {
   TPCOMM_CUDA_CHECK(cudaGetLastError());
 }
 
+int maxResidentBlocks(DType dtype, Algorithm algorithm, int worldSize) {
+  const KernelFn kernel = kernelFor(dtype, algorithm, worldSize);
+  int perSm = 0, device = 0, sms = 0;
+  TPCOMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &perSm, reinterpret_cast<const void*>(kernel), kThreads, 0));
+  TPCOMM_CUDA_CHECK(cudaGetDevice(&device));
+  TPCOMM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return perSm * sms;
+}
+
 // A kernel that does nothing, for the benchmark's launch-overhead baseline.
 __global__ void emptyKernel() {}
 

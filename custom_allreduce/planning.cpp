@@ -80,6 +80,22 @@ int chooseBlocks(Algorithm algorithm, int worldSize, size_t bytes, int override)
   return static_cast<int>(std::clamp<size_t>(wanted, 1, kDefaultCap));
 }
 
+int sharedGpuBlocks(int worldSize, int requested, int chosen, int residentTotal) {
+  TPCOMM_CHECK(worldSize >= 1 && residentTotal >= 1, kInvalidUsage, "custom allreduce: ",
+               worldSize, " ranks on a GPU holding ", residentTotal, " blocks");
+  const int fit = std::max(1, residentTotal / worldSize);
+  if (requested > 0) {
+    TPCOMM_CHECK(static_cast<int64_t>(requested) * worldSize <= residentTotal, kInvalidUsage,
+                 "custom allreduce: ", worldSize, " ranks x ", requested, " blocks = ",
+                 static_cast<int64_t>(requested) * worldSize,
+                 " blocks must all be resident at once on one GPU (they wait for each other), "
+                 "but it holds at most ",
+                 residentTotal, " of this kernel: ask for at most ", fit, " blocks per rank");
+    return requested;
+  }
+  return std::clamp(chosen, 1, fit);
+}
+
 Eligibility groupEligibility(const Topology& t) {
   const int n = static_cast<int>(t.hostIds.size());
   Eligibility e;

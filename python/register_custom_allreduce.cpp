@@ -203,6 +203,28 @@ void registerCustomAllreduce(py::module_& m) {
         return car::chooseBlocks(toAlgorithm(algorithm), worldSize, bytes, override);
       },
       "Thread blocks a call uses.");
+  m.def(
+      "car_shared_gpu_blocks",
+      [](int worldSize, int requested, int chosen, int residentTotal) {
+        return car::sharedGpuBlocks(worldSize, requested, chosen, residentTotal);
+      },
+      py::arg("world_size"), py::arg("requested"), py::arg("chosen"), py::arg("resident_total"),
+      "Blocks per rank when every rank runs on one GPU (all must be resident at once); "
+      "ValueError for a request that does not fit.");
+  m.def(
+      "car_max_resident_blocks",
+      [](const std::string& dtype, const std::string& algorithm, int worldSize) {
+        car::DType d = car::DType::kFloat32;
+        if (dtype == "float16") d = car::DType::kFloat16;
+        else if (dtype == "bfloat16") d = car::DType::kBFloat16;
+        else TPCOMM_CHECK(dtype == "float32", kInvalidUsage, "custom allreduce: dtype ", dtype);
+        return car::maxResidentBlocks(d, toAlgorithm(algorithm), worldSize);
+      },
+      py::arg("dtype"), py::arg("algorithm"), py::arg("world_size"),
+      "How many blocks of the kernel the current GPU holds at once.");
+  m.def(
+      "car_describe_error", [](uint32_t code) { return car::describeError(code); },
+      py::arg("code"), "What a kernel's failure code (CarRank.error_code) says.");
   m.def("car_defaults", [] {
     py::dict d;
     d["max_bytes"] = settings().carMaxBytes;

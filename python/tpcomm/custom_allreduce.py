@@ -53,32 +53,40 @@ class LocalGroup:
         self.ranks = [_C.CarRank(r, world_size, self.buffers[r], bases, self.timeout_ms)
                       for r in range(world_size)]
         self.streams = [torch.cuda.Stream() for _ in range(world_size)]
-        self._sms = torch.cuda.get_device_properties(torch.cuda.current_device()) \
-            .multi_processor_count
+        self._resident = {}  # (dtype, algorithm) -> blocks the GPU holds at once
 
-    def all_reduce(self, inputs, outputs=None, algorithm=None, blocks=0, ranks=None):
+    def all_reduce(self, inputs, outputs=None, algorithm=None, blocks=0, ranks=None, streams=None):
         """Rank r's result into outputs[r] (new tensors when None), each rank's
-        kernel on its own stream, ordered after the current stream and joined
-        back into it. `ranks` launches only those ranks (the others withheld)."""
+        kernel on its own stream (`streams[r]`, default the group's), ordered
+        after the current stream and joined back into it. `ranks` launches
+        only those ranks (the others withheld). `blocks` more than the GPU
+        holds for every rank at once raises ValueError."""
         if len(inputs) != self.world_size:
             raise ValueError(f"{len(inputs)} inputs for {self.world_size} ranks")
         if outputs is None:
             outputs = [torch.empty_like(x) for x in inputs]
         current = torch.cuda.current_stream()
         algo = _algorithm(algorithm)
-        if not blocks:
-            # Every rank's kernel must be resident at once: at most one block
-            # per SM each (the kernels' launch bounds guarantee one fits).
-            nbytes = inputs[0].numel() * inputs[0].element_size()
-            chosen = algo or _C.car_choose_algorithm(self.world_size, nbytes, self.max_bytes)
-            blocks = min(_C.car_choose_blocks(chosen, self.world_size, nbytes, 0),
-                         max(1, self._sms // self.world_size))
+        # Every rank's kernel must be resident at once (they wait for each
+        # other): an explicit block count that cannot be is refused, a chosen
+        # one is capped.
+        nbytes = inputs[0].numel() * inputs[0].element_size()
+        chosen_algo = algo or _C.car_choose_algorithm(self.world_size, nbytes, self.max_bytes)
+        dtype = str(inputs[0].dtype).replace("torch.", "")
+        key = (dtype, chosen_algo)
+        if key not in self._resident:
+            self._resident[key] = _C.car_max_resident_blocks(dtype, chosen_algo, self.world_size)
+        requested = int(blocks) or _C.car_defaults()["blocks"]
+        blocks = _C.car_shared_gpu_blocks(
+            self.world_size, requested, _C.car_choose_blocks(chosen_algo, self.world_size, nbytes, 0),
+            self._resident[key])
+        streams = self.streams if streams is None else streams
         for r in (range(self.world_size) if ranks is None else ranks):
-            s = self.streams[r]
+            s = streams[r]
             s.wait_stream(current)
             self.ranks[r].all_reduce(inputs[r], outputs[r], algo, blocks, s.cuda_stream)
         for r in (range(self.world_size) if ranks is None else ranks):
-            current.wait_stream(self.streams[r])
+            current.wait_stream(streams[r])
         return outputs
 
     def check(self):

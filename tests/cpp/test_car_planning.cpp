@@ -68,6 +68,26 @@ TEST(CarAlgorithm, OneShotLimitsByWorldSize) {
   EXPECT_STREQ(algorithmName(Algorithm::kTwoShot), "two-shot");
 }
 
+// Ranks sharing one GPU wait for each other's blocks: all must be resident.
+TEST(CarAlgorithm, SharedGpuBlocksFitOrAreRefused) {
+  EXPECT_EQ(sharedGpuBlocks(8, 0, 36, 132), 16);  // chosen, capped to fit
+  EXPECT_EQ(sharedGpuBlocks(2, 0, 4, 132), 4);
+  EXPECT_EQ(sharedGpuBlocks(8, 0, 36, 4), 1);  // at least one
+  EXPECT_EQ(sharedGpuBlocks(4, 33, 0, 132), 33);
+  try {
+    sharedGpuBlocks(8, 17, 0, 132);
+    FAIL() << "8 x 17 blocks on a GPU holding 132 were accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidUsage);
+    EXPECT_NE(std::string(e.what()).find("8 ranks x 17 blocks = 136 blocks must all be resident "
+                                         "at once on one GPU (they wait for each other), but it "
+                                         "holds at most 132 of this kernel: ask for at most 16 "
+                                         "blocks per rank"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(CarAlgorithm, BlocksGrowWithSizeAndAreCapped) {
   EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 2, 0, 0), 1);
   EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 2, 8 << 10, 0), 1);  // 512 packs
