@@ -93,19 +93,17 @@ char nvlinkBetween(const std::string& uuidA, const std::string& uuidB) {
 class CudaDevice : public CustomDevice {
  public:
   explicit CudaDevice(int device) : device_(device) {}
-  // Waits for the GPU's kernels (one in flight would touch unmapped memory:
-  // a sticky illegal-address error), unmaps the peers' buffers (set-up only;
-  // zero-copy mappings stay for the graphs that use them), then frees this
-  // rank's.
+  // Unmaps the peers' buffers (set-up only; zero-copy mappings stay for the
+  // graphs that use them), then frees this rank's. The CustomAllreduce that
+  // launched on them is destroyed first and waits for its kernels (one in
+  // flight would touch unmapped memory: a sticky illegal-address error).
   ~CudaDevice() override {
-    synchronize();
     for (void* peer : opened_) car::closeIpcHandle(peer);
     if (stream_ != nullptr && cudaStreamDestroy(stream_) != cudaSuccess) cudaGetLastError();
   }
 
-  void synchronize() override {
-    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-    if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();  // e.g. at exit
+  std::unique_ptr<car::LaunchOrder> makeLaunchOrder() override {
+    return car::makeEventLaunchOrder();
   }
 
   void zeroSignals() override {

@@ -59,7 +59,8 @@ CustomPath::CustomPath(c10d::Backend& cpu, int rank, int size, at::Device device
   devices_ = setup.devices;
   if (available_) {
     car_ = std::make_unique<car::CustomAllreduce>(rank, size, setup.bases, maxBytes, timeout,
-                                                  gpu_->errorHost(), gpu_->errorDevice());
+                                                  gpu_->errorHost(), gpu_->errorDevice(),
+                                                  gpu_->makeLaunchOrder());
   }
 }
 
@@ -70,7 +71,7 @@ CustomPath::~CustomPath() {
   // destroy first. A kernel still in flight would touch the peers' buffers
   // (unmapped when gpu_ goes) and the table: a sticky illegal-address error.
   if (!gpu_) return;
-  gpu_->synchronize();
+  car_.reset();  // waits for this rank's launches (eager and replayed)
   for (car::RegisteredInputs* table : tables_) gpu_->freeTable(table);
 }
 
@@ -78,7 +79,7 @@ void CustomPath::reset(c10d::Backend& cpu) {
   if (!available_) return;  // the same on every rank: nothing to reset
   RelaxedCaptureMode relaxed;
   car::CustomAllreduce::ResetOps ops;
-  ops.synchronize = [this] { gpu_->synchronize(); };
+  ops.synchronize = [this] { car_->waitForLaunches(); };
   ops.barrier = [this, &cpu] { allgatherBytes(cpu, size_, "r"); };
   ops.zeroSignals = [this](void*) { gpu_->zeroSignals(); };
   car_->reset(ops);
@@ -158,9 +159,13 @@ void CustomPath::allreduce(const at::Tensor& input, const at::Tensor& output, De
                "' is not available: ", reason_);
   c10::cuda::CUDAStreamGuard guard(stream);
   // The kernel moves 16-byte packs: a tensor that starts elsewhere (a view)
-  // goes through an aligned copy. Alignment is a rank's own business, so this
-  // never changes the route.
-  if (!aligned(input) || !aligned(output)) {
+  // goes through an aligned copy; so does an output that overlaps the input
+  // at another offset (the kernel's blocks do not wait for each other within
+  // a rank). Both are a rank's own business, so this never changes the route.
+  const size_t bytes = static_cast<size_t>(input.numel()) * input.element_size();
+  const bool partialOverlap = input.data_ptr() != output.data_ptr() &&
+                              rangesOverlap(input.data_ptr(), output.data_ptr(), bytes);
+  if (!aligned(input) || !aligned(output) || partialOverlap) {
     at::Tensor tmp = input.clone(at::MemoryFormat::Contiguous);
     allreduce(tmp, tmp, route, scale, stream, registering);
     output.copy_(tmp);
@@ -176,10 +181,8 @@ void CustomPath::allreduce(const at::Tensor& input, const at::Tensor& output, De
   if (registering && isCapturing(stream.stream())) {
     RelaxedCaptureMode relaxed;
     bool stage = true;
-    options.registered =
-        registerCapturedCall(input.data_ptr(), output.data_ptr(),
-                             static_cast<size_t>(input.numel()) * input.element_size(),
-                             options.algorithm, &stage);
+    options.registered = registerCapturedCall(input.data_ptr(), output.data_ptr(), bytes,
+                                              options.algorithm, &stage);
     options.stageInput = stage;
   }
   car_->allreduce(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),

@@ -62,10 +62,10 @@ class CustomDevice {
   // the host reads it and as the device writes it (valid after allocate()).
   virtual uint32_t* errorHost() = 0;
   virtual uint32_t* errorDevice() = 0;
-  // Returns when every kernel this process launched on the GPU has ended
-  // (before peers' buffers or the zero-copy table go away, and in a reset).
-  // Never throws.
-  virtual void synchronize() = 0;
+  // The order this rank's launches of the group go through (the product's:
+  // car::makeEventLaunchOrder()); its synchronize() is what teardown and the
+  // reset wait on.
+  virtual std::unique_ptr<car::LaunchOrder> makeLaunchOrder() = 0;
   // Zeroes the signal area of this rank's buffer (flags, poison, epochs);
   // done when it returns.
   virtual void zeroSignals() = 0;

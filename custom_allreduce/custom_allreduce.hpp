@@ -158,6 +158,10 @@ class LaunchOrder {
   virtual void before(cudaStream_t stream) = 0;
   // After it: this launch becomes the previous one.
   virtual void after(cudaStream_t stream) = 0;
+  // Returns when the last launch (eager, or in the last graph replay) has
+  // ended; throws on a CUDA error. Touches no other stream, so it is safe
+  // while another stream of the device is being captured.
+  virtual void synchronize() = 0;
 };
 
 // The product's order: one CUDA event per rank of a group (as NCCL orders a
@@ -165,7 +169,10 @@ class LaunchOrder {
 // event and records it after the launch. Under graph capture, the wait and
 // the record are captured as external event nodes, so that every replay
 // waits for whichever launch (eager or replayed) recorded the event last and
-// then records it itself. Created on the device current at the first launch.
+// then records it itself; launches within one capture (which external nodes
+// do not order among themselves) are chained by a second event inside the
+// graph. Created on the device current at the first launch, and recorded
+// once there, so that no wait ever meets an event never recorded.
 std::unique_ptr<LaunchOrder> makeEventLaunchOrder();
 
 // One rank's view of the group: what a kernel launch needs. Calls on one
@@ -183,6 +190,15 @@ class CustomAllreduce {
   CustomAllreduce(int rank, int worldSize, std::vector<void*> buffers, size_t maxBytes,
                   std::chrono::milliseconds timeout, uint32_t* errorWordHost,
                   uint32_t* errorWordDevice, std::unique_ptr<LaunchOrder> order = nullptr);
+  // Waits for this rank's launches (errors ignored): whoever owns the
+  // buffers unmaps them after this.
+  ~CustomAllreduce();
+  CustomAllreduce(const CustomAllreduce&) = delete;
+  CustomAllreduce& operator=(const CustomAllreduce&) = delete;
+
+  // Returns when every launch of this rank has ended (the launch order's
+  // synchronize); throws on a CUDA error.
+  void waitForLaunches();
 
   int rank() const { return rank_; }
   int worldSize() const { return worldSize_; }
@@ -216,14 +232,16 @@ class CustomAllreduce {
   // The collective reset after a failure; every rank of the group calls it,
   // and the group is usable again when it returns:
   //   1. synchronize(): every kernel this rank launched has ended (each ends
-  //      within its timeout, at once when the group is poisoned);
+  //      within its timeout, at once when the group is poisoned); it must
+  //      throw rather than return early (waitForLaunches() does);
   //   2. barrier(): so no rank of the group has a kernel in flight, and no
   //      late flag write of a failed call can land after step 3;
   //   3. zeroSignals(own buffer): flags, poison and epochs, then the error
   //      word is cleared;
   //   4. barrier(): no rank launches (and writes flags into a peer) before
   //      every rank has zeroed.
-  // Epochs restart at 1 on every rank alike.
+  // Epochs restart at 1 on every rank alike. Two resets of one rank do not
+  // interleave; calls on other threads meanwhile are the caller's bug.
   struct ResetOps {
     std::function<void()> synchronize;
     std::function<void()> barrier;  // a CPU barrier of the whole group, bounded in time
@@ -241,6 +259,7 @@ class CustomAllreduce {
   uint32_t* errorDevice_;
   std::mutex launchMutex_;
   std::unique_ptr<LaunchOrder> order_;  // guarded by launchMutex_
+  std::mutex resetMutex_;
 };
 
 // Zeroes the signal area of a buffer (flags, poison and epochs), ordered on

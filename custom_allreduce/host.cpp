@@ -39,6 +39,19 @@ CustomAllreduce::CustomAllreduce(int rank, int worldSize, std::vector<void*> buf
   setTimeout(timeout);
 }
 
+CustomAllreduce::~CustomAllreduce() {
+  try {
+    waitForLaunches();
+  } catch (const std::exception&) {
+    // e.g. at exit, or a sticky CUDA error: nothing more can be done
+  }
+}
+
+void CustomAllreduce::waitForLaunches() {
+  std::lock_guard<std::mutex> lock(launchMutex_);
+  if (order_) order_->synchronize();
+}
+
 void CustomAllreduce::setTimeout(std::chrono::milliseconds timeout) {
   TPCOMM_CHECK(timeout.count() > 0, kInvalidUsage,
                "custom allreduce: the timeout must be positive, got ", timeout.count(), " ms");
@@ -54,6 +67,13 @@ Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DT
   const Eligibility e = callEligibility(dtypeName(dtype), bytes, reinterpret_cast<uintptr_t>(in),
                                         reinterpret_cast<uintptr_t>(out), layout_.maxBytes);
   TPCOMM_CHECK(e.eligible, kInvalidUsage, "custom allreduce cannot take this call: ", e.reason);
+  // Blocks do not wait for each other within a rank: an output that shares
+  // bytes with the input at another offset would be written by one block
+  // while another still copies or a peer still reads (the same tensor is
+  // fine: a block writes only what it staged).
+  const auto a = reinterpret_cast<uintptr_t>(in), b = reinterpret_cast<uintptr_t>(out);
+  TPCOMM_CHECK(a == b || a + bytes <= b || b + bytes <= a, kInvalidUsage,
+               "custom allreduce: the output overlaps the input without being the same memory");
   const uint32_t failed = errorCode();
   TPCOMM_CHECK(failed == 0, kPeerLost, "custom allreduce on rank ", rank_,
                ": an earlier call failed (", describeError(failed),
@@ -90,33 +110,63 @@ Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DT
 
 namespace {
 
-bool capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  TPCOMM_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
-  return status != cudaStreamCaptureStatusNone;
-}
-
 class EventLaunchOrder : public LaunchOrder {
  public:
   ~EventLaunchOrder() override {
-    if (event_ != nullptr && cudaEventDestroy(event_) != cudaSuccess) cudaGetLastError();
+    for (cudaEvent_t e : {event_, inCapture_}) {
+      if (e != nullptr && cudaEventDestroy(e) != cudaSuccess) cudaGetLastError();
+    }
   }
   void before(cudaStream_t stream) override {
-    if (event_ == nullptr) {
-      TPCOMM_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    if (event_ == nullptr) create();
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    unsigned long long id = 0;
+    TPCOMM_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &id));
+    capturing_ = status != cudaStreamCaptureStatusNone;
+    if (!capturing_) {
+      TPCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, cudaEventWaitDefault));
+      return;
     }
-    // A wait on an event never recorded returns at once (eagerly and in a
-    // replay alike).
-    TPCOMM_CUDA_CHECK(cudaStreamWaitEvent(
-        stream, event_, capturing(stream) ? cudaEventWaitExternal : cudaEventWaitDefault));
+    // Across graph launches and eager calls: an external wait node.
+    TPCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, cudaEventWaitExternal));
+    // Within this capture: after the capture's previous launch, whatever
+    // branch of the graph it is on.
+    if (inCaptureValid_ && captureId_ == id) {
+      TPCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream, inCapture_, 0));
+    }
+    captureId_ = id;
   }
   void after(cudaStream_t stream) override {
-    TPCOMM_CUDA_CHECK(cudaEventRecordWithFlags(
-        event_, stream, capturing(stream) ? cudaEventRecordExternal : cudaEventRecordDefault));
+    if (!capturing_) {
+      TPCOMM_CUDA_CHECK(cudaEventRecord(event_, stream));
+      return;
+    }
+    TPCOMM_CUDA_CHECK(cudaEventRecord(inCapture_, stream));
+    inCaptureValid_ = true;
+    TPCOMM_CUDA_CHECK(cudaEventRecordWithFlags(event_, stream, cudaEventRecordExternal));
+  }
+  void synchronize() override {
+    if (event_ != nullptr) TPCOMM_CUDA_CHECK(cudaEventSynchronize(event_));
   }
 
  private:
-  cudaEvent_t event_ = nullptr;
+  // Both events, and one record of `event_` on a private stream (complete at
+  // once), so that a replay's external wait never meets a fresh event.
+  void create() {
+    TPCOMM_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    TPCOMM_CUDA_CHECK(cudaEventCreateWithFlags(&inCapture_, cudaEventDisableTiming));
+    cudaStream_t quiet = nullptr;
+    TPCOMM_CUDA_CHECK(cudaStreamCreateWithFlags(&quiet, cudaStreamNonBlocking));
+    const cudaError_t recorded = cudaEventRecord(event_, quiet);
+    cudaStreamDestroy(quiet);
+    TPCOMM_CUDA_CHECK(recorded);
+  }
+
+  cudaEvent_t event_ = nullptr;      // the rank's last launch, eager or replayed
+  cudaEvent_t inCapture_ = nullptr;  // the last launch captured in the current capture
+  unsigned long long captureId_ = 0;  // the capture inCapture_ was recorded in
+  bool inCaptureValid_ = false;
+  bool capturing_ = false;  // of the launch between before() and after()
 };
 
 }  // namespace
@@ -146,6 +196,7 @@ void CustomAllreduce::clearError() { *reinterpret_cast<volatile uint32_t*>(error
 void CustomAllreduce::reset(const ResetOps& ops) {
   TPCOMM_CHECK(ops.synchronize && ops.barrier && ops.zeroSignals, kInvalidUsage,
                "custom allreduce: a reset needs synchronize, barrier and zeroSignals");
+  std::lock_guard<std::mutex> lock(resetMutex_);
   ops.synchronize();
   ops.barrier();
   ops.zeroSignals(buffers_[rank_]);
@@ -154,8 +205,11 @@ void CustomAllreduce::reset(const ResetOps& ops) {
 }
 
 void resetSignals(void* buffer, cudaStream_t stream) {
+  if (stream == nullptr) {
+    zeroDeviceMemory(buffer, sizeof(Signal));  // a private stream: safe beside a capture
+    return;
+  }
   TPCOMM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, sizeof(Signal), stream));
-  if (stream == nullptr) TPCOMM_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 void zeroDeviceMemory(void* ptr, size_t bytes) {

@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(kThreads) oneShotKernel(KernelArgs a) {
   const size_t tail = a.count % kPer;
   __shared__ uint32_t epoch;  // set by thread 0, read after __syncthreads_or
   int refused = 0;
-  if (threadIdx.x == 0) refused = openCall(a, &epoch);
+  if (threadIdx.x == 0) refused = openCall<N>(a, &epoch);
   if (a.stage) {
     stagePacks(a, 0, packs);
     stageTail<T>(a, packs * kPer, tail);
@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kThreads) twoShotKernel(KernelArgs a) {
   const size_t thread = blockIdx.x * blockDim.x + threadIdx.x;
   __shared__ uint32_t epoch;  // set by thread 0, read after __syncthreads_or
   int refused = 0;
-  if (threadIdx.x == 0) refused = openCall(a, &epoch);
+  if (threadIdx.x == 0) refused = openCall<N>(a, &epoch);
   // Stage part by part, so that block b stages exactly the packs block b of
   // part p's owner reduces.
   if (a.stage) {

@@ -101,9 +101,12 @@ __device__ __forceinline__ void poisonGroup(const KernelArgs& a, uint32_t code) 
 // whether the call may run, and if so its epoch in `*epoch`. Refused (1)
 // when the group is poisoned or the zero-copy table was never filled (a graph
 // replayed before graph_capture() exited); the error word then says why and
-// the epoch stays, so nothing of this call reaches a peer. The three loads
-// are independent, so their latencies overlap (and overlap the staging copy
-// the other threads start meanwhile).
+// the epoch stays, so nothing of this call reaches a peer. An unfilled table
+// poisons the group: this rank's epoch no longer matches its peers', so its
+// next call must not pair with theirs, and they must not wait out their
+// timeout for this one. The three loads are independent, so their latencies
+// overlap (and overlap the staging copy the other threads start meanwhile).
+template <int N>
 __device__ __forceinline__ int openCall(const KernelArgs& a, uint32_t* epoch) {
   Signal* own = signalOf(a, a.rank);
   const uint32_t poison = loadRelaxed(&own->poison.value);
@@ -114,7 +117,9 @@ __device__ __forceinline__ int openCall(const KernelArgs& a, uint32_t* epoch) {
     return 1;
   }
   if (ready == 0) {
-    recordError(a, errorCode(0, kNotRegistered, blockIdx.x));
+    const uint32_t code = errorCode(0, kNotRegistered, blockIdx.x);
+    recordError(a, code);
+    poisonGroup<N>(a, code);
     return 1;
   }
   own->epoch[blockIdx.x] = next;

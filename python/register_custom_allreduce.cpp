@@ -84,6 +84,7 @@ class Rank {
 
   car::CustomAllreduce& impl() { return impl_; }
   void* ownBase() const { return ownBase_; }
+  int device() const { return device_; }
 
  private:
   static std::vector<void*> toPointers(const std::vector<uintptr_t>& in) {
@@ -128,14 +129,15 @@ void registerCustomAllreduce(py::module_& m) {
           "reset",
           [](Rank& r, const py::function& barrier) {
             car::CustomAllreduce::ResetOps ops;
-            ops.synchronize = [] {
-              if (cudaDeviceSynchronize() != cudaSuccess) cudaGetLastError();
-            };
+            ops.synchronize = [&r] { r.impl().waitForLaunches(); };
             ops.barrier = [&barrier] {
               py::gil_scoped_acquire acquire;
               barrier();
             };
-            ops.zeroSignals = [](void* buffer) { car::resetSignals(buffer, nullptr); };
+            ops.zeroSignals = [&r](void* buffer) {
+              const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(r.device()));
+              car::resetSignals(buffer, nullptr);
+            };
             py::gil_scoped_release release;
             r.impl().reset(ops);
           },

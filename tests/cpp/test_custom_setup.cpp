@@ -68,10 +68,25 @@ class FakeDevice : public CustomDevice {
     return spec_.unreachable.count(uuid) == 0 ? 'y' : 'x';
   }
   char linkTo(const std::string& uuid) override { return spec_.pcie.count(uuid) ? 'p' : 'n'; }
-  void synchronize() override {
-    if (!log) return;
-    log->add("rank " + std::to_string(rank_) + " synchronize");
-    ++log->synchronized;
+  // Launches are never made here; the order's synchronize() is what
+  // teardown and the reset wait on.
+  class LoggingOrder : public car::LaunchOrder {
+   public:
+    LoggingOrder(std::shared_ptr<FakeLog> log, int rank) : log_(std::move(log)), rank_(rank) {}
+    void before(cudaStream_t) override {}
+    void after(cudaStream_t) override {}
+    void synchronize() override {
+      if (!log_) return;
+      log_->add("rank " + std::to_string(rank_) + " synchronize");
+      ++log_->synchronized;
+    }
+
+   private:
+    std::shared_ptr<FakeLog> log_;
+    int rank_;
+  };
+  std::unique_ptr<car::LaunchOrder> makeLaunchOrder() override {
+    return std::make_unique<LoggingOrder>(log, rank_);
   }
   void zeroSignals() override {
     if (log) {

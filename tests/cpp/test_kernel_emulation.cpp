@@ -47,6 +47,7 @@ uint64_t orderedLaunches = 0;
 
 class CheckedOrder : public LaunchOrder {
  public:
+  void synchronize() override {}  // emulated launches end before they return
   void before(cudaStream_t stream) override {
     if (orderState != OrderState::kIdle) orderViolation("before() inside another launch");
     orderState = OrderState::kBefore;
@@ -118,6 +119,7 @@ struct Call {
   bool zeroCopy = false;     // sources from a table of the ranks' inputs
   std::vector<bool> stages;  // zero-copy: which ranks still copy
   bool ready = true;         // zero-copy: the table was filled
+  std::vector<bool> readyOf;  // per rank, overriding `ready` (empty: not)
   uint64_t timeoutNs = 0;    // 0: the run's
   bool hostApi = false;      // through CustomAllreduce::allreduce (blocks 0: by size)
   bool chooseAlgorithm = false;
@@ -197,7 +199,7 @@ class EmulatedGroup {
           for (int r = 0; r < n; ++r) {
             table->input[r] = c.stages[r] ? buffers_[r] + layout_.stagingOffset : c.in[r];
           }
-          table->ready = c.ready ? 1 : 0;
+          table->ready = (c.readyOf.empty() ? c.ready : static_cast<bool>(c.readyOf[q])) ? 1 : 0;
           c.tables.push_back(table);
         }
       }
@@ -645,6 +647,32 @@ TEST(KernelEmulationFailure, HostApiRefusesCallsAfterATimeout) {
   EXPECT_EQ(WEXITSTATUS(status), 0) << "4: no error code, 5: wrong error, 6: not refused";
 }
 
+// One rank's zero-copy table was never filled (its graph replayed before
+// graph_capture() exited), its peer's was: the refusing rank poisons the
+// group, so the peer stops at once instead of waiting out its timeout, and
+// their next calls (whose epochs no longer match) are refused, not paired.
+TEST(KernelEmulationFailure, AnUnfilledTableOnOneRankPoisonsTheGroup) {
+  Call replay;
+  replay.count = 500;
+  replay.algorithm = Algorithm::kTwoShot;
+  replay.zeroCopy = true;
+  replay.readyOf = {false, true};
+  Call next;
+  next.count = 500;
+  EmulatedGroup g(2, 32 << 10, {replay, next});
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(g.run({0, 1}, kGenerousNs, 30)) << "a rank waited out its timeout";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(g.error(r) & ~(0xfu << 24), errorCode(0, kNotRegistered, 0))
+        << describeError(g.error(r));
+    for (const Call& c : g.calls()) {
+      const auto* out = static_cast<const unsigned char*>(c.out[r]);
+      for (size_t i = 0; i < c.count * 4; ++i) ASSERT_EQ(out[i], 0xA5) << "rank " << r;
+    }
+  }
+}
+
 // A zero-copy table that was never filled: every rank stops with the
 // not-registered code before touching any flag or output.
 TEST(KernelEmulationFailure, UnfilledZeroCopyTableRefusesToRun) {
@@ -656,7 +684,8 @@ TEST(KernelEmulationFailure, UnfilledZeroCopyTableRefusesToRun) {
   EmulatedGroup g(2, 32 << 10, {c});
   ASSERT_TRUE(g.run({0, 1}, kGenerousNs));
   for (int r = 0; r < 2; ++r) {
-    EXPECT_EQ(g.error(r), errorCode(0, kNotRegistered, 0));
+    // Its own refusal, or the other rank's poison (the same cause).
+    EXPECT_EQ(g.error(r) & ~(0xfu << 24), errorCode(0, kNotRegistered, 0));
     EXPECT_NE(describeError(g.error(r)).find("replayed before the context exited"),
               std::string::npos);
     const auto* out = static_cast<const unsigned char*>(g.calls()[0].out[r]);
