@@ -153,6 +153,14 @@ class EventLaunchOrder : public LaunchOrder {
   // Both events, and one record of `event_` on a private stream (complete at
   // once), so that a replay's external wait never meets a fresh event.
   void create() {
+    // The first launch may be inside a capture (global mode): these calls
+    // touch no capturing stream, and relaxed mode lets them through.
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    TPCOMM_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    struct Restore {
+      cudaStreamCaptureMode mode;
+      ~Restore() { cudaThreadExchangeStreamCaptureMode(&mode); }
+    } restore{mode};
     TPCOMM_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
     TPCOMM_CUDA_CHECK(cudaEventCreateWithFlags(&inCapture_, cudaEventDisableTiming));
     cudaStream_t quiet = nullptr;

@@ -96,9 +96,11 @@ class LocalGroup:
             rank.check_error()
 
     def reset(self):
-        """After a failure: zeroes every rank's flags, poison and errors. One
-        device synchronisation covers every rank's kernels (they share this
-        process and GPU), so no barrier is needed between the ranks."""
+        """After a failure: zeroes every rank's flags, poison and errors. The
+        ranks share this process, so the collective reset's barrier is the
+        device synchronisation first: no rank's kernel is in flight while any
+        rank zeroes, and none launches before all have."""
+        torch.cuda.synchronize()
         for rank in self.ranks:
             rank.reset(lambda: None)
 
