@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -23,6 +24,35 @@ void futexWait(std::atomic<uint32_t>& word, uint32_t expected, std::chrono::micr
 void futexWakeAll(std::atomic<uint32_t>& word) {
   ::syscall(SYS_futex, reinterpret_cast<uint32_t*>(&word), FUTEX_WAKE, INT_MAX, nullptr, nullptr,
             0);
+}
+
+void wakeSleepers(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers) {
+  word.fetch_add(1, std::memory_order_seq_cst);
+  if (sleepers.load(std::memory_order_seq_cst) != 0) futexWakeAll(word);
+}
+
+bool pollUntil(const std::function<bool()>& ready, std::chrono::steady_clock::time_point until,
+               int pauseRounds, const std::function<void()>& betweenRounds) {
+  for (int round = 0; round < pauseRounds || std::chrono::steady_clock::now() < until; ++round) {
+    for (int i = 0; i < 16; ++i) {
+      if (ready()) return true;
+#if defined(__x86_64__)
+      __builtin_ia32_pause();
+#endif
+    }
+    if (betweenRounds) betweenRounds();
+    if (round >= pauseRounds) sched_yield();
+  }
+  return ready();
+}
+
+bool sleepOn(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
+             const std::function<bool()>& ready, std::chrono::microseconds slice) {
+  sleepers.fetch_add(1, std::memory_order_seq_cst);
+  const uint32_t seen = word.load(std::memory_order_seq_cst);
+  if (!ready() && slice.count() > 0) futexWait(word, seen, slice);
+  sleepers.fetch_sub(1, std::memory_order_seq_cst);
+  return ready();
 }
 
 namespace {

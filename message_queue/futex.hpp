@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 
 namespace tpcomm::mq {
 
@@ -15,6 +16,26 @@ namespace tpcomm::mq {
 void futexWait(std::atomic<uint32_t>& word, uint32_t expected, std::chrono::microseconds slice);
 // Wakes every process sleeping on `word`.
 void futexWakeAll(std::atomic<uint32_t>& word);
+
+// Waits that poll first, then sleep: the waiter counts itself in `sleepers`
+// while it sleeps on `word`, and whoever publishes what it waits for calls
+// wakeSleepers, which costs a system call only when someone sleeps.
+//
+// Bumps `word` and wakes its sleepers if there are any. Call after the store
+// that publishes (ordered before it: the bump and the load of `sleepers` are
+// sequentially consistent, as are the sleeper's count and its load of word).
+void wakeSleepers(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers);
+// Polls ready() in rounds of 16 with the CPU's pause hint; after the first
+// `pauseRounds` rounds each round also yields the core (sched_yield), so
+// that ranks outnumbering cores still progress. Stops when ready() is true
+// (returns true) or when `until` has passed and at least `pauseRounds`
+// rounds ran (false). `betweenRounds` (may throw) runs after every round.
+bool pollUntil(const std::function<bool()>& ready, std::chrono::steady_clock::time_point until,
+               int pauseRounds, const std::function<void()>& betweenRounds = {});
+// One sleep: counts itself a sleeper, re-checks ready(), sleeps on `word` at
+// most `slice` (woken by wakeSleepers), uncounts itself. Returns ready().
+bool sleepOn(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
+             const std::function<bool()>& ready, std::chrono::microseconds slice);
 
 // Whether process `pid` is alive: false once it exited, including a zombie
 // (dead but not yet reaped by its parent, which kill(pid, 0) still reports

@@ -6,6 +6,8 @@
 #include <cstring>
 
 #include "coordinator/common/error.hpp"
+#include "coordinator/common/settings.hpp"
+#include "message_queue/futex.hpp"
 #include "message_queue/segment.hpp"
 
 namespace tpcomm::mq {
@@ -24,8 +26,13 @@ constexpr uint64_t kMaxMessageBytes = 1ull << 40;
 
 }  // namespace
 
+std::chrono::microseconds defaultSpin() {
+  return std::chrono::microseconds(settings().mqSpinUs);
+}
+
 // ---------------------------------------------------------------- Writer
-Writer::Writer(const Geometry& geometry) : segment_(Segment::create(geometry)) {}
+Writer::Writer(const Geometry& geometry)
+    : segment_(Segment::create(geometry)), spin_(defaultSpin()) {}
 
 Writer::~Writer() {
   if (segment_) shutdown();
@@ -45,15 +52,17 @@ void Writer::waitForReaders(std::chrono::milliseconds timeout) {
     return true;
   };
   try {
-    s.wait(h.consumedWord, allAttached, attachedAlive, timeout, "waiting for readers to attach");
+    s.wait(h.consumedWord, h.consumedSleepers, allAttached, attachedAlive, timeout, spin_,
+           "waiting for readers to attach");
   } catch (const Error& e) {
     std::string missing;
     for (uint32_t r = 0; r < n; ++r) {
       if (s.slot(r).pid.load() == 0) missing += (missing.empty() ? "" : ",") + std::to_string(r);
     }
+    if (e.code() == ErrorCode::kPeerLost) throw;  // a reader died or shut down
     TPCOMM_THROW(kTimeout, e.what(), "; readers not attached: ", missing);
   }
-  s.unlink();
+  s.closeForAttach();
 }
 
 void Writer::write(const void* data, size_t bytes, std::chrono::milliseconds timeout) {
@@ -86,7 +95,7 @@ void Writer::write(const std::vector<Part>& parts, std::chrono::milliseconds tim
       }
       return true;
     };
-    s.wait(h.consumedWord, chunkFree, readersAlive, remaining(deadline),
+    s.wait(h.consumedWord, h.consumedSleepers, chunkFree, readersAlive, remaining(deadline), spin_,
            "waiting for readers to free a chunk");
     const size_t n = std::min<size_t>(g.chunkBytes, bytes - offset);
     ChunkHeader& chunk = s.chunkHeader(seq);
@@ -105,22 +114,30 @@ void Writer::write(const std::vector<Part>& parts, std::chrono::milliseconds tim
       partOffset += take;
     }
     h.published.store(seq + 1, std::memory_order_release);
-    Segment::notify(h.publishedWord);
+    wakeSleepers(h.publishedWord, h.publishedSleepers);
     next_ = seq + 1;
     offset += n;
   } while (offset < bytes);
 }
 
-void Writer::shutdown() {
-  Header& h = segment_->header();
-  h.shutdown.store(1, std::memory_order_release);
-  Segment::notify(h.publishedWord);
-  Segment::notify(h.consumedWord);
+namespace {
+
+// Wakes every waiter of a ring (shutdown): both words, unconditionally.
+void wakeEveryone(Header& h) {
+  h.shutdown.store(1, std::memory_order_seq_cst);
+  for (std::atomic<uint32_t>* word : {&h.publishedWord, &h.consumedWord}) {
+    word->fetch_add(1, std::memory_order_seq_cst);
+    futexWakeAll(*word);
+  }
 }
+
+}  // namespace
+
+void Writer::shutdown() { wakeEveryone(segment_->header()); }
 
 // ---------------------------------------------------------------- Reader
 Reader::Reader(const std::string& name, uint32_t index)
-    : segment_(Segment::attach(name)), index_(index) {
+    : segment_(Segment::attach(name)), index_(index), spin_(defaultSpin()) {
   Segment& s = *segment_;
   TPCOMM_CHECK(index < s.geometry().numReaders, kInvalidUsage, "message queue ", name,
                ": reader index ", index, " is out of range for ", s.geometry().numReaders,
@@ -131,13 +148,13 @@ Reader::Reader(const std::string& name, uint32_t index)
                "message queue ", name, ": reader index ", index, " is already taken (pid ",
                expected, ")");
   s.header().attached.fetch_add(1, std::memory_order_acq_rel);
-  Segment::notify(s.header().consumedWord);
+  wakeSleepers(s.header().consumedWord, s.header().consumedSleepers);
 }
 
 Reader::~Reader() {
   // The writer treats a detached reader as lost instead of waiting for it.
   segment_->slot(index_).pid.store(kDetached, std::memory_order_release);
-  Segment::notify(segment_->header().consumedWord);
+  wakeSleepers(segment_->header().consumedWord, segment_->header().consumedSleepers);
 }
 
 std::vector<char> Reader::read(std::chrono::milliseconds timeout) {
@@ -151,27 +168,49 @@ std::vector<char> Reader::read(std::chrono::milliseconds timeout) {
 
 uint64_t Reader::read(std::chrono::milliseconds timeout,
                       const std::function<char*(uint64_t bytes)>& allocate) {
+  return copyMessage(Clock::now() + timeout, allocate);
+}
+
+void Reader::awaitPublished(uint64_t seq, Clock::time_point deadline) {
   Segment& s = *segment_;
   Header& h = s.header();
-  const Geometry& g = s.geometry();
-  ReaderSlot& me = s.slot(index_);
   const int32_t writerPid = h.writerPid;
-  const auto deadline = Clock::now() + timeout;
+  s.wait(
+      h.publishedWord, h.publishedSleepers,
+      [&] { return h.published.load(std::memory_order_acquire) > seq; },
+      [&] { return processAlive(writerPid); }, remaining(deadline), spin_,
+      "waiting for the writer");
+}
+
+Reader::Checked Reader::checkedHeader(uint64_t seq) {
+  Segment& s = *segment_;
+  // Copy the header once: everything checks this copy, never shared memory
+  // that the writer could change underneath.
+  const ChunkHeader chunk = s.chunkHeader(seq);
+  TPCOMM_CHECK(chunk.bytes <= s.geometry().chunkBytes && (chunk.flags & ~(kFirst | kLast)) == 0,
+               kSystem, "message queue ", s.name(), ": corrupt chunk header at sequence ", seq,
+               " (bytes ", chunk.bytes, ", flags ", chunk.flags, ")");
+  return {chunk.bytes, chunk.flags, chunk.messageBytes};
+}
+
+void Reader::consumeUpTo(uint64_t next) {
+  Header& h = segment_->header();
+  segment_->slot(index_).consumed.store(next, std::memory_order_release);
+  wakeSleepers(h.consumedWord, h.consumedSleepers);
+}
+
+uint64_t Reader::copyMessage(Clock::time_point deadline,
+                             const std::function<char*(uint64_t bytes)>& allocate) {
+  Segment& s = *segment_;
+  ReaderSlot& me = s.slot(index_);
   char* message = nullptr;
   uint64_t received = 0;
   uint64_t expected = 0;
   bool started = false;
   while (true) {
     const uint64_t seq = me.consumed.load(std::memory_order_relaxed);
-    s.wait(
-        h.publishedWord, [&] { return h.published.load(std::memory_order_acquire) > seq; },
-        [&] { return processAlive(writerPid); }, remaining(deadline), "waiting for the writer");
-    // Copy the header once: everything below checks this copy, never shared
-    // memory that the writer could change underneath.
-    const ChunkHeader chunk = s.chunkHeader(seq);
-    TPCOMM_CHECK(chunk.bytes <= g.chunkBytes && (chunk.flags & ~(kFirst | kLast)) == 0, kSystem,
-                 "message queue ", s.name(), ": corrupt chunk header at sequence ", seq, " (bytes ",
-                 chunk.bytes, ", flags ", chunk.flags, ")");
+    awaitPublished(seq, deadline);
+    const Checked chunk = checkedHeader(seq);
     if (!started) {
       TPCOMM_CHECK((chunk.flags & kFirst) != 0 && chunk.messageBytes <= kMaxMessageBytes, kSystem,
                    "message queue ", s.name(), ": chunk ", seq, " does not start a message (flags ",
@@ -187,8 +226,7 @@ uint64_t Reader::read(std::chrono::milliseconds timeout,
                  ": chunk ", seq, " overruns its message of ", expected, " bytes");
     if (chunk.bytes > 0) std::memcpy(message + received, s.chunkData(seq), chunk.bytes);
     received += chunk.bytes;
-    me.consumed.store(seq + 1, std::memory_order_release);
-    Segment::notify(h.consumedWord);
+    consumeUpTo(seq + 1);
     if ((chunk.flags & kLast) != 0) {
       TPCOMM_CHECK(received == expected, kSystem, "message queue ", s.name(), ": message ended at ",
                    received, " of ", expected, " bytes");
@@ -197,11 +235,47 @@ uint64_t Reader::read(std::chrono::milliseconds timeout,
   }
 }
 
-void Reader::shutdown() {
-  Header& h = segment_->header();
-  h.shutdown.store(1, std::memory_order_release);
-  Segment::notify(h.publishedWord);
-  Segment::notify(h.consumedWord);
+void Reader::readInPlace(std::chrono::milliseconds timeout,
+                         const std::function<void(const char* data, uint64_t bytes)>& use) {
+  Segment& s = *segment_;
+  const Geometry& g = s.geometry();
+  const auto deadline = Clock::now() + timeout;
+  const uint64_t seq = s.slot(index_).consumed.load(std::memory_order_relaxed);
+  awaitPublished(seq, deadline);
+  const Checked first = checkedHeader(seq);
+  TPCOMM_CHECK((first.flags & kFirst) != 0 && first.messageBytes <= kMaxMessageBytes, kSystem,
+               "message queue ", s.name(), ": chunk ", seq, " does not start a message (flags ",
+               first.flags, ", length ", first.messageBytes, ")");
+  const uint64_t bytes = first.messageBytes;
+  const uint64_t chunks = std::max<uint64_t>(1, (bytes + g.chunkBytes - 1) / g.chunkBytes);
+  if (chunks > g.numChunks || seq % g.numChunks + chunks > g.numChunks) {
+    // Wraps (or never fits the ring at once): copied out.
+    std::vector<char> copy;
+    copyMessage(deadline, [&](uint64_t n) {
+      copy.resize(n);
+      return copy.data();
+    });
+    use(copy.data(), copy.size());
+    return;
+  }
+  // Every chunk of the message, published and checked, before `use` sees it.
+  awaitPublished(seq + chunks - 1, deadline);
+  for (uint64_t i = 0; i < chunks; ++i) {
+    const Checked c = checkedHeader(seq + i);
+    const uint64_t want = i + 1 < chunks ? g.chunkBytes : bytes - (chunks - 1) * g.chunkBytes;
+    const uint32_t flags = (i == 0 ? kFirst : 0u) | (i + 1 == chunks ? kLast : 0u);
+    TPCOMM_CHECK(c.bytes == want && c.flags == flags && c.messageBytes == bytes, kSystem,
+                 "message queue ", s.name(), ": chunk ", seq + i, " breaks the message of ",
+                 bytes, " bytes that starts at chunk ", seq);
+  }
+  struct ConsumeAfter {
+    Reader* reader;
+    uint64_t next;
+    ~ConsumeAfter() { reader->consumeUpTo(next); }
+  } consume{this, seq + chunks};
+  use(s.chunkData(seq), bytes);
 }
+
+void Reader::shutdown() { wakeEveryone(segment_->header()); }
 
 }  // namespace tpcomm::mq

@@ -1,18 +1,27 @@
 #pragma once
-// tpcomm::mq — one writer, N readers, a ring of chunks in POSIX shared memory.
+// tpcomm::mq — one writer, N readers, a ring of chunks in shared memory.
 // Plain C++ (no torch). The public header of message_queue/.
+//
+// The segment is anonymous shared memory (memfd, mode 0600): it never has a
+// name in /dev/shm, readers of this host map it through the writer's
+// descriptor (/proc/<pid>/fd/<fd>) until every reader attached, and the
+// kernel frees it with its last user, so no exit (SIGKILL at any step of the
+// creation included) leaves anything behind.
 //
 // Segment layout (all offsets 64-byte aligned):
 //
 //   +--------------------------+ 0
 //   | Header                   |  magic, version, geometry, writer pid,
-//   |                          |  published (u64), publishedWord (futex),
-//   |                          |  consumedWord (futex), attached, shutdown
+//   |                          |  published (u64), publishedWord (futex) and
+//   |                          |  its sleepers, consumedWord (futex) and its
+//   |                          |  sleepers, attached, shutdown
 //   +--------------------------+ kHeaderBytes
 //   | ReaderSlot[numReaders]   |  one cache line each: consumed (u64), pid
 //   +--------------------------+
-//   | Chunk[numChunks]         |  ChunkHeader {bytes, flags, messageBytes}
-//   |                          |  then chunkBytes of payload
+//   | ChunkHeader[numChunks]   |  {bytes, flags, messageBytes}
+//   +--------------------------+
+//   | payload[numChunks]       |  chunkBytes each, back to back: a message
+//   |                          |  that does not wrap is one contiguous range
 //   +--------------------------+
 //
 // Sequence numbers never reset (no flag is ever cleared, so a stale flag
@@ -21,15 +30,18 @@
 //   state of chunk s          | condition                       | who may act
 //   --------------------------+---------------------------------+--------------
 //   free for the writer       | s - min(consumed[r]) < numChunks| writer fills it
-//   published                 | published > s                   | readers copy
+//   published                 | published > s                   | readers read
 //   consumed by reader r      | consumed[r] > s                 | -
 //
 // The writer fills a chunk, then stores published = s + 1 (release); a reader
-// loads published (acquire), copies, then stores consumed[r] = s + 1
+// loads published (acquire), reads, then stores consumed[r] = s + 1
 // (release); the writer loads every consumed[r] (acquire) before reusing a
-// slot. Waiters spin briefly, then sleep on a futex word that the other side
-// bumps after each publish/consume; every wait has a deadline, notices
-// shutdown(), and checks that the peer process is still alive.
+// slot. A reader may read a message in place (readInPlace): it consumes the
+// message's chunks only after it is done with them. Waiters poll for a
+// while (TPCOMM_MQ_SPIN_US), then sleep on a futex word that the other side
+// bumps after each publish/consume, waking only when someone sleeps; every
+// wait has a deadline, notices shutdown(), and checks that the peer process
+// is still alive (a zombie counts as dead).
 //
 // A message of n bytes takes max(1, ceil(n / chunkBytes)) chunks; the first
 // carries kFirst and the total length, the last kLast. Every length read from
@@ -53,9 +65,11 @@ struct Geometry {
 
 class Segment;
 
-// Creates the segment (mode 0600, unguessable name). Readers attach by name;
-// once all have attached the writer unlinks it (waitForReaders), so nothing
-// is left in /dev/shm after any exit.
+// How long a wait polls before it sleeps: TPCOMM_MQ_SPIN_US.
+std::chrono::microseconds defaultSpin();
+
+// Creates the segment. Readers attach by name; once all have attached the
+// writer closes the descriptor they attach through (waitForReaders).
 class Writer {
  public:
   explicit Writer(const Geometry& geometry);
@@ -64,9 +78,11 @@ class Writer {
   Writer& operator=(const Writer&) = delete;
 
   const std::string& name() const;
-  // Waits until every reader attached, then unlinks the name. Throws Timeout
-  // naming the readers that did not attach.
+  // Waits until every reader attached, then closes the descriptor they
+  // attach through. Throws Timeout naming the readers that did not attach.
   void waitForReaders(std::chrono::milliseconds timeout);
+  // How long this end's waits poll before sleeping (0: a fixed 4,000 polls).
+  void setSpin(std::chrono::microseconds spin) { spin_ = spin; }
   // Writes one message (any size, 0 included). Blocks while the ring is full;
   // throws Timeout, or PeerLost when a reader died or shutdown() was called.
   void write(const void* data, size_t bytes, std::chrono::milliseconds timeout);
@@ -83,6 +99,7 @@ class Writer {
  private:
   std::unique_ptr<Segment> segment_;
   uint64_t next_ = 0;  // sequence number of the next chunk
+  std::chrono::microseconds spin_;
 };
 
 class Reader {
@@ -100,11 +117,33 @@ class Reader {
   // once per message as soon as its length is known. Returns the length.
   uint64_t read(std::chrono::milliseconds timeout,
                 const std::function<char*(uint64_t bytes)>& allocate);
+  // Reads the next message and hands it to `use` in place, in the ring, when
+  // it does not wrap and fits the ring (one copy fewer); otherwise copied.
+  // The chunks are consumed (the writer may reuse them) once `use` returns
+  // or throws; `use` must not keep the pointer.
+  void readInPlace(std::chrono::milliseconds timeout,
+                   const std::function<void(const char* data, uint64_t bytes)>& use);
+  void setSpin(std::chrono::microseconds spin) { spin_ = spin; }
   void shutdown();
 
  private:
+  // Copies the message that starts at this reader's next chunk.
+  uint64_t copyMessage(std::chrono::steady_clock::time_point deadline,
+                       const std::function<char*(uint64_t bytes)>& allocate);
+  // Waits until chunk `seq` is published.
+  void awaitPublished(uint64_t seq, std::chrono::steady_clock::time_point deadline);
+  // The header of chunk `seq`, copied and checked against the geometry.
+  struct Checked {
+    uint32_t bytes;
+    uint32_t flags;
+    uint64_t messageBytes;
+  };
+  Checked checkedHeader(uint64_t seq);
+  void consumeUpTo(uint64_t next);
+
   std::unique_ptr<Segment> segment_;
   uint32_t index_;
+  std::chrono::microseconds spin_;
 };
 
 }  // namespace tpcomm::mq

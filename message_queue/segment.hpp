@@ -6,15 +6,17 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 
 #include "message_queue/futex.hpp"  // processAlive (0: not attached yet; kDetached: gone)
 #include "message_queue/ring.hpp"
+#include "message_queue/shared_region.hpp"
 
 namespace tpcomm::mq {
 
-constexpr uint64_t kMagic = 0x7470636f6d6d7131ULL;  // "tpcommq1"
-constexpr uint32_t kVersion = 1;
+constexpr uint64_t kMagic = 0x7470636f6d6d7132ULL;  // "tpcommq2"
+constexpr uint32_t kVersion = 2;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kHeaderBytes = 256;
 constexpr uint32_t kMaxReaders = 64;
@@ -33,9 +35,11 @@ struct Header {
   uint64_t totalBytes;
   int32_t writerPid;
   alignas(kCacheLine) std::atomic<uint64_t> published;
-  std::atomic<uint32_t> publishedWord;  // futex: bumped after each publish
+  std::atomic<uint32_t> publishedWord;      // futex: bumped after each publish
+  std::atomic<uint32_t> publishedSleepers;  // readers asleep on publishedWord
   std::atomic<uint32_t> shutdown;
   alignas(kCacheLine) std::atomic<uint32_t> consumedWord;  // futex: bumped after each consume
+  std::atomic<uint32_t> consumedSleepers;                  // the writer, asleep on it
   std::atomic<uint32_t> attached;
 };
 static_assert(sizeof(Header) <= kHeaderBytes, "header must fit its reserved bytes");
@@ -56,10 +60,11 @@ uint64_t segmentBytes(const Geometry& g);
 
 class Segment {
  public:
-  // Creates a new segment with a random name, mode 0600.
+  // Creates a new segment: anonymous shared memory (memfd, mode 0600) that
+  // readers map through this process's descriptor; its name says where.
   static std::unique_ptr<Segment> create(const Geometry& g);
-  // Attaches to an existing one; validates magic, version and geometry
-  // against the mapped size.
+  // Attaches to an existing one by name; validates magic, version and
+  // geometry against the mapped size.
   static std::unique_ptr<Segment> attach(const std::string& name);
   ~Segment();
 
@@ -67,29 +72,28 @@ class Segment {
   // The geometry checked at create/attach: offsets never depend on values
   // re-read from shared memory.
   const Geometry& geometry() const { return geometry_; }
-  Header& header() { return *static_cast<Header*>(base_); }
+  Header& header() { return *reinterpret_cast<Header*>(region_->base()); }
   ReaderSlot& slot(uint32_t r);
   ChunkHeader& chunkHeader(uint64_t seq);
+  // Chunk payloads are laid out back to back: chunks seq .. seq + k - 1 are
+  // one contiguous range when seq % numChunks + k <= numChunks.
   char* chunkData(uint64_t seq);
-  // Removes the name from /dev/shm (idempotent).
-  void unlink();
+  // Closes the creator's descriptor: no reader can attach any more (the
+  // memory stays until the last process unmaps it). Idempotent.
+  void closeForAttach();
 
-  // Waits until ready() is true: spins, then sleeps on `word`. Throws Timeout
-  // (with `what`), or PeerLost when shutdown is set or peerAlive() says no.
-  void wait(std::atomic<uint32_t>& word, const std::function<bool()>& ready,
-            const std::function<bool()>& peerAlive, std::chrono::milliseconds timeout,
-            const char* what);
-  // Bumps `word` and wakes every process sleeping on it.
-  static void notify(std::atomic<uint32_t>& word);
+  // Waits until ready() is true: polls for `spin` (0: a fixed 4,000 polls),
+  // then sleeps on `word`, counted in `sleepers`. Throws Timeout (with
+  // `what`), or PeerLost when shutdown is set or peerAlive() says no.
+  void wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
+            const std::function<bool()>& ready, const std::function<bool()>& peerAlive,
+            std::chrono::milliseconds timeout, std::chrono::microseconds spin, const char* what);
 
  private:
-  Segment(std::string name, void* base, size_t bytes, bool owner, Geometry geometry);
+  Segment(std::string name, std::unique_ptr<SharedRegion> region, Geometry geometry);
   std::string name_;
   Geometry geometry_;
-  void* base_;
-  size_t bytes_;
-  bool owner_;
-  bool unlinked_ = false;
+  std::unique_ptr<SharedRegion> region_;
 };
 
 }  // namespace tpcomm::mq

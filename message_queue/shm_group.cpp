@@ -242,10 +242,7 @@ void ShmGroup::step(const Signature& signature) {
   mine.signature[s & 1].count.store(signature.count, std::memory_order_relaxed);
   mine.arrived.store(s, std::memory_order_seq_cst);  // publishes this rank's half
   Header& h = header();
-  if (h.sleepers.load(std::memory_order_seq_cst) != 0) {
-    h.wake.fetch_add(1, std::memory_order_seq_cst);
-    futexWakeAll(h.wake);
-  }
+  wakeSleepers(h.wake, h.sleepers);
   waitAll(s, signature);
   const auto theirs = [&](int r) {
     return Signature(control(r).signature[s & 1].head.load(std::memory_order_relaxed),
@@ -285,33 +282,19 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
     fail(kAborted, -1,
          detail::concat(describeFailure(h.failure.load()), " during ", signature.describe()));
   };
-  for (int polls = 0; std::chrono::steady_clock::now() < spinUntil || polls < kPausePolls;
-       ++polls) {
-    for (int i = 0; i < 16; ++i) {
-      if (ready()) return;
-#if defined(__x86_64__)
-      __builtin_ia32_pause();
-#endif
-    }
-    if (failed()) joinFailure();
-    if (polls >= kPausePolls) sched_yield();
+  if (pollUntil(ready, spinUntil, kPausePolls, [&] {
+        if (failed()) joinFailure();
+      })) {
+    return;
   }
   auto lastLivenessCheck = start;
   while (true) {
-    h.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    const uint32_t seen = h.wake.load(std::memory_order_seq_cst);
-    if (ready()) {
-      h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-      return;
-    }
     auto now = std::chrono::steady_clock::now();
-    if (!failed() && now < deadline) {
-      const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now);
-      futexWait(h.wake, seen, std::min<std::chrono::microseconds>(left, kSleepSlice));
-    }
-    h.sleepers.fetch_sub(1, std::memory_order_seq_cst);
-    if (ready()) return;
+    const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now);
+    const auto slice = failed() || now >= deadline
+                           ? std::chrono::microseconds(0)
+                           : std::min<std::chrono::microseconds>(left, kSleepSlice);
+    if (sleepOn(h.wake, h.sleepers, ready, slice)) return;
     if (failed()) joinFailure();
     now = std::chrono::steady_clock::now();
     // Peers' liveness at most once per sleep slice (every arrival wakes

@@ -132,6 +132,13 @@ void registerMessageQueue(py::module_& m) {
           },
           py::arg("parts"), py::arg("timeout"),
           "Writes one message made of the given contiguous buffers.")
+      .def(
+          "set_spin_us",
+          [](mq::Writer& w, int64_t us) {
+            TPCOMM_CHECK(us >= 0, kInvalidUsage, "spin_us must be >= 0, got ", us);
+            w.setSpin(std::chrono::microseconds(us));
+          },
+          py::arg("us"), "How long this end's waits poll before sleeping (0: 4,000 polls).")
       .def("shutdown", &mq::Writer::shutdown);
 
   py::class_<mq::Reader>(m, "MqReader", "Reader end of a shared-memory ring.")
@@ -149,6 +156,41 @@ void registerMessageQueue(py::module_& m) {
           },
           py::arg("timeout"),
           "Reads the next message into a uint8 tensor (large ones reuse recycled memory).")
+      .def(
+          "read_object",
+          [](mq::Reader& r, double timeout) {
+            static py::object loads = py::module_::import("pickle").attr("loads");
+            py::object result;
+            bool failed = false;
+            {
+              py::gil_scoped_release release;
+              r.readInPlace(toMillis(timeout), [&](const char* data, uint64_t bytes) {
+                py::gil_scoped_acquire acquire;
+                // A view of the ring, released before the chunks are
+                // consumed: unpickling copies what it keeps.
+                py::memoryview view = py::memoryview::from_memory(data, static_cast<ssize_t>(bytes));
+                try {
+                  result = loads(view);
+                } catch (py::error_already_set& e) {
+                  e.restore();
+                  failed = true;
+                }
+                view.attr("release")();
+              });
+            }
+            if (failed) throw py::error_already_set();
+            return result;
+          },
+          py::arg("timeout"),
+          "Reads the next message and unpickles it straight from the ring when it lies in one "
+          "stretch of it (copied first when it wraps).")
+      .def(
+          "set_spin_us",
+          [](mq::Reader& r, int64_t us) {
+            TPCOMM_CHECK(us >= 0, kInvalidUsage, "spin_us must be >= 0, got ", us);
+            r.setSpin(std::chrono::microseconds(us));
+          },
+          py::arg("us"), "How long this end's waits poll before sleeping (0: 4,000 polls).")
       .def("shutdown", &mq::Reader::shutdown);
 
   m.def("host_id", &hostIdentity,

@@ -60,6 +60,9 @@ struct Settings {
   // TPCOMM_CPU_SHM_SPIN_US: how long a shared-memory wait polls before it
   // sleeps on a futex.
   int64_t cpuShmSpinUs = 50;
+  // TPCOMM_MQ_SPIN_US: how long a message-queue wait polls before it sleeps
+  // on a futex (0: a fixed 4,000 polls).
+  int64_t mqSpinUs = 200;
   // TPCOMM_LOG: comma-separated topics to log to stderr; "routes" logs each
   // distinct routing decision once per group.
   bool logRoutes = false;

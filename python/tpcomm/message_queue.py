@@ -1,7 +1,10 @@
 """Broadcast objects and tensor dicts from one rank to the others of a group.
 
-Readers on the writer's host read a shared-memory ring (one copy in, one copy
-out); readers on other hosts receive through the group's CPU path (Gloo).
+Readers on the writer's host read a shared-memory ring (one copy in; objects
+are unpickled straight from the ring, tensor dicts copied out once); readers
+on other hosts receive through the group's CPU path (Gloo). The ring is
+anonymous memory (nothing in /dev/shm, ever), and waits poll for
+TPCOMM_MQ_SPIN_US before they sleep.
 CUDA tensors in a tensor dict travel through the group's device path (NCCL)
 while their metadata travels through the queue.
 
@@ -9,6 +12,8 @@ while their metadata travels through the queue.
     d = mq.broadcast_tensor_dict(d if mq.is_writer else None)
 """
 
+import math
+import numbers
 import pickle
 import struct
 
@@ -26,6 +31,40 @@ _LEN = struct.Struct("<Q")
 def _raw_bytes(t):
     """A CPU tensor's bytes as a buffer, without a copy for contiguous tensors."""
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _check_arguments(role, role_rank, max_chunk_bytes, max_chunks, timeout):
+    """The same arguments on every rank: checked before any collective step,
+    so that every rank raises the same error and the group stays usable."""
+    def integer(name, value):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+        return int(value)
+
+    integer(role, role_rank)
+    for name, value, low, high in (("max_chunk_bytes", max_chunk_bytes, 64, (1 << 32) - 64),
+                                   ("max_chunks", max_chunks, 1, 1 << 20)):
+        if not low <= integer(name, value) <= high:
+            raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    if max_chunk_bytes * max_chunks > 64 << 30:
+        raise ValueError(f"a ring of {max_chunks} x {max_chunk_bytes} bytes exceeds 64 GiB")
+    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+            or not math.isfinite(timeout) or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def _agree(pg, failure, what):
+    """Collective: every rank's failure message ('' when none); raises the
+    first on every rank, naming its group rank."""
+    failures = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(failures, failure, group=pg)
+    for rank, text in enumerate(failures):
+        if text:
+            raise RuntimeError(f"message queue: {what} failed on group rank {rank}: {text}")
+
+
+def _failure(e):
+    return f"{type(e).__name__}: {e}"
 
 
 def _membership(pg, role, role_rank):
@@ -61,6 +100,7 @@ class MessageQueue:
         self._timeout = timeout
         self._closed = False
         self._ready = writer is None
+        self._in_place = True  # dequeue unpickles from the ring (False: copy first)
         # Every other member reads: CUDA tensors are broadcast; otherwise they
         # go to each reader point to point.
         self._whole_group = len(local) + len(remote) == len(self._ranks) - 1
@@ -73,7 +113,10 @@ class MessageQueue:
         the others read. With blocking=False the writer does not wait here for
         the readers to attach; wait_until_ready() (or the first write) does.
         CUDA tensors in tensor dicts travel over `device_group` (default `pg`),
-        which must have the same members."""
+        which must have the same members. Bad arguments raise on every rank
+        before any collective step; a rank that cannot create or attach its
+        end makes every rank raise, naming it; the group stays usable."""
+        _check_arguments("writer_rank", writer_rank, max_chunk_bytes, max_chunks, timeout)
         pg, ranks, rank = _membership(pg, "writer_rank", writer_rank)
         n = len(ranks)
         hosts = [None] * n
@@ -81,13 +124,25 @@ class MessageQueue:
         local = [r for r in range(n) if r != writer_rank and hosts[r] == hosts[writer_rank]]
         remote = [r for r in range(n) if r != writer_rank and hosts[r] != hosts[writer_rank]]
         writer = reader = None
-        name = [None]
+        name = [("ok", None)]
         if rank == writer_rank and local:
-            writer = _C.MqWriter(len(local), max_chunks, max_chunk_bytes)
-            name = [writer.name]
+            try:
+                writer = _C.MqWriter(len(local), max_chunks, max_chunk_bytes)
+                name = [("ok", writer.name)]
+            except Exception as e:  # every rank hears of it below
+                name = [("error", _failure(e))]
         dist.broadcast_object_list(name, src=ranks[writer_rank], group=pg)
+        status, value = name[0]
+        if status != "ok":
+            raise RuntimeError(f"message queue: the writer (group rank {writer_rank}) could not "
+                               f"create its ring: {value}")
+        failure = ""
         if rank in local:
-            reader = _C.MqReader(name[0], local.index(rank))
+            try:
+                reader = _C.MqReader(value, local.index(rank))
+            except Exception as e:
+                failure = _failure(e)
+        _agree(pg, failure, "attaching a reader")
         mq = cls(pg, writer_rank, rank, local, remote, writer, reader, timeout, device_group)
         if blocking:
             mq.wait_until_ready()
@@ -100,7 +155,8 @@ class MessageQueue:
         group rank) gets a queue it writes to that rank alone; the reader gets
         one queue per writer. Returns (queue, []) on writers and
         (None, [queue of group rank 0, 1, ... skipping the reader]) on the
-        reader."""
+        reader. Arguments and failures as in create_from_process_group."""
+        _check_arguments("reader_rank", reader_rank, max_chunk_bytes, max_chunks, timeout)
         pg, ranks, rank = _membership(pg, "reader_rank", reader_rank)
         n = len(ranks)
         host = _C.host_id()
@@ -111,11 +167,26 @@ class MessageQueue:
         hosts = [None] * n
         dist.all_gather_object(hosts, host, group=pg)
         same_host = hosts[rank] == hosts[reader_rank]
+        failure = ""
         if rank != reader_rank and same_host:
-            writer = _C.MqWriter(1, max_chunks, max_chunk_bytes)
-            entry = (host, writer.name)
+            try:
+                writer = _C.MqWriter(1, max_chunks, max_chunk_bytes)
+                entry = (host, writer.name)
+            except Exception as e:
+                failure = _failure(e)
+        _agree(pg, failure, "creating a writer's ring")
         entries = [None] * n
         dist.all_gather_object(entries, entry, group=pg)
+        attached = {}
+        failure = ""
+        if rank == reader_rank:
+            try:
+                for w in range(n):
+                    if w != reader_rank and entries[w][1] is not None:
+                        attached[w] = _C.MqReader(entries[w][1], 0)
+            except Exception as e:
+                failure = _failure(e)
+        _agree(pg, failure, "attaching the reader")
         if rank != reader_rank:
             local, remote = ([reader_rank], []) if same_host else ([], [reader_rank])
             mq = cls(pg, rank, rank, local, remote, writer, None, timeout, device_group)
@@ -126,15 +197,21 @@ class MessageQueue:
         for w in range(n):
             if w == reader_rank:
                 continue
-            name = entries[w][1]
-            reader = _C.MqReader(name, 0) if name is not None else None
-            local, remote = ([rank], []) if name is not None else ([], [rank])
+            reader = attached.get(w)
+            local, remote = ([rank], []) if reader is not None else ([], [rank])
             readers.append(cls(pg, w, rank, local, remote, None, reader, timeout, device_group))
         return None, readers
 
+    def set_spin_us(self, us):
+        """How long this rank's waits on the ring poll before they sleep
+        (default TPCOMM_MQ_SPIN_US; 0: a fixed 4,000 polls)."""
+        for end in (self._writer, self._reader):
+            if end is not None:
+                end.set_spin_us(int(us))
+
     def wait_until_ready(self, timeout=None):
         """Writer: waits until every reader on this host attached (then the
-        segment's name is unlinked). Readers: returns at once."""
+        descriptor they attach through is closed). Readers: returns at once."""
         if not self._ready:
             self._writer.wait_for_readers(self._timeout if timeout is None else timeout)
             self._ready = True
@@ -202,6 +279,9 @@ class MessageQueue:
         Readers on another host than the writer receive through the CPU group,
         whose own timeout bounds the wait instead of `timeout`."""
         self._check(False, "dequeue")
+        if self._reader is not None and self._in_place:
+            # Unpickled straight from the ring (no copy out first).
+            return self._reader.read_object(self._timeout if timeout is None else timeout)
         return pickle.loads(self._recv(timeout).numpy())
 
     def broadcast_object(self, obj=None):

@@ -95,6 +95,13 @@ TEST(Settings, CpuSharedMemory) {
   expectEachRefused(bad);
 }
 
+TEST(Settings, MessageQueueSpin) {
+  EXPECT_EQ(Settings::parse(fakeEnv({})).mqSpinUs, 200);
+  EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_MQ_SPIN_US", "0"}})).mqSpinUs, 0);
+  EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_MQ_SPIN_US", "5000"}})).mqSpinUs, 5000);
+  expectEachRefused({{"TPCOMM_MQ_SPIN_US", "-1"}, {"TPCOMM_MQ_SPIN_US", "fast"}});
+}
+
 TEST(Settings, TableDocumentsEverySetting) {
   const auto& table = settingTable();
   ASSERT_FALSE(table.empty());

@@ -209,3 +209,72 @@ def _large_messages_never_alias(ctx):
 
 def test_large_messages_never_alias_live_tensors(groups):
     assert all(groups(2).run(_large_messages_never_alias))
+
+
+def _bad_arguments(ctx):
+    import time
+
+    from tpcomm import MessageQueue
+    errors = {}
+    cases = {
+        "max_chunk_bytes=0": dict(max_chunk_bytes=0),
+        "max_chunks=-1": dict(max_chunks=-1),
+        "writer_rank='0'": dict(writer_rank="0"),
+        "writer_rank=True": dict(writer_rank=True),
+        "timeout=0": dict(timeout=0),
+    }
+    for name, kwargs in cases.items():
+        start = time.monotonic()
+        try:
+            MessageQueue.create_from_process_group(dist.group.WORLD, **kwargs)
+            errors[name] = "no error"
+        except (TypeError, ValueError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+        assert time.monotonic() - start < 5, name  # at once, not at the group's timeout
+    try:
+        MessageQueue.create_single_reader(dist.group.WORLD, reader_rank="1")
+        errors["reader_rank='1'"] = "no error"
+    except TypeError as e:
+        errors["reader_rank='1'"] = f"TypeError: {e}"
+    # The group is still usable: a queue with good arguments works.
+    mq = MessageQueue.create_from_process_group(dist.group.WORLD)
+    assert mq.broadcast_object({"ok": ctx.rank if mq.is_writer else None})["ok"] == 0
+    return errors
+
+
+def test_bad_arguments_raise_on_every_rank_and_the_group_stays_usable(groups):
+    results = groups(3).run(_bad_arguments)
+    assert all(r == results[0] for r in results), results  # the same error everywhere
+    errors = results[0]
+    assert errors["max_chunk_bytes=0"] == \
+        "ValueError: max_chunk_bytes must be in [64, 4294967232], got 0"
+    assert errors["max_chunks=-1"] == "ValueError: max_chunks must be in [1, 1048576], got -1"
+    assert errors["writer_rank='0'"] == "TypeError: writer_rank must be an int, got '0' (str)"
+    assert errors["writer_rank=True"] == "TypeError: writer_rank must be an int, got True (bool)"
+    assert errors["timeout=0"] == \
+        "ValueError: timeout must be a positive number of seconds, got 0"
+    assert errors["reader_rank='1'"] == "TypeError: reader_rank must be an int, got '1' (str)"
+
+
+def _objects_outlive_the_ring(ctx):
+    import numpy as np
+
+    from tpcomm import MessageQueue
+    # A 4-chunk ring of 4 KiB: small objects are unpickled in place, large ones
+    # wrap or exceed the ring and are copied first.
+    mq = MessageQueue.create_from_process_group(dist.group.WORLD, max_chunk_bytes=4096,
+                                                max_chunks=4)
+    kept = []
+    for i in range(60):
+        obj = {"array": np.arange(100 + 37 * i, dtype=np.int64) * i,
+               "blob": bytearray([i % 251]) * (50 * i), "text": "x" * i}
+        got = mq.broadcast_object(obj if mq.is_writer else None)
+        kept.append((i, got))
+    for i, got in kept:  # later messages overwrote the ring: nothing aliases it
+        assert np.array_equal(got["array"], np.arange(100 + 37 * i, dtype=np.int64) * i), i
+        assert got["blob"] == bytearray([i % 251]) * (50 * i) and got["text"] == "x" * i, i
+    return True
+
+
+def test_objects_unpickled_from_the_ring_outlive_it(groups):
+    assert all(groups(2).run(_objects_outlive_the_ring))
