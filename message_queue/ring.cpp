@@ -30,6 +30,22 @@ std::chrono::microseconds defaultSpin() {
   return std::chrono::microseconds(settings().mqSpinUs);
 }
 
+namespace {
+
+// After a publish or consume: wakes sleepers when some sleep, or always for
+// an end with spin 0 (the behaviour before polling was tunable).
+void notify(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
+            std::chrono::microseconds spin) {
+  if (spin.count() > 0) {
+    wakeSleepers(word, sleepers);
+    return;
+  }
+  word.fetch_add(1, std::memory_order_seq_cst);
+  futexWakeAll(word);
+}
+
+}  // namespace
+
 // ---------------------------------------------------------------- Writer
 Writer::Writer(const Geometry& geometry)
     : segment_(Segment::create(geometry)), spin_(defaultSpin()) {}
@@ -114,7 +130,7 @@ void Writer::write(const std::vector<Part>& parts, std::chrono::milliseconds tim
       partOffset += take;
     }
     h.published.store(seq + 1, std::memory_order_release);
-    wakeSleepers(h.publishedWord, h.publishedSleepers);
+    notify(h.publishedWord, h.publishedSleepers, spin_);
     next_ = seq + 1;
     offset += n;
   } while (offset < bytes);
@@ -196,7 +212,7 @@ Reader::Checked Reader::checkedHeader(uint64_t seq) {
 void Reader::consumeUpTo(uint64_t next) {
   Header& h = segment_->header();
   segment_->slot(index_).consumed.store(next, std::memory_order_release);
-  wakeSleepers(h.consumedWord, h.consumedSleepers);
+  notify(h.consumedWord, h.consumedSleepers, spin_);
 }
 
 uint64_t Reader::copyMessage(Clock::time_point deadline,
@@ -236,7 +252,8 @@ uint64_t Reader::copyMessage(Clock::time_point deadline,
 }
 
 void Reader::readInPlace(std::chrono::milliseconds timeout,
-                         const std::function<void(const char* data, uint64_t bytes)>& use) {
+                         const std::function<void(const char* data, uint64_t bytes)>& use,
+                         const std::function<char*(uint64_t bytes)>& allocate) {
   Segment& s = *segment_;
   const Geometry& g = s.geometry();
   const auto deadline = Clock::now() + timeout;
@@ -251,11 +268,13 @@ void Reader::readInPlace(std::chrono::milliseconds timeout,
   if (chunks > g.numChunks || seq % g.numChunks + chunks > g.numChunks) {
     // Wraps (or never fits the ring at once): copied out.
     std::vector<char> copy;
-    copyMessage(deadline, [&](uint64_t n) {
-      copy.resize(n);
-      return copy.data();
+    char* data = nullptr;
+    const uint64_t n = copyMessage(deadline, [&](uint64_t size) {
+      if (allocate) return data = allocate(size);
+      copy.resize(size);
+      return data = copy.data();
     });
-    use(copy.data(), copy.size());
+    use(data, n);
     return;
   }
   // Every chunk of the message, published and checked, before `use` sees it.

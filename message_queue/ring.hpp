@@ -81,7 +81,9 @@ class Writer {
   // Waits until every reader attached, then closes the descriptor they
   // attach through. Throws Timeout naming the readers that did not attach.
   void waitForReaders(std::chrono::milliseconds timeout);
-  // How long this end's waits poll before sleeping (0: a fixed 4,000 polls).
+  // How long this end's waits poll before sleeping. 0 reproduces the queue
+  // before polling was tunable: a fixed 4,000 polls, and a wake-up system
+  // call after every publish whether or not anyone sleeps.
   void setSpin(std::chrono::microseconds spin) { spin_ = spin; }
   // Writes one message (any size, 0 included). Blocks while the ring is full;
   // throws Timeout, or PeerLost when a reader died or shutdown() was called.
@@ -121,8 +123,11 @@ class Reader {
   // it does not wrap and fits the ring (one copy fewer); otherwise copied.
   // The chunks are consumed (the writer may reuse them) once `use` returns
   // or throws; `use` must not keep the pointer.
+  // `allocate` (optional) provides the memory a wrapped message is copied
+  // into, as for read().
   void readInPlace(std::chrono::milliseconds timeout,
-                   const std::function<void(const char* data, uint64_t bytes)>& use);
+                   const std::function<void(const char* data, uint64_t bytes)>& use,
+                   const std::function<char*(uint64_t bytes)>& allocate = {});
   void setSpin(std::chrono::microseconds spin) { spin_ = spin; }
   void shutdown();
 

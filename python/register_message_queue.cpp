@@ -159,24 +159,31 @@ void registerMessageQueue(py::module_& m) {
       .def(
           "read_object",
           [](mq::Reader& r, double timeout) {
-            static py::object loads = py::module_::import("pickle").attr("loads");
+            // Never destroyed: a py::object torn down at exit, without the
+            // GIL, would crash the interpreter's finalisation.
+            static py::object* loads = new py::object(py::module_::import("pickle").attr("loads"));
             py::object result;
             bool failed = false;
+            at::Tensor copied;  // a wrapped message's copy (recycled memory)
             {
               py::gil_scoped_release release;
+              const auto allocate = [&](uint64_t bytes) -> char* {
+                copied = ReceiveBuffers::instance().take(bytes);
+                return static_cast<char*>(copied.data_ptr());
+              };
               r.readInPlace(toMillis(timeout), [&](const char* data, uint64_t bytes) {
                 py::gil_scoped_acquire acquire;
                 // A view of the ring, released before the chunks are
                 // consumed: unpickling copies what it keeps.
                 py::memoryview view = py::memoryview::from_memory(data, static_cast<ssize_t>(bytes));
                 try {
-                  result = loads(view);
+                  result = (*loads)(view);
                 } catch (py::error_already_set& e) {
                   e.restore();
                   failed = true;
                 }
                 view.attr("release")();
-              });
+              }, allocate);
             }
             if (failed) throw py::error_already_set();
             return result;
@@ -193,6 +200,9 @@ void registerMessageQueue(py::module_& m) {
           py::arg("us"), "How long this end's waits poll before sleeping (0: 4,000 polls).")
       .def("shutdown", &mq::Reader::shutdown);
 
+  m.def(
+      "mq_default_spin_us", [] { return static_cast<int64_t>(mq::defaultSpin().count()); },
+      "How long message-queue waits poll before sleeping (TPCOMM_MQ_SPIN_US).");
   m.def("host_id", &hostIdentity,
         "This process's host identity (TPCOMM_HOST_ID or the host name).");
 }

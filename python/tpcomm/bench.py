@@ -1,6 +1,6 @@
 """Benchmarks that print figures (never timed tests).
 
-    python -m tpcomm.bench mq [--readers 1 3] [--quick]
+    python -m tpcomm.bench mq [--readers 1 3] [--quick] [--mode broadcast|round-trip|both]
     python -m tpcomm.bench car [--world-sizes 2 4 8] [--max-mib 64] [--png car_bench.png]
     python -m tpcomm.bench allreduce [--max-mib 64] [--quick]
     python -m tpcomm.bench cpu [--world-sizes 2 4] [--max-mib 64] [--quick] [--png cpu_bench.png]
@@ -8,7 +8,10 @@
 mq: broadcast of tensor dicts from one writer to N readers on this host,
 through tpcomm.MessageQueue and, in the same run, through the Gloo path
 (metadata with broadcast_object_list, then one dist.broadcast per tensor);
-plus single-thread memcpy bandwidth as the ceiling.
+plus single-thread memcpy bandwidth as the ceiling. Round trips (the writer
+broadcasts, every reader acknowledges through a queue of its own) with the
+queue's polling on and at spin 0, against Gloo, and a blocked reader's idle
+CPU (see tpcomm._bench_mq_rt).
 
 car: the custom allreduce on one GPU (see tpcomm._bench_car).
 
@@ -136,6 +139,7 @@ def main(argv=None):
     mq.add_argument("--readers", type=int, nargs="+", default=[1, 3])
     mq.add_argument("--quick", action="store_true", help="fewer iterations")
     mq.add_argument("--chunk-mb", type=float, default=1.0, help="ring chunk size (default 1)")
+    mq.add_argument("--mode", choices=("broadcast", "round-trip", "both"), default="both")
     car = sub.add_parser("car", help="custom allreduce, N ranks on N streams of one GPU")
     car.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
     car.add_argument("--max-mib", type=int, default=64, help="largest size (default 64 MiB)")
@@ -152,7 +156,14 @@ def main(argv=None):
     cpu.add_argument("--png", default="cpu_bench.png", help="plot of time vs size ('' for none)")
     args = parser.parse_args(argv)
     if args.what == "mq":
-        return bench_mq(args.readers, args.quick, args.chunk_mb)
+        rc = 0
+        if args.mode in ("broadcast", "both"):
+            rc = bench_mq(args.readers, args.quick, args.chunk_mb)
+        if rc == 0 and args.mode in ("round-trip", "both"):
+            from tpcomm._bench_mq_rt import run as run_round_trips
+
+            rc = run_round_trips(args.readers, args.quick)
+        return rc
     if args.what == "car":
         from tpcomm._bench_car import run
 

@@ -33,6 +33,14 @@ def _raw_bytes(t):
     return t.contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+class _Parts:
+    """A file for pickle.Pickler that keeps what it is given: small pieces
+    and, for large bytes-like payloads, the payload itself (no copy)."""
+
+    def __init__(self, parts):
+        self.write = parts.append
+
+
 def _check_arguments(role, role_rank, max_chunk_bytes, max_chunks, timeout):
     """The same arguments on every rank: checked before any collective step,
     so that every rank raises the same error and the group stays usable."""
@@ -100,7 +108,9 @@ class MessageQueue:
         self._timeout = timeout
         self._closed = False
         self._ready = writer is None
-        self._in_place = True  # dequeue unpickles from the ring (False: copy first)
+        # Objects pickled into parts and unpickled from the ring (False: one
+        # bytes object each way, copied out first: the queue before this).
+        self._zero_copy = True
         # Every other member reads: CUDA tensors are broadcast; otherwise they
         # go to each reader point to point.
         self._whole_group = len(local) + len(remote) == len(self._ranks) - 1
@@ -270,16 +280,23 @@ class MessageQueue:
 
     # -------------------------------------------------------------- objects
     def enqueue(self, obj, timeout=None):
-        """Writer: sends `obj` (pickled, protocol 5) to every reader."""
+        """Writer: sends `obj` (pickled, protocol 5) to every reader. The
+        pickler writes into a list of parts, so large bytes-like payloads are
+        passed by reference and copied once, into the ring."""
         self._check(True, "enqueue")
-        self._send([pickle.dumps(obj, protocol=5)], timeout)
+        if not self._zero_copy:
+            self._send([pickle.dumps(obj, protocol=5)], timeout)
+            return
+        parts = []
+        pickle.Pickler(_Parts(parts), protocol=5).dump(obj)
+        self._send(parts, timeout)
 
     def dequeue(self, timeout=None):
         """Reader: the next object the writer enqueued. Raises TimeoutError.
         Readers on another host than the writer receive through the CPU group,
         whose own timeout bounds the wait instead of `timeout`."""
         self._check(False, "dequeue")
-        if self._reader is not None and self._in_place:
+        if self._reader is not None and self._zero_copy:
             # Unpickled straight from the ring (no copy out first).
             return self._reader.read_object(self._timeout if timeout is None else timeout)
         return pickle.loads(self._recv(timeout).numpy())
