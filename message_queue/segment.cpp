@@ -1,6 +1,10 @@
 #include "message_queue/segment.hpp"
 
+#include <sys/random.h>
 #include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <algorithm>
 #include <cstdio>
@@ -29,9 +33,18 @@ size_t payloadOffset(const Geometry& g) {
   return alignUp(chunkHeadersOffset(g.numReaders) + g.numChunks * sizeof(ChunkHeader));
 }
 
-// "memfd:<pid>:<fd>:<bytes>": where a reader finds the creator's descriptor.
-std::string nameOf(const SharedRegion& region) {
-  return detail::concat("memfd:", ::getpid(), ":", region.fd(), ":", region.bytes());
+// "memfd:<pid>:<fd>:<bytes>:<token>": where a reader finds the creator's
+// descriptor, and the ring's random token (the descriptor number of a closed
+// ring is reused by the next one).
+std::string nameOf(const SharedRegion& region, uint64_t token) {
+  return detail::concat("memfd:", ::getpid(), ":", region.fd(), ":", region.bytes(), ":", token);
+}
+
+uint64_t randomToken() {
+  uint64_t token = 0;
+  TPCOMM_CHECK(::getrandom(&token, sizeof(token), 0) == static_cast<ssize_t>(sizeof(token)),
+               kSystem, "getrandom: ", std::strerror(errno));
+  return token;
 }
 
 }  // namespace
@@ -59,7 +72,8 @@ void Segment::closeForAttach() { region_->closeDescriptor(); }
 std::unique_ptr<Segment> Segment::create(const Geometry& g) {
   const uint64_t bytes = segmentBytes(g);
   std::unique_ptr<SharedRegion> region = SharedRegion::create(bytes);  // zeroed, 0600
-  const std::string name = nameOf(*region);
+  const uint64_t token = randomToken();
+  const std::string name = nameOf(*region, token);
   auto segment = std::unique_ptr<Segment>(new Segment(name, std::move(region), g));
   Header* h = new (segment->region_->base()) Header();
   h->magic = kMagic;
@@ -69,16 +83,17 @@ std::unique_ptr<Segment> Segment::create(const Geometry& g) {
   h->chunkBytes = g.chunkBytes;
   h->totalBytes = bytes;
   h->writerPid = ::getpid();
+  h->token = token;
   for (uint32_t r = 0; r < g.numReaders; ++r) new (&segment->slot(r)) ReaderSlot();
   return segment;
 }
 
 std::unique_ptr<Segment> Segment::attach(const std::string& name) {
   int pid = 0, fd = 0;
-  unsigned long long bytes = 0;
+  unsigned long long bytes = 0, token = 0;
   int used = 0;
-  const bool parsed = std::sscanf(name.c_str(), "memfd:%d:%d:%llu%n", &pid, &fd, &bytes, &used) ==
-                          3 &&
+  const bool parsed = std::sscanf(name.c_str(), "memfd:%d:%d:%llu:%llu%n", &pid, &fd, &bytes,
+                                  &token, &used) == 4 &&
                       used == static_cast<int>(name.size()) && pid > 0 && fd >= 0 &&
                       bytes >= kHeaderBytes;
   TPCOMM_CHECK(parsed, kInvalidUsage, "'", name, "' is not the name of a tpcomm message queue");
@@ -93,6 +108,8 @@ std::unique_ptr<Segment> Segment::attach(const std::string& name) {
   const Header& h = *reinterpret_cast<const Header*>(region->base());
   TPCOMM_CHECK(h.magic == kMagic && h.version == kVersion && h.writerPid == pid, kSystem,
                "message queue ", name, " is not a tpcomm message queue (version ", kVersion, ")");
+  TPCOMM_CHECK(h.token == token, kSystem, "message queue ", name,
+               " is gone (its descriptor now holds another ring)");
   Geometry g;
   g.numReaders = h.numReaders;
   g.numChunks = h.numChunks;
@@ -136,10 +153,14 @@ void Segment::wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
   };
   // Busy: poll (yielding the core) for `spin`, so that a round trip never
   // pays a wake-up; idle: sleep, costing no CPU.
-  if (pollUntil(ready, start + spin, spin.count() == 0 ? kLegacyPauseRounds : kPauseRounds,
-                checkShutdown)) {
+  if (pollUntil(ready, std::min(start + spin, deadline),
+                spin.count() == 0 ? kLegacyPauseRounds : kPauseRounds, checkShutdown)) {
     return;
   }
+  // Shutdown and a detaching reader bump the word too: they end a sleep.
+  const auto readyOrShutdown = [&] {
+    return ready() || h.shutdown.load(std::memory_order_acquire) != 0;
+  };
   while (true) {
     checkShutdown();
     TPCOMM_CHECK(peerAlive(), kPeerLost, "message queue ", name_, ": a peer process died while ",
@@ -148,9 +169,10 @@ void Segment::wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
     TPCOMM_CHECK(now < deadline, kTimeout, "message queue ", name_, ": timed out after ",
                  timeout.count(), " ms ", what);
     const auto left = std::chrono::duration_cast<std::chrono::microseconds>(deadline - now);
-    if (sleepOn(word, sleepers, ready,
+    if (sleepOn(word, sleepers, readyOrShutdown,
                 std::min<std::chrono::microseconds>(left + std::chrono::milliseconds(1),
-                                                    kSleepSlice))) {
+                                                    kSleepSlice)) &&
+        ready()) {
       return;
     }
   }

@@ -34,6 +34,7 @@ struct Header {
   uint64_t chunkBytes;
   uint64_t totalBytes;
   int32_t writerPid;
+  uint64_t token;  // random, also in the name: a stale name never attaches to another ring
   alignas(kCacheLine) std::atomic<uint64_t> published;
   std::atomic<uint32_t> publishedWord;      // futex: bumped after each publish
   std::atomic<uint32_t> publishedSleepers;  // readers asleep on publishedWord

@@ -13,9 +13,16 @@
 
 namespace tpcomm::mq {
 
+namespace {
+
+constexpr const char* kMemfdName = "tpcomm-shm";
+constexpr const char* kMemfdTarget = "/memfd:tpcomm-shm";  // what /proc/<pid>/fd/<fd> links to
+
+}  // namespace
+
 std::unique_ptr<SharedRegion> SharedRegion::create(size_t bytes) {
   TPCOMM_CHECK(bytes > 0, kInvalidUsage, "shared region of 0 bytes");
-  const int fd = ::memfd_create("tpcomm-shm", MFD_CLOEXEC);
+  const int fd = ::memfd_create(kMemfdName, MFD_CLOEXEC);
   TPCOMM_CHECK(fd >= 0, kSystem, "memfd_create: ", std::strerror(errno));
   const auto fail = [fd](const char* what) {
     const int err = errno;
@@ -32,6 +39,13 @@ std::unique_ptr<SharedRegion> SharedRegion::create(size_t bytes) {
 std::unique_ptr<SharedRegion> SharedRegion::attach(int32_t pid, int32_t fd, size_t bytes) {
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%d/fd/%d", static_cast<int>(pid), static_cast<int>(fd));
+  // Only a region this code created: the descriptor may have been closed and
+  // its number reused for any other file (a device, a socket) meanwhile.
+  char target[128] = {};
+  const ssize_t n = ::readlink(path, target, sizeof(target) - 1);
+  TPCOMM_CHECK(n >= 0, kSystem, "readlink(", path, "): ", std::strerror(errno));
+  TPCOMM_CHECK(std::strncmp(target, kMemfdTarget, std::strlen(kMemfdTarget)) == 0, kSystem, path,
+               " is not a tpcomm shared region (it is '", target, "')");
   const int own = ::open(path, O_RDWR | O_CLOEXEC);
   TPCOMM_CHECK(own >= 0, kSystem, "open(", path, "): ", std::strerror(errno));
   struct stat st;

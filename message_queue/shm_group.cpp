@@ -294,7 +294,8 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
     const auto slice = failed() || now >= deadline
                            ? std::chrono::microseconds(0)
                            : std::min<std::chrono::microseconds>(left, kSleepSlice);
-    if (sleepOn(h.wake, h.sleepers, ready, slice)) return;
+    // A published failure bumps the word too: it ends the sleep.
+    if (sleepOn(h.wake, h.sleepers, [&] { return ready() || failed(); }, slice) && ready()) return;
     if (failed()) joinFailure();
     now = std::chrono::steady_clock::now();
     // Peers' liveness at most once per sleep slice (every arrival wakes

@@ -23,7 +23,8 @@ namespace {
 
 std::chrono::milliseconds toMillis(double seconds) {
   TPCOMM_CHECK(seconds >= 0, kInvalidUsage, "timeout must be >= 0 seconds, got ", seconds);
-  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+  // A year at most: deadlines are steady_clock::now() + timeout.
+  return std::chrono::milliseconds(static_cast<int64_t>(std::min(seconds, 3.2e7) * 1000.0));
 }
 
 // Receive buffers. A fresh large buffer costs first-touch page faults on
@@ -179,8 +180,10 @@ void registerMessageQueue(py::module_& m) {
                 try {
                   result = (*loads)(view);
                 } catch (py::error_already_set& e) {
+                  view.attr("release")();  // no Python call with an error set
                   e.restore();
                   failed = true;
+                  return;
                 }
                 view.attr("release")();
               }, allocate);

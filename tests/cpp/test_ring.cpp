@@ -3,6 +3,7 @@
 // peers, bounds checks, and nothing ever in /dev/shm (SIGKILL at each step of
 // the creation included).
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -124,6 +125,37 @@ TEST(Ring, SegmentIsAnonymousOwnerOnlyAndClosedOnceReadersAttached) {
         << e.what();
   }
   EXPECT_EQ(codeOf([] { Reader bad("/tpcomm-mq-0123", 0); }), ErrorCode::kInvalidUsage);
+}
+
+// A stale name never attaches to another ring, even when the next ring got
+// the same descriptor number, nor to a file that is not a ring.
+TEST(Ring, AStaleNameNeverAttachesToAnotherRing) {
+  std::string stale;
+  {
+    Writer first(small(1));
+    stale = first.name();
+  }
+  Writer second(small(1));  // most likely the same descriptor number
+  try {
+    Reader late(stale, 0);
+    FAIL() << "attached to another ring through a stale name";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kSystem);
+  }
+  Reader real(second.name(), 0);  // the slot was not taken by the stale reader
+  second.waitForReaders(5s);
+  const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  const std::string notARing = "memfd:" + std::to_string(::getpid()) + ":" + std::to_string(fd) +
+                               ":" + std::to_string(segmentBytes(small(1))) + ":1";
+  try {
+    Reader bad(notARing, 0);
+    FAIL() << "attached to /dev/null";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("is not a tpcomm shared region"), std::string::npos)
+        << e.what();
+  }
+  ::close(fd);
 }
 
 TEST(Ring, ReaderIndexIsCheckedAndTakenOnce) {
