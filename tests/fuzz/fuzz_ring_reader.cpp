@@ -2,13 +2,16 @@
 // decoder and the segment attach checks. Arbitrary bytes in shared memory must
 // give a message or a tpcomm::Error, never a crash, hang or overrun.
 //
-// Mode (first byte, even): the rest is laid over the ring's chunk area and the
-// writer's published counter, then the reader decodes with a zero timeout.
-// Mode (first byte, odd): the rest becomes a whole segment, then attached.
+// Mode (first byte, even): the rest is laid over the ring's chunk headers and
+// payloads and the writer's published counter, then the reader decodes with a
+// zero timeout, copying or in place (the second bit of the first byte).
+// Mode (first byte, odd): the rest becomes a whole segment (an anonymous memfd
+// as the writer makes one), then attached.
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -29,8 +32,17 @@ struct Ring {
   std::unique_ptr<Segment> tamper = Segment::attach(writer.name());
 };
 
-void decodeChunks(const uint8_t* data, size_t size) {
-  static Ring ringStorage;  // kept for the whole run; destroyed (and unlinked) at exit
+// Copies up to `n` bytes of the input to `to` (zero-filling the rest).
+void take(const uint8_t*& data, size_t& size, char* to, size_t n) {
+  const size_t k = std::min(n, size);
+  std::memset(to, 0, n);
+  std::memcpy(to, data, k);
+  data += k;
+  size -= k;
+}
+
+void decodeChunks(const uint8_t* data, size_t size, bool inPlace) {
+  static Ring ringStorage;  // kept for the whole run
   Ring* ring = &ringStorage;
   Segment& s = *ring->tamper;
   const Geometry& g = ring->geometry;
@@ -40,39 +52,51 @@ void decodeChunks(const uint8_t* data, size_t size) {
     ++data;
     --size;
   }
-  const size_t stride = (sizeof(ChunkHeader) + g.chunkBytes + 63) / 64 * 64;
   for (uint64_t c = 0; c < g.numChunks; ++c) {
-    char* chunk = reinterpret_cast<char*>(&s.chunkHeader(c));
-    const size_t n = std::min(stride, size);
-    std::memset(chunk, 0, stride);
-    std::memcpy(chunk, data, n);
-    data += n;
-    size -= n;
+    take(data, size, reinterpret_cast<char*>(&s.chunkHeader(c)), sizeof(ChunkHeader));
   }
+  for (uint64_t c = 0; c < g.numChunks; ++c) take(data, size, s.chunkData(c), g.chunkBytes);
+  const auto allocate = [](uint64_t bytes) -> char* {
+    static std::vector<char> buffer;
+    if (bytes > (1u << 20)) throw std::bad_alloc();  // the caller's allocation policy
+    buffer.resize(bytes);
+    return buffer.data();
+  };
   try {
-    ring->reader.read(std::chrono::milliseconds(0), [](uint64_t bytes) -> char* {
-      static std::vector<char> buffer;
-      if (bytes > (1u << 20)) throw std::bad_alloc();  // the caller's allocation policy
-      buffer.resize(bytes);
-      return buffer.data();
-    });
+    if (inPlace) {
+      ring->reader.readInPlace(
+          std::chrono::milliseconds(0),
+          [](const char* p, uint64_t bytes) {
+            volatile char sink = 0;
+            for (uint64_t i = 0; i < bytes; ++i) sink = sink ^ p[i];  // every byte is readable
+          },
+          allocate);
+    } else {
+      ring->reader.read(std::chrono::milliseconds(0), allocate);
+    }
   } catch (const Error&) {
   } catch (const std::bad_alloc&) {
   }
 }
 
 void attachSegment(const uint8_t* data, size_t size) {
-  const std::string name = "/tpcomm-mq-fuzz-" + std::to_string(::getpid());
-  int fd = ::shm_open(name.c_str(), O_CREAT | O_RDWR | O_TRUNC, 0600);
+  const int fd = ::memfd_create("tpcomm-shm", MFD_CLOEXEC);
   if (fd < 0) return;
   if (size > 0 && ::write(fd, data, size) != static_cast<ssize_t>(size)) size = 0;
-  ::close(fd);
+  // The name a writer would give it, with the token the bytes carry (so
+  // that the checks past the token run too).
+  uint64_t token = 0;
+  if (size >= offsetof(Header, token) + sizeof(token)) {
+    std::memcpy(&token, data + offsetof(Header, token), sizeof(token));
+  }
+  const std::string name = "memfd:" + std::to_string(::getpid()) + ":" + std::to_string(fd) + ":" +
+                           std::to_string(size) + ":" + std::to_string(token);
   try {
     auto segment = Segment::attach(name);
     (void)segment->geometry();
   } catch (const Error&) {
   }
-  ::shm_unlink(name.c_str());
+  ::close(fd);
 }
 
 }  // namespace
@@ -80,7 +104,7 @@ void attachSegment(const uint8_t* data, size_t size) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   if (data[0] % 2 == 0) {
-    decodeChunks(data + 1, size - 1);
+    decodeChunks(data + 1, size - 1, (data[0] & 2) != 0);
   } else {
     attachSegment(data + 1, size - 1);
   }

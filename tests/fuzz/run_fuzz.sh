@@ -23,7 +23,8 @@ fi
 clang++ -std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
   -I"$root" "$root/tests/fuzz/fuzz_ring_reader.cpp" "$root/message_queue/ring.cpp" \
   "$root/message_queue/segment.cpp" "$root/message_queue/futex.cpp" \
-  "$root/coordinator/common/error.cpp" \
+  "$root/message_queue/shared_region.cpp" \
+  "$root/coordinator/common/error.cpp" "$root/coordinator/common/settings.cpp" \
   -o "$out/fuzz_ring_reader" -lrt
 
 cd "$out"
