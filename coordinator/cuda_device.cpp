@@ -1,5 +1,5 @@
 // The CUDA side of the custom-allreduce setup (CustomDevice over the
-// current process's GPUs), and the capture-mode guard the setup runs under.
+// current process's GPUs) and the capture check.
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -13,18 +13,6 @@
 #include "custom_allreduce/cuda_check.hpp"
 
 namespace tpcomm::coord {
-
-RelaxedCaptureMode::RelaxedCaptureMode() {
-  mode_ = cudaStreamCaptureModeRelaxed;
-  if (cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) {
-    cudaGetLastError();
-    restore_ = false;
-  }
-}
-
-RelaxedCaptureMode::~RelaxedCaptureMode() {
-  if (restore_) cudaThreadExchangeStreamCaptureMode(&mode_);
-}
 
 bool isCapturing(cudaStream_t stream) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;

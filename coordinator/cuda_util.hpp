@@ -5,24 +5,13 @@
 
 #include <string>
 
+#include "custom_allreduce/custom_allreduce.hpp"
+
 namespace tpcomm::coord {
 
-// While alive, this thread may make calls that CUDA refuses during a graph
-// capture in the default (global) mode, such as cudaMalloc or a stream
-// synchronisation of a stream that is not being captured. The custom
-// allreduce sets up and registers graph buffers under it, so that both work
-// when the first call on a group happens inside torch.cuda.graph.
-class RelaxedCaptureMode {
- public:
-  RelaxedCaptureMode();
-  ~RelaxedCaptureMode();
-  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
-  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
-
- private:
-  cudaStreamCaptureMode mode_;
-  bool restore_ = true;
-};
+// Relaxed capture mode for the set-up and the graph registration: the car
+// layer's (custom_allreduce.hpp), which its launch order uses too.
+using car::RelaxedCaptureMode;
 
 // Whether `stream` is being captured into a graph.
 bool isCapturing(cudaStream_t stream);

@@ -21,12 +21,6 @@ bool aligned(const at::Tensor& t) {
 
 }  // namespace
 
-bool rangesOverlap(const void* a, const void* b, size_t bytes) {
-  if (bytes == 0) return false;
-  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
-  return x < y + bytes && y < x + bytes;
-}
-
 car::DType carDType(at::ScalarType type) {
   switch (type) {
     case at::kFloat:
@@ -127,7 +121,7 @@ const car::RegisteredInputs* CustomPath::registerCapturedCall(const void* input,
   // Any shared byte counts, not only the same address: overlapping views
   // would let peers read while this rank writes.
   const bool overlappingOneShot =
-      algorithm == car::Algorithm::kOneShot && rangesOverlap(input, output, bytes);
+      algorithm == car::Algorithm::kOneShot && car::rangesOverlap(input, output, bytes);
   if (overlappingOneShot) {
     zeroCopy_.lastStagedReason =
         "a one-shot call whose output overlaps its input (peers would read while it writes)";
@@ -164,7 +158,7 @@ void CustomPath::allreduce(const at::Tensor& input, const at::Tensor& output, De
   // a rank). Both are a rank's own business, so this never changes the route.
   const size_t bytes = static_cast<size_t>(input.numel()) * input.element_size();
   const bool partialOverlap = input.data_ptr() != output.data_ptr() &&
-                              rangesOverlap(input.data_ptr(), output.data_ptr(), bytes);
+                              car::rangesOverlap(input.data_ptr(), output.data_ptr(), bytes);
   if (!aligned(input) || !aligned(output) || partialOverlap) {
     at::Tensor tmp = input.clone(at::MemoryFormat::Contiguous);
     allreduce(tmp, tmp, route, scale, stream, registering);

@@ -50,8 +50,6 @@ struct ZeroCopyStats {
 inline constexpr int64_t kTableChunk = 4096;
 inline constexpr int64_t kTableCapacity = 16 * kTableChunk;
 
-// Whether [a, a + bytes) and [b, b + bytes) share a byte.
-bool rangesOverlap(const void* a, const void* b, size_t bytes);
 
 class CustomPath {
  public:

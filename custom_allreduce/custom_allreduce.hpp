@@ -93,6 +93,9 @@ int sharedGpuBlocks(int worldSize, int requested, int chosen, int residentTotal)
 // current GPU holds at once (SMs x blocks per SM by occupancy). GPU only.
 int maxResidentBlocks(DType dtype, Algorithm algorithm, int worldSize);
 
+// Whether [a, a + bytes) and [b, b + bytes) share a byte.
+bool rangesOverlap(const void* a, const void* b, size_t bytes);
+
 // Whether a group or a call can use the kernel, and if not, why.
 struct Eligibility {
   bool eligible = false;
@@ -146,6 +149,24 @@ struct CallOptions {
   // staging (its table entry then points there).
   const RegisteredInputs* registered = nullptr;
   bool stageInput = true;
+};
+
+// While alive, this thread may make calls that CUDA refuses during a graph
+// capture in the default (global) mode, such as cudaMalloc or a stream
+// synchronisation of a stream that is not being captured. The custom
+// allreduce sets up, registers graph buffers and creates its launch order
+// under it, so that all work when the first call on a group happens inside
+// torch.cuda.graph.
+class RelaxedCaptureMode {
+ public:
+  RelaxedCaptureMode();
+  ~RelaxedCaptureMode();
+  RelaxedCaptureMode(const RelaxedCaptureMode&) = delete;
+  RelaxedCaptureMode& operator=(const RelaxedCaptureMode&) = delete;
+
+ private:
+  cudaStreamCaptureMode mode_;
+  bool restore_ = true;
 };
 
 // Serialises one rank's launches of a group, whatever stream each goes to:

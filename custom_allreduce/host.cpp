@@ -71,8 +71,7 @@ Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DT
   // bytes with the input at another offset would be written by one block
   // while another still copies or a peer still reads (the same tensor is
   // fine: a block writes only what it staged).
-  const auto a = reinterpret_cast<uintptr_t>(in), b = reinterpret_cast<uintptr_t>(out);
-  TPCOMM_CHECK(a == b || a + bytes <= b || b + bytes <= a, kInvalidUsage,
+  TPCOMM_CHECK(in == out || !rangesOverlap(in, out, bytes), kInvalidUsage,
                "custom allreduce: the output overlaps the input without being the same memory");
   const uint32_t failed = errorCode();
   TPCOMM_CHECK(failed == 0, kPeerLost, "custom allreduce on rank ", rank_,
@@ -106,6 +105,18 @@ Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DT
   launchAllreduce(p, stream);
   order_->after(stream);
   return algorithm;
+}
+
+RelaxedCaptureMode::RelaxedCaptureMode() {
+  mode_ = cudaStreamCaptureModeRelaxed;
+  if (cudaThreadExchangeStreamCaptureMode(&mode_) != cudaSuccess) {
+    cudaGetLastError();
+    restore_ = false;
+  }
+}
+
+RelaxedCaptureMode::~RelaxedCaptureMode() {
+  if (restore_) cudaThreadExchangeStreamCaptureMode(&mode_);
 }
 
 namespace {
@@ -155,12 +166,7 @@ class EventLaunchOrder : public LaunchOrder {
   void create() {
     // The first launch may be inside a capture (global mode): these calls
     // touch no capturing stream, and relaxed mode lets them through.
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    TPCOMM_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-    struct Restore {
-      cudaStreamCaptureMode mode;
-      ~Restore() { cudaThreadExchangeStreamCaptureMode(&mode); }
-    } restore{mode};
+    RelaxedCaptureMode relaxed;
     TPCOMM_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
     TPCOMM_CUDA_CHECK(cudaEventCreateWithFlags(&inCapture_, cudaEventDisableTiming));
     cudaStream_t quiet = nullptr;

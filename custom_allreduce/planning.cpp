@@ -80,6 +80,12 @@ int chooseBlocks(Algorithm algorithm, int worldSize, size_t bytes, int override)
   return static_cast<int>(std::clamp<size_t>(wanted, 1, kDefaultCap));
 }
 
+bool rangesOverlap(const void* a, const void* b, size_t bytes) {
+  if (bytes == 0) return false;
+  const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
+  return x < y + bytes && y < x + bytes;
+}
+
 int sharedGpuBlocks(int worldSize, int requested, int chosen, int residentTotal) {
   TPCOMM_CHECK(worldSize >= 1 && residentTotal >= 1, kInvalidUsage, "custom allreduce: ",
                worldSize, " ranks on a GPU holding ", residentTotal, " blocks");

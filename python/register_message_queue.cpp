@@ -27,6 +27,15 @@ std::chrono::milliseconds toMillis(double seconds) {
   return std::chrono::milliseconds(static_cast<int64_t>(std::min(seconds, 3.2e7) * 1000.0));
 }
 
+// set_spin_us of either end.
+std::chrono::microseconds toSpin(int64_t us) {
+  TPCOMM_CHECK(us >= 0, kInvalidUsage, "spin_us must be >= 0, got ", us);
+  return std::chrono::microseconds(us);
+}
+constexpr const char* kSpinDoc =
+    "How long this end's waits poll before sleeping (0: 4,000 polls and a wake-up after every "
+    "publish, as before the setting).";
+
 // Receive buffers. A fresh large buffer costs first-touch page faults on
 // every page, which bound big messages (1.56 GB/s into fresh memory against
 // 8 GB/s warm on the 2-core machine). So the memory of a large message comes
@@ -134,12 +143,8 @@ void registerMessageQueue(py::module_& m) {
           py::arg("parts"), py::arg("timeout"),
           "Writes one message made of the given contiguous buffers.")
       .def(
-          "set_spin_us",
-          [](mq::Writer& w, int64_t us) {
-            TPCOMM_CHECK(us >= 0, kInvalidUsage, "spin_us must be >= 0, got ", us);
-            w.setSpin(std::chrono::microseconds(us));
-          },
-          py::arg("us"), "How long this end's waits poll before sleeping (0: 4,000 polls).")
+          "set_spin_us", [](mq::Writer& w, int64_t us) { w.setSpin(toSpin(us)); },
+          py::arg("us"), kSpinDoc)
       .def("shutdown", &mq::Writer::shutdown);
 
   py::class_<mq::Reader>(m, "MqReader", "Reader end of a shared-memory ring.")
@@ -195,12 +200,8 @@ void registerMessageQueue(py::module_& m) {
           "Reads the next message and unpickles it straight from the ring when it lies in one "
           "stretch of it (copied first when it wraps).")
       .def(
-          "set_spin_us",
-          [](mq::Reader& r, int64_t us) {
-            TPCOMM_CHECK(us >= 0, kInvalidUsage, "spin_us must be >= 0, got ", us);
-            r.setSpin(std::chrono::microseconds(us));
-          },
-          py::arg("us"), "How long this end's waits poll before sleeping (0: 4,000 polls).")
+          "set_spin_us", [](mq::Reader& r, int64_t us) { r.setSpin(toSpin(us)); },
+          py::arg("us"), kSpinDoc)
       .def("shutdown", &mq::Reader::shutdown);
 
   m.def(

@@ -54,6 +54,7 @@ class LocalGroup:
                       for r in range(world_size)]
         self.streams = [torch.cuda.Stream() for _ in range(world_size)]
         self._resident = {}  # (dtype, algorithm) -> blocks the GPU holds at once
+        self._default_blocks = _C.car_defaults()["blocks"]  # TPCOMM_CAR_BLOCKS
 
     def all_reduce(self, inputs, outputs=None, algorithm=None, blocks=0, ranks=None, streams=None):
         """Rank r's result into outputs[r] (new tensors when None), each rank's
@@ -76,7 +77,7 @@ class LocalGroup:
         key = (dtype, chosen_algo)
         if key not in self._resident:
             self._resident[key] = _C.car_max_resident_blocks(dtype, chosen_algo, self.world_size)
-        requested = int(blocks) or _C.car_defaults()["blocks"]
+        requested = int(blocks) or self._default_blocks
         blocks = _C.car_shared_gpu_blocks(
             self.world_size, requested, _C.car_choose_blocks(chosen_algo, self.world_size, nbytes, 0),
             self._resident[key])

@@ -68,6 +68,18 @@ TEST(CarAlgorithm, OneShotLimitsByWorldSize) {
   EXPECT_STREQ(algorithmName(Algorithm::kTwoShot), "two-shot");
 }
 
+// Byte ranges, not addresses: a view that starts elsewhere but shares bytes
+// overlaps.
+TEST(CarOverlap, IsAnySharedByte) {
+  alignas(16) char buffer[256];
+  EXPECT_TRUE(rangesOverlap(buffer, buffer, 16));
+  EXPECT_TRUE(rangesOverlap(buffer, buffer + 15, 16));
+  EXPECT_TRUE(rangesOverlap(buffer + 15, buffer, 16));
+  EXPECT_FALSE(rangesOverlap(buffer, buffer + 16, 16));
+  EXPECT_FALSE(rangesOverlap(buffer + 16, buffer, 16));
+  EXPECT_FALSE(rangesOverlap(buffer, buffer, 0));
+}
+
 // Ranks sharing one GPU wait for each other's blocks: all must be resident.
 TEST(CarAlgorithm, SharedGpuBlocksFitOrAreRefused) {
   EXPECT_EQ(sharedGpuBlocks(8, 0, 36, 132), 16);  // chosen, capped to fit

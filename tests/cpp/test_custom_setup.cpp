@@ -497,18 +497,6 @@ TEST(CustomZeroCopy, TheTableGrowsByChunksAndSaysWhenFull) {
             static_cast<size_t>(coord::kTableCapacity / coord::kTableChunk));
 }
 
-// Byte ranges, not addresses: a view that starts elsewhere but shares bytes
-// overlaps.
-TEST(CustomZeroCopy, OverlapIsAnySharedByte) {
-  alignas(16) char buffer[256];
-  EXPECT_TRUE(coord::rangesOverlap(buffer, buffer, 16));
-  EXPECT_TRUE(coord::rangesOverlap(buffer, buffer + 15, 16));
-  EXPECT_TRUE(coord::rangesOverlap(buffer + 15, buffer, 16));
-  EXPECT_FALSE(coord::rangesOverlap(buffer, buffer + 16, 16));
-  EXPECT_FALSE(coord::rangesOverlap(buffer + 16, buffer, 16));
-  EXPECT_FALSE(coord::rangesOverlap(buffer, buffer, 0));
-}
-
 // Teardown waits for the rank's kernels before the table is freed and the
 // peers' buffers are unmapped (a kernel in flight would touch unmapped memory).
 TEST(CustomTeardown, SynchronisesBeforeFreeingAndUnmapping) {

@@ -13,6 +13,8 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <functional>
+#include <stdexcept>
 #include <thread>
 
 #include "coordinator/common/error.hpp"
@@ -54,6 +56,34 @@ Geometry small(uint32_t readers) {
   g.numChunks = 16;
   g.chunkBytes = 64;  // most messages span several chunks, and the ring wraps constantly
   return g;
+}
+
+// Forks a process that creates a writer of geometry `g`, hands its name to
+// this process, then runs `then` and exits without tearing the writer down
+// (as a crash would).
+struct ForkedWriter {
+  pid_t pid;
+  std::string name;
+};
+ForkedWriter forkWriter(const Geometry& g, const std::function<void(Writer&)>& then) {
+  int fds[2];
+  if (::pipe(fds) != 0) throw std::runtime_error("pipe failed");
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    Writer writer(g);
+    char name[64] = {};
+    std::strncpy(name, writer.name().c_str(), sizeof(name) - 1);
+    (void)!::write(fds[1], name, sizeof(name));
+    then(writer);
+    ::_exit(0);
+  }
+  char name[64] = {};
+  const ssize_t got = ::read(fds[0], name, sizeof(name));
+  ::close(fds[0]);
+  ::close(fds[1]);
+  if (got != static_cast<ssize_t>(sizeof(name))) throw std::runtime_error("no name from the writer");
+  return {pid, name};
 }
 
 template <typename F>
@@ -293,23 +323,14 @@ TEST_P(ForkedReaders, OrderingAndNoLossOver100kMessages) {
 INSTANTIATE_TEST_SUITE_P(Readers, ForkedReaders, ::testing::Range(1, 8));
 
 TEST(RingFaults, KilledWriterMakesTheReaderRaise) {
-  int fds[2];
-  ASSERT_EQ(::pipe(fds), 0);
-  pid_t writerPid = ::fork();
-  ASSERT_GE(writerPid, 0);
-  if (writerPid == 0) {
-    Writer writer(small(1));
-    char name[64] = {};
-    std::strncpy(name, writer.name().c_str(), sizeof(name) - 1);
-    (void)!::write(fds[1], name, sizeof(name));
+  const ForkedWriter forked = forkWriter(small(1), [](Writer& writer) {
     writer.waitForReaders(30s);
     std::vector<char> m(100, 'w');
     writer.write(m.data(), m.size(), 30s);
     ::pause();  // killed here, mid-stream from the reader's point of view
-    ::_exit(0);
-  }
-  char name[64] = {};
-  ASSERT_EQ(::read(fds[0], name, sizeof(name)), static_cast<ssize_t>(sizeof(name)));
+  });
+  const pid_t writerPid = forked.pid;
+  const std::string& name = forked.name;
   Reader reader(name, 0);
   EXPECT_EQ(reader.read(30s).size(), 100u);
   ::kill(writerPid, SIGKILL);
@@ -409,22 +430,14 @@ TEST(Ring, AFailedInPlaceUseStillConsumesTheMessage) {
 // A peer that died but was not reaped (a zombie: kill(pid, 0) still says it
 // exists) is lost, not waited for until the timeout.
 TEST(RingFaults, ZombieWriterMakesTheReaderRaise) {
-  int fds[2];
-  ASSERT_EQ(::pipe(fds), 0);
-  const pid_t writerPid = ::fork();
-  ASSERT_GE(writerPid, 0);
-  if (writerPid == 0) {
-    Writer writer(small(1));
-    char name[64] = {};
-    std::strncpy(name, writer.name().c_str(), sizeof(name) - 1);
-    (void)!::write(fds[1], name, sizeof(name));
+  // No shutdown; the parent does not reap the writer until the end.
+  const ForkedWriter forked = forkWriter(small(1), [](Writer& writer) {
     writer.waitForReaders(30s);
     std::vector<char> m(10, 'z');
     writer.write(m.data(), m.size(), 30s);
-    ::_exit(0);  // no shutdown; the parent does not reap it until the end
-  }
-  char name[64] = {};
-  ASSERT_EQ(::read(fds[0], name, sizeof(name)), static_cast<ssize_t>(sizeof(name)));
+  });
+  const pid_t writerPid = forked.pid;
+  const std::string& name = forked.name;
   Reader reader(name, 0);
   EXPECT_EQ(reader.read(30s).size(), 10u);
   const auto start = std::chrono::steady_clock::now();
@@ -462,22 +475,9 @@ TEST(RingFaults, ZombieReaderMakesTheWriterRaise) {
 TEST(RingFaults, WriterKilledAtEachStepOfCreationLeavesNothing) {
   const int before = devShmEntries();
   for (int attachedBeforeKill : {0, 1, 2}) {
-    int fds[2];
-    ASSERT_EQ(::pipe(fds), 0);
-    const pid_t writerPid = ::fork();
-    ASSERT_GE(writerPid, 0);
-    if (writerPid == 0) {
-      Writer writer(small(2));
-      char name[64] = {};
-      std::strncpy(name, writer.name().c_str(), sizeof(name) - 1);
-      (void)!::write(fds[1], name, sizeof(name));
-      ::pause();  // killed here
-      ::_exit(0);
-    }
-    char name[64] = {};
-    ASSERT_EQ(::read(fds[0], name, sizeof(name)), static_cast<ssize_t>(sizeof(name)));
-    ::close(fds[0]);
-    ::close(fds[1]);
+    const ForkedWriter forked = forkWriter(small(2), [](Writer&) { ::pause(); });  // killed here
+    const pid_t writerPid = forked.pid;
+    const std::string& name = forked.name;
     std::vector<std::unique_ptr<Reader>> readers;
     for (int r = 0; r < attachedBeforeKill; ++r) readers.push_back(std::make_unique<Reader>(name, r));
     EXPECT_EQ(devShmEntries(), before);
