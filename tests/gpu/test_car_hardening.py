@@ -28,21 +28,10 @@ from tpcomm.custom_allreduce import LocalGroup  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
 from harness import Group  # noqa: E402
+from car_reference import inputs, rank_order_sum  # noqa: E402
 
 MAX_BYTES = 1 << 20
 ENV = {"TPCOMM_CAR_MAX_BYTES": str(MAX_BYTES), "TPCOMM_CAR_TIMEOUT_MS": "3000"}
-
-
-def _inputs(n, count, seed, dtype=torch.float32):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(count, generator=g, device="cuda").to(dtype) for _ in range(n)]
-
-
-def _rank_order_sum(xs):
-    acc = xs[0].float()
-    for x in xs[1:]:
-        acc = acc + x.float()
-    return acc.to(xs[0].dtype)
 
 
 # ------------------------------------------------------------ one process
@@ -56,8 +45,8 @@ def test_two_streams_per_rank_without_joins_are_serialised():
     second = [torch.cuda.Stream() for _ in range(n)]
     current = torch.cuda.current_stream()
     for i in range(200):
-        a = _inputs(n, 16384 + i, seed=i)
-        b = _inputs(n, 16384 + i, seed=10_000 + i)
+        a = inputs(n, 16384 + i, seed=i)
+        b = inputs(n, 16384 + i, seed=10_000 + i)
         out_a = [torch.full_like(x, float("nan")) for x in a]
         out_b = [torch.full_like(x, float("nan")) for x in b]
         for s in first + second:
@@ -68,8 +57,8 @@ def test_two_streams_per_rank_without_joins_are_serialised():
             group.ranks[r].all_reduce(b[r], out_b[r], "", 2, second[r].cuda_stream)
         torch.cuda.synchronize()
         group.check()
-        assert all(torch.equal(o, _rank_order_sum(a)) for o in out_a), i
-        assert all(torch.equal(o, _rank_order_sum(b)) for o in out_b), i
+        assert all(torch.equal(o, rank_order_sum(a)) for o in out_a), i
+        assert all(torch.equal(o, rank_order_sum(b)) for o in out_b), i
 
 
 def test_graph_replays_beside_eager_calls_are_serialised():
@@ -90,7 +79,7 @@ def test_graph_replays_beside_eager_calls_are_serialised():
     for i in range(300):
         for r in range(n):
             static[r].fill_(float(r + i))
-        eager = _inputs(n, 8192, seed=i)
+        eager = inputs(n, 8192, seed=i)
         eager_out = [torch.empty_like(x) for x in eager]
         replay_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(replay_stream):
@@ -100,12 +89,12 @@ def test_graph_replays_beside_eager_calls_are_serialised():
         group.check()
         want = float(sum(r + i for r in range(n)))
         assert all(torch.equal(o, torch.full_like(o, want)) for o in static_out), i
-        assert all(torch.equal(o, _rank_order_sum(eager)) for o in eager_out), i
+        assert all(torch.equal(o, rank_order_sum(eager)) for o in eager_out), i
 
 
 def test_timeout_poisons_queued_and_late_kernels_then_reset_recovers():
     group = LocalGroup(2, max_bytes=MAX_BYTES, timeout_ms=300)
-    xs = _inputs(2, 4096, seed=3)
+    xs = inputs(2, 4096, seed=3)
     queued = [torch.full_like(x, float("nan")) for x in xs]
     start = time.monotonic()
     group.all_reduce(xs, ranks=[0])             # rank 1 never launches
@@ -128,20 +117,20 @@ def test_timeout_poisons_queued_and_late_kernels_then_reset_recovers():
         tpcomm._C.car_describe_error(group.ranks[1].error_code)
     group.reset()
     for i in range(20):
-        ys = _inputs(2, 4096 + i, seed=100 + i)
+        ys = inputs(2, 4096 + i, seed=100 + i)
         outs = group.all_reduce(ys)
         group.check()
-        assert all(torch.equal(o, _rank_order_sum(ys)) for o in outs), i
+        assert all(torch.equal(o, rank_order_sum(ys)) for o in outs), i
 
 
 def test_explicit_blocks_that_cannot_be_resident_together_are_refused():
     group = LocalGroup(8, max_bytes=MAX_BYTES, timeout_ms=2000)
-    xs = _inputs(8, 4096, seed=4)
+    xs = inputs(8, 4096, seed=4)
     with pytest.raises(ValueError, match="must all be resident at once on one GPU"):
         group.all_reduce(xs, blocks=64)
     outs = group.all_reduce(xs)  # the chosen count fits
     group.check()
-    assert all(torch.equal(o, _rank_order_sum(xs)) for o in outs)
+    assert all(torch.equal(o, rank_order_sum(xs)) for o in outs)
 
 
 @pytest.mark.parametrize("n", [2, 3, 8])
@@ -151,12 +140,12 @@ def test_two_shot_sequences_with_changing_block_counts(n):
     group = LocalGroup(n, max_bytes=MAX_BYTES, timeout_ms=5000)
     for i in range(300):
         blocks = (1, 4, 2, 7)[i % 4]
-        xs = _inputs(n, 50_000 + 13 * i, seed=i, dtype=torch.bfloat16)
+        xs = inputs(n, 50_000 + 13 * i, seed=i, dtype=torch.bfloat16)
         outs = group.all_reduce(xs, algorithm="twoshot", blocks=min(blocks, 132 // n))
         if i % 25 == 24:
             group.check()
         torch.cuda.synchronize()
-        assert all(torch.equal(o, _rank_order_sum(xs)) for o in outs), (n, i)
+        assert all(torch.equal(o, rank_order_sum(xs)) for o in outs), (n, i)
 
 
 # ------------------------------------------------------------ processes

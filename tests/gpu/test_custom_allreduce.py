@@ -19,22 +19,10 @@ if not torch.cuda.is_available():
 
 import tpcomm  # noqa: E402
 from tpcomm.custom_allreduce import LocalGroup  # noqa: E402
+from car_reference import inputs, rank_order_sum  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MAX_BYTES = 1 << 20
-
-
-def _inputs(n, count, dtype, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return [torch.randn(count, generator=g, device="cuda", dtype=torch.float32).to(dtype)
-            for _ in range(n)]
-
-
-def _rank_order_sum(xs):
-    acc = xs[0].float()
-    for x in xs[1:]:
-        acc = acc + x.float()
-    return acc.to(xs[0].dtype)
 
 
 def _sizes(dtype):
@@ -56,11 +44,11 @@ def test_streams_in_one_process_match_the_reference(local_groups, n, algorithm):
     group = local_groups[n]
     for dtype in DTYPES:
         for count in _sizes(dtype):
-            xs = _inputs(n, count, dtype, seed=count + n)
+            xs = inputs(n, count, seed=count + n, dtype=dtype)
             outs = [torch.full_like(x, float("nan")) for x in xs]
             group.all_reduce(xs, outs, algorithm=algorithm)
             group.check()
-            want = _rank_order_sum(xs)
+            want = rank_order_sum(xs)
             exact = sum(x.double() for x in xs) if count else torch.zeros(0, dtype=torch.double)
             tol = 1e-5 if dtype == torch.float32 else 1e-2
             for r, out in enumerate(outs):
@@ -71,8 +59,8 @@ def test_streams_in_one_process_match_the_reference(local_groups, n, algorithm):
 
 def test_in_place_and_default_choice(local_groups):
     group = local_groups[4]
-    xs = _inputs(4, 300_000, torch.bfloat16, seed=5)  # 600 KB: two-shot at 4 ranks
-    want = _rank_order_sum(xs)
+    xs = inputs(4, 300_000, seed=5, dtype=torch.bfloat16)  # 600 KB: two-shot at 4 ranks
+    want = rank_order_sum(xs)
     group.all_reduce(xs, xs)
     group.check()
     for x in xs:
@@ -81,7 +69,7 @@ def test_in_place_and_default_choice(local_groups):
 
 def test_withheld_rank_raises_within_the_timeout_then_recovers():
     group = LocalGroup(2, max_bytes=MAX_BYTES, timeout_ms=200)
-    xs = _inputs(2, 1024, torch.float32, seed=1)
+    xs = inputs(2, 1024, seed=1, dtype=torch.float32)
     start = time.monotonic()
     group.all_reduce(xs, ranks=[0])  # rank 1 never launches
     with pytest.raises(TimeoutError, match="rank 1 did not arrive"):
@@ -110,10 +98,10 @@ def _ipc_worker(rank, n, port, conn):
         for dtype in DTYPES:
             most = MAX_BYTES // torch.tensor([], dtype=dtype).element_size()
             for count in (1, 7, 1000, 65537, most):
-                xs = _inputs(n, count, dtype, seed=count)
+                xs = inputs(n, count, seed=count, dtype=dtype)
                 out = comm.all_reduce(xs[rank])
                 comm.check()
-                assert torch.equal(out, _rank_order_sum(xs)), (dtype, count)
+                assert torch.equal(out, rank_order_sum(xs)), (dtype, count)
         # Graph capture: 1,000 replays, each on new inputs.
         static = torch.zeros(4096, device="cuda")
         out = torch.empty_like(static)
