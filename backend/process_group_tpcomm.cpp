@@ -28,6 +28,11 @@ auto translateErrors(F&& f) -> decltype(f()) {
   }
 }
 
+// Calls every rank makes together (TPCOMM_DEBUG checks them across ranks).
+bool isCollective(OpType type) {
+  return type != OpType::SEND && type != OpType::RECV && type != OpType::RECVANYSOURCE;
+}
+
 std::vector<at::Tensor> concat(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   std::vector<at::Tensor> out(a);
   out.insert(out.end(), b.begin(), b.end());
@@ -51,12 +56,21 @@ template <typename Call>
 WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Call&& call) {
   return translateErrors([&]() -> WorkPtr {
     Pending pending;
+    const uint64_t checksBefore = coord::GroupCoordinator::debugChecksOnThisThread();
     try {
       pending = call();
     } catch (const tpcomm::Error& e) {
+      if (e.code() == ErrorCode::kInvalidUsage) {
+        // TPCOMM_DEBUG: a collective refused on this rank before its check
+        // makes every rank raise naming it, not wait for this rank.
+        if (isCollective(type) &&
+            coord::GroupCoordinator::debugChecksOnThisThread() == checksBefore) {
+          coordinator_->checkRefusedCall(op, e.what());
+        }
+        throw;
+      }
       // A failure while the call ran in this thread (the CPU shared-memory
       // path) names the call, as a failed Work's wait() does.
-      if (e.code() == ErrorCode::kInvalidUsage) throw;
       throw tpcomm::Error(e.code(), "tpcomm: " + describeCall(op) + " failed: " + e.what());
     }
     if (!pending.work) {
@@ -122,13 +136,17 @@ WorkPtr ProcessGroupTpcomm::broadcast(std::vector<at::Tensor>& tensors,
   return run(OpType::BROADCAST, "broadcast", [&] {
     checkSingle("broadcast", "tensors", tensors);
     checkRank("broadcast", "root rank", opts.rootRank, size_);
-    checkRank("broadcast", "root tensor", opts.rootTensor, 1);
+    checkRootTensor("broadcast", opts.rootTensor, tensors.size());
     return coordinator_->broadcast(tensors, opts);
   });
 }
 
 WorkPtr ProcessGroupTpcomm::allreduce(std::vector<at::Tensor>& tensors,
                                       const c10d::AllreduceOptions& opts) {
+  // A sparse COO tensor (DDP's sparse embedding gradients): as Gloo does.
+  if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == at::kSparse) {
+    return allreduce_sparse(tensors, opts);
+  }
   return run(OpType::ALLREDUCE, "allreduce", [&] {
     checkSingle("allreduce", "tensors", tensors);
     checkReduceOp("allreduce", opts.reduceOp, tensors[0].scalar_type());
@@ -152,8 +170,7 @@ WorkPtr ProcessGroupTpcomm::allreduceInto(at::Tensor& input, at::Tensor& output,
 WorkPtr ProcessGroupTpcomm::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                              const c10d::AllreduceOptions& opts) {
   return run(OpType::ALLREDUCE, "allreduce_sparse", [&] {
-    TPCOMM_CHECK(tensors.size() == 1 && tensors[0].defined(), kInvalidUsage,
-                 "allreduce_sparse: expected exactly one tensor, got ", tensors.size());
+    checkSparse("allreduce_sparse", tensors, opts.reduceOp);
     return coordinator_->allreduceSparse(tensors, opts);
   });
 }
@@ -174,7 +191,7 @@ WorkPtr ProcessGroupTpcomm::reduce(std::vector<at::Tensor>& tensors,
   return run(OpType::REDUCE, "reduce", [&] {
     checkSingle("reduce", "tensors", tensors);
     checkRank("reduce", "root rank", opts.rootRank, size_);
-    checkRank("reduce", "root tensor", opts.rootTensor, 1);
+    checkRootTensor("reduce", opts.rootTensor, tensors.size());
     checkReduceOp("reduce", opts.reduceOp, tensors[0].scalar_type());
     return coordinator_->reduce(tensors, opts);
   });

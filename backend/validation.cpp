@@ -23,6 +23,20 @@ void checkTensors(const char* op, const char* what, const std::vector<at::Tensor
   }
 }
 
+void checkSparse(const char* op, const std::vector<at::Tensor>& tensors,
+                 const c10d::ReduceOp& reduceOp) {
+  TPCOMM_CHECK(tensors.size() == 1 && tensors[0].defined(), kInvalidUsage, op,
+               ": expected exactly one defined tensor, got ", tensors.size());
+  const auto& t = tensors[0];
+  TPCOMM_CHECK(t.layout() == at::kSparse, kInvalidUsage, op, ": tensors[0] has layout ",
+               c10::str(t.layout()), "; a sparse allreduce takes a sparse COO tensor");
+  TPCOMM_CHECK(t.device().is_cpu() || t.device().is_cuda(), kInvalidUsage, op,
+               ": tensors[0] is on device ", t.device(), "; tpcomm handles cpu and cuda tensors");
+  TPCOMM_CHECK(reduceOp.op_ == c10d::ReduceOp::SUM, kInvalidUsage, op,
+               ": sparse tensors are reduced by SUM only, got ReduceOp.",
+               coord::describeReduceOp(reduceOp));
+}
+
 void checkSingle(const char* op, const char* what, const std::vector<at::Tensor>& tensors) {
   TPCOMM_CHECK(tensors.size() == 1, kInvalidUsage, op, ": expected exactly one tensor in ", what,
                ", got ", tensors.size());
@@ -78,6 +92,13 @@ void checkReduceOp(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarTyp
 void checkRank(const char* op, const char* what, int64_t rank, int size) {
   TPCOMM_CHECK(rank >= 0 && rank < size, kInvalidUsage, op, ": ", what, " ", rank,
                " is out of range for a group of size ", size);
+}
+
+void checkRootTensor(const char* op, int64_t rootTensor, size_t tensors) {
+  TPCOMM_CHECK(rootTensor >= 0 && static_cast<size_t>(rootTensor) < tensors, kInvalidUsage, op,
+               ": rootTensor ", rootTensor, " is not an index into the call's tensor list (",
+               tensors, tensors == 1 ? " tensor" : " tensors", ", so rootTensor must be ",
+               tensors == 1 ? std::string("0") : "below " + std::to_string(tensors), ")");
 }
 
 void checkLength(const char* op, const char* what, size_t actual, size_t expected) {

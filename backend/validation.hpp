@@ -12,6 +12,10 @@ namespace tpcomm::backend {
 
 // Non-empty; every tensor defined, dense, contiguous, on a CPU or CUDA device.
 void checkTensors(const char* op, const char* what, const std::vector<at::Tensor>& tensors);
+// Exactly one defined sparse COO tensor on a CPU or CUDA device, reduced by
+// SUM (what Gloo's and NCCL's sparse allreduce take).
+void checkSparse(const char* op, const std::vector<at::Tensor>& tensors,
+                 const c10d::ReduceOp& reduceOp);
 // Exactly one tensor, and checkTensors.
 void checkSingle(const char* op, const char* what, const std::vector<at::Tensor>& tensors);
 // All tensors of one call on the same device.
@@ -23,6 +27,8 @@ void checkDtype(const char* op, const char* what, const std::vector<at::Tensor>&
 void checkReduceOp(const char* op, const c10d::ReduceOp& reduceOp, at::ScalarType dtype);
 // 0 <= rank < size.
 void checkRank(const char* op, const char* what, int64_t rank, int size);
+// BroadcastOptions/ReduceOptions.rootTensor indexes the call's tensor list.
+void checkRootTensor(const char* op, int64_t rootTensor, size_t tensors);
 void checkLength(const char* op, const char* what, size_t actual, size_t expected);
 void checkNumel(const char* op, const char* what, int64_t actual, int64_t expected);
 // Split sizes: empty (even split of dim 0 by size) or one per rank summing to dim 0.

@@ -175,8 +175,8 @@ void CustomPath::allreduce(const at::Tensor& input, const at::Tensor& output, De
   if (registering && isCapturing(stream.stream())) {
     RelaxedCaptureMode relaxed;
     bool stage = true;
-    options.registered = registerCapturedCall(input.data_ptr(), output.data_ptr(), bytes,
-                                              options.algorithm, &stage);
+    options.registered =
+        registerCapturedCall(input.data_ptr(), output.data_ptr(), bytes, options.algorithm, &stage);
     options.stageInput = stage;
   }
   car_->allreduce(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),

@@ -13,8 +13,8 @@
 // entry then points at its staging region) when that input is also the
 // output of a one-shot call overlaps it (peers would read it while it is
 // written), when its memory cannot be exported (the expandable-segments
-// allocator), or when the table is full (kTableCapacity captured calls). Replaying such a graph before the context exited makes
-// the kernel stop with an error, not read unmapped memory.
+// allocator), or when the table is full (kTableCapacity captured calls). Replaying such a graph
+// before the context exited makes the kernel stop with an error, not read unmapped memory.
 
 #include <chrono>
 #include <memory>
@@ -49,7 +49,6 @@ struct ZeroCopyStats {
 // kTableCapacity: a server capturing 67 batch sizes x 64 allreduces takes 4,288.
 inline constexpr int64_t kTableChunk = 4096;
 inline constexpr int64_t kTableCapacity = 16 * kTableChunk;
-
 
 class CustomPath {
  public:

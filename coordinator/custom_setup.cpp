@@ -137,8 +137,8 @@ CustomSetupResult setUpCustomAllreduce(c10d::Backend& cpu, int rank, int size, C
                           {"kernel protocol", car::protocolId()}};
   settings.insert(settings.end(), launch.begin(), launch.end());
   std::vector<std::string> encoded;
-  for (const auto& r : allgatherBytes(cpu, size, fixedWidth(encodeSettings(settings),
-                                                            kSettingsWidth))) {
+  for (const auto& r :
+       allgatherBytes(cpu, size, fixedWidth(encodeSettings(settings), kSettingsWidth))) {
     encoded.push_back(trimmed(r));
   }
   result.reason = settingsMismatch(encoded);

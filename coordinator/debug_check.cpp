@@ -62,7 +62,48 @@ std::vector<at::Tensor> gatherFromAll(c10d::Backend& cpu, const at::Tensor& inpu
   return outputs[0];
 }
 
+// Signatures are ASCII; whatever else arrived (a peer that is not running
+// the same check) is shown as '?' rather than garbling the message.
+std::string printable(std::string text) {
+  for (char& c : text) {
+    if (c < 0x20 || c > 0x7e) c = '?';
+  }
+  return text;
+}
+
 }  // namespace
+
+void checkAlltoallCounts(c10d::Backend& cpu, const std::string& groupName, uint64_t sequence,
+                         const std::string& op, const std::vector<int64_t>& sendCounts,
+                         const std::vector<int64_t>& recvCounts) {
+  const int n = cpu.getSize();
+  TPCOMM_CHECK_EQ(static_cast<int>(sendCounts.size()), n, "(all-to-all send counts)");
+  TPCOMM_CHECK_EQ(static_cast<int>(recvCounts.size()), n, "(all-to-all receive counts)");
+  at::Tensor mine = at::empty({2 * n}, at::TensorOptions().dtype(at::kLong));
+  auto* data = mine.data_ptr<int64_t>();
+  std::copy(sendCounts.begin(), sendCounts.end(), data);
+  std::copy(recvCounts.begin(), recvCounts.end(), data + n);
+  const auto all = gatherFromAll(cpu, mine);
+  std::string mismatches;
+  int shown = 0;
+  int total = 0;
+  for (int i = 0; i < n; ++i) {
+    for (int j = 0; j < n; ++j) {
+      const int64_t sent = all[i].data_ptr<int64_t>()[j];
+      const int64_t expected = all[j].data_ptr<int64_t>()[n + i];
+      if (sent == expected) continue;
+      if (++total > 8) continue;
+      mismatches += " rank " + std::to_string(i) + " sends " + std::to_string(sent) +
+                    " elements to rank " + std::to_string(j) + ", which expects " +
+                    std::to_string(expected) + " from it;";
+      ++shown;
+    }
+  }
+  if (total == 0) return;
+  if (total > shown) mismatches += " (" + std::to_string(total - shown) + " more pairs)";
+  TPCOMM_THROW(kInvalidUsage, "TPCOMM_DEBUG: ranks disagree on ", op, " #", sequence, " of group '",
+               groupName, "': split sizes do not match:", mismatches);
+}
 
 void checkSameAcrossRanks(c10d::Backend& cpu, const std::string& groupName, uint64_t sequence,
                           const std::string& signature) {
@@ -77,7 +118,8 @@ void checkSameAcrossRanks(c10d::Backend& cpu, const std::string& groupName, uint
   const auto all = gatherFromAll(cpu, bytes);
   for (size_t r = 0; r < all.size(); ++r) {
     const char* data = static_cast<const char*>(all[r].data_ptr());
-    ranksBySignature[std::string(data, strnlen(data, longest))].push_back(static_cast<int>(r));
+    ranksBySignature[printable(std::string(data, strnlen(data, longest)))].push_back(
+        static_cast<int>(r));
   }
   if (ranksBySignature.size() == 1) return;
 

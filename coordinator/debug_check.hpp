@@ -24,4 +24,12 @@ std::string describeReduceOp(const c10d::ReduceOp& op);
 void checkSameAcrossRanks(c10d::Backend& cpu, const std::string& groupName, uint64_t sequence,
                           const std::string& signature);
 
+// All-to-all: what rank i sends to rank j (sendCounts[j] on rank i, in
+// elements) must be what rank j expects from rank i (recvCounts[i] on rank j).
+// Throws InvalidUsage on every rank naming the pairs that disagree. Every
+// rank must pass one count per rank.
+void checkAlltoallCounts(c10d::Backend& cpu, const std::string& groupName, uint64_t sequence,
+                         const std::string& op, const std::vector<int64_t>& sendCounts,
+                         const std::vector<int64_t>& recvCounts);
+
 }  // namespace tpcomm::coord

@@ -1,5 +1,8 @@
 #include "coordinator/group_coordinator.hpp"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <algorithm>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -8,6 +11,8 @@
 #include "coordinator/common/settings.hpp"
 #include "coordinator/composite_ops.hpp"
 #include "coordinator/debug_check.hpp"
+#include "coordinator/gloo_dtypes.hpp"
+#include "coordinator/interpreter_lock.hpp"
 
 namespace tpcomm::coord {
 
@@ -29,6 +34,16 @@ GroupCoordinator::GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d
   TPCOMM_CHECK(cpu_, kInvalidUsage, "GroupCoordinator needs a CPU backend");
   TPCOMM_CHECK_EQ(cpu_->getRank(), options_.rank, "(CPU backend rank vs group rank)");
   TPCOMM_CHECK_EQ(cpu_->getSize(), options_.size, "(CPU backend size vs group size)");
+}
+
+GroupCoordinator::~GroupCoordinator() {
+  withoutInterpreterLock([this] {
+    shmFast_.store(nullptr);
+    shm_.reset();
+    custom_.reset();
+    device_.reset();
+    cpu_.reset();
+  });
 }
 
 c10::intrusive_ptr<c10d::Backend> GroupCoordinator::deviceBackendIfCreated() const {
@@ -68,8 +83,64 @@ void GroupCoordinator::logAllreduceRoute(const c10d::ReduceOp& op, const at::Ten
                           ")");
 }
 
+namespace {
+// The kernel's thread id (Python's threading.get_native_id()).
+long nativeThreadId() { return static_cast<long>(syscall(SYS_gettid)); }
+}  // namespace
+
+std::unique_lock<std::recursive_mutex> GroupCoordinator::debugTurn() {
+  std::unique_lock<std::recursive_mutex> turn(debugMutex_, std::try_to_lock);
+  if (!turn.owns_lock()) {
+    {
+      std::lock_guard<std::mutex> note(debugNoteMutex_);
+      debugConcurrency_ = "thread " + std::to_string(nativeThreadId()) + " called while " +
+                          debugCurrent_ + " was in progress";
+    }
+    // The holder's call is bounded by the group's timeout.
+    turn.lock();
+  }
+  return turn;
+}
+
+namespace {
+thread_local uint64_t checksOnThisThread = 0;
+}  // namespace
+
+uint64_t GroupCoordinator::debugChecksOnThisThread() { return checksOnThisThread; }
+
+void GroupCoordinator::checkRefusedCall(const char* op, const std::string& why) {
+  if (!options_.debugChecks) return;
+  const auto turn = debugTurn();
+  checkSignature(std::string(op) + " refused on this rank: " + why);
+}
+
 void GroupCoordinator::checkSignature(const std::string& signature) {
-  checkSameAcrossRanks(*cpu_, options_.groupName, ++debugSequence_, signature);
+  ++checksOnThisThread;
+  {
+    std::lock_guard<std::mutex> note(debugNoteMutex_);
+    const long thread = nativeThreadId();
+    if (debugConcurrency_.empty() && debugLastThread_ != 0 && debugLastThread_ != thread) {
+      debugConcurrency_ = "threads " + std::to_string(debugLastThread_) + " and " +
+                          std::to_string(thread) + " both call it";
+    }
+    debugLastThread_ = thread;
+    debugCurrent_ = "thread " + std::to_string(thread) + " (" + signature + ")";
+  }
+  try {
+    checkSameAcrossRanks(*cpu_, options_.groupName, ++debugSequence_, signature);
+  } catch (const Error& e) {
+    std::string concurrency;
+    {
+      std::lock_guard<std::mutex> note(debugNoteMutex_);
+      concurrency = debugConcurrency_;
+    }
+    if (concurrency.empty()) throw;
+    throw Error(e.code(), std::string(e.what()) + " Rank " + std::to_string(rank()) +
+                              " has called this group from several threads (" + concurrency +
+                              "): TPCOMM_DEBUG runs one checked call at a time, but the calls "
+                              "reached the ranks in different orders; issue a group's calls in "
+                              "one order on every rank (one thread per group, or a lock).");
+  }
 }
 
 namespace {
@@ -100,6 +171,20 @@ std::vector<const void*> constSlicesOf(const at::Tensor& t, int parts) {
   return {slices.begin(), slices.end()};
 }
 
+// Elements per peer of an all-to-all over dim 0: `splits` rows each (empty:
+// an even split), times the elements of one row.
+std::vector<int64_t> splitCounts(const at::Tensor& t, const std::vector<int64_t>& splits,
+                                 int size) {
+  int64_t rowNumel = 1;
+  for (int64_t d = 1; d < t.dim(); ++d) rowNumel *= t.size(d);
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  std::vector<int64_t> out;
+  for (int r = 0; r < size; ++r) {
+    out.push_back((splits.empty() ? rows / size : splits[r]) * rowNumel);
+  }
+  return out;
+}
+
 std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
   std::vector<at::Tensor> out;
   for (const auto& list : lists) out.insert(out.end(), list.begin(), list.end());
@@ -110,7 +195,7 @@ std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& list
 
 Pending GroupCoordinator::broadcast(std::vector<at::Tensor>& tensors,
                                     const c10d::BroadcastOptions& opts) {
-  debugCheck([&] {
+  const auto turn = debugCheck([&] {
     return std::string("broadcast root=" + std::to_string(opts.rootRank) + " " +
                        describeTensors(tensors));
   });
@@ -119,12 +204,13 @@ Pending GroupCoordinator::broadcast(std::vector<at::Tensor>& tensors,
     if (auto done = shmBroadcast(tensors[0], static_cast<int>(opts.rootRank), opts.asyncOp))
       return *done;
   }
-  return passThrough(backendFor(route, bytesOf(tensors)).broadcast(tensors, opts), tensors);
+  auto moved = route == Route::kCpu ? glooViews(tensors) : tensors;
+  return passThrough(backendFor(route, bytesOf(tensors)).broadcast(moved, opts), tensors);
 }
 
 Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
                                     const c10d::AllreduceOptions& opts) {
-  debugCheck([&] {
+  const auto turn = debugCheck([&] {
     return std::string("allreduce " + describeReduceOp(opts.reduceOp) + " " +
                        describeTensors(tensors));
   });
@@ -140,6 +226,7 @@ Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
     }
     return passThrough(backendFor(route, bytesOf(tensors)).allreduce(tensors, opts), tensors);
   }
+  checkCpuReduces("allreduce", tensors[0].scalar_type());
   if (auto done = shmAllreduce(tensors[0], tensors[0], opts.reduceOp, opts.asyncOp)) return *done;
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (!plan.composed()) {
@@ -158,21 +245,26 @@ Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
 
 Pending GroupCoordinator::allreduceSparse(std::vector<at::Tensor>& tensors,
                                           const c10d::AllreduceOptions& opts) {
-  debugCheck([&] {
+  const auto turn = debugCheck([&] {
     return std::string("allreduce_sparse " + describeReduceOp(opts.reduceOp) + " " +
                        describeTensors(tensors));
   });
-  return passThrough(
-      backendFor(routeFor(tensors[0]), bytesOf(tensors)).allreduce_sparse(tensors, opts), tensors);
+  // Gloo reduces sparse tensors in its allreduce; NCCL has allreduce_sparse.
+  const Route route = routeFor(tensors[0]);
+  c10d::Backend& backend = backendFor(route, bytesOf(tensors));
+  return passThrough(route == Route::kCpu ? backend.allreduce(tensors, opts)
+                                          : backend.allreduce_sparse(tensors, opts),
+                     tensors);
 }
 
 Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
                                              const c10d::AllreduceCoalescedOptions& opts) {
-  debugCheck([&] {
+  const auto turn = debugCheck([&] {
     return std::string("allreduce_coalesced " + describeReduceOp(opts.reduceOp) + " " +
                        describeTensors(tensors));
   });
   const Route route = routeFor(tensors[0]);
+  if (route == Route::kCpu) checkCpuReduces("allreduce_coalesced", tensors[0].scalar_type());
   if (route == Route::kCpu && cpuShm() != nullptr &&
       shmReduces(opts.reduceOp, tensors[0].scalar_type(), nullptr)) {
     for (auto& t : tensors) shmAllreduce(t, t, opts.reduceOp, false);
@@ -196,11 +288,12 @@ Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
 
 Pending GroupCoordinator::reduce(std::vector<at::Tensor>& tensors,
                                  const c10d::ReduceOptions& opts) {
-  debugCheck([&] {
+  const auto turn = debugCheck([&] {
     return std::string("reduce " + describeReduceOp(opts.reduceOp) +
                        " root=" + std::to_string(opts.rootRank) + " " + describeTensors(tensors));
   });
   const Route route = routeFor(tensors[0]);
+  if (route == Route::kCpu) checkCpuReduces("reduce", tensors[0].scalar_type());
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
   if (route == Route::kDevice || !plan.composed()) {
     return passThrough(backendFor(route, bytesOf(tensors)).reduce(tensors, opts), tensors);
@@ -227,12 +320,18 @@ Pending GroupCoordinator::reduce(std::vector<at::Tensor>& tensors,
 Pending GroupCoordinator::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                     std::vector<at::Tensor>& inputs,
                                     const c10d::AllgatherOptions& opts) {
-  debugCheck([&] { return std::string("allgather " + describeTensors(inputs)); });
+  const auto turn = debugCheck([&] { return std::string("allgather " + describeTensors(inputs)); });
   const Route route = routeFor(inputs[0]);
   if (route == Route::kCpu) {
     std::vector<void*> outs;
     for (auto& t : outputs[0]) outs.push_back(t.data_ptr());
     if (auto done = shmAllgather(inputs[0], outs, flatten(outputs), opts.asyncOp)) return *done;
+  }
+  if (route == Route::kCpu) {
+    auto outs = glooViews(outputs);
+    auto ins = glooViews(inputs);
+    return passThrough(backendFor(route, bytesOf(inputs)).allgather(outs, ins, opts),
+                       flatten(outputs));
   }
   return passThrough(backendFor(route, bytesOf(inputs)).allgather(outputs, inputs, opts),
                      flatten(outputs));
@@ -240,7 +339,7 @@ Pending GroupCoordinator::allgather(std::vector<std::vector<at::Tensor>>& output
 
 Pending GroupCoordinator::allgatherBase(at::Tensor& output, at::Tensor& input,
                                         const c10d::AllgatherOptions& opts) {
-  debugCheck([&] {
+  const auto turn = debugCheck([&] {
     return std::string("allgather_into_tensor " + describeTensor(input) + " -> " +
                        describeTensor(output));
   });
@@ -249,6 +348,11 @@ Pending GroupCoordinator::allgatherBase(at::Tensor& output, at::Tensor& input,
     if (auto done = shmAllgather(input, slicesOf(output, size()), {output}, opts.asyncOp))
       return *done;
   }
+  if (route == Route::kCpu) {
+    at::Tensor out = glooView(output);
+    at::Tensor in = glooView(input);
+    return passThrough(backendFor(route, bytesOf(input))._allgather_base(out, in, opts), {output});
+  }
   return passThrough(backendFor(route, bytesOf(input))._allgather_base(output, input, opts),
                      {output});
 }
@@ -256,7 +360,8 @@ Pending GroupCoordinator::allgatherBase(at::Tensor& output, at::Tensor& input,
 Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                              std::vector<at::Tensor>& inputs,
                                              const c10d::AllgatherOptions& opts) {
-  debugCheck([&] { return std::string("allgather_coalesced " + describeTensors(inputs)); });
+  const auto turn =
+      debugCheck([&] { return std::string("allgather_coalesced " + describeTensors(inputs)); });
   if (routeFor(inputs[0]) == Route::kCpu && cpuShm() != nullptr) {
     for (size_t i = 0; i < inputs.size(); ++i) {
       std::vector<void*> outs;
@@ -265,15 +370,17 @@ Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>
     }
     return completedCall(flatten(outputs), opts.asyncOp);
   }
+  auto outs = routeFor(inputs[0]) == Route::kCpu ? glooViews(outputs) : outputs;
+  auto ins = routeFor(inputs[0]) == Route::kCpu ? glooViews(inputs) : inputs;
   return passThrough(
-      backendFor(routeFor(inputs[0]), bytesOf(inputs)).allgather_coalesced(outputs, inputs, opts),
+      backendFor(routeFor(inputs[0]), bytesOf(inputs)).allgather_coalesced(outs, ins, opts),
       flatten(outputs));
 }
 
 Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::AllgatherOptions& opts) {
-  debugCheck([&] {
+  const auto turn = debugCheck([&] {
     return std::string("allgather_into_tensor_coalesced " + describeTensors(inputs) + " -> " +
                        describeTensors(outputs));
   });
@@ -282,41 +389,50 @@ Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& 
       shmAllgather(inputs[i], slicesOf(outputs[i], size()), {}, false);
     return completedCall(outputs, opts.asyncOp);
   }
+  auto outs = routeFor(inputs[0]) == Route::kCpu ? glooViews(outputs) : outputs;
+  auto ins = routeFor(inputs[0]) == Route::kCpu ? glooViews(inputs) : inputs;
   return passThrough(backendFor(routeFor(inputs[0]), bytesOf(inputs))
-                         .allgather_into_tensor_coalesced(outputs, inputs, opts),
+                         .allgather_into_tensor_coalesced(outs, ins, opts),
                      outputs);
 }
 
 Pending GroupCoordinator::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                  std::vector<at::Tensor>& inputs, const c10d::GatherOptions& opts) {
-  debugCheck([&] {
+  const auto turn = debugCheck([&] {
     return std::string("gather root=" + std::to_string(opts.rootRank) + " " +
                        describeTensors(inputs));
   });
-  return passThrough(backendFor(routeFor(inputs[0]), bytesOf(inputs)).gather(outputs, inputs, opts),
+  const bool cpu = routeFor(inputs[0]) == Route::kCpu;
+  auto outs = cpu ? glooViews(outputs) : outputs;
+  auto ins = cpu ? glooViews(inputs) : inputs;
+  return passThrough(backendFor(routeFor(inputs[0]), bytesOf(inputs)).gather(outs, ins, opts),
                      flatten(outputs));
 }
 
 Pending GroupCoordinator::scatter(std::vector<at::Tensor>& outputs,
                                   std::vector<std::vector<at::Tensor>>& inputs,
                                   const c10d::ScatterOptions& opts) {
-  debugCheck([&] {
+  const auto turn = debugCheck([&] {
     return std::string("scatter root=" + std::to_string(opts.rootRank) + " " +
                        describeTensors(outputs));
   });
-  return passThrough(
-      backendFor(routeFor(outputs[0]), bytesOf(outputs)).scatter(outputs, inputs, opts), outputs);
+  const bool cpu = routeFor(outputs[0]) == Route::kCpu;
+  auto outs = cpu ? glooViews(outputs) : outputs;
+  auto ins = cpu ? glooViews(inputs) : inputs;
+  return passThrough(backendFor(routeFor(outputs[0]), bytesOf(outputs)).scatter(outs, ins, opts),
+                     outputs);
 }
 
 Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
                                         std::vector<std::vector<at::Tensor>>& inputs,
                                         const c10d::ReduceScatterOptions& opts) {
-  debugCheck([&] {
+  const auto turn = debugCheck([&] {
     return std::string("reduce_scatter " + describeReduceOp(opts.reduceOp) + " " +
                        describeTensors(outputs));
   });
   const Route route = routeFor(outputs[0]);
   if (route == Route::kCpu) {
+    checkCpuReduces("reduce_scatter", outputs[0].scalar_type());
     std::vector<const void*> ins;
     for (const auto& t : inputs[0]) ins.push_back(t.data_ptr());
     if (auto done = shmReduceScatter(ins, outputs[0], opts.reduceOp, opts.asyncOp)) return *done;
@@ -348,12 +464,13 @@ Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
 
 Pending GroupCoordinator::reduceScatterBase(at::Tensor& output, at::Tensor& input,
                                             const c10d::ReduceScatterOptions& opts) {
-  debugCheck([&] {
+  const auto turn = debugCheck([&] {
     return std::string("reduce_scatter_tensor " + describeReduceOp(opts.reduceOp) + " " +
                        describeTensor(input) + " -> " + describeTensor(output));
   });
   const Route route = routeFor(input);
   if (route == Route::kCpu) {
+    checkCpuReduces("reduce_scatter_tensor", input.scalar_type());
     if (auto done =
             shmReduceScatter(constSlicesOf(input, size()), output, opts.reduceOp, opts.asyncOp))
       return *done;
@@ -382,11 +499,15 @@ Pending GroupCoordinator::reduceScatterBase(at::Tensor& output, at::Tensor& inpu
 Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& outputs,
                                                        std::vector<at::Tensor>& inputs,
                                                        const c10d::ReduceScatterOptions& opts) {
-  debugCheck([&] {
+  const auto turn = debugCheck([&] {
     return std::string("reduce_scatter_tensor_coalesced " + describeReduceOp(opts.reduceOp) + " " +
                        describeTensors(inputs) + " -> " + describeTensors(outputs));
   });
   const Route route = routeFor(inputs[0]);
+  if (route == Route::kCpu) {
+    for (const auto& t : inputs)
+      checkCpuReduces("reduce_scatter_tensor_coalesced", t.scalar_type());
+  }
   // Through shared memory only when it reduces every input's dtype (they may
   // differ): the call is never split between the two paths.
   const bool everyDtype = std::all_of(inputs.begin(), inputs.end(), [&](const at::Tensor& t) {
@@ -425,47 +546,70 @@ Pending GroupCoordinator::alltoallBase(at::Tensor& output, at::Tensor& input,
                                        std::vector<int64_t>& outputSplits,
                                        std::vector<int64_t>& inputSplits,
                                        const c10d::AllToAllOptions& opts) {
-  // Splits legitimately differ between ranks: compare dtypes only.
-  debugCheck([&] { return std::string("alltoall_base " + dtypeName(input.scalar_type())); });
+  // Splits legitimately differ between ranks: compare dtypes, then check
+  // that what each rank sends is what its peer expects.
+  const auto turn =
+      debugCheck([&] { return std::string("alltoall_base " + dtypeName(input.scalar_type())); });
+  if (options_.debugChecks) {
+    checkAlltoallCounts(*cpu_, options_.groupName, debugSequence_, "all_to_all_single",
+                        splitCounts(input, inputSplits, size()),
+                        splitCounts(output, outputSplits, size()));
+  }
+  const bool cpu = routeFor(input) == Route::kCpu;
+  at::Tensor out = cpu ? glooView(output) : output;
+  at::Tensor in = cpu ? glooView(input) : input;
   return passThrough(backendFor(routeFor(input), bytesOf(input))
-                         .alltoall_base(output, input, outputSplits, inputSplits, opts),
+                         .alltoall_base(out, in, outputSplits, inputSplits, opts),
                      {output});
 }
 
 Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
                                    std::vector<at::Tensor>& inputs,
                                    const c10d::AllToAllOptions& opts) {
-  debugCheck([&] {
+  const auto turn = debugCheck([&] {
     return std::string("alltoall " + dtypeName(inputs[0].scalar_type()) + " x" +
                        std::to_string(inputs.size()));
   });
+  if (options_.debugChecks) {
+    std::vector<int64_t> sends, recvs;
+    for (const auto& t : inputs) sends.push_back(t.numel());
+    for (const auto& t : outputs) recvs.push_back(t.numel());
+    checkAlltoallCounts(*cpu_, options_.groupName, debugSequence_, "all_to_all", sends, recvs);
+  }
   const Route route = routeFor(inputs[0]);
   if (route == Route::kDevice) {
     return passThrough(backendFor(route, bytesOf(inputs)).alltoall(outputs, inputs, opts), outputs);
   }
-  return alltoallThroughBase(backendFor(route, bytesOf(inputs)), outputs, inputs, opts);
+  auto outs = glooViews(outputs);
+  auto ins = glooViews(inputs);
+  Pending pending = alltoallThroughBase(backendFor(route, bytesOf(inputs)), outs, ins, opts);
+  pending.outputs = outputs;
+  return pending;
 }
 
 Pending GroupCoordinator::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const Route route = routeFor(tensors[0]);
+  auto moved = route == Route::kCpu ? glooViews(tensors) : tensors;
   return withoutFutureOnCpu(
-      route, passThrough(backendFor(route, bytesOf(tensors)).send(tensors, dstRank, tag), {}));
+      route, passThrough(backendFor(route, bytesOf(tensors)).send(moved, dstRank, tag), {}));
 }
 
 Pending GroupCoordinator::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   const Route route = routeFor(tensors[0]);
+  auto moved = route == Route::kCpu ? glooViews(tensors) : tensors;
   return withoutFutureOnCpu(
-      route, passThrough(backendFor(route, bytesOf(tensors)).recv(tensors, srcRank, tag), tensors));
+      route, passThrough(backendFor(route, bytesOf(tensors)).recv(moved, srcRank, tag), tensors));
 }
 
 Pending GroupCoordinator::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const Route route = routeFor(tensors[0]);
+  auto moved = route == Route::kCpu ? glooViews(tensors) : tensors;
   return withoutFutureOnCpu(
-      route, passThrough(backendFor(route, bytesOf(tensors)).recvAnysource(tensors, tag), tensors));
+      route, passThrough(backendFor(route, bytesOf(tensors)).recvAnysource(moved, tag), tensors));
 }
 
 Pending GroupCoordinator::barrier(const c10d::BarrierOptions& opts) {
-  debugCheck([&] { return std::string("barrier"); });
+  const auto turn = debugCheck([&] { return std::string("barrier"); });
   if (auto done = shmBarrier(opts.asyncOp)) return *done;
   return passThrough(backendFor(Route::kCpu, 0).barrier(opts), {});
 }

@@ -85,6 +85,12 @@ class GroupCoordinator {
   GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d::Store> store,
                    c10::intrusive_ptr<c10d::Backend> cpuBackend, BackendFactory deviceFactory,
                    CustomDeviceFactory customDeviceFactory = makeCudaDevice);
+  // Destroys the shared-memory path, the custom kernel and both backends
+  // without the Python interpreter lock (interpreter_lock.hpp): their
+  // teardown joins threads that may need it.
+  ~GroupCoordinator();
+  GroupCoordinator(const GroupCoordinator&) = delete;
+  GroupCoordinator& operator=(const GroupCoordinator&) = delete;
 
   int rank() const { return options_.rank; }
   int size() const { return options_.size; }
@@ -180,6 +186,15 @@ class GroupCoordinator {
   // instead of the process's; every rank must call it before the group's
   // first CPU collective. Throws InvalidUsage once the path is set up.
   void setCpuShmMode(const std::string& mode);
+  // TPCOMM_DEBUG: how many cross-rank checks this thread has run (on any
+  // group), so that the backend can tell whether a refused call reached its
+  // check.
+  static uint64_t debugChecksOnThisThread();
+  // TPCOMM_DEBUG: this rank refused a collective (`why`) before its check
+  // ran. Runs the check with the refusal as this rank's signature, so that
+  // every rank raises naming it instead of waiting for this one; returns
+  // when every rank refused the same way (the caller then raises its own).
+  void checkRefusedCall(const char* op, const std::string& why);
   // Calls and bytes per route since creation or the last resetStats().
   std::vector<RouteCount> stats() const { return stats_.snapshot(); }
   void resetStats() { stats_.reset(); }
@@ -200,11 +215,19 @@ class GroupCoordinator {
                           DeviceRoute route, const c10d::AllreduceOptions& opts);
   // TPCOMM_DEBUG: raises on every rank when ranks disagree on the call's
   // signature. `describe` builds it and runs only when the check is on, so
-  // the default path formats nothing.
+  // the default path formats nothing. The returned lock keeps the group's
+  // other threads out until the call has been handed to its backend (the
+  // caller holds it to the end of the call), so the check and its call are
+  // one step even when several threads call the group at once.
   template <typename Describe>
-  void debugCheck(Describe&& describe) {
-    if (options_.debugChecks) checkSignature(describe());
+  [[nodiscard]] std::unique_lock<std::recursive_mutex> debugCheck(Describe&& describe) {
+    if (!options_.debugChecks) return {};
+    std::unique_lock<std::recursive_mutex> turn = debugTurn();
+    checkSignature(describe());
+    return turn;
   }
+  // The group's debug lock, noting when another thread holds it.
+  std::unique_lock<std::recursive_mutex> debugTurn();
   void checkSignature(const std::string& signature);
   // The shared-memory path's share of a CPU call (group_coordinator_shm.cpp):
   // each returns nullopt when the path does not take the call (Gloo does).
@@ -239,7 +262,12 @@ class GroupCoordinator {
   std::string shmMode_;   // setCpuShmMode's override; guarded by shmMutex_
   std::string shmError_;  // a refused TPCOMM_CPU_SHM=1 set-up, raised by every call
   std::atomic<int> registrationDepth_{0};  // read on every custom call, without the lock
-  uint64_t debugSequence_ = 0;
+  uint64_t debugSequence_ = 0;             // guarded by debugMutex_
+  std::recursive_mutex debugMutex_;        // TPCOMM_DEBUG: one checked call at a time
+  std::mutex debugNoteMutex_;
+  std::string debugCurrent_;      // "thread T: <signature>" in progress; by debugNoteMutex_
+  std::string debugConcurrency_;  // threads seen calling the group; by debugNoteMutex_
+  long debugLastThread_ = 0;      // the last thread that ran a check; by debugNoteMutex_
   RouteStats stats_;
   RoutingTable routing_;
   RouteLog routeLog_;

@@ -15,8 +15,9 @@ namespace {
 
 const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_DEBUG", "bool", "0",
-     "Before each collective, check op, shapes and dtypes across ranks through the CPU group "
-     "and raise naming the ranks that differ (costs one extra CPU round trip per call)."},
+     "Before each collective, check op, shapes, dtypes, all-to-all split sizes and one-rank "
+     "refusals across ranks through the CPU group and raise on every rank naming the ranks "
+     "that differ (costs one extra CPU round trip per call)."},
     {"TPCOMM_HOST_ID", "string", "",
      "This process's host identity for the shared-memory message queue (empty: the host name); "
      "ranks with different ids talk through the CPU group instead."},

@@ -1,6 +1,9 @@
 """Registration of the "tpcomm" backend with torch.distributed."""
 
 import functools
+import numbers
+import warnings
+from datetime import timedelta
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -46,6 +49,11 @@ def _patch_monitored_barrier():
             return original(group=group, timeout=timeout, wait_all_ranks=wait_all_ranks)
         if timeout is None:
             timeout = c10d._get_default_timeout(BACKEND_NAME)
+        elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+            # As torch's own wrapper: a number is seconds, with a warning.
+            warnings.warn("Please specify timeout arg as a timedelta. Converting current value "
+                          f"of {timeout} assuming it represents seconds", stacklevel=2)
+            timeout = timedelta(seconds=timeout)
         c10d._check_valid_timeout(timeout)
         group_to_use = c10d._get_default_group() if group is None else group
         return group_to_use.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)

@@ -11,6 +11,15 @@ import torch.distributed as dist
 TensorMetadata = namedtuple("TensorMetadata", ["device", "dtype", "size"])
 
 
+def check_dense(key, value):
+    """Tensor dicts carry dense (strided) tensors; a sparse or otherwise laid
+    out tensor is refused naming its key and layout."""
+    if value.layout != torch.strided:
+        raise ValueError(f"tensor dict entry {key!r} is a {value.layout} tensor; tensor dicts "
+                         "carry dense tensors: pass value.to_dense(), or its indices and "
+                         "values as two entries")
+
+
 def split(tensor_dict):
     """(metadata list, tensors) where each tensor is replaced by its metadata."""
     if not isinstance(tensor_dict, dict):
@@ -20,6 +29,7 @@ def split(tensor_dict):
         if not isinstance(key, str):
             raise TypeError(f"tensor dict keys must be str, got {key!r}")
         if isinstance(value, torch.Tensor):
+            check_dense(key, value)
             metadata.append((key, TensorMetadata(value.device.type, value.dtype, value.size())))
             tensors.append(value)
         else:

@@ -39,10 +39,22 @@ def _check_dim(tensor, dim, what):
     return dim % tensor.dim()
 
 
+def default_group_timeout():
+    """The timeout the default process group was created with (None when its
+    backends do not say)."""
+    pg = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except (RuntimeError, AttributeError):
+            continue
+    return None
+
+
 class GroupCoordinator:
     def __init__(self, group_ranks, local_rank, torch_distributed_backend=BACKEND_NAME,
                  use_device_communicator=True, use_message_queue_broadcaster=False,
-                 group_name=None, device=None):
+                 group_name=None, device=None, timeout=None):
         if not dist.is_initialized():
             raise RuntimeError("GroupCoordinator needs torch.distributed to be initialised "
                                "(init_process_group or tpcomm.init_distributed_environment)")
@@ -51,10 +63,13 @@ class GroupCoordinator:
         self._check_group_ranks(group_ranks)
         backend = str(torch_distributed_backend).lower()
         self.cpu_group = self.device_group = None
+        # Subgroups wait as long as the job told init_process_group, not
+        # torch's 30-minute new_group default.
+        timeout = default_group_timeout() if timeout is None else timeout
         for ranks in group_ranks:
-            device_group = dist.new_group(list(ranks), backend=backend)
+            device_group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
             cpu_group = (device_group if backend == BACKEND_NAME
-                         else dist.new_group(list(ranks), backend="gloo"))
+                         else dist.new_group(list(ranks), backend="gloo", timeout=timeout))
             if self.rank in ranks:
                 self.ranks = list(ranks)
                 self.world_size = len(ranks)

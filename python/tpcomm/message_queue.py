@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tpcomm import _C
+from tpcomm._tensor_dict import check_dense
 
 PeerLostError = _C.PeerLostError
 
@@ -323,7 +324,9 @@ class MessageQueue:
                     raise TypeError(f"tensor dict keys must be str, got {key!r}")
                 if not isinstance(value, torch.Tensor):
                     meta.append((key, "obj", value, None, 0))
-                elif value.is_cuda:
+                    continue
+                check_dense(key, value)
+                if value.is_cuda:
                     meta.append((key, "cuda", value.dtype, tuple(value.shape), 0))
                     if value.numel():
                         cuda.append(value.contiguous())

@@ -1,0 +1,381 @@
+"""Reliability: teardown never deadlocks, subgroups keep the job's timeout,
+TPCOMM_DEBUG catches all-to-all and one-rank mistakes and survives threads,
+unsupported dtypes and sparse tensors are handled up front."""
+
+import multiprocessing as mp
+import os
+import threading
+import time
+import warnings
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import Group, RankFailure
+
+TEARDOWN_ROUNDS = 20
+
+
+def _teardown_rank(rank, store_dir, conn):
+    """The probe that deadlocked: keep the group's backend, destroy the
+    group, start an allreduce on the saved backend that is still in flight
+    (the peer arrives later), drop the backend."""
+    os.environ["TPCOMM_CPU_SHM"] = "0"  # the allreduce goes to Gloo's worker thread
+    try:
+        import tpcomm  # noqa: F401
+
+        for i in range(TEARDOWN_ROUNDS):
+            dist.init_process_group("tpcomm", init_method=f"file://{store_dir}/round{i}",
+                                    rank=rank, world_size=2, timeout=timedelta(seconds=20))
+            backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+            dist.destroy_process_group()
+            if rank == 1:
+                time.sleep(0.1)
+            backend.allreduce([torch.ones(1000)])
+            del backend
+        conn.send("ok")
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        conn.send(f"{type(e).__name__}: {e}")
+
+
+def test_teardown_with_work_in_flight_never_deadlocks(tmp_path):
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=_teardown_rank, args=(r, str(tmp_path), pipes[r][1]), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 120
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert not hung, f"ranks {hung} hung in teardown"
+    results = [pipes[r][0].recv() if pipes[r][0].poll(1) else "no answer" for r in range(2)]
+    assert results == ["ok", "ok"], results
+
+
+# ---------------------------------------------------------------- timeouts
+def _subgroup_timeouts(ctx):
+    import tpcomm
+
+    tpcomm.init_distributed_environment()
+    tpcomm.initialize_model_parallel(tensor_model_parallel_size=ctx.world_size)
+    try:
+        tp = tpcomm.get_tp_group()
+        cpu = torch.device("cpu")
+        seen = [tp.device_group._get_backend(cpu).options._timeout,
+                tpcomm.get_world_group().device_group._get_backend(cpu).options._timeout]
+        # One rank leaves the collective out: its peer raises within about
+        # the job's timeout (3 s), not torch's 30-minute subgroup default.
+        start = time.monotonic()
+        error = None
+        if ctx.rank == 0:
+            try:
+                tp.all_reduce(torch.ones(4))
+            except Exception as e:  # noqa: BLE001
+                error = type(e).__name__
+        else:
+            time.sleep(8)
+        return seen, error, time.monotonic() - start
+    finally:
+        tpcomm.destroy_model_parallel()
+        tpcomm.destroy_distributed_environment()
+
+
+def test_subgroups_inherit_the_default_groups_timeout():
+    group = Group(2, pg_timeout_s=3)
+    try:
+        results = group.run(_subgroup_timeouts, timeout_s=60)
+    finally:
+        group.close(kill=True)
+    for seen, _, _ in results:
+        assert seen == [timedelta(seconds=3)] * 2
+    _, error, took = results[0]
+    assert error is not None and took < 6.0, (error, took)
+
+
+# ---------------------------------------------------------------- TPCOMM_DEBUG
+def _message(call):
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _debug_mismatches(ctx):
+    w, r = ctx.world_size, ctx.rank
+    out = {}
+    # all_to_all_single: rank 0 sends one row too many to rank 1.
+    in_splits = [1] * w
+    if r == 0:
+        in_splits[1] = 2
+    x = torch.ones(sum(in_splits), 3)
+    out["a2a_single"] = _message(lambda: dist.all_to_all_single(
+        torch.empty(w, 3), x, [1] * w, in_splits))
+    # all_to_all with lists: rank 1 expects 5 elements from rank 0, gets 4.
+    outs = [torch.empty(5 if (r == 1 and j == 0) else 4) for j in range(w)]
+    out["a2a_list"] = _message(lambda: dist.all_to_all(outs, [torch.ones(4)] * w))
+    # scatter with a wrong list on the root only: every rank gets the error.
+    scatter_list = [torch.ones(2)] * (w + 1) if r == 0 else None
+    start = time.monotonic()
+    out["scatter"] = _message(lambda: dist.scatter(torch.empty(2), scatter_list, src=0))
+    out["scatter_s"] = time.monotonic() - start
+    y = torch.ones(3)
+    dist.all_reduce(y)  # the group is still usable
+    out["after"] = y.tolist()
+    return out
+
+
+def test_debug_catches_all_to_all_and_one_rank_refusals():
+    group = Group(3, env={"TPCOMM_DEBUG": "1"}, pg_timeout_s=30)
+    try:
+        results = group.run(_debug_mismatches, timeout_s=60)
+    finally:
+        group.close()
+    for res in results:
+        assert "split sizes do not match" in res["a2a_single"], res
+        assert "rank 0 sends 6 elements to rank 1, which expects 3" in res["a2a_single"], res
+        assert "rank 0 sends 4 elements to rank 1, which expects 5" in res["a2a_list"], res
+        assert "scatter refused on this rank" in res["scatter"], res
+        assert "the scatter list has 4 entries, expected 3" in res["scatter"], res
+        assert res["scatter_s"] < 10, res
+        assert res["after"] == [3.0] * 3
+
+
+def _debug_threads(ctx):
+    """Two threads issue collectives of different shapes on one group."""
+    errors, done = [], []
+
+    def worker(n):
+        for _ in range(30):
+            try:
+                t = torch.ones(n)
+                dist.all_reduce(t)
+                if not torch.equal(t, torch.full((n,), float(ctx.world_size))):
+                    errors.append(f"wrong result {t.tolist()}")
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{type(e).__name__}: {e}")
+        done.append(n)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in (4, 13)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return len(done), errors
+
+
+def test_debug_with_two_threads_on_one_group_raises_clearly_never_crashes():
+    group = Group(2, env={"TPCOMM_DEBUG": "1"}, pg_timeout_s=20)
+    try:
+        results = group.run(_debug_threads, timeout_s=150)
+    finally:
+        group.close(kill=True)
+    for finished, errors in results:
+        assert finished == 2
+        for e in errors:
+            assert e.startswith("RuntimeError") and "TPCOMM_DEBUG" in e, e
+            assert "from several threads" in e, e
+            assert "wrong result" not in e
+
+
+# ---------------------------------------------------------------- dtypes
+ODD_DTYPES = [torch.int16, torch.uint16, torch.uint32, torch.float8_e4m3fn]
+
+
+def _odd_dtypes(ctx):
+    w, r = ctx.world_size, ctx.rank
+    out = {}
+    for dt in ODD_DTYPES:
+        name = str(dt)
+        base = (torch.arange(6) % 5).to(dt)
+        mine = ((torch.arange(6) + r) % 5).to(dt)
+        b = base.clone() if r == 0 else torch.zeros(6, dtype=dt)
+        dist.broadcast(b, 0)
+        gathered = torch.empty(6 * w, dtype=dt)
+        dist.all_gather_into_tensor(gathered, mine)
+        a2a = torch.empty(2 * w, dtype=dt)
+        dist.all_to_all_single(a2a, torch.full((2 * w,), r % 4).to(dt))
+        out[name] = {
+            "broadcast": b.view(torch.uint8).tolist() == base.view(torch.uint8).tolist(),
+            "all_gather": all(
+                gathered[6 * k:6 * k + 6].view(torch.uint8).tolist()
+                == ((torch.arange(6) + k) % 5).to(dt).view(torch.uint8).tolist()
+                for k in range(w)),
+            "all_to_all": a2a.view(torch.uint8).tolist() == torch.cat(
+                [torch.full((2,), k % 4).to(dt) for k in range(w)]).view(torch.uint8).tolist(),
+            "all_reduce": _message(lambda: dist.all_reduce(mine.clone())),
+        }
+    y = torch.ones(2)
+    dist.all_reduce(y)
+    out["after"] = y.tolist()
+    return out
+
+
+@pytest.mark.parametrize("shm", ["0", "1"])
+def test_dtypes_gloo_lacks_move_exactly_and_reductions_are_refused(shm):
+    group = Group(3, env={"TPCOMM_CPU_SHM": shm})
+    try:
+        results = group.run(_odd_dtypes)
+    finally:
+        group.close()
+    for res in results:
+        for dt in ODD_DTYPES:
+            row = res[str(dt)]
+            assert row["broadcast"] and row["all_gather"] and row["all_to_all"], (dt, row)
+            msg = row["all_reduce"]
+            assert msg.startswith("RuntimeError") and "DistBackendError" not in msg, msg
+            assert "cannot be reduced" in msg and "float32, float64" in msg, msg
+        assert res["after"] == [3.0, 3.0]
+
+
+# ---------------------------------------------------------------- drop-in gaps
+def _sparse_and_monitored(ctx):
+    r = ctx.rank
+    idx = torch.tensor([[r, 3]])
+    s = torch.sparse_coo_tensor(idx, torch.tensor([1.0 + r, 2.0]), (5,))
+    ref = s.clone()
+    dist.all_reduce(s)
+    dist.all_reduce(ref, group=ctx.ref)
+    avg = _message(lambda: dist.all_reduce(s.clone(), op=dist.ReduceOp.AVG))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist.monitored_barrier(timeout=5.0)
+    root = dist.BroadcastOptions()
+    root.rootTensor = 5
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return (s.to_dense().tolist(), ref.to_dense().tolist(), avg,
+            [str(w.message) for w in caught],
+            _message(lambda: backend.broadcast([torch.ones(2)], root)))
+
+
+def test_sparse_allreduce_and_monitored_barrier_in_seconds_work_as_on_gloo(groups):
+    for dense, ref, avg, warned, root in groups(3).run(_sparse_and_monitored):
+        assert dense == ref == [1.0, 2.0, 3.0, 6.0, 0.0]
+        assert "sparse tensors are reduced by SUM only" in avg, avg
+        assert any("timedelta" in w for w in warned), warned
+        assert "rootTensor 5 is not an index into the call's tensor list" in root, root
+
+
+def _sparse_tensor_dict(ctx):
+    import tpcomm
+
+    c = tpcomm.GroupCoordinator([list(range(ctx.world_size))], ctx.rank,
+                                use_message_queue_broadcaster=True, group_name="sparse")
+    sparse = torch.sparse_coo_tensor([[0]], [1.0], (3,))
+    try:
+        first = _message(lambda: c.mq_broadcaster.broadcast_tensor_dict({"s": sparse})) \
+            if c.rank_in_group == 0 else None
+        second = _message(lambda: tpcomm._tensor_dict.split({"s": sparse}))
+        return first, second
+    finally:
+        c.destroy()
+
+
+def test_sparse_tensor_in_a_tensor_dict_is_refused_by_name(groups):
+    first, second = groups(2).run(_sparse_tensor_dict)[0]
+    for msg in (first, second):
+        assert msg.startswith("ValueError") and "'s' is a torch.sparse_coo tensor" in msg, msg
+
+
+# ---------------------------------------------------------------- soak probes
+def _two_threads_two_groups(ctx):
+    """Each thread owns a group: their calls interleave freely."""
+    groups = [dist.new_group(list(range(ctx.world_size))) for _ in range(2)]
+    results = {}
+
+    def worker(i):
+        total = 0.0
+        for step in range(200):
+            t = torch.full((7 + i,), float(step + ctx.rank))
+            dist.all_reduce(t, group=groups[i])
+            total += t[0].item()
+        results[i] = total
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for g in groups:
+        dist.destroy_process_group(g)
+    return results
+
+
+def test_two_threads_on_two_groups(groups):
+    w = 3
+    expected = float(sum(w * s + sum(range(w)) for s in range(200)))
+    for res in groups(w).run(_two_threads_two_groups):
+        assert res == {0: expected, 1: expected}
+
+
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rss_kib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _create_destroy_loop(ctx, rounds):
+    import tpcomm
+
+    def one_round():
+        g = dist.new_group(list(range(ctx.world_size)), backend="tpcomm")
+        x = torch.ones(16)
+        dist.all_reduce(x, group=g)  # sets up the shared-memory path
+        mq = tpcomm.MessageQueue.create_from_process_group(g, max_chunk_bytes=1 << 12,
+                                                            max_chunks=2)
+        assert mq.broadcast_object("hi" if mq.is_writer else None) == "hi"
+        mq.shutdown()
+        dist.destroy_process_group(g)
+        return x[0].item()
+
+    for _ in range(5):  # warm-up: allocator and import caches settle
+        one_round()
+    fds, rss = _open_fds(), _rss_kib()
+    values = {one_round() for _ in range(rounds)}
+    return values, _open_fds() - fds, _rss_kib() - rss
+
+
+def test_create_destroy_loop_keeps_descriptors_and_memory_flat():
+    group = Group(2)  # the shared-memory path on: its regions are made and freed too
+    try:
+        results = group.run(_create_destroy_loop, 60, timeout_s=300)
+    finally:
+        group.close()
+    for values, fd_growth, rss_growth_kib in results:
+        assert values == {2.0}
+        assert fd_growth <= 2, fd_growth
+        assert rss_growth_kib < 64 * 1024, rss_growth_kib
+
+
+def _checksummed_queue(ctx, count):
+    import zlib
+
+    import tpcomm
+
+    mq = tpcomm.MessageQueue.create_from_process_group(dist.group.WORLD, max_chunk_bytes=1 << 12,
+                                                        max_chunks=4)
+    bad = 0
+    for i in range(count):
+        payload = bytes((i * 7 + k) % 251 for k in range(i % 700)) if mq.is_writer else None
+        msg = mq.broadcast_object((i, zlib.crc32(payload), payload) if mq.is_writer else None)
+        seq, crc, data = msg
+        bad += seq != i or zlib.crc32(data) != crc
+    mq.shutdown()
+    return bad
+
+
+def test_ten_thousand_checksummed_queue_messages_arrive_intact(groups):
+    assert groups(3).run(_checksummed_queue, 10_000, timeout_s=300) == [0, 0, 0]
