@@ -113,7 +113,9 @@ void checkNumel(const char* op, const char* what, int64_t actual, int64_t expect
 
 void checkSplits(const char* op, const char* what, const std::vector<int64_t>& splits,
                  const at::Tensor& tensor, int size) {
-  const int64_t rows = tensor.dim() == 0 ? 1 : tensor.size(0);
+  TPCOMM_CHECK(tensor.dim() > 0, kInvalidUsage, op, ": ", what,
+               " split dim 0, but the tensor has no dimensions (a 0-dim tensor)");
+  const int64_t rows = tensor.size(0);
   if (splits.empty()) {
     TPCOMM_CHECK(rows % size == 0, kInvalidUsage, op, ": without ", what,
                  " dim 0 must divide evenly by the group size, got ", rows, " rows for ", size,

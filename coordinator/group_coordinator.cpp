@@ -88,16 +88,16 @@ namespace {
 long nativeThreadId() { return static_cast<long>(syscall(SYS_gettid)); }
 }  // namespace
 
-std::unique_lock<std::recursive_mutex> GroupCoordinator::debugTurn() {
-  std::unique_lock<std::recursive_mutex> turn(debugMutex_, std::try_to_lock);
+std::unique_lock<std::recursive_timed_mutex> GroupCoordinator::debugTurn() {
+  std::unique_lock<std::recursive_timed_mutex> turn(debugMutex_, std::try_to_lock);
   if (!turn.owns_lock()) {
-    {
+    // The holder's call is bounded by the group's timeout; so is this wait.
+    if (!turn.try_lock_for(2 * options_.timeout)) {
       std::lock_guard<std::mutex> note(debugNoteMutex_);
-      debugConcurrency_ = "thread " + std::to_string(nativeThreadId()) + " called while " +
-                          debugCurrent_ + " was in progress";
+      TPCOMM_THROW(kTimeout, "TPCOMM_DEBUG: group '", options_.groupName, "' is still busy with ",
+                   debugCurrent_, " after twice the group's timeout (",
+                   2 * options_.timeout.count(), " ms)");
     }
-    // The holder's call is bounded by the group's timeout.
-    turn.lock();
   }
   return turn;
 }
@@ -119,27 +119,32 @@ void GroupCoordinator::checkSignature(const std::string& signature) {
   {
     std::lock_guard<std::mutex> note(debugNoteMutex_);
     const long thread = nativeThreadId();
-    if (debugConcurrency_.empty() && debugLastThread_ != 0 && debugLastThread_ != thread) {
-      debugConcurrency_ = "threads " + std::to_string(debugLastThread_) + " and " +
-                          std::to_string(thread) + " both call it";
-    }
-    debugLastThread_ = thread;
+    debugThreads_[debugThreadNext_++ % debugThreads_.size()] = thread;
     debugCurrent_ = "thread " + std::to_string(thread) + " (" + signature + ")";
   }
   try {
     checkSameAcrossRanks(*cpu_, options_.groupName, ++debugSequence_, signature);
   } catch (const Error& e) {
-    std::string concurrency;
+    // The threads among the group's recent checked calls: more than one
+    // explains a mismatch of calls that reached the ranks in other orders.
+    std::vector<long> threads;
     {
       std::lock_guard<std::mutex> note(debugNoteMutex_);
-      concurrency = debugConcurrency_;
+      for (long t : debugThreads_) {
+        if (t != 0 && std::find(threads.begin(), threads.end(), t) == threads.end())
+          threads.push_back(t);
+      }
     }
-    if (concurrency.empty()) throw;
+    if (threads.size() < 2) throw;
+    std::string names;
+    for (long t : threads) names += (names.empty() ? "" : ", ") + std::to_string(t);
     throw Error(e.code(), std::string(e.what()) + " Rank " + std::to_string(rank()) +
-                              " has called this group from several threads (" + concurrency +
-                              "): TPCOMM_DEBUG runs one checked call at a time, but the calls "
-                              "reached the ranks in different orders; issue a group's calls in "
-                              "one order on every rank (one thread per group, or a lock).");
+                              " has called this group from several threads (threads " + names +
+                              " among its last " + std::to_string(debugThreads_.size()) +
+                              " checked calls): TPCOMM_DEBUG runs one checked call at a time, "
+                              "but calls that reach the ranks in different orders still "
+                              "disagree; issue a group's calls in one order on every rank (one "
+                              "thread per group, or a lock).");
   }
 }
 
@@ -251,6 +256,7 @@ Pending GroupCoordinator::allreduceSparse(std::vector<at::Tensor>& tensors,
   });
   // Gloo reduces sparse tensors in its allreduce; NCCL has allreduce_sparse.
   const Route route = routeFor(tensors[0]);
+  if (route == Route::kCpu) checkCpuReduces("allreduce_sparse", tensors[0].scalar_type());
   c10d::Backend& backend = backendFor(route, bytesOf(tensors));
   return passThrough(route == Route::kCpu ? backend.allreduce(tensors, opts)
                                           : backend.allreduce_sparse(tensors, opts),

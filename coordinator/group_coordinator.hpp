@@ -34,6 +34,7 @@
 // tpcomm::Error (InvalidUsage for a mismatch found by TPCOMM_DEBUG) or
 // whatever the routed backend throws.
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -220,14 +221,14 @@ class GroupCoordinator {
   // caller holds it to the end of the call), so the check and its call are
   // one step even when several threads call the group at once.
   template <typename Describe>
-  [[nodiscard]] std::unique_lock<std::recursive_mutex> debugCheck(Describe&& describe) {
+  [[nodiscard]] std::unique_lock<std::recursive_timed_mutex> debugCheck(Describe&& describe) {
     if (!options_.debugChecks) return {};
-    std::unique_lock<std::recursive_mutex> turn = debugTurn();
+    std::unique_lock<std::recursive_timed_mutex> turn = debugTurn();
     checkSignature(describe());
     return turn;
   }
   // The group's debug lock, noting when another thread holds it.
-  std::unique_lock<std::recursive_mutex> debugTurn();
+  std::unique_lock<std::recursive_timed_mutex> debugTurn();
   void checkSignature(const std::string& signature);
   // The shared-memory path's share of a CPU call (group_coordinator_shm.cpp):
   // each returns nullopt when the path does not take the call (Gloo does).
@@ -263,11 +264,11 @@ class GroupCoordinator {
   std::string shmError_;  // a refused TPCOMM_CPU_SHM=1 set-up, raised by every call
   std::atomic<int> registrationDepth_{0};  // read on every custom call, without the lock
   uint64_t debugSequence_ = 0;             // guarded by debugMutex_
-  std::recursive_mutex debugMutex_;        // TPCOMM_DEBUG: one checked call at a time
+  std::recursive_timed_mutex debugMutex_;  // TPCOMM_DEBUG: one checked call at a time
   std::mutex debugNoteMutex_;
-  std::string debugCurrent_;      // "thread T: <signature>" in progress; by debugNoteMutex_
-  std::string debugConcurrency_;  // threads seen calling the group; by debugNoteMutex_
-  long debugLastThread_ = 0;      // the last thread that ran a check; by debugNoteMutex_
+  std::string debugCurrent_;             // "thread T: <signature>" in progress; by debugNoteMutex_
+  std::array<long, 16> debugThreads_{};  // threads of the last checks; by debugNoteMutex_
+  size_t debugThreadNext_ = 0;           // by debugNoteMutex_
   RouteStats stats_;
   RoutingTable routing_;
   RouteLog routeLog_;

@@ -129,6 +129,12 @@ Pending GroupCoordinator::customAllreduce(std::shared_ptr<CustomPath> custom, at
 
 Pending GroupCoordinator::allreduceInto(at::Tensor& input, at::Tensor& output,
                                         const c10d::AllreduceOptions& opts) {
+  // Checked before the custom kernel's set-up, whose exchanges run on the
+  // CPU group too (the fallback through allreduce() below checks again).
+  const auto turn = debugCheck([&] {
+    return std::string("allreduce " + describeReduceOp(opts.reduceOp) + " " +
+                       describeTensor(input));
+  });
   if (routeFor(input) == Route::kDevice) {
     std::shared_ptr<CustomPath> custom = ensureCustom(input.device());
     const RouteDecision d =
@@ -141,10 +147,6 @@ Pending GroupCoordinator::allreduceInto(at::Tensor& input, at::Tensor& output,
   // CPU through shared memory: out of place, without the copy below.
   if (routeFor(input) == Route::kCpu && cpuShm() != nullptr &&
       shmReduces(opts.reduceOp, input.scalar_type(), nullptr)) {
-    debugCheck([&] {
-      return std::string("allreduce " + describeReduceOp(opts.reduceOp) + " " +
-                         describeTensor(input));
-    });
     return *shmAllreduce(input, output, opts.reduceOp, opts.asyncOp);
   }
   output.copy_(input);
@@ -166,14 +168,20 @@ void GroupCoordinator::finishGraphRegistration() {
     if (--registrationDepth_ > 0) return;
     custom = custom_;
   }
-  if (custom) custom->finishGraphRegistration(*cpu_);
+  if (custom) {
+    const auto turn = debugTurn();  // its exchanges are not interleaved with a check's
+    custom->finishGraphRegistration(*cpu_);
+  }
 }
 
 void GroupCoordinator::resetCustom() {
   std::shared_ptr<CustomPath> custom = customPath();
   // Every rank decides alike: the path exists on every rank or on none
   // (it is made by the group's first CUDA allreduce, a collective).
-  if (custom) custom->reset(*cpu_);
+  if (custom) {
+    const auto turn = debugTurn();
+    custom->reset(*cpu_);
+  }
 }
 
 void GroupCoordinator::eagerConnect(at::Device device) {

@@ -4,7 +4,7 @@
 // Destroying a group joins threads: torch's ProcessGroupGloo joins its
 // workers, which may be freeing a tensor whose Python object needs the
 // interpreter lock (GIL). A destructor reached from Python (`del backend`,
-// garbage collection, interpreter exit) runs with that lock held, so the
+// garbage collection) runs with that lock held, so the
 // join would wait forever. The coordinator therefore runs every step of its
 // teardown that waits for another thread inside withoutInterpreterLock().
 //

@@ -13,7 +13,8 @@ namespace {
 
 // A group's teardown joins threads that may need the GIL (see
 // interpreter_lock.hpp): release it around that teardown when this thread
-// holds it, during interpreter exit too.
+// holds it. (During interpreter exit Python reports itself uninitialised
+// and lets no other thread take the GIL, so nothing is released there.)
 void releaseInterpreterLock(const std::function<void()>& fn) {
   if (Py_IsInitialized() && PyGILState_Check()) {
     pybind11::gil_scoped_release release;

@@ -24,6 +24,15 @@ class RankFailure(AssertionError):
     pass
 
 
+def error_message(call):
+    """"Type: message" of what `call()` raised, or None when it returned."""
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the message is what is checked
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
 @dataclass
 class Context:
     rank: int

@@ -8,17 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import Group, RankFailure
+from harness import Group, RankFailure, error_message
 
 R = dist.ReduceOp
 
 
-def _message(call):
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the message is what is checked
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _symmetric_bad_calls(ctx):
@@ -50,7 +44,7 @@ def _symmetric_bad_calls(ctx):
         "all_to_all_lists": lambda: dist.all_to_all([torch.empty(1)] * w,
                                                      [torch.ones(1)] * (w + 1)),
     }
-    messages = {name: _message(call) for name, call in cases.items()}
+    messages = {name: error_message(call) for name, call in cases.items()}
     # The group is still healthy afterwards: nothing was half-sent.
     y = torch.ones(3)
     dist.all_reduce(y)
@@ -85,8 +79,8 @@ def test_bad_calls_name_what_is_wrong(groups, world_size):
 def _python_front_door_checks(ctx):
     x = torch.ones(2)
     return {
-        "broadcast_src": _message(lambda: dist.broadcast(x, src=ctx.world_size + 5)),
-        "send_dst": _message(lambda: dist.send(x, dst=ctx.world_size + 5)),
+        "broadcast_src": error_message(lambda: dist.broadcast(x, src=ctx.world_size + 5)),
+        "send_dst": error_message(lambda: dist.send(x, dst=ctx.world_size + 5)),
     }
 
 
@@ -101,8 +95,8 @@ def _debug_shape_mismatch(ctx):
     be = dist.group.WORLD._get_backend(torch.device("cpu"))
     assert be.debug_checks
     x = torch.ones(5 if ctx.rank == 1 else 4)
-    msg = _message(lambda: dist.all_reduce(x))
-    op_msg = _message(lambda: dist.all_reduce(torch.ones(2)) if ctx.rank == 0
+    msg = error_message(lambda: dist.all_reduce(x))
+    op_msg = error_message(lambda: dist.all_reduce(torch.ones(2)) if ctx.rank == 0
                       else dist.broadcast(torch.ones(2), src=0))
     y = torch.ones(2)
     dist.all_reduce(y)  # still usable: the mismatched calls were never issued
@@ -138,7 +132,7 @@ def _one_rank_never_joins(ctx):
         time.sleep(8)  # never joins within rank 0's timeout
         return None
     start = time.monotonic()
-    msg = _message(lambda: dist.all_reduce(torch.ones(4)))
+    msg = error_message(lambda: dist.all_reduce(torch.ones(4)))
     return msg, time.monotonic() - start
 
 
@@ -159,7 +153,7 @@ def _monitored_barrier_missing(ctx):
     if ctx.rank != 0:
         time.sleep(6)
         return None
-    return _message(lambda: dist.monitored_barrier(timeout=timedelta(seconds=2),
+    return error_message(lambda: dist.monitored_barrier(timeout=timedelta(seconds=2),
                                                    wait_all_ranks=True))
 
 

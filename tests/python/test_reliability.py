@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import Group, RankFailure
+from harness import Group, error_message
 
 TEARDOWN_ROUNDS = 20
 
@@ -100,12 +100,6 @@ def test_subgroups_inherit_the_default_groups_timeout():
 
 
 # ---------------------------------------------------------------- TPCOMM_DEBUG
-def _message(call):
-    try:
-        call()
-    except Exception as e:  # noqa: BLE001 - the message is what is checked
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _debug_mismatches(ctx):
@@ -116,15 +110,15 @@ def _debug_mismatches(ctx):
     if r == 0:
         in_splits[1] = 2
     x = torch.ones(sum(in_splits), 3)
-    out["a2a_single"] = _message(lambda: dist.all_to_all_single(
+    out["a2a_single"] = error_message(lambda: dist.all_to_all_single(
         torch.empty(w, 3), x, [1] * w, in_splits))
     # all_to_all with lists: rank 1 expects 5 elements from rank 0, gets 4.
     outs = [torch.empty(5 if (r == 1 and j == 0) else 4) for j in range(w)]
-    out["a2a_list"] = _message(lambda: dist.all_to_all(outs, [torch.ones(4)] * w))
+    out["a2a_list"] = error_message(lambda: dist.all_to_all(outs, [torch.ones(4)] * w))
     # scatter with a wrong list on the root only: every rank gets the error.
     scatter_list = [torch.ones(2)] * (w + 1) if r == 0 else None
     start = time.monotonic()
-    out["scatter"] = _message(lambda: dist.scatter(torch.empty(2), scatter_list, src=0))
+    out["scatter"] = error_message(lambda: dist.scatter(torch.empty(2), scatter_list, src=0))
     out["scatter_s"] = time.monotonic() - start
     y = torch.ones(3)
     dist.all_reduce(y)  # the group is still usable
@@ -210,7 +204,7 @@ def _odd_dtypes(ctx):
                 for k in range(w)),
             "all_to_all": a2a.view(torch.uint8).tolist() == torch.cat(
                 [torch.full((2,), k % 4).to(dt) for k in range(w)]).view(torch.uint8).tolist(),
-            "all_reduce": _message(lambda: dist.all_reduce(mine.clone())),
+            "all_reduce": error_message(lambda: dist.all_reduce(mine.clone())),
         }
     y = torch.ones(2)
     dist.all_reduce(y)
@@ -243,16 +237,20 @@ def _sparse_and_monitored(ctx):
     ref = s.clone()
     dist.all_reduce(s)
     dist.all_reduce(ref, group=ctx.ref)
-    avg = _message(lambda: dist.all_reduce(s.clone(), op=dist.ReduceOp.AVG))
+    avg = error_message(lambda: dist.all_reduce(s.clone(), op=dist.ReduceOp.AVG))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         dist.monitored_barrier(timeout=5.0)
     root = dist.BroadcastOptions()
     root.rootTensor = 5
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    assert "cannot be reduced" in error_message(lambda: dist.all_reduce(
+        torch.sparse_coo_tensor([[0]], torch.tensor([1], dtype=torch.int16), (2,))))
+    assert "0-dim" in error_message(lambda: dist.all_to_all_single(
+        torch.empty(()), torch.ones(())))
     return (s.to_dense().tolist(), ref.to_dense().tolist(), avg,
             [str(w.message) for w in caught],
-            _message(lambda: backend.broadcast([torch.ones(2)], root)))
+            error_message(lambda: backend.broadcast([torch.ones(2)], root)))
 
 
 def test_sparse_allreduce_and_monitored_barrier_in_seconds_work_as_on_gloo(groups):
@@ -270,9 +268,9 @@ def _sparse_tensor_dict(ctx):
                                 use_message_queue_broadcaster=True, group_name="sparse")
     sparse = torch.sparse_coo_tensor([[0]], [1.0], (3,))
     try:
-        first = _message(lambda: c.mq_broadcaster.broadcast_tensor_dict({"s": sparse})) \
+        first = error_message(lambda: c.mq_broadcaster.broadcast_tensor_dict({"s": sparse})) \
             if c.rank_in_group == 0 else None
-        second = _message(lambda: tpcomm._tensor_dict.split({"s": sparse}))
+        second = error_message(lambda: tpcomm._tensor_dict.split({"s": sparse}))
         return first, second
     finally:
         c.destroy()
