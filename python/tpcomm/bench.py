@@ -4,6 +4,7 @@
     python -m tpcomm.bench car [--world-sizes 2 4 8] [--max-mib 64] [--png car_bench.png]
     python -m tpcomm.bench allreduce [--max-mib 64] [--quick]
     python -m tpcomm.bench cpu [--world-sizes 2 4] [--max-mib 64] [--quick] [--png cpu_bench.png]
+    python -m tpcomm.bench faults [--world-sizes 2 3] [--timeout 3] [--quick]
 
 mq: broadcast of tensor dicts from one writer to N readers on this host,
 through tpcomm.MessageQueue and, in the same run, through the Gloo path
@@ -21,6 +22,10 @@ overhead of its dispatch (see tpcomm._bench_allreduce).
 cpu: CPU all_reduce, all_gather_into_tensor and reduce_scatter_tensor through
 plain Gloo, tpcomm with its shared-memory path off and on, interleaved (see
 tpcomm._bench_cpu).
+
+faults: bad inputs, one-rank mistakes under TPCOMM_DEBUG and kill -9 of each
+role, summarised as clear errors, timeouts, crashes and wrong results (see
+tpcomm._bench_faults).
 """
 
 import argparse
@@ -154,6 +159,10 @@ def main(argv=None):
     cpu.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     cpu.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best kept)")
     cpu.add_argument("--png", default="cpu_bench.png", help="plot of time vs size ('' for none)")
+    faults = sub.add_parser("faults", help="bad inputs, debug-mode mistakes, killed ranks")
+    faults.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3])
+    faults.add_argument("--timeout", type=float, default=3.0, help="group timeout (s)")
+    faults.add_argument("--quick", action="store_true", help="three of the five kill roles")
     args = parser.parse_args(argv)
     if args.what == "mq":
         rc = 0
@@ -176,6 +185,10 @@ def main(argv=None):
         from tpcomm._bench_cpu import run as run_cpu
 
         return run_cpu(args.world_sizes, args.max_mib, args.quick, args.png, args.rounds)
+    if args.what == "faults":
+        from tpcomm._bench_faults import run as run_faults
+
+        return run_faults(args.world_sizes, args.timeout, args.quick)
     return 2
 
 

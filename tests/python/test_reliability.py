@@ -377,3 +377,19 @@ def _checksummed_queue(ctx, count):
 
 def test_ten_thousand_checksummed_queue_messages_arrive_intact(groups):
     assert groups(3).run(_checksummed_queue, 10_000, timeout_s=300) == [0, 0, 0]
+
+
+def test_fault_probes_end_in_clear_errors_only():
+    """python -m tpcomm.bench faults --quick: bad inputs, TPCOMM_DEBUG
+    mistakes and kill -9 of three roles; every outcome a clear error (kills:
+    within twice the 3 s timeout), none a timeout, crash or wrong result."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "tpcomm.bench", "faults", "--quick"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "kill -9: queue writer (3 ranks)" in out.stdout, out.stdout
+    total = [line for line in out.stdout.splitlines() if line.startswith("total")][0].split()
+    tried, clear, timeouts, crashes, wrong = map(int, total[1:])
+    assert tried == clear > 80 and timeouts == crashes == wrong == 0, out.stdout
