@@ -171,12 +171,16 @@ def test_debug_with_two_threads_on_one_group_raises_clearly_never_crashes():
         results = group.run(_debug_threads, timeout_s=150)
     finally:
         group.close(kill=True)
+    every_error = [e for _, errors in results for e in errors]
     for finished, errors in results:
         assert finished == 2
         for e in errors:
             assert e.startswith("RuntimeError") and "TPCOMM_DEBUG" in e, e
-            assert "from several threads" in e, e
             assert "wrong result" not in e
+    # A rank names the threads once it has seen more than one call the group
+    # (the rank where one thread happened to go first may not have yet).
+    if every_error:
+        assert any("from several threads" in e for e in every_error), every_error
 
 
 # ---------------------------------------------------------------- dtypes
