@@ -108,6 +108,17 @@ std::vector<const void*> constSlicesOf(const at::Tensor& t, int parts) {
   return {slices.begin(), slices.end()};
 }
 
+// What a call hands its routed backend: Gloo gets byte views of the dtypes
+// it has no kernels for (gloo_dtypes.hpp); other backends the tensors as
+// they are.
+at::Tensor carried(Route route, const at::Tensor& t) {
+  return route == Route::kCpu ? glooView(t) : t;
+}
+template <typename List>
+List carried(Route route, const List& tensors) {
+  return route == Route::kCpu ? glooViews(tensors) : tensors;
+}
+
 // Elements per peer of an all-to-all over dim 0: `splits` rows each (empty:
 // an even split), times the elements of one row.
 std::vector<int64_t> splitCounts(const at::Tensor& t, const std::vector<int64_t>& splits,
@@ -141,7 +152,7 @@ Pending GroupCoordinator::broadcast(std::vector<at::Tensor>& tensors,
     if (auto done = shmBroadcast(tensors[0], static_cast<int>(opts.rootRank), opts.asyncOp))
       return *done;
   }
-  auto moved = route == Route::kCpu ? glooViews(tensors) : tensors;
+  auto moved = carried(route, tensors);
   return passThrough(backendFor(route, bytesOf(tensors)).broadcast(moved, opts), tensors);
 }
 
@@ -151,6 +162,11 @@ Pending GroupCoordinator::allreduce(std::vector<at::Tensor>& tensors,
     return std::string("allreduce " + describeReduceOp(opts.reduceOp) + " " +
                        describeTensors(tensors));
   });
+  return allreduceRouted(tensors, opts);
+}
+
+Pending GroupCoordinator::allreduceRouted(std::vector<at::Tensor>& tensors,
+                                          const c10d::AllreduceOptions& opts) {
   const Route route = routeFor(tensors[0]);
   if (route == Route::kDevice) {
     std::shared_ptr<CustomPath> custom = ensureCustom(tensors[0].device());
@@ -265,13 +281,9 @@ Pending GroupCoordinator::allgather(std::vector<std::vector<at::Tensor>>& output
     for (auto& t : outputs[0]) outs.push_back(t.data_ptr());
     if (auto done = shmAllgather(inputs[0], outs, flatten(outputs), opts.asyncOp)) return *done;
   }
-  if (route == Route::kCpu) {
-    auto outs = glooViews(outputs);
-    auto ins = glooViews(inputs);
-    return passThrough(backendFor(route, bytesOf(inputs)).allgather(outs, ins, opts),
-                       flatten(outputs));
-  }
-  return passThrough(backendFor(route, bytesOf(inputs)).allgather(outputs, inputs, opts),
+  auto outs = carried(route, outputs);
+  auto ins = carried(route, inputs);
+  return passThrough(backendFor(route, bytesOf(inputs)).allgather(outs, ins, opts),
                      flatten(outputs));
 }
 
@@ -286,13 +298,9 @@ Pending GroupCoordinator::allgatherBase(at::Tensor& output, at::Tensor& input,
     if (auto done = shmAllgather(input, slicesOf(output, size()), {output}, opts.asyncOp))
       return *done;
   }
-  if (route == Route::kCpu) {
-    at::Tensor out = glooView(output);
-    at::Tensor in = glooView(input);
-    return passThrough(backendFor(route, bytesOf(input))._allgather_base(out, in, opts), {output});
-  }
-  return passThrough(backendFor(route, bytesOf(input))._allgather_base(output, input, opts),
-                     {output});
+  at::Tensor out = carried(route, output);
+  at::Tensor in = carried(route, input);
+  return passThrough(backendFor(route, bytesOf(input))._allgather_base(out, in, opts), {output});
 }
 
 Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>>& outputs,
@@ -300,7 +308,8 @@ Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>
                                              const c10d::AllgatherOptions& opts) {
   const auto turn =
       debugCheck([&] { return std::string("allgather_coalesced " + describeTensors(inputs)); });
-  if (routeFor(inputs[0]) == Route::kCpu && cpuShm() != nullptr) {
+  const Route route = routeFor(inputs[0]);
+  if (route == Route::kCpu && cpuShm() != nullptr) {
     for (size_t i = 0; i < inputs.size(); ++i) {
       std::vector<void*> outs;
       for (auto& list : outputs) outs.push_back(list[i].data_ptr());
@@ -308,11 +317,10 @@ Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>
     }
     return completedCall(flatten(outputs), opts.asyncOp);
   }
-  auto outs = routeFor(inputs[0]) == Route::kCpu ? glooViews(outputs) : outputs;
-  auto ins = routeFor(inputs[0]) == Route::kCpu ? glooViews(inputs) : inputs;
-  return passThrough(
-      backendFor(routeFor(inputs[0]), bytesOf(inputs)).allgather_coalesced(outs, ins, opts),
-      flatten(outputs));
+  auto outs = carried(route, outputs);
+  auto ins = carried(route, inputs);
+  return passThrough(backendFor(route, bytesOf(inputs)).allgather_coalesced(outs, ins, opts),
+                     flatten(outputs));
 }
 
 Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& outputs,
@@ -322,16 +330,16 @@ Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& 
     return std::string("allgather_into_tensor_coalesced " + describeTensors(inputs) + " -> " +
                        describeTensors(outputs));
   });
-  if (routeFor(inputs[0]) == Route::kCpu && cpuShm() != nullptr) {
+  const Route route = routeFor(inputs[0]);
+  if (route == Route::kCpu && cpuShm() != nullptr) {
     for (size_t i = 0; i < inputs.size(); ++i)
       shmAllgather(inputs[i], slicesOf(outputs[i], size()), {}, false);
     return completedCall(outputs, opts.asyncOp);
   }
-  auto outs = routeFor(inputs[0]) == Route::kCpu ? glooViews(outputs) : outputs;
-  auto ins = routeFor(inputs[0]) == Route::kCpu ? glooViews(inputs) : inputs;
-  return passThrough(backendFor(routeFor(inputs[0]), bytesOf(inputs))
-                         .allgather_into_tensor_coalesced(outs, ins, opts),
-                     outputs);
+  auto outs = carried(route, outputs);
+  auto ins = carried(route, inputs);
+  return passThrough(
+      backendFor(route, bytesOf(inputs)).allgather_into_tensor_coalesced(outs, ins, opts), outputs);
 }
 
 Pending GroupCoordinator::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -340,11 +348,10 @@ Pending GroupCoordinator::gather(std::vector<std::vector<at::Tensor>>& outputs,
     return std::string("gather root=" + std::to_string(opts.rootRank) + " " +
                        describeTensors(inputs));
   });
-  const bool cpu = routeFor(inputs[0]) == Route::kCpu;
-  auto outs = cpu ? glooViews(outputs) : outputs;
-  auto ins = cpu ? glooViews(inputs) : inputs;
-  return passThrough(backendFor(routeFor(inputs[0]), bytesOf(inputs)).gather(outs, ins, opts),
-                     flatten(outputs));
+  const Route route = routeFor(inputs[0]);
+  auto outs = carried(route, outputs);
+  auto ins = carried(route, inputs);
+  return passThrough(backendFor(route, bytesOf(inputs)).gather(outs, ins, opts), flatten(outputs));
 }
 
 Pending GroupCoordinator::scatter(std::vector<at::Tensor>& outputs,
@@ -354,11 +361,10 @@ Pending GroupCoordinator::scatter(std::vector<at::Tensor>& outputs,
     return std::string("scatter root=" + std::to_string(opts.rootRank) + " " +
                        describeTensors(outputs));
   });
-  const bool cpu = routeFor(outputs[0]) == Route::kCpu;
-  auto outs = cpu ? glooViews(outputs) : outputs;
-  auto ins = cpu ? glooViews(inputs) : inputs;
-  return passThrough(backendFor(routeFor(outputs[0]), bytesOf(outputs)).scatter(outs, ins, opts),
-                     outputs);
+  const Route route = routeFor(outputs[0]);
+  auto outs = carried(route, outputs);
+  auto ins = carried(route, inputs);
+  return passThrough(backendFor(route, bytesOf(outputs)).scatter(outs, ins, opts), outputs);
 }
 
 Pending GroupCoordinator::reduceScatter(std::vector<at::Tensor>& outputs,
@@ -493,12 +499,12 @@ Pending GroupCoordinator::alltoallBase(at::Tensor& output, at::Tensor& input,
                         splitCounts(input, inputSplits, size()),
                         splitCounts(output, outputSplits, size()));
   }
-  const bool cpu = routeFor(input) == Route::kCpu;
-  at::Tensor out = cpu ? glooView(output) : output;
-  at::Tensor in = cpu ? glooView(input) : input;
-  return passThrough(backendFor(routeFor(input), bytesOf(input))
-                         .alltoall_base(out, in, outputSplits, inputSplits, opts),
-                     {output});
+  const Route route = routeFor(input);
+  at::Tensor out = carried(route, output);
+  at::Tensor in = carried(route, input);
+  return passThrough(
+      backendFor(route, bytesOf(input)).alltoall_base(out, in, outputSplits, inputSplits, opts),
+      {output});
 }
 
 Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
@@ -518,8 +524,8 @@ Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
   if (route == Route::kDevice) {
     return passThrough(backendFor(route, bytesOf(inputs)).alltoall(outputs, inputs, opts), outputs);
   }
-  auto outs = glooViews(outputs);
-  auto ins = glooViews(inputs);
+  auto outs = carried(route, outputs);
+  auto ins = carried(route, inputs);
   Pending pending = alltoallThroughBase(backendFor(route, bytesOf(inputs)), outs, ins, opts);
   pending.outputs = outputs;
   return pending;
@@ -527,21 +533,21 @@ Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
 
 Pending GroupCoordinator::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const Route route = routeFor(tensors[0]);
-  auto moved = route == Route::kCpu ? glooViews(tensors) : tensors;
+  auto moved = carried(route, tensors);
   return withoutFutureOnCpu(
       route, passThrough(backendFor(route, bytesOf(tensors)).send(moved, dstRank, tag), {}));
 }
 
 Pending GroupCoordinator::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   const Route route = routeFor(tensors[0]);
-  auto moved = route == Route::kCpu ? glooViews(tensors) : tensors;
+  auto moved = carried(route, tensors);
   return withoutFutureOnCpu(
       route, passThrough(backendFor(route, bytesOf(tensors)).recv(moved, srcRank, tag), tensors));
 }
 
 Pending GroupCoordinator::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const Route route = routeFor(tensors[0]);
-  auto moved = route == Route::kCpu ? glooViews(tensors) : tensors;
+  auto moved = carried(route, tensors);
   return withoutFutureOnCpu(
       route, passThrough(backendFor(route, bytesOf(tensors)).recvAnysource(moved, tag), tensors));
 }

@@ -212,6 +212,8 @@ class GroupCoordinator {
   std::shared_ptr<CustomPath> ensureCustom(at::Device device);
   // TPCOMM_AUTOTUNE: the crossovers from the cache or measured (collective).
   void tuneRouting(CustomPath& custom);
+  // allreduce after its TPCOMM_DEBUG check (allreduceInto's fallback).
+  Pending allreduceRouted(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
   Pending customAllreduce(std::shared_ptr<CustomPath> custom, at::Tensor& input, at::Tensor& output,
                           DeviceRoute route, const c10d::AllreduceOptions& opts);
   // TPCOMM_DEBUG: raises on every rank when ranks disagree on the call's

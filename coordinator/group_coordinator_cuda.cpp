@@ -130,7 +130,7 @@ Pending GroupCoordinator::customAllreduce(std::shared_ptr<CustomPath> custom, at
 Pending GroupCoordinator::allreduceInto(at::Tensor& input, at::Tensor& output,
                                         const c10d::AllreduceOptions& opts) {
   // Checked before the custom kernel's set-up, whose exchanges run on the
-  // CPU group too (the fallback through allreduce() below checks again).
+  // CPU group too.
   const auto turn = debugCheck([&] {
     return std::string("allreduce " + describeReduceOp(opts.reduceOp) + " " +
                        describeTensor(input));
@@ -151,7 +151,7 @@ Pending GroupCoordinator::allreduceInto(at::Tensor& input, at::Tensor& output,
   }
   output.copy_(input);
   std::vector<at::Tensor> tensors{output};
-  return allreduce(tensors, opts);
+  return allreduceRouted(tensors, opts);
 }
 
 void GroupCoordinator::beginGraphRegistration() {
