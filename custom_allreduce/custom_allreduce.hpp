@@ -40,6 +40,8 @@
 
 namespace tpcomm::car {
 
+struct LaunchParams;
+
 inline constexpr int kMaxRanks = 8;
 inline constexpr int kMaxBlocks = 64;
 inline constexpr int kThreads = 512;
@@ -237,6 +239,25 @@ class CustomAllreduce {
   // Returns the algorithm used.
   Algorithm allreduce(const void* in, void* out, size_t count, DType dtype, cudaStream_t stream,
                       const CallOptions& options = {});
+  // The fused residual add + RMSNorm of `rows` rows of `hidden` elements
+  // (fused_kernels.cuh): residualOut = sum over ranks of in + residual,
+  // normed = residualOut / sqrt(mean(residualOut^2) + eps) x weight, row by
+  // row with float32 statistics; residual, residualOut, weight (hidden
+  // elements) and normed are this rank's device memory of `dtype`. `in` may
+  // be normed or residualOut and residualOut may be residual; any other
+  // overlap is refused (InvalidUsage). The input is always staged (no
+  // zero-copy); options.registered must be null. Otherwise as allreduce().
+  struct AddRmsNorm {
+    const void* residual = nullptr;
+    void* residualOut = nullptr;
+    const void* weight = nullptr;
+    void* normed = nullptr;
+    size_t rows = 0;
+    size_t hidden = 0;
+    float eps = 1e-6f;
+  };
+  Algorithm allreduceAddRmsNorm(const void* in, const AddRmsNorm& norm, DType dtype,
+                                cudaStream_t stream, const CallOptions& options = {});
   // Rank r's staging region as this process reaches it (a zero-copy table
   // entry for a rank that copies).
   const void* stagingOf(int rank) const;
@@ -281,6 +302,12 @@ class CustomAllreduce {
   std::mutex launchMutex_;
   std::unique_ptr<LaunchOrder> order_;  // guarded by launchMutex_
   std::mutex resetMutex_;
+
+  // The checks every call makes (eligibility, an earlier failure).
+  void checkCall(const void* in, const void* out, size_t bytes, DType dtype,
+                 const CallOptions& options) const;
+  // Fills the parameters every launch shares, then launches in order.
+  void launch(LaunchParams& p, cudaStream_t stream, size_t bytes, const CallOptions& options);
 };
 
 // Zeroes the signal area of a buffer (flags, poison and epochs), ordered on

@@ -5,6 +5,7 @@
 // (tests/cpp/test_kernel_emulation.cpp), so both run the same mapping.
 
 #include "coordinator/common/error.hpp"
+#include "custom_allreduce/fused_kernels.cuh"
 #include "custom_allreduce/kernels.cuh"
 #include "custom_allreduce/launch.hpp"
 
@@ -12,43 +13,51 @@ namespace tpcomm::car {
 
 using KernelFn = void (*)(KernelArgs);
 
+// `fused`: the allreduce + residual add + RMSNorm kernels (fused_kernels.cuh).
 template <typename T, int N>
-KernelFn pickAlgorithm(Algorithm algorithm) {
+KernelFn pickAlgorithm(Algorithm algorithm, bool fused) {
+  if (fused) {
+    return algorithm == Algorithm::kOneShot ? fusedOneShotKernel<T, N> : fusedTwoShotKernel<T, N>;
+  }
   return algorithm == Algorithm::kOneShot ? oneShotKernel<T, N> : twoShotKernel<T, N>;
 }
 
 template <typename T>
-KernelFn pickWorldSize(Algorithm algorithm, int worldSize) {
+KernelFn pickWorldSize(Algorithm algorithm, int worldSize, bool fused) {
   switch (worldSize) {
     case 2:
-      return pickAlgorithm<T, 2>(algorithm);
+      return pickAlgorithm<T, 2>(algorithm, fused);
     case 3:
-      return pickAlgorithm<T, 3>(algorithm);
+      return pickAlgorithm<T, 3>(algorithm, fused);
     case 4:
-      return pickAlgorithm<T, 4>(algorithm);
+      return pickAlgorithm<T, 4>(algorithm, fused);
     case 5:
-      return pickAlgorithm<T, 5>(algorithm);
+      return pickAlgorithm<T, 5>(algorithm, fused);
     case 6:
-      return pickAlgorithm<T, 6>(algorithm);
+      return pickAlgorithm<T, 6>(algorithm, fused);
     case 7:
-      return pickAlgorithm<T, 7>(algorithm);
+      return pickAlgorithm<T, 7>(algorithm, fused);
     case 8:
-      return pickAlgorithm<T, 8>(algorithm);
+      return pickAlgorithm<T, 8>(algorithm, fused);
   }
   TPCOMM_THROW(kInvalidUsage, "custom allreduce: world size ", worldSize, " is outside 2..",
                kMaxRanks);
 }
 
-inline KernelFn kernelFor(DType dtype, Algorithm algorithm, int worldSize) {
+inline KernelFn kernelFor(DType dtype, Algorithm algorithm, int worldSize, bool fused = false) {
   switch (dtype) {
     case DType::kFloat16:
-      return pickWorldSize<__half>(algorithm, worldSize);
+      return pickWorldSize<__half>(algorithm, worldSize, fused);
     case DType::kBFloat16:
-      return pickWorldSize<__nv_bfloat16>(algorithm, worldSize);
+      return pickWorldSize<__nv_bfloat16>(algorithm, worldSize, fused);
     case DType::kFloat32:
       break;
   }
-  return pickWorldSize<float>(algorithm, worldSize);
+  return pickWorldSize<float>(algorithm, worldSize, fused);
+}
+
+inline KernelFn kernelFor(const LaunchParams& p) {
+  return kernelFor(p.dtype, p.algorithm, p.worldSize, p.hidden > 0);
 }
 
 inline KernelArgs kernelArgsOf(const LaunchParams& p) {
@@ -65,6 +74,12 @@ inline KernelArgs kernelArgsOf(const LaunchParams& p) {
   a.scale = p.scale;
   a.timeoutNs = p.timeoutNs;
   a.error = p.errorDevice;
+  a.residual = p.residual;
+  a.residualOut = p.residualOut;
+  a.weight = p.weight;
+  a.hidden = p.hidden;
+  a.eps = p.eps;
+  a.packed = p.packed ? 1 : 0;
   return a;
 }
 

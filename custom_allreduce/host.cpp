@@ -2,6 +2,8 @@
 // rank buffers, IPC handles and the write probe.
 #include <cuda.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -58,37 +60,30 @@ void CustomAllreduce::setTimeout(std::chrono::milliseconds timeout) {
   timeoutMs_.store(timeout.count());
 }
 
-Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DType dtype,
-                                     cudaStream_t stream, const CallOptions& options) {
-  const size_t bytes = count * dtypeSize(dtype);
-  const Algorithm algorithm = options.chooseAlgorithm
-                                  ? chooseAlgorithm(worldSize_, bytes, layout_.maxBytes)
-                                  : options.algorithm;
+void CustomAllreduce::checkCall(const void* in, const void* out, size_t bytes, DType dtype,
+                                const CallOptions& options) const {
   const Eligibility e = callEligibility(dtypeName(dtype), bytes, reinterpret_cast<uintptr_t>(in),
                                         reinterpret_cast<uintptr_t>(out), layout_.maxBytes);
   TPCOMM_CHECK(e.eligible, kInvalidUsage, "custom allreduce cannot take this call: ", e.reason);
-  // Blocks do not wait for each other within a rank: an output that shares
-  // bytes with the input at another offset would be written by one block
-  // while another still copies or a peer still reads (the same tensor is
-  // fine: a block writes only what it staged).
-  TPCOMM_CHECK(in == out || !rangesOverlap(in, out, bytes), kInvalidUsage,
-               "custom allreduce: the output overlaps the input without being the same memory");
   const uint32_t failed = errorCode();
   TPCOMM_CHECK(failed == 0, kPeerLost, "custom allreduce on rank ", rank_,
                ": an earlier call failed (", describeError(failed),
                "); every rank must reset its signals before the group is used again");
   TPCOMM_CHECK(options.registered != nullptr || options.stageInput, kInvalidUsage,
                "custom allreduce: an input that is not staged needs a zero-copy table");
-  if (count == 0) return algorithm;
-  LaunchParams p;
-  p.input = in;
-  p.output = out;
-  p.count = count;
-  p.dtype = dtype;
-  p.algorithm = algorithm;
+}
+
+void CustomAllreduce::launch(LaunchParams& p, cudaStream_t stream, size_t bytes,
+                             const CallOptions& options) {
   p.blocks =
-      chooseBlocks(algorithm, worldSize_, bytes,
+      chooseBlocks(p.algorithm, worldSize_, bytes,
                    options.blocks > 0 ? options.blocks : static_cast<int>(settings().carBlocks));
+  if (p.hidden > 0) {
+    // A fused kernel's block owns whole rows: no more blocks than a part has rows.
+    const size_t rows = p.count / p.hidden;
+    const size_t parts = p.algorithm == Algorithm::kTwoShot ? worldSize_ : 1;
+    p.blocks = static_cast<int>(std::clamp<size_t>((rows + parts - 1) / parts, 1, p.blocks));
+  }
   p.rank = rank_;
   p.worldSize = worldSize_;
   p.buffers = buffers_.data();
@@ -104,6 +99,82 @@ Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DT
   order_->before(stream);
   launchAllreduce(p, stream);
   order_->after(stream);
+}
+
+Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DType dtype,
+                                     cudaStream_t stream, const CallOptions& options) {
+  const size_t bytes = count * dtypeSize(dtype);
+  const Algorithm algorithm = options.chooseAlgorithm
+                                  ? chooseAlgorithm(worldSize_, bytes, layout_.maxBytes)
+                                  : options.algorithm;
+  checkCall(in, out, bytes, dtype, options);
+  // Blocks do not wait for each other within a rank: an output that shares
+  // bytes with the input at another offset would be written by one block
+  // while another still copies or a peer still reads (the same tensor is
+  // fine: a block writes only what it staged).
+  TPCOMM_CHECK(in == out || !rangesOverlap(in, out, bytes), kInvalidUsage,
+               "custom allreduce: the output overlaps the input without being the same memory");
+  if (count == 0) return algorithm;
+  LaunchParams p;
+  p.input = in;
+  p.output = out;
+  p.count = count;
+  p.dtype = dtype;
+  p.algorithm = algorithm;
+  launch(p, stream, bytes, options);
+  return algorithm;
+}
+
+Algorithm CustomAllreduce::allreduceAddRmsNorm(const void* in, const AddRmsNorm& norm, DType dtype,
+                                               cudaStream_t stream, const CallOptions& options) {
+  const size_t count = norm.rows * norm.hidden;
+  const size_t bytes = count * dtypeSize(dtype);
+  const Algorithm algorithm = options.chooseAlgorithm
+                                  ? chooseAlgorithm(worldSize_, bytes, layout_.maxBytes)
+                                  : options.algorithm;
+  TPCOMM_CHECK(norm.hidden > 0, kInvalidUsage, "custom allreduce + RMSNorm: hidden size 0");
+  TPCOMM_CHECK(options.registered == nullptr && options.stageInput, kInvalidUsage,
+               "custom allreduce + RMSNorm: always stages its input (no zero-copy table)");
+  TPCOMM_CHECK(std::isfinite(norm.eps) && norm.eps >= 0.f, kInvalidUsage,
+               "custom allreduce + RMSNorm: eps must be finite and not negative, got ", norm.eps);
+  checkCall(in, norm.normed, bytes, dtype, options);
+  TPCOMM_CHECK(norm.residual && norm.residualOut && norm.weight && norm.normed, kInvalidUsage,
+               "custom allreduce + RMSNorm: a null pointer among residual, residual_out, weight, "
+               "normed");
+  // A block writes only the rows it staged and read: an output may be the
+  // same memory as what it replaces, never a shifted overlap.
+  auto sameOrApart = [bytes](const void* a, const void* b) {
+    return a == b || !rangesOverlap(a, b, bytes);
+  };
+  TPCOMM_CHECK(sameOrApart(in, norm.normed) && sameOrApart(in, norm.residualOut) &&
+                   sameOrApart(norm.residual, norm.residualOut),
+               kInvalidUsage,
+               "custom allreduce + RMSNorm: an output overlaps the input or the residual without "
+               "being the same memory");
+  TPCOMM_CHECK(!rangesOverlap(norm.normed, norm.residual, bytes) &&
+                   !rangesOverlap(norm.normed, norm.residualOut, bytes) &&
+                   !rangesOverlap(norm.normed, norm.weight, norm.hidden * dtypeSize(dtype)) &&
+                   !rangesOverlap(norm.residualOut, norm.weight, norm.hidden * dtypeSize(dtype)),
+               kInvalidUsage,
+               "custom allreduce + RMSNorm: normed overlaps the residual, or an output overlaps "
+               "the weight");
+  if (count == 0) return algorithm;
+  const size_t packElements = kPackBytes / dtypeSize(dtype);
+  auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % kPackBytes == 0; };
+  LaunchParams p;
+  p.input = in;
+  p.output = norm.normed;
+  p.count = count;
+  p.dtype = dtype;
+  p.algorithm = algorithm;
+  p.hidden = norm.hidden;
+  p.residual = norm.residual;
+  p.residualOut = norm.residualOut;
+  p.weight = norm.weight;
+  p.eps = norm.eps;
+  p.packed = norm.hidden % packElements == 0 && aligned(in) && aligned(norm.residual) &&
+             aligned(norm.residualOut) && aligned(norm.weight) && aligned(norm.normed);
+  launch(p, stream, bytes, options);
   return algorithm;
 }
 
@@ -176,8 +247,8 @@ class EventLaunchOrder : public LaunchOrder {
     TPCOMM_CUDA_CHECK(recorded);
   }
 
-  cudaEvent_t event_ = nullptr;      // the rank's last launch, eager or replayed
-  cudaEvent_t inCapture_ = nullptr;  // the last launch captured in the current capture
+  cudaEvent_t event_ = nullptr;       // the rank's last launch, eager or replayed
+  cudaEvent_t inCapture_ = nullptr;   // the last launch captured in the current capture
   unsigned long long captureId_ = 0;  // the capture inCapture_ was recorded in
   bool inCaptureValid_ = false;
   bool capturing_ = false;  // of the launch between before() and after()

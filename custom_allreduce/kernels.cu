@@ -6,7 +6,7 @@
 namespace tpcomm::car {
 
 void launchAllreduce(const LaunchParams& p, cudaStream_t stream) {
-  const KernelFn kernel = kernelFor(p.dtype, p.algorithm, p.worldSize);
+  const KernelFn kernel = kernelFor(p);
   kernel<<<p.blocks, kThreads, 0, stream>>>(kernelArgsOf(p));
   TPCOMM_CUDA_CHECK(cudaGetLastError());
 }

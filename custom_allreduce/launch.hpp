@@ -25,6 +25,14 @@ struct LaunchParams {
   size_t resultOffset = 0;
   uint64_t timeoutNs = 0;
   uint32_t* errorDevice = nullptr;
+  // Fused residual add + RMSNorm (hidden > 0): `output` receives the normed
+  // rows (see KernelArgs).
+  size_t hidden = 0;
+  const void* residual = nullptr;
+  void* residualOut = nullptr;
+  const void* weight = nullptr;
+  float eps = 0.f;
+  bool packed = false;
 };
 
 void launchAllreduce(const LaunchParams& params, cudaStream_t stream);

@@ -27,6 +27,14 @@ struct KernelArgs {
   float scale;  // the result is scale x the sum (AVG: 1/N)
   uint64_t timeoutNs;
   uint32_t* error;  // mapped host memory
+  // The fused residual add + RMSNorm kernels only (fused_kernels.cuh):
+  // `output` receives the normed rows; count is rows x hidden.
+  const void* residual;  // this rank's residual, read before residualOut is written
+  void* residualOut;     // sum + residual (may be `residual`)
+  const void* weight;    // hidden elements
+  size_t hidden;         // elements per row
+  float eps;
+  int packed;  // rows move as 16-byte packs (hidden and every pointer allow it)
 };
 
 #ifndef TPCOMM_CAR_EMULATION

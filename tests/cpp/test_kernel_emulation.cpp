@@ -21,92 +21,19 @@
 #include <string>
 #include <vector>
 
-#include "custom_allreduce/dispatch.cuh"
+#include "tests/cpp/emulation_support.hpp"
 
 namespace tpcomm::car {
-
-// The product's launch as the emulation runs it: the host API
-// (CustomAllreduce::allreduce in host.cpp) ends here, with dispatch.cuh's
-// kernel choice and argument mapping, as kernels.cu launches on a GPU.
-// Fewer threads per block than on the GPU keep the emulation quick; the
-// kernels' loops stride by whatever blockDim is.
-//
-// The host API brackets every launch with its LaunchOrder; CheckedOrder (the
-// order the emulation's host-API calls use) checks that it does, on the
-// launch's own stream: before(s), the launch, after(s), nothing else between.
-namespace {
-enum class OrderState { kIdle, kBefore, kLaunched };
-OrderState orderState = OrderState::kIdle;
-cudaStream_t orderStream = nullptr;
-uint64_t orderedLaunches = 0;
-
-[[noreturn]] void orderViolation(const char* what) {
-  std::fprintf(stderr, "launch order: %s\n", what);
-  _exit(8);
-}
-
-class CheckedOrder : public LaunchOrder {
- public:
-  void synchronize() override {}  // emulated launches end before they return
-  void before(cudaStream_t stream) override {
-    if (orderState != OrderState::kIdle) orderViolation("before() inside another launch");
-    orderState = OrderState::kBefore;
-    orderStream = stream;
-  }
-  void after(cudaStream_t stream) override {
-    if (orderState != OrderState::kLaunched) orderViolation("after() without a launch");
-    if (stream != orderStream) orderViolation("after() on another stream than before()");
-    orderState = OrderState::kIdle;
-    ++orderedLaunches;
-  }
-};
-}  // namespace
 
 void launchAllreduce(const LaunchParams& p, cudaStream_t stream) {
   if (orderState != OrderState::kBefore || stream != orderStream) {
     orderViolation("a launch not preceded by before() on its stream");
   }
   orderState = OrderState::kLaunched;
-  emu::launch(kernelFor(p.dtype, p.algorithm, p.worldSize), kernelArgsOf(p), p.blocks, 32);
+  emu::launch(kernelFor(p), kernelArgsOf(p), p.blocks, 32);
 }
 
 namespace {
-
-// Element i of a tensor of `dtype` as float, and a float stored as `dtype`.
-float load(DType dtype, const void* p, size_t i) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return static_cast<const float*>(p)[i];
-    case DType::kFloat16:
-      return __half2float(static_cast<const __half*>(p)[i]);
-    default:
-      return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  }
-}
-
-void store(DType dtype, void* p, size_t i, float v) {
-  switch (dtype) {
-    case DType::kFloat32:
-      static_cast<float*>(p)[i] = v;
-      break;
-    case DType::kFloat16:
-      static_cast<__half*>(p)[i] = __float2half_rn(v);
-      break;
-    default:
-      static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
-  }
-}
-
-// Half the spacing of `dtype`'s values near 1.
-double roundingOf(DType dtype) {
-  return dtype == DType::kFloat32 ? std::ldexp(1.0, -24)
-                                  : std::ldexp(1.0, dtype == DType::kFloat16 ? -11 : -8);
-}
-
-// The spacing of `dtype`'s subnormals (float16's are coarse: 2^-24).
-double subnormalOf(DType dtype) {
-  return std::ldexp(1.0, dtype == DType::kFloat16 ? -24 : dtype == DType::kFloat32 ? -149 : -133);
-}
 
 struct Call {
   Algorithm algorithm = Algorithm::kOneShot;
@@ -134,29 +61,6 @@ struct Call {
   std::vector<void*> in, out;
   std::vector<std::vector<char>> original;  // the inputs as they were
   std::vector<RegisteredInputs*> tables;
-};
-
-// Shared memory mapped before the ranks fork.
-class Arena {
- public:
-  explicit Arena(size_t bytes) : size_(bytes) {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) throw std::runtime_error("mmap failed");
-    base_ = static_cast<char*>(p);  // zero-filled
-  }
-  ~Arena() { munmap(base_, size_); }
-  void* take(size_t bytes) {
-    used_ = (used_ + 255) / 256 * 256;
-    if (used_ + bytes > size_) throw std::runtime_error("arena too small");
-    void* p = base_ + used_;
-    used_ += bytes;
-    return p;
-  }
-
- private:
-  char* base_ = nullptr;
-  size_t size_ = 0;
-  size_t used_ = 0;
 };
 
 class EmulatedGroup {
