@@ -167,6 +167,19 @@ WorkPtr ProcessGroupTpcomm::allreduceInto(at::Tensor& input, at::Tensor& output,
   });
 }
 
+std::string ProcessGroupTpcomm::allreduceAddRmsNorm(const at::Tensor& input,
+                                                    const at::Tensor& residual,
+                                                    const at::Tensor& weight, double eps,
+                                                    at::Tensor& normed, at::Tensor& residualOut) {
+  std::string path;
+  run(OpType::ALLREDUCE, "all_reduce_add_rms_norm", [&] {
+    checkAddRmsNorm(input, residual, weight, eps, normed, residualOut);
+    path = coordinator_->allreduceAddRmsNorm(input, residual, weight, eps, normed, residualOut);
+    return coord::Pending{};
+  });
+  return path;
+}
+
 WorkPtr ProcessGroupTpcomm::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                              const c10d::AllreduceOptions& opts) {
   return run(OpType::ALLREDUCE, "allreduce_sparse", [&] {

@@ -55,6 +55,14 @@ class ProcessGroupTpcomm : public c10d::Backend {
                                                const c10d::AllreduceOptions& opts);
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
+  // The allreduce fused with a residual add and RMSNorm
+  // (GroupCoordinator::allreduceAddRmsNorm), after checkAddRmsNorm. CPU:
+  // done when it returns; CUDA: ordered on the current stream. Returns the
+  // path taken (custom_oneshot, custom_twoshot, cpu_shm, local, composed).
+  // Not a c10d entry point: the GroupCoordinator's op calls it.
+  std::string allreduceAddRmsNorm(const at::Tensor& input, const at::Tensor& residual,
+                                  const at::Tensor& weight, double eps, at::Tensor& normed,
+                                  at::Tensor& residualOut);
   c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
                                                   const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(

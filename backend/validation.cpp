@@ -1,5 +1,6 @@
 #include "backend/validation.hpp"
 
+#include <cmath>
 #include <numeric>
 
 #include "coordinator/common/error.hpp"
@@ -130,6 +131,52 @@ void checkSplits(const char* op, const char* what, const std::vector<int64_t>& s
   const int64_t total = std::accumulate(splits.begin(), splits.end(), int64_t{0});
   TPCOMM_CHECK(total == rows, kInvalidUsage, op, ": ", what, " sum to ", total,
                " but the tensor has ", rows, " rows");
+}
+
+namespace {
+bool shareBytes(const at::Tensor& a, const at::Tensor& b) {
+  if (a.nbytes() == 0 || b.nbytes() == 0) return false;
+  const auto x = reinterpret_cast<uintptr_t>(a.data_ptr());
+  const auto y = reinterpret_cast<uintptr_t>(b.data_ptr());
+  return x < y + b.nbytes() && y < x + a.nbytes();
+}
+}  // namespace
+
+void checkAddRmsNorm(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight,
+                     double eps, const at::Tensor& normed, const at::Tensor& residualOut) {
+  constexpr const char* op = "all_reduce_add_rms_norm";
+  checkTensors(op, "input, residual, weight, normed, residual_out",
+               {input, residual, weight, normed, residualOut});
+  checkSameDevice(op, {input, residual, weight, normed, residualOut});
+  const at::ScalarType dtype = input.scalar_type();
+  TPCOMM_CHECK(
+      dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16,
+      kInvalidUsage, op, ": input is ", coord::dtypeName(dtype),
+      "; RMSNorm needs float32, float64, float16 or bfloat16");
+  checkDtype(op, "residual, weight, normed and residual_out",
+             {residual, weight, normed, residualOut}, dtype);
+  TPCOMM_CHECK(input.dim() >= 1, kInvalidUsage, op, ": input is 0-dim; rows need a last dimension");
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"residual", residual},
+                                {"normed", normed},
+                                {"residual_out", residualOut}}) {
+    TPCOMM_CHECK(t.sizes() == input.sizes(), kInvalidUsage, op, ": ", name, " has shape ",
+                 t.sizes(), ", the input ", input.sizes());
+  }
+  TPCOMM_CHECK(weight.dim() == 1 && weight.size(0) == input.size(-1), kInvalidUsage, op,
+               ": weight has shape ", weight.sizes(), "; it must be [", input.size(-1),
+               "] (the input's last dimension)");
+  TPCOMM_CHECK(std::isfinite(eps) && eps >= 0, kInvalidUsage, op,
+               ": eps must be finite and not negative, got ", eps);
+  TPCOMM_CHECK(residualOut.data_ptr() == residual.data_ptr() || !shareBytes(residualOut, residual),
+               kInvalidUsage, op, ": residual_out overlaps the residual without being it");
+  TPCOMM_CHECK(!shareBytes(normed, residual) && !shareBytes(normed, residualOut) &&
+                   !shareBytes(normed, weight) && !shareBytes(residualOut, weight),
+               kInvalidUsage, op,
+               ": normed shares memory with the residual or residual_out, or an output with the "
+               "weight");
+  TPCOMM_CHECK((normed.data_ptr() == input.data_ptr() || !shareBytes(normed, input)) &&
+                   (residualOut.data_ptr() == input.data_ptr() || !shareBytes(residualOut, input)),
+               kInvalidUsage, op, ": an output overlaps the input without being it");
 }
 
 }  // namespace tpcomm::backend

@@ -35,4 +35,12 @@ void checkNumel(const char* op, const char* what, int64_t actual, int64_t expect
 void checkSplits(const char* op, const char* what, const std::vector<int64_t>& splits,
                  const at::Tensor& tensor, int size);
 
+// all_reduce_add_rms_norm: input, residual, normed and residual_out of one
+// shape (at least 1-D) and weight 1-D of the last dimension's size; all of
+// one floating dtype (float32, float64, float16, bfloat16) and one device;
+// eps finite and not negative; residual_out is residual or shares no byte
+// with it, and normed shares no byte with residual, residual_out or weight.
+void checkAddRmsNorm(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight,
+                     double eps, const at::Tensor& normed, const at::Tensor& residualOut);
+
 }  // namespace tpcomm::backend

@@ -183,6 +183,50 @@ void CustomPath::allreduce(const at::Tensor& input, const at::Tensor& output, De
                   carDType(input.scalar_type()), stream.stream(), options);
 }
 
+void CustomPath::allreduceAddRmsNorm(const at::Tensor& input, const at::Tensor& residual,
+                                     const at::Tensor& weight, double eps, const at::Tensor& normed,
+                                     const at::Tensor& residualOut, DeviceRoute route,
+                                     c10::cuda::CUDAStream stream) {
+  TPCOMM_CHECK(available_, kInvalidUsage, "custom allreduce on group '", groupName_,
+               "' is not available: ", reason_);
+  const size_t bytes = static_cast<size_t>(input.numel()) * input.element_size();
+  auto apart = [bytes](const at::Tensor& a, const at::Tensor& b) {
+    return a.data_ptr() == b.data_ptr() || !car::rangesOverlap(a.data_ptr(), b.data_ptr(), bytes);
+  };
+  const bool takes = aligned(input) && aligned(normed) && aligned(residualOut) &&
+                     apart(input, normed) && apart(input, residualOut) &&
+                     apart(residual, residualOut) &&
+                     !car::rangesOverlap(normed.data_ptr(), residual.data_ptr(), bytes) &&
+                     !car::rangesOverlap(normed.data_ptr(), residualOut.data_ptr(), bytes);
+  c10::cuda::CUDAStreamGuard guard(stream);
+  if (!takes) {
+    // A rank's own business, so it never changes the route (as allreduce).
+    at::Tensor in = input.clone(at::MemoryFormat::Contiguous);
+    at::Tensor res = residual.clone(at::MemoryFormat::Contiguous);
+    at::Tensor out = at::empty_like(in);
+    allreduceAddRmsNorm(in, res, weight, eps, out, res, route, stream);
+    normed.copy_(out);
+    residualOut.copy_(res);
+    return;
+  }
+  const uint32_t failed = car_->errorCode();
+  if (failed != 0) raiseEarlierFailure(car::describeError(failed));
+  car::CallOptions options;
+  options.chooseAlgorithm = false;
+  options.algorithm =
+      route == DeviceRoute::kCustomTwoShot ? car::Algorithm::kTwoShot : car::Algorithm::kOneShot;
+  car::CustomAllreduce::AddRmsNorm norm;
+  norm.residual = residual.data_ptr();
+  norm.residualOut = residualOut.data_ptr();
+  norm.weight = weight.data_ptr();
+  norm.normed = normed.data_ptr();
+  norm.hidden = static_cast<size_t>(weight.numel());
+  norm.rows = norm.hidden == 0 ? 0 : static_cast<size_t>(input.numel()) / norm.hidden;
+  norm.eps = static_cast<float>(eps);
+  car_->allreduceAddRmsNorm(input.data_ptr(), norm, carDType(input.scalar_type()), stream.stream(),
+                            options);
+}
+
 void CustomPath::finishGraphRegistration(c10d::Backend& cpu) {
   if (!available_) return;  // the same on every rank: nothing was registered
   RelaxedCaptureMode relaxed;

@@ -80,6 +80,18 @@ class CustomPath {
   void allreduce(const at::Tensor& input, const at::Tensor& output, DeviceRoute route, float scale,
                  c10::cuda::CUDAStream stream, bool registering);
 
+  // Enqueues the fused allreduce + residual add + RMSNorm on `stream`
+  // (car::CustomAllreduce::allreduceAddRmsNorm): residualOut = sum of
+  // `input` + residual, normed = RMSNorm(residualOut) x weight over rows of
+  // `hidden` (weight's numel) elements. Contiguous tensors of the group's
+  // device and one dtype; residualOut may be residual. Tensors the kernel
+  // cannot take as they are (not 16-byte aligned, an output overlapping
+  // another tensor) go through aligned copies, so the route never changes.
+  void allreduceAddRmsNorm(const at::Tensor& input, const at::Tensor& residual,
+                           const at::Tensor& weight, double eps, const at::Tensor& normed,
+                           const at::Tensor& residualOut, DeviceRoute route,
+                           c10::cuda::CUDAStream stream);
+
   // Raises Timeout naming the peer when a kernel of this group gave up.
   void checkError() const;
   // Collective (every rank of the group, no call of the group in flight on

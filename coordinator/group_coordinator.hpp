@@ -110,6 +110,19 @@ class GroupCoordinator {
   // output = reduction of every rank's input; output may be input. The custom
   // kernel reads the input in place where it can (graph_capture()).
   Pending allreduceInto(at::Tensor& input, at::Tensor& output, const c10d::AllreduceOptions& opts);
+  // The allreduce fused with a transformer layer's residual add and RMSNorm
+  // (group_coordinator_fused.cpp): residualOut = sum over ranks of input +
+  // residual, normed = residualOut / sqrt(mean(residualOut^2) + eps) x
+  // weight, row by row over the last dimension, float32 statistics (float64
+  // for float64). The path is chosen as an allreduce SUM of the input's size
+  // would be: the custom kernel's fused epilogue, the CPU shared-memory path
+  // (fused into its reduction pass), a group of one (no communication), else
+  // composed (the routed allreduce, then ATen's add and rms_norm). Arguments
+  // were checked (backend's checkAddRmsNorm). CPU: done when it returns;
+  // CUDA: ordered on the current stream. Returns the path's name.
+  std::string allreduceAddRmsNorm(const at::Tensor& input, const at::Tensor& residual,
+                                  const at::Tensor& weight, double eps, at::Tensor& normed,
+                                  at::Tensor& residualOut);
   Pending allreduceSparse(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts);
   Pending allreduceCoalesced(std::vector<at::Tensor>& tensors,
                              const c10d::AllreduceCoalescedOptions& opts);

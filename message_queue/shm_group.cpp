@@ -40,7 +40,14 @@ std::string describeFailure(uint64_t word) {
                         culprit >= 0 ? detail::concat(" (rank ", culprit, " died)") : "");
 }
 
-enum class Op : uint8_t { kBarrier = 1, kAllreduce, kAllgather, kReduceScatter, kBroadcast };
+enum class Op : uint8_t {
+  kBarrier = 1,
+  kAllreduce,
+  kAllgather,
+  kReduceScatter,
+  kBroadcast,
+  kAllreduceAddRmsNorm
+};
 
 const char* opName(Op op) {
   switch (op) {
@@ -48,6 +55,8 @@ const char* opName(Op op) {
       return "barrier";
     case Op::kAllreduce:
       return "allreduce";
+    case Op::kAllreduceAddRmsNorm:
+      return "allreduce_add_rms_norm";
     case Op::kAllgather:
       return "all_gather";
     case Op::kReduceScatter:
@@ -89,6 +98,9 @@ struct ShmGroup::Signature {
         return detail::concat(out, " of ", count, " bytes");
       case Op::kBroadcast:
         return detail::concat(out, " of ", count, " bytes from root ", root);
+      case Op::kAllreduceAddRmsNorm:
+        return detail::concat(out, " ", dtypeName(static_cast<DType>(dtype)), "[", count,
+                              "] in rows of ", root);
       default:
         break;
     }
@@ -295,7 +307,10 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
                            ? std::chrono::microseconds(0)
                            : std::min<std::chrono::microseconds>(left, kSleepSlice);
     // A published failure bumps the word too: it ends the sleep.
-    if (sleepOn(h.wake, h.sleepers, [&] { return ready() || failed(); }, slice) && ready()) return;
+    if (sleepOn(
+            h.wake, h.sleepers, [&] { return ready() || failed(); }, slice) &&
+        ready())
+      return;
     if (failed()) joinFailure();
     now = std::chrono::steady_clock::now();
     // Peers' liveness at most once per sleep slice (every arrival wakes
@@ -329,6 +344,63 @@ void ShmGroup::barrier() {
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
   step(Signature(static_cast<int>(Op::kBarrier), 0, 0, 0, 0));
+}
+
+void ShmGroup::allreduceAddRmsNorm(const void* in, size_t rows, DType dtype, const NormRows& norm) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throwIfFailed();
+  const size_t esize = dtypeBytes(dtype);
+  const size_t rowBytes = norm.hidden * esize;
+  // The hidden size travels as the signature's root: ranks that disagree on
+  // it (same count, other rows) are named too.
+  const Signature sig(static_cast<int>(Op::kAllreduceAddRmsNorm), static_cast<int>(dtype), 0,
+                      static_cast<int>(norm.hidden), rows * norm.hidden);
+  TPCOMM_CHECK(rowBytes <= options_.bufferBytes, kInvalidUsage, "allreduce_add_rms_norm: a row of ",
+               rowBytes, " bytes exceeds the shared-memory chunk of ", options_.bufferBytes);
+  if (rows == 0) return step(sig);
+  const int n = options_.size;
+  const int me = options_.rank;
+  const size_t chunkRows = options_.bufferBytes / rowBytes;
+  const bool twoPhase = n > 1 && rows * rowBytes >= options_.twoPhaseMinBytes;
+  std::vector<const void*>& srcs = sources_;
+  ReduceSpec sum;
+  for (size_t first = 0; first < rows; first += chunkRows) {
+    const size_t m = std::min(chunkRows, rows - first);
+    const uint64_t k = chunks_++;
+    std::memcpy(half(me, k), static_cast<const char*>(in) + first * rowBytes, m * rowBytes);
+    step(sig);
+    NormRows at = norm;
+    auto rowsFrom = [&](size_t row) {
+      const size_t offset = (first + row) * rowBytes;
+      at.residual = static_cast<const char*>(norm.residual) + offset;
+      at.residualOut = static_cast<char*>(norm.residualOut) + offset;
+      at.normed = static_cast<char*>(norm.normed) + offset;
+    };
+    if (!twoPhase) {
+      for (int r = 0; r < n; ++r) srcs[r] = half(r, k);
+      rowsFrom(0);
+      reduceAddRmsNorm(srcs.data(), n, m, dtype, at);
+      continue;
+    }
+    // Rank r sums rows [per x r, per x (r + 1)) of the chunk into its own
+    // half; after the second step every rank finishes every row from its
+    // owner's sums with its own residual.
+    const size_t per = (m + n - 1) / n;
+    const size_t from = std::min(m, per * me);
+    const size_t to = std::min(m, from + per);
+    for (int r = 0; r < n; ++r) srcs[r] = half(r, k) + from * rowBytes;
+    reduceInto(half(me, k) + from * rowBytes, srcs.data(), n, (to - from) * norm.hidden, dtype,
+               sum);
+    step(sig);
+    for (int r = 0; r < n; ++r) {
+      const size_t a = std::min(m, per * r);
+      const size_t b = std::min(m, a + per);
+      if (b == a) continue;
+      const void* owner = half(r, k) + a * rowBytes;
+      rowsFrom(a);
+      reduceAddRmsNorm(&owner, 1, b - a, dtype, at);
+    }
+  }
 }
 
 void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,

@@ -100,6 +100,13 @@ class ShmGroup {
 
   // out = reduction over ranks of `in` (count elements). `out` may be `in`.
   void allreduce(const void* in, void* out, size_t count, DType dtype, const ReduceSpec& spec);
+  // The allreduce fused with a transformer layer's residual add and RMSNorm
+  // (reduceAddRmsNorm in shm_reduce.hpp) over `rows` rows of norm.hidden
+  // elements of `in`: the add and the norm run in the reduction's pass,
+  // with this rank's own residual and weight. `in` may be normed or
+  // residualOut; residualOut may be residual. Chunks hold whole rows:
+  // InvalidUsage when a row exceeds bufferBytes (the caller composes then).
+  void allreduceAddRmsNorm(const void* in, size_t rows, DType dtype, const NormRows& norm);
   // outs[r] = rank r's `in` (bytes each). outs[rank] may be `in`.
   void allgather(const void* in, size_t bytes, const std::vector<void*>& outs);
   // out = reduction over ranks of their ins[rank] (count elements each).

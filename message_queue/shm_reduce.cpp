@@ -1,5 +1,6 @@
 #include "message_queue/shm_reduce.hpp"
 
+#include <cmath>
 #include <cstring>
 
 #include "coordinator/common/error.hpp"
@@ -249,6 +250,71 @@ TPCOMM_VECTOR_CLONES void scaleFloats(void* d, const void* s, size_t c, DType dt
   }
 }
 
+// The fused epilogue (reduceAddRmsNorm in shm_reduce.hpp) for one dtype:
+// each row's sums as reduceTyped's Sum (rounded to T), the residual added
+// and rounded, its squares summed in eight fixed lanes (a vector-friendly
+// order that is the same on every rank), then the normed row.
+template <typename D>
+TPCOMM_INLINE void addRmsNormTyped(const void* const* srcs, int n, size_t rows,
+                                   const NormRows& spec) {
+  using T = typename D::T;
+  using Acc = typename D::Acc;
+  const size_t hidden = spec.hidden;
+  const T* residual = static_cast<const T*>(spec.residual);
+  T* residualOut = static_cast<T*>(spec.residualOut);
+  const T* weight = static_cast<const T*>(spec.weight);
+  T* normed = static_cast<T*>(spec.normed);
+  Acc acc[kTile];
+  for (size_t row = 0; row < rows; ++row) {
+    const size_t start = row * hidden;
+    Acc lanes[8] = {};
+    for (size_t base = 0; base < hidden; base += kTile) {
+      const size_t m = hidden - base < kTile ? hidden - base : kTile;
+      const T* first = static_cast<const T*>(srcs[0]) + start + base;
+      for (size_t i = 0; i < m; ++i) acc[i] = D::load(first[i]);
+      for (int j = 1; j < n; ++j) {
+        const T* src = static_cast<const T*>(srcs[j]) + start + base;
+        for (size_t i = 0; i < m; ++i) acc[i] = acc[i] + D::load(src[i]);
+      }
+      const T* res = residual + start + base;
+      T* out = residualOut + start + base;
+      for (size_t i = 0; i < m; ++i) {
+        const T value = D::store(D::load(D::store(acc[i])) + D::load(res[i]));
+        out[i] = value;
+        const Acc v = D::load(value);
+        acc[i] = v * v;
+      }
+      size_t i = 0;
+      for (; i + 8 <= m; i += 8) {
+        for (int k = 0; k < 8; ++k) lanes[k] += acc[i + k];
+      }
+      for (; i < m; ++i) lanes[i % 8] += acc[i];
+    }
+    const Acc squares = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+                        ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+    const Acc inverse =
+        Acc(1) / std::sqrt(squares / static_cast<Acc>(hidden) + static_cast<Acc>(spec.eps));
+    const T* value = residualOut + start;
+    T* dst = normed + start;
+    for (size_t i = 0; i < hidden; ++i) {
+      dst[i] = D::store(D::load(value[i]) * inverse * D::load(weight[i]));
+    }
+  }
+}
+
+TPCOMM_VECTOR_CLONES void addRmsNormF32(const void* const* s, int n, size_t r, const NormRows& p) {
+  addRmsNormTyped<F32>(s, n, r, p);
+}
+TPCOMM_VECTOR_CLONES void addRmsNormF64(const void* const* s, int n, size_t r, const NormRows& p) {
+  addRmsNormTyped<F64>(s, n, r, p);
+}
+TPCOMM_VECTOR_CLONES void addRmsNormBF16(const void* const* s, int n, size_t r, const NormRows& p) {
+  addRmsNormTyped<BF16>(s, n, r, p);
+}
+TPCOMM_VECTOR_CLONES void addRmsNormFP16(const void* const* s, int n, size_t r, const NormRows& p) {
+  addRmsNormTyped<FP16>(s, n, r, p);
+}
+
 }  // namespace
 
 size_t dtypeBytes(DType dtype) {
@@ -324,6 +390,25 @@ void copyScaled(void* dst, const void* src, size_t count, DType dtype, const Red
     scaleFloats(dst, src, count, dtype, spec.scale);
   } else if (dst != src) {
     std::memcpy(dst, src, count * dtypeBytes(dtype));
+  }
+}
+
+void reduceAddRmsNorm(const void* const* srcs, int n, size_t rows, DType dtype,
+                      const NormRows& spec) {
+  TPCOMM_CHECK(n >= 1, kInvalidUsage, "reduceAddRmsNorm: no sources");
+  TPCOMM_CHECK(spec.hidden > 0 || rows == 0, kInvalidUsage, "reduceAddRmsNorm: hidden size 0");
+  switch (dtype) {
+    case DType::kFloat32:
+      return addRmsNormF32(srcs, n, rows, spec);
+    case DType::kFloat64:
+      return addRmsNormF64(srcs, n, rows, spec);
+    case DType::kBFloat16:
+      return addRmsNormBF16(srcs, n, rows, spec);
+    case DType::kFloat16:
+      return addRmsNormFP16(srcs, n, rows, spec);
+    default:
+      TPCOMM_THROW(kInvalidUsage, "add + RMSNorm of ", dtypeName(dtype),
+                   ": only float32, float64, bfloat16 and float16");
   }
 }
 

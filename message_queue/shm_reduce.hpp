@@ -41,6 +41,26 @@ void reduceInto(void* out, const void* const* srcs, int n, size_t count, DType d
 // a plain copy when !spec.premultiply. Floating dtypes only scale.
 void copyScaled(void* dst, const void* src, size_t count, DType dtype, const ReduceSpec& spec);
 
+// Rows of `hidden` elements for the fused allreduce + residual add + RMSNorm;
+// each pointer at the first row. residualOut may be residual.
+struct NormRows {
+  const void* residual = nullptr;
+  void* residualOut = nullptr;
+  const void* weight = nullptr;  // hidden elements
+  void* normed = nullptr;
+  size_t hidden = 0;
+  double eps = 1e-6;
+};
+
+// For each of `rows` rows: sum = the SUM reduceInto gives (one rounding),
+// residualOut = round(sum + residual), normed = round(residualOut /
+// sqrt(mean(residualOut^2) + eps) x weight) with the statistics in the
+// accumulator type (float32; float64 for float64), summed in a fixed order,
+// so that the same inputs give the same bits on every rank. With n == 1 the
+// source is the sum already. Floating dtypes only (InvalidUsage otherwise).
+void reduceAddRmsNorm(const void* const* srcs, int n, size_t rows, DType dtype,
+                      const NormRows& spec);
+
 // The conversions the 16-bit reductions use, exposed for tests: round to
 // nearest even, NaN kept NaN.
 float bf16ToFloat(uint16_t h);

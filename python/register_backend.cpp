@@ -176,6 +176,19 @@ tensors through the device backend (NCCL), created on first use.)")
           "output = sum (or mean) of every rank's input, out of place; returns a Work when "
           "async_op, else None (ordered on the current stream).")
       .def(
+          "all_reduce_add_rms_norm",
+          [](backend::ProcessGroupTpcomm& self, at::Tensor input, at::Tensor residual,
+             at::Tensor weight, double eps, at::Tensor normed, at::Tensor residualOut) {
+            return self.allreduceAddRmsNorm(input, residual, weight, eps, normed, residualOut);
+          },
+          py::arg("input"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+          py::arg("normed"), py::arg("residual_out"), py::call_guard<py::gil_scoped_release>(),
+          "residual_out = sum of every rank's input + residual; normed = RMSNorm(residual_out) x "
+          "weight over the last dimension (float32 statistics), fused where the path allows. "
+          "Contiguous tensors; residual_out may be residual. CPU: done on return; CUDA: ordered "
+          "on the current stream. Returns the path taken (custom_oneshot, custom_twoshot, "
+          "cpu_shm, local, composed).")
+      .def(
           "set_route_mode",
           [](backend::ProcessGroupTpcomm& self, const std::string& mode) {
             self.coordinator().setRouteMode(mode);

@@ -10,6 +10,13 @@ that gives the output's shape and dtype without communicating.
     torch.ops.tpcomm.all_reduce(x, "tp:0")
     torch.ops.tpcomm.all_gather(x, dim, world_size, "tp:0")
     torch.ops.tpcomm.reduce_scatter(x, dim, world_size, "tp:0")
+    normed, residual_out = torch.ops.tpcomm.all_reduce_add_rms_norm(x, residual, weight, eps,
+                                                                    "tp:0")
+    normed = torch.ops.tpcomm.all_reduce_add_rms_norm_(x, residual, weight, eps, "tp:0")
+
+The last one is the exception to "out of place": it writes residual_out
+into `residual` (declared as mutated in its schema, so torch.compile
+functionalises it) and returns the normed rows.
 """
 
 import itertools
@@ -87,6 +94,25 @@ def _reduce_scatter_fake(tensor, dim, world_size, group_name):
     return tensor.new_empty(_scattered_shape(tensor, dim, world_size))
 
 
+def _all_reduce_add_rms_norm(tensor, residual, weight, eps, group_name):
+    return lookup(group_name)._all_reduce_add_rms_norm_out(tensor, residual, weight, eps, None)
+
+
+def _all_reduce_add_rms_norm_fake(tensor, residual, weight, eps, group_name):
+    return (torch.empty_like(tensor, memory_format=torch.contiguous_format),
+            torch.empty_like(residual, memory_format=torch.contiguous_format))
+
+
+def _all_reduce_add_rms_norm_inplace(tensor, residual, weight, eps, group_name):
+    normed, _ = lookup(group_name)._all_reduce_add_rms_norm_out(tensor, residual, weight, eps,
+                                                                 residual)
+    return normed
+
+
+def _all_reduce_add_rms_norm_inplace_fake(tensor, residual, weight, eps, group_name):
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
 _SCHEMAS = {
     "all_reduce": ("all_reduce(Tensor tensor, str group_name) -> Tensor", _all_reduce,
                    _all_reduce_fake),
@@ -95,6 +121,14 @@ _SCHEMAS = {
     "reduce_scatter": (
         "reduce_scatter(Tensor tensor, int dim, int world_size, str group_name) -> Tensor",
         _reduce_scatter, _reduce_scatter_fake),
+    "all_reduce_add_rms_norm": (
+        "all_reduce_add_rms_norm(Tensor tensor, Tensor residual, Tensor weight, float eps, "
+        "str group_name) -> (Tensor, Tensor)",
+        _all_reduce_add_rms_norm, _all_reduce_add_rms_norm_fake),
+    "all_reduce_add_rms_norm_": (
+        "all_reduce_add_rms_norm_(Tensor tensor, Tensor(a!) residual, Tensor weight, float eps, "
+        "str group_name) -> Tensor",
+        _all_reduce_add_rms_norm_inplace, _all_reduce_add_rms_norm_inplace_fake),
 }
 
 _library = None

@@ -88,6 +88,7 @@ class GroupCoordinator:
             self.mq_broadcaster = MessageQueue.create_from_process_group(
                 self.cpu_group, 1 << 22, 6, device_group=self.device_group)
         self.communication_buffer_bytes = 0
+        self.last_fused_path = None  # the path all_reduce_add_rms_norm last took
         self._ep_plans = deque()
 
     def _check_group_ranks(self, group_ranks):
@@ -160,6 +161,51 @@ class GroupCoordinator:
         out = input_.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(out, group=self.device_group)
         return out
+
+    def all_reduce_add_rms_norm(self, input_, residual, weight, eps=1e-6):
+        """The row-parallel output's allreduce fused with the residual add and
+        RMSNorm that follow it in a transformer layer:
+
+            residual_out = all_reduce(input_) + residual
+            normed = rms_norm(residual_out) * weight   (last dim, float32 statistics)
+
+        Returns (normed, residual_out), new tensors
+        (torch.ops.tpcomm.all_reduce_add_rms_norm). Fused on the custom CUDA
+        kernel and the CPU shared-memory path; composed elsewhere."""
+        return torch.ops.tpcomm.all_reduce_add_rms_norm(input_, residual, weight, float(eps),
+                                                        self.unique_name)
+
+    def all_reduce_add_rms_norm_(self, input_, residual, weight, eps=1e-6):
+        """all_reduce_add_rms_norm writing residual_out into `residual`;
+        returns (normed, residual)."""
+        normed = torch.ops.tpcomm.all_reduce_add_rms_norm_(input_, residual, weight, float(eps),
+                                                           self.unique_name)
+        return normed, residual
+
+    def _all_reduce_add_rms_norm_out(self, input_, residual, weight, eps, residual_out):
+        """The ops' implementation: residual_out None makes a new tensor."""
+        if residual_out is None:
+            residual_out = torch.empty_like(residual, memory_format=torch.contiguous_format)
+        normed = torch.empty_like(input_, memory_format=torch.contiguous_format)
+        out = residual_out if residual_out.is_contiguous() else torch.empty_like(
+            residual_out, memory_format=torch.contiguous_format)
+        res = residual.contiguous()  # residual itself when contiguous (then in place)
+        if self._tpcomm and self.device_group is not None:
+            backend = self._tpcomm_backend()
+            self.last_fused_path = backend.all_reduce_add_rms_norm(
+                input_.contiguous(), res, weight.contiguous(), eps, normed, out)
+        else:
+            reduced = input_.clone(memory_format=torch.contiguous_format)
+            if self.world_size > 1:
+                dist.all_reduce(reduced, group=self.device_group)
+            torch.add(reduced, res, out=out)
+            stats = torch.float64 if out.dtype == torch.float64 else torch.float32
+            normed.copy_(torch.nn.functional.rms_norm(out.to(stats), (weight.numel(),),
+                                                      weight.to(stats), eps))
+            self.last_fused_path = "composed"
+        if out is not residual_out:
+            residual_out.copy_(out)
+        return normed, residual_out
 
     def all_gather(self, input_, dim=-1):
         """Concatenation of every rank's `input_` along `dim`, in rank order."""
