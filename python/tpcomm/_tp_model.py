@@ -1,12 +1,14 @@
 """A small decoder-only transformer split the way tensor-parallel inference
 servers split one, for the demo.
 
-Per layer: attention whose heads are divided over the ranks (the fused QKV
-projection is column-parallel, the output projection row-parallel: one
-allreduce) and an MLP (up column-parallel, down row-parallel: one allreduce).
-The embedding is vocab-parallel (each rank holds a slice of the rows: one
-allreduce), the LM head column-parallel over the vocabulary (one all-gather).
-So a decode step makes 2 x layers + 1 allreduces and one all-gather.
+Per layer (pre-norm, RMSNorm, as Llama): attention whose heads are divided
+over the ranks (the fused QKV projection is column-parallel, the output
+projection row-parallel: one allreduce) and an MLP (up column-parallel, down
+row-parallel: one allreduce). The embedding is vocab-parallel (each rank
+holds a slice of the rows: one allreduce), the LM head column-parallel over
+the vocabulary (one all-gather). Every allreduce is followed by the residual
+add and the next RMSNorm, so each is one all_reduce_add_rms_norm: a decode
+step makes 2 x layers + 1 of them and one all-gather.
 
 The same code with one rank and no communicator is the single-process
 reference. Weights are drawn from a seeded generator in float64 (no
@@ -20,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+EPS = 1e-5  # RMSNorm's
 
 
 @dataclass(frozen=True)
@@ -56,15 +60,14 @@ def full_weights(cfg):
     w = {"embed": randn(cfg.vocab, h), "pos": randn(4096, h, scale=0.1)}
     for i in range(cfg.layers):
         w.update({
-            f"{i}.ln1.w": 1 + randn(h, scale=0.1), f"{i}.ln1.b": randn(h, scale=0.1),
+            f"{i}.ln1.w": 1 + randn(h, scale=0.1),
             f"{i}.qkv.w": randn(3 * h, h, scale=h ** -0.5), f"{i}.qkv.b": randn(3 * h, scale=0.1),
-            f"{i}.o.w": randn(h, h, scale=h ** -0.5), f"{i}.o.b": randn(h, scale=0.1),
-            f"{i}.ln2.w": 1 + randn(h, scale=0.1), f"{i}.ln2.b": randn(h, scale=0.1),
+            f"{i}.o.w": randn(h, h, scale=h ** -0.5),
+            f"{i}.ln2.w": 1 + randn(h, scale=0.1),
             f"{i}.up.w": randn(f, h, scale=h ** -0.5), f"{i}.up.b": randn(f, scale=0.1),
-            f"{i}.down.w": randn(h, f, scale=f ** -0.5), f"{i}.down.b": randn(h, scale=0.1),
+            f"{i}.down.w": randn(h, f, scale=f ** -0.5),
         })
-    w.update({"lnf.w": 1 + randn(h, scale=0.1), "lnf.b": randn(h, scale=0.1),
-              "head": randn(cfg.vocab, h, scale=2 * h ** -0.5)})
+    w.update({"lnf.w": 1 + randn(h, scale=0.1), "head": randn(cfg.vocab, h, scale=2 * h ** -0.5)})
     return w
 
 
@@ -75,14 +78,13 @@ def prompts(cfg):
 
 def shard(weights, cfg, rank, size):
     """This rank's slice of every weight (rows of column-parallel layers,
-    columns of row-parallel ones; biases of row-parallel layers whole)."""
+    columns of row-parallel ones; norm weights whole)."""
     def rows(t, n):
         return t.reshape(size, n // size, *t.shape[1:])[rank]
 
     h = cfg.hidden
     out = {"embed": rows(weights["embed"], cfg.vocab), "pos": weights["pos"],
-           "head": rows(weights["head"], cfg.vocab),
-           "lnf.w": weights["lnf.w"], "lnf.b": weights["lnf.b"]}
+           "head": rows(weights["head"], cfg.vocab), "lnf.w": weights["lnf.w"]}
     for i in range(cfg.layers):
         qkv_w = weights[f"{i}.qkv.w"].reshape(3, h, h)
         qkv_b = weights[f"{i}.qkv.b"].reshape(3, h)
@@ -95,7 +97,7 @@ def shard(weights, cfg, rank, size):
             f"{i}.up.b": rows(weights[f"{i}.up.b"], cfg.ffn),
             f"{i}.down.w": rows(weights[f"{i}.down.w"].t(), cfg.ffn).t(),
         })
-        for name in ("ln1.w", "ln1.b", "ln2.w", "ln2.b", "o.b", "down.b"):
+        for name in ("ln1.w", "ln2.w"):
             out[f"{i}.{name}"] = weights[f"{i}.{name}"]
     return out
 
@@ -115,8 +117,13 @@ class DecodeStep:
         self.v_cache = [torch.zeros(cache, device=device, dtype=dtype) for _ in range(cfg.layers)]
         self.slots = torch.arange(max_len, device=device)
 
-    def _all_reduce(self, x):
-        return self.comm.all_reduce(x) if self.comm is not None else x
+    def _all_reduce_add_rms_norm(self, partial, residual, weight):
+        """(normed, residual_out): the rank's partial sum allreduced, added to
+        the residual stream and RMS-normalised for the next block."""
+        if self.comm is not None:
+            return self.comm.all_reduce_add_rms_norm(partial, residual, weight, EPS)
+        residual = partial + residual
+        return F.rms_norm(residual, (residual.shape[-1],), weight, EPS), residual
 
     def _all_gather(self, x):
         return self.comm.all_gather(x, dim=-1) if self.comm is not None else x
@@ -125,8 +132,7 @@ class DecodeStep:
         rows = self.w["embed"].shape[0]
         local = ids - self.vocab_start
         mine = (local >= 0) & (local < rows)
-        x = self.w["embed"][local.clamp(0, rows - 1)] * mine.unsqueeze(-1).to(self.w["embed"])
-        return self._all_reduce(x)
+        return self.w["embed"][local.clamp(0, rows - 1)] * mine.unsqueeze(-1).to(self.w["embed"])
 
     def _attention(self, i, x, pos):
         cfg, w = self.cfg, self.w
@@ -138,21 +144,22 @@ class DecodeStep:
         scores = (q.unsqueeze(2) @ self.k_cache[i].transpose(-1, -2)) / math.sqrt(d)
         scores = scores.masked_fill(self.slots > pos, float("-inf"))
         heads = (scores.softmax(-1) @ self.v_cache[i]).reshape(b, self.heads * d)
-        return self._all_reduce(F.linear(heads, w[f"{i}.o.w"])) + w[f"{i}.o.b"]
+        return F.linear(heads, w[f"{i}.o.w"])  # this rank's partial sum
 
     def _mlp(self, i, x):
         w = self.w
         up = F.gelu(F.linear(x, w[f"{i}.up.w"], w[f"{i}.up.b"]))
-        return self._all_reduce(F.linear(up, w[f"{i}.down.w"])) + w[f"{i}.down.b"]
+        return F.linear(up, w[f"{i}.down.w"])  # this rank's partial sum
 
     def __call__(self, ids, pos):
-        w, h = self.w, self.cfg.hidden
-        x = self._embed(ids) + w["pos"][pos]
-        for i in range(self.cfg.layers):
-            x = x + self._attention(i, F.layer_norm(x, (h,), w[f"{i}.ln1.w"], w[f"{i}.ln1.b"]),
-                                    pos)
-            x = x + self._mlp(i, F.layer_norm(x, (h,), w[f"{i}.ln2.w"], w[f"{i}.ln2.b"]))
-        x = F.layer_norm(x, (h,), w["lnf.w"], w["lnf.b"])
+        w, layers = self.w, self.cfg.layers
+        residual = w["pos"][pos].expand(self.cfg.batch, -1)
+        x, residual = self._all_reduce_add_rms_norm(self._embed(ids), residual, w["0.ln1.w"])
+        for i in range(layers):
+            x, residual = self._all_reduce_add_rms_norm(self._attention(i, x, pos), residual,
+                                                        w[f"{i}.ln2.w"])
+            after = w[f"{i + 1}.ln1.w"] if i + 1 < layers else w["lnf.w"]
+            x, residual = self._all_reduce_add_rms_norm(self._mlp(i, x), residual, after)
         return self._all_gather(F.linear(x, w["head"]))
 
 

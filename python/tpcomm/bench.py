@@ -5,6 +5,7 @@
     python -m tpcomm.bench allreduce [--max-mib 64] [--quick]
     python -m tpcomm.bench cpu [--world-sizes 2 4] [--max-mib 64] [--quick] [--png cpu_bench.png]
     python -m tpcomm.bench faults [--world-sizes 2 3] [--timeout 3] [--quick]
+    python -m tpcomm.bench fused [--world-sizes 2 4] [--device cpu|cuda] [--dtype bfloat16]
 
 mq: broadcast of tensor dicts from one writer to N readers on this host,
 through tpcomm.MessageQueue and, in the same run, through the Gloo path
@@ -26,6 +27,10 @@ tpcomm._bench_cpu).
 faults: bad inputs, one-rank mistakes under TPCOMM_DEBUG and kill -9 of each
 role, summarised as clear errors, timeouts, crashes and wrong results (see
 tpcomm._bench_faults).
+
+fused: all_reduce_add_rms_norm against all_reduce + add + rms_norm for
+hidden 1024..8192 x 1..128 tokens, on CPU or with every rank on GPU 0 (see
+tpcomm._bench_fused).
 """
 
 import argparse
@@ -163,6 +168,12 @@ def main(argv=None):
     faults.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3])
     faults.add_argument("--timeout", type=float, default=3.0, help="group timeout (s)")
     faults.add_argument("--quick", action="store_true", help="three of the five kill roles")
+    fused = sub.add_parser("fused", help="fused allreduce + add + RMSNorm vs the three ops")
+    fused.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    fused.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    fused.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    fused.add_argument("--quick", action="store_true", help="two shapes")
+    fused.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best kept)")
     args = parser.parse_args(argv)
     if args.what == "mq":
         rc = 0
@@ -189,6 +200,10 @@ def main(argv=None):
         from tpcomm._bench_faults import run as run_faults
 
         return run_faults(args.world_sizes, args.timeout, args.quick)
+    if args.what == "fused":
+        from tpcomm._bench_fused import run as run_fused
+
+        return run_fused(args.world_sizes, args.device, args.dtype, args.quick, args.rounds)
     return 2
 
 

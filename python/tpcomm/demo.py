@@ -7,7 +7,8 @@ on CPU), builds a small transformer with column- and row-parallel layers from
 seeded random weights, and decodes --steps tokens for a batch of sequences.
 Each step the driver rank broadcasts the step's inputs as a tensor dict
 through the tensor-parallel group's shared-memory message queue; every rank
-runs the step (two allreduces per layer, on GPU replayed from a CUDA graph);
+runs the step (two allreduces per layer, each fused with the residual add
+and RMSNorm after it; on GPU replayed from a CUDA graph);
 the driver picks the next tokens. Prints tokens/s and the collectives per
 route, then checks every step's logits and tokens against a single-process
 float64 run of the same model. Exits non-zero if the check fails.

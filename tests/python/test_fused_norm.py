@@ -225,3 +225,10 @@ def test_bad_input_is_named(shm_groups):
     for msg, want in zip(msgs, ["weight has shape [7]", "input is int32", "eps must be finite",
                                 "residual has shape [2, 9]", "float64"]):
         assert msg is not None and want in msg and "all_reduce_add_rms_norm" in msg, msg
+
+
+def test_bench_fused_quick_runs():
+    # The benchmark's quick run end to end (its figures are printed, not checked).
+    from tpcomm._bench_fused import run
+
+    assert run(world_sizes=(2,), quick=True, rounds=1) == 0
