@@ -91,9 +91,10 @@ int chooseBlocks(Algorithm algorithm, int worldSize, size_t bytes, int override)
 // (InvalidUsage, with the most it may be) when too many; else `chosen` is
 // capped to fit.
 int sharedGpuBlocks(int worldSize, int requested, int chosen, int residentTotal);
-// How many blocks of the kernel for (dtype, algorithm, world size) the
-// current GPU holds at once (SMs x blocks per SM by occupancy). GPU only.
-int maxResidentBlocks(DType dtype, Algorithm algorithm, int worldSize);
+// How many blocks of the kernel for (dtype, algorithm, world size; `fused`:
+// the add + RMSNorm kernel) the current GPU holds at once (SMs x blocks per
+// SM by occupancy). GPU only.
+int maxResidentBlocks(DType dtype, Algorithm algorithm, int worldSize, bool fused = false);
 
 // Whether [a, a + bytes) and [b, b + bytes) share a byte.
 bool rangesOverlap(const void* a, const void* b, size_t bytes);

@@ -11,8 +11,8 @@ void launchAllreduce(const LaunchParams& p, cudaStream_t stream) {
   TPCOMM_CUDA_CHECK(cudaGetLastError());
 }
 
-int maxResidentBlocks(DType dtype, Algorithm algorithm, int worldSize) {
-  const KernelFn kernel = kernelFor(dtype, algorithm, worldSize);
+int maxResidentBlocks(DType dtype, Algorithm algorithm, int worldSize, bool fused) {
+  const KernelFn kernel = kernelFor(dtype, algorithm, worldSize, fused);
   int perSm = 0, device = 0, sms = 0;
   TPCOMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &perSm, reinterpret_cast<const void*>(kernel), kThreads, 0));

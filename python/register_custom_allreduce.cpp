@@ -82,6 +82,44 @@ class Rank {
     impl_.allreduce(input.data_ptr(), output.data_ptr(), count, dtype, s, options);
   }
 
+  // The fused allreduce + residual add + RMSNorm (normed and residualOut
+  // written), enqueued like allReduce.
+  void allReduceAddRmsNorm(const at::Tensor& input, const at::Tensor& residual,
+                           const at::Tensor& weight, double eps, at::Tensor& normed,
+                           at::Tensor& residualOut, const std::string& algorithm, int blocks,
+                           std::optional<int64_t> stream) {
+    for (const at::Tensor* t : {&input, &residual, &weight, &normed, &residualOut}) {
+      TPCOMM_CHECK(t->is_cuda() && t->is_contiguous() && t->device() == input.device() &&
+                       t->scalar_type() == input.scalar_type(),
+                   kInvalidUsage,
+                   "custom allreduce + RMSNorm: tensors must be contiguous CUDA tensors of one "
+                   "device and dtype");
+    }
+    TPCOMM_CHECK(input.dim() >= 1 && weight.numel() == input.size(-1) &&
+                     residual.sizes() == input.sizes() && normed.sizes() == input.sizes() &&
+                     residualOut.sizes() == input.sizes(),
+                 kInvalidUsage, "custom allreduce + RMSNorm: shapes differ");
+    TPCOMM_CHECK(input.device().index() == device_, kInvalidUsage, "custom allreduce: a tensor on ",
+                 input.device(), ", but this rank's buffer is on cuda:", device_);
+    c10::cuda::CUDAGuard guard(input.device());
+    cudaStream_t s = stream ? reinterpret_cast<cudaStream_t>(*stream)
+                            : c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
+    car::CallOptions options;
+    options.chooseAlgorithm = algorithm.empty();
+    if (!algorithm.empty()) options.algorithm = toAlgorithm(algorithm);
+    options.blocks = blocks;
+    car::CustomAllreduce::AddRmsNorm norm;
+    norm.residual = residual.data_ptr();
+    norm.residualOut = residualOut.data_ptr();
+    norm.weight = weight.data_ptr();
+    norm.normed = normed.data_ptr();
+    norm.hidden = static_cast<size_t>(weight.numel());
+    norm.rows = norm.hidden == 0 ? 0 : static_cast<size_t>(input.numel()) / norm.hidden;
+    norm.eps = static_cast<float>(eps);
+    impl_.allreduceAddRmsNorm(input.data_ptr(), norm, coord::carDType(input.scalar_type()), s,
+                              options);
+  }
+
   car::CustomAllreduce& impl() { return impl_; }
   void* ownBase() const { return ownBase_; }
   int device() const { return device_; }
@@ -122,6 +160,12 @@ void registerCustomAllreduce(py::module_& m) {
       .def("all_reduce", &Rank::allReduce, py::arg("input"), py::arg("output"),
            py::arg("algorithm") = "", py::arg("blocks") = 0, py::arg("stream") = py::none(),
            "Enqueues output = sum of every rank's input (algorithm '' chooses by size).")
+      .def("all_reduce_add_rms_norm", &Rank::allReduceAddRmsNorm, py::arg("input"),
+           py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("normed"),
+           py::arg("residual_out"), py::arg("algorithm") = "", py::arg("blocks") = 0,
+           py::arg("stream") = py::none(),
+           "Enqueues residual_out = sum of every rank's input + residual and normed = "
+           "RMSNorm(residual_out) x weight (the fused kernel).")
       .def("check_error", [](Rank& r) { r.impl().checkError(); })
       .def_property_readonly("error_code", [](Rank& r) { return r.impl().errorCode(); })
       .def("clear_error", [](Rank& r) { r.impl().clearError(); })
@@ -215,18 +259,22 @@ void registerCustomAllreduce(py::module_& m) {
       "ValueError for a request that does not fit.");
   m.def(
       "car_max_resident_blocks",
-      [](const std::string& dtype, const std::string& algorithm, int worldSize) {
+      [](const std::string& dtype, const std::string& algorithm, int worldSize, bool fused) {
         car::DType d = car::DType::kFloat32;
-        if (dtype == "float16") d = car::DType::kFloat16;
-        else if (dtype == "bfloat16") d = car::DType::kBFloat16;
-        else TPCOMM_CHECK(dtype == "float32", kInvalidUsage, "custom allreduce: dtype ", dtype);
-        return car::maxResidentBlocks(d, toAlgorithm(algorithm), worldSize);
+        if (dtype == "float16")
+          d = car::DType::kFloat16;
+        else if (dtype == "bfloat16")
+          d = car::DType::kBFloat16;
+        else
+          TPCOMM_CHECK(dtype == "float32", kInvalidUsage, "custom allreduce: dtype ", dtype);
+        return car::maxResidentBlocks(d, toAlgorithm(algorithm), worldSize, fused);
       },
-      py::arg("dtype"), py::arg("algorithm"), py::arg("world_size"),
-      "How many blocks of the kernel the current GPU holds at once.");
+      py::arg("dtype"), py::arg("algorithm"), py::arg("world_size"), py::arg("fused") = false,
+      "How many blocks of the kernel (fused: the add + RMSNorm one) the current GPU holds at "
+      "once.");
   m.def(
-      "car_describe_error", [](uint32_t code) { return car::describeError(code); },
-      py::arg("code"), "What a kernel's failure code (CarRank.error_code) says.");
+      "car_describe_error", [](uint32_t code) { return car::describeError(code); }, py::arg("code"),
+      "What a kernel's failure code (CarRank.error_code) says.");
   m.def("car_defaults", [] {
     py::dict d;
     d["max_bytes"] = settings().carMaxBytes;

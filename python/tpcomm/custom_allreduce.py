@@ -90,6 +90,36 @@ class LocalGroup:
             current.wait_stream(streams[r])
         return outputs
 
+    def all_reduce_add_rms_norm(self, inputs, residuals, weights, eps=1e-6, algorithm=None,
+                                blocks=0, in_place=False):
+        """The fused kernel on every rank: returns (normed, residual_out) lists,
+        residual_out = sum of inputs + residuals[r], normed = RMSNorm of it x
+        weights[r]; `in_place` writes residual_out into residuals. Ordered
+        like all_reduce."""
+        current = torch.cuda.current_stream()
+        algo = _algorithm(algorithm)
+        nbytes = inputs[0].numel() * inputs[0].element_size()
+        chosen_algo = algo or _C.car_choose_algorithm(self.world_size, nbytes, self.max_bytes)
+        dtype = str(inputs[0].dtype).replace("torch.", "")
+        key = (dtype, chosen_algo, "fused")
+        if key not in self._resident:
+            self._resident[key] = _C.car_max_resident_blocks(dtype, chosen_algo, self.world_size,
+                                                             True)
+        blocks = _C.car_shared_gpu_blocks(
+            self.world_size, int(blocks) or self._default_blocks,
+            _C.car_choose_blocks(chosen_algo, self.world_size, nbytes, 0), self._resident[key])
+        normed = [torch.empty_like(x) for x in inputs]
+        outs = residuals if in_place else [torch.empty_like(r) for r in residuals]
+        for r in range(self.world_size):
+            s = self.streams[r]
+            s.wait_stream(current)
+            self.ranks[r].all_reduce_add_rms_norm(inputs[r], residuals[r], weights[r], eps,
+                                                  normed[r], outs[r], algo or "", blocks,
+                                                  s.cuda_stream)
+        for s in self.streams:
+            current.wait_stream(s)
+        return normed, outs
+
     def check(self):
         """Raises TimeoutError naming the peer a kernel waited for in vain."""
         torch.cuda.synchronize()

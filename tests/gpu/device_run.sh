@@ -21,3 +21,5 @@ echo "build rc=$? in $(( $(date +%s) - start ))s" | tee -a "$out/build.txt"
 ctest --test-dir build/gpu -j 8 2>&1 | tail -5 | tee "$out/ctest.txt"
 "$py" -m pytest -q -rs tests/gpu 2>&1 | tee "$out/pytest_gpu.txt" | tail -15
 "$py" -m pytest -q -rs tests/python "$@" 2>&1 | tee "$out/pytest_cpu.txt" | tail -15
+# The fused allreduce + add + RMSNorm, 2 ranks sharing GPU 0 (custom kernel), against the three ops.
+"$py" -m tpcomm.bench fused --device cuda --world-sizes 2 4 2>&1 | tee "$out/bench_fused.txt" | tail -25
