@@ -88,7 +88,8 @@ class Rank {
                            const at::Tensor& weight, double eps, at::Tensor& normed,
                            at::Tensor& residualOut, const std::string& algorithm, int blocks,
                            std::optional<int64_t> stream) {
-    for (const at::Tensor* t : {&input, &residual, &weight, &normed, &residualOut}) {
+    for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&input, &residual, &weight,
+                                                                        &normed, &residualOut}) {
       TPCOMM_CHECK(t->is_cuda() && t->is_contiguous() && t->device() == input.device() &&
                        t->scalar_type() == input.scalar_type(),
                    kInvalidUsage,
