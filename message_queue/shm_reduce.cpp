@@ -37,8 +37,9 @@ TPCOMM_INLINE float bf16Load(uint16_t h) { return floatOf(static_cast<uint32_t>(
 
 TPCOMM_INLINE uint16_t bf16Store(float f) {
   const uint32_t u = bitsOf(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN stays a quiet NaN
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  // NaN stays a quiet NaN; a select, not a branch, for the vectoriser.
+  return static_cast<uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
 }
 
 // IEEE half <-> single without branches: the exponent is rebased by a float
@@ -265,6 +266,7 @@ TPCOMM_INLINE void addRmsNormTyped(const void* const* srcs, int n, size_t rows,
   const T* weight = static_cast<const T*>(spec.weight);
   T* normed = static_cast<T*>(spec.normed);
   Acc acc[kTile];
+  T rounded[kTile];  // residualOut's tile: residual may be residualOut (in place)
   for (size_t row = 0; row < rows; ++row) {
     const size_t start = row * hidden;
     Acc lanes[8] = {};
@@ -280,10 +282,11 @@ TPCOMM_INLINE void addRmsNormTyped(const void* const* srcs, int n, size_t rows,
       T* out = residualOut + start + base;
       for (size_t i = 0; i < m; ++i) {
         const T value = D::store(D::load(D::store(acc[i])) + D::load(res[i]));
-        out[i] = value;
+        rounded[i] = value;
         const Acc v = D::load(value);
         acc[i] = v * v;
       }
+      std::memcpy(out, rounded, m * sizeof(T));
       size_t i = 0;
       for (; i + 8 <= m; i += 8) {
         for (int k = 0; k < 8; ++k) lanes[k] += acc[i + k];
