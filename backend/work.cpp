@@ -4,6 +4,8 @@
 
 #include <torch/csrc/distributed/c10d/exception.h>
 
+#include "coordinator/common/error.hpp"
+
 namespace tpcomm::backend {
 
 TpcommWork::TpcommWork(coord::Pending pending, c10d::OpType type, std::string what, int rank)
@@ -56,6 +58,11 @@ std::vector<at::Tensor> TpcommWork::result() { return outputs_; }
 bool TpcommWork::wait(std::chrono::milliseconds timeout) {
   try {
     if (!inner_->wait(timeout)) return false;
+  } catch (const Error& e) {
+    // A mistake found once the call ran (TPCOMM_DEBUG's send/recv check) is
+    // the caller's, raised as the argument errors at the call are.
+    TORCH_CHECK(e.code() != ErrorCode::kInvalidUsage, "tpcomm: ", what_, " refused: ", e.what());
+    raise(e.what());
   } catch (const std::exception& e) {
     raise(e.what());
   }

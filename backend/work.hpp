@@ -5,7 +5,9 @@
 // (coord::Pending). Contract, as for c10d::Work:
 //  - wait(): blocks until the call finished (bounded by the group's timeout,
 //    which the routed backend enforces), runs the finish step, and returns
-//    true; a failure is raised as DistBackendError naming the call and group.
+//    true; a failure is raised as DistBackendError naming the call and group,
+//    a usage mistake found only once the call ran (TPCOMM_DEBUG's send/recv
+//    check) as the RuntimeError an argument error gets.
 //  - getFuture(): completes, with result() as its value, after the finish
 //    step ran; DDP's communication hooks rely on it. Where the routed work has
 //    no future (Gloo's point-to-point and reduce-scatter works), the first

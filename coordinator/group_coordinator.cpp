@@ -31,6 +31,10 @@ GroupCoordinator::GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d
   TPCOMM_CHECK(cpu_, kInvalidUsage, "GroupCoordinator needs a CPU backend");
   TPCOMM_CHECK_EQ(cpu_->getRank(), options_.rank, "(CPU backend rank vs group rank)");
   TPCOMM_CHECK_EQ(cpu_->getSize(), options_.size, "(CPU backend size vs group size)");
+  if (options_.debugChecks && store_) {
+    p2p_ = std::make_unique<P2pChecker>(store_, options_.groupName, options_.rank, options_.size,
+                                        options_.timeout);
+  }
 }
 
 GroupCoordinator::~GroupCoordinator() {
@@ -92,6 +96,14 @@ Pending passThrough(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor>
 // Gloo's point-to-point and reduce-scatter works have no future.
 Pending withoutFutureOnCpu(Route route, Pending pending) {
   pending.hasFuture = route != Route::kCpu;
+  return pending;
+}
+
+// TPCOMM_DEBUG's checked send or recv of a CPU tensor (debug_p2p.hpp): the
+// check's Work has no future.
+Pending checkedPointToPoint(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> outputs) {
+  Pending pending = passThrough(std::move(work), std::move(outputs));
+  pending.hasFuture = false;
   return pending;
 }
 
@@ -534,6 +546,14 @@ Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
 Pending GroupCoordinator::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const Route route = routeFor(tensors[0]);
   auto moved = carried(route, tensors);
+  if (p2p_ && route == Route::kCpu) {
+    stats_.record(StatsRoute::kGloo, bytesOf(tensors));
+    return checkedPointToPoint(p2p_->send(tensors[0], dstRank, tag,
+                                          [cpu = cpu_, moved, tag](int peer) mutable {
+                                            return cpu->send(moved, peer, tag);
+                                          }),
+                               {});
+  }
   return withoutFutureOnCpu(
       route, passThrough(backendFor(route, bytesOf(tensors)).send(moved, dstRank, tag), {}));
 }
@@ -541,6 +561,14 @@ Pending GroupCoordinator::send(std::vector<at::Tensor>& tensors, int dstRank, in
 Pending GroupCoordinator::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
   const Route route = routeFor(tensors[0]);
   auto moved = carried(route, tensors);
+  if (p2p_ && route == Route::kCpu) {
+    stats_.record(StatsRoute::kGloo, bytesOf(tensors));
+    return checkedPointToPoint(p2p_->recv(tensors[0], srcRank, tag,
+                                          [cpu = cpu_, moved, tag](int peer) mutable {
+                                            return cpu->recv(moved, peer, tag);
+                                          }),
+                               tensors);
+  }
   return withoutFutureOnCpu(
       route, passThrough(backendFor(route, bytesOf(tensors)).recv(moved, srcRank, tag), tensors));
 }
@@ -548,6 +576,15 @@ Pending GroupCoordinator::recv(std::vector<at::Tensor>& tensors, int srcRank, in
 Pending GroupCoordinator::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
   const Route route = routeFor(tensors[0]);
   auto moved = carried(route, tensors);
+  if (p2p_ && route == Route::kCpu) {
+    // Taken as a recv from the first rank whose send to this one is there.
+    stats_.record(StatsRoute::kGloo, bytesOf(tensors));
+    return checkedPointToPoint(p2p_->recvAnysource(tensors[0], tag,
+                                                   [cpu = cpu_, moved, tag](int peer) mutable {
+                                                     return cpu->recv(moved, peer, tag);
+                                                   }),
+                               tensors);
+  }
   return withoutFutureOnCpu(
       route, passThrough(backendFor(route, bytesOf(tensors)).recvAnysource(moved, tag), tensors));
 }
@@ -581,6 +618,7 @@ std::shared_ptr<GroupCoordinator> GroupCoordinator::split(
 void GroupCoordinator::setTimeout(std::chrono::milliseconds timeout) {
   options_.timeout = timeout;
   cpu_->setTimeout(timeout);
+  if (p2p_) p2p_->setTimeout(timeout);
   if (auto* shm = shmFast_.load()) shm->setTimeout(timeout);
   if (auto device = deviceBackendIfCreated()) device->setTimeout(timeout);
   if (auto custom = customPath()) custom->setTimeout(customTimeout());

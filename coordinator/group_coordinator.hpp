@@ -50,6 +50,7 @@
 
 #include "coordinator/cpu_shm_path.hpp"
 #include "coordinator/custom_path.hpp"
+#include "coordinator/debug_p2p.hpp"
 #include "coordinator/pending.hpp"
 #include "coordinator/route_stats.hpp"
 #include "coordinator/routing.hpp"
@@ -284,6 +285,7 @@ class GroupCoordinator {
   std::string debugCurrent_;             // "thread T: <signature>" in progress; by debugNoteMutex_
   std::array<long, 16> debugThreads_{};  // threads of the last checks; by debugNoteMutex_
   size_t debugThreadNext_ = 0;           // by debugNoteMutex_
+  std::unique_ptr<P2pChecker> p2p_;      // TPCOMM_DEBUG's send/recv check (CPU tensors)
   RouteStats stats_;
   RoutingTable routing_;
   RouteLog routeLog_;

@@ -81,6 +81,22 @@ def _bad_inputs(rank, world, timeout_s, conn):
     conn.send(("result", rows))
 
 
+def _ring(rank, world, send, recv):
+    """Sends to the next rank and receives from the previous one; raises the
+    first error once both calls ended."""
+    import torch.distributed as dist
+
+    works = [dist.isend(send, (rank + 1) % world), dist.irecv(recv, (rank - 1) % world)]
+    errors = []
+    for work in works:
+        try:
+            work.wait()
+        except Exception as e:  # noqa: BLE001 - the first is raised below
+            errors.append(e)
+    if errors:
+        raise errors[0]
+
+
 def _debug_mistakes(rank, world, timeout_s, conn):
     import torch.distributed as dist
 
@@ -93,6 +109,10 @@ def _debug_mistakes(rank, world, timeout_s, conn):
             torch.empty(world), torch.ones(sum(splits)), [1] * world, splits),
         "scatter list refused on the root": lambda: dist.scatter(
             torch.empty(2), [torch.ones(2)] * (world + 1) if rank == 0 else None, src=0),
+        # A ring in which every send is larger than the recv it meets.
+        "send/recv sizes differ": lambda: _ring(rank, world, torch.ones(8), torch.empty(4)),
+        "send/recv dtypes differ": lambda: _ring(
+            rank, world, torch.ones(4), torch.empty(4, dtype=torch.int32)),
     }
     rows = []
     for name, call in calls.items():

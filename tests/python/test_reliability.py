@@ -1,5 +1,5 @@
 """Reliability: teardown never deadlocks, subgroups keep the job's timeout,
-TPCOMM_DEBUG catches all-to-all and one-rank mistakes and survives threads,
+TPCOMM_DEBUG catches all-to-all, send/recv and one-rank mistakes and survives threads,
 unsupported dtypes and sparse tensors are handled up front."""
 
 import multiprocessing as mp
@@ -140,6 +140,112 @@ def test_debug_catches_all_to_all_and_one_rank_refusals():
         assert "the scatter list has 4 entries, expected 3" in res["scatter"], res
         assert res["scatter_s"] < 10, res
         assert res["after"] == [3.0] * 3
+
+
+def _debug_send_recv(ctx):
+    w, r = ctx.world_size, ctx.rank
+    nxt, prv = (r + 1) % w, (r - 1) % w
+    out = {}
+    # Rank 0 sends 8 elements into rank 1's recv of 4 (Gloo would abort rank 1).
+    if r == 0:
+        out["size"] = error_message(lambda: dist.send(torch.ones(8), 1))
+    elif r == 1:
+        out["size"] = error_message(lambda: dist.recv(torch.empty(4), 0))
+    # Equal byte counts, different dtypes (Gloo would reinterpret the bytes).
+    if r == 0:
+        out["dtype"] = error_message(lambda: dist.send(torch.ones(4), 1, tag=3))
+    elif r == 1:
+        out["dtype"] = error_message(
+            lambda: dist.recv(torch.empty(4, dtype=torch.int32), 0, tag=3))
+    # The next message on that lane pairs up and arrives intact.
+    if r == 0:
+        dist.send(torch.arange(6.0), 1)
+    elif r == 1:
+        after = torch.empty(6)
+        dist.recv(after, 0)
+        out["after_mismatch"] = after.tolist()
+    # Matched patterns complete as on Gloo: a ring whose recvs are issued
+    # before its sends, a batched ring, and three messages in a row.
+    got = torch.empty(5)
+    reqs = [dist.irecv(got, prv), dist.isend(torch.full((5,), float(r)), nxt)]
+    for q in reqs:
+        q.wait()
+    out["ring"] = got.tolist()
+    got3 = torch.empty(3, dtype=torch.float64)
+    ops = [dist.P2POp(dist.isend, torch.full((3,), 10.0 * r, dtype=torch.float64), nxt),
+           dist.P2POp(dist.irecv, got3, prv)]
+    for q in dist.batch_isend_irecv(ops):
+        q.wait()
+    out["batched"] = got3.tolist()
+    seq = []
+    for i in range(3):
+        reqs = [dist.isend(torch.full((2,), 100.0 * r + i), nxt), dist.irecv(t := torch.empty(2), prv)]
+        for q in reqs:
+            q.wait()
+        seq.append(t.tolist())
+    out["sequence"] = seq
+    # Crossed tags: rank 0's recv on tag 5 is issued first and is met only
+    # after rank 1 received rank 0's send on tag 0.
+    if r == 0:
+        a = torch.empty(2)
+        q5 = dist.irecv(a, 1, tag=5)
+        dist.send(torch.full((2,), 3.0), 1, tag=0)
+        q5.wait()
+        out["crossed"] = a.tolist()
+    elif r == 1:
+        b = torch.empty(2)
+        dist.recv(b, 0, tag=0)
+        dist.send(b * 7, 0, tag=5)
+    # A recv from any source names the rank it took, and is checked too.
+    if r == 0:
+        x = torch.empty(3)
+        out["any"] = (dist.recv(x), x.tolist())
+        out["any_mismatch"] = error_message(lambda: dist.recv(torch.empty(3)))
+    elif r == 2:
+        dist.send(torch.full((3,), 2.0), 0)
+        out["any_mismatch"] = error_message(lambda: dist.send(torch.ones(6), 0))
+    # A send nobody receives ends in a clear error within the group's timeout
+    # (on every rank at once, so that no rank waits in the allreduce below
+    # for longer than the timeout).
+    start = time.monotonic()
+    out["unmet"] = error_message(lambda: dist.isend(torch.ones(2), nxt, tag=9).wait())
+    out["unmet_s"] = time.monotonic() - start
+    y = torch.ones(3)
+    dist.all_reduce(y)  # the group is still usable
+    out["allreduce"] = y.tolist()
+    return out
+
+
+def test_debug_catches_send_recv_size_and_dtype_mismatches():
+    group = Group(3, env={"TPCOMM_DEBUG": "1"}, pg_timeout_s=4)
+    try:
+        results = group.run(_debug_send_recv, timeout_s=90)
+    finally:
+        group.close()
+    w = 3
+    for r, res in enumerate(results):
+        assert res["ring"] == [float((r - 1) % w)] * 5, res
+        assert res["batched"] == [10.0 * ((r - 1) % w)] * 3, res
+        assert res["sequence"] == [[100.0 * ((r - 1) % w) + i] * 2 for i in range(3)], res
+        assert res["allreduce"] == [3.0] * 3, res
+    for r in (0, 1):
+        size, dtype = results[r]["size"], results[r]["dtype"]
+        assert size.startswith("RuntimeError") and "send/recv mismatch" in size, size
+        assert "rank 0 called send float32[8] to rank 1 and rank 1 called recv float32[4] " \
+            "from rank 0" in size, size
+        assert "rank 0 called send float32[4] to rank 1 and rank 1 called recv int32[4] " \
+            "from rank 0 (tag 3, the 1st message" in dtype, dtype
+    assert results[1]["after_mismatch"] == [float(i) for i in range(6)]
+    assert results[0]["crossed"] == [21.0, 21.0]
+    assert results[0]["any"] == (2, [2.0, 2.0, 2.0])
+    for r in (0, 2):
+        mismatch = results[r]["any_mismatch"]
+        assert "rank 2 called send float32[6] to rank 0 and rank 0 called recv float32[3] " \
+            "from any source (took rank 2's message)" in mismatch, mismatch
+    for r, res in enumerate(results):
+        assert f"rank {(r + 1) % w} has not called the recv that meets it within the group's " \
+            "timeout (4000 ms)" in res["unmet"], res
+        assert 3.5 < res["unmet_s"] < 2 * 4, res
 
 
 def _debug_threads(ctx):
