@@ -1,16 +1,20 @@
 #pragma once
 // What the kernel emulation tests share (test_kernel_emulation.cpp,
 // test_fused_emulation.cpp, one executable): the launch order check, the
-// dtype conversions and tolerances, and the shared-memory arena the ranks
-// fork over. The emulation's launchAllreduce is defined once, in
+// dtype conversions and tolerances, the shared-memory arena the ranks fork
+// over, and the forking. The emulation's launchAllreduce is defined once, in
 // test_kernel_emulation.cpp.
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #include "custom_allreduce/dispatch.cuh"
 
@@ -51,7 +55,6 @@ class CheckedOrder : public LaunchOrder {
   }
 };
 
-
 // Element i of a tensor of `dtype` as float, and a float stored as `dtype`.
 inline float load(DType dtype, const void* p, size_t i) {
   switch (dtype) {
@@ -86,6 +89,42 @@ inline double roundingOf(DType dtype) {
 // The spacing of `dtype`'s subnormals (float16's are coarse: 2^-24).
 inline double subnormalOf(DType dtype) {
   return std::ldexp(1.0, dtype == DType::kFloat16 ? -24 : dtype == DType::kFloat32 ? -149 : -133);
+}
+
+// Runs `body(rank)` in a child process per rank of `ranks`, all at once.
+// False when a child could not start or did not exit cleanly within
+// `deadlineS` (it is killed then).
+template <typename Body>
+bool forkRanks(const std::vector<int>& ranks, int deadlineS, Body&& body) {
+  std::vector<pid_t> pids;
+  bool ok = true;
+  for (int rank : ranks) {
+    const pid_t pid = fork();
+    if (pid == 0) {
+      body(rank);
+      _exit(0);
+    }
+    if (pid < 0) {
+      ok = false;  // the started ranks are still waited for (or killed) below
+      break;
+    }
+    pids.push_back(pid);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(deadlineS);
+  for (pid_t pid : pids) {
+    int status = 0;
+    while (waitpid(pid, &status, WNOHANG) == 0) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+        ok = false;
+        break;
+      }
+      usleep(2000);
+    }
+    ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  }
+  return ok;
 }
 
 // Shared memory mapped before the ranks fork.

@@ -41,8 +41,8 @@ std::string describe(const FusedCall& c, int n) {
   return std::string("fused ") + algorithmName(c.algorithm) + " " + dtypeName(c.dtype) +
          " n=" + std::to_string(n) + " rows=" + std::to_string(c.rows) +
          " hidden=" + std::to_string(c.hidden) + " blocks=" + std::to_string(c.blocks) +
-         (c.residualInPlace ? " residual in place" : "") + (c.normedInPlace ? " normed in place" : "") +
-         (c.ownResiduals ? " own residuals" : "");
+         (c.residualInPlace ? " residual in place" : "") +
+         (c.normedInPlace ? " normed in place" : "") + (c.ownResiduals ? " own residuals" : "");
 }
 
 class FusedGroup {
@@ -87,32 +87,11 @@ class FusedGroup {
   }
 
   bool run(uint64_t timeoutNs, int deadlineS = 240) {
-    std::vector<pid_t> pids;
-    for (int rank = 0; rank < n_; ++rank) {
-      const pid_t pid = fork();
-      if (pid == 0) {
-        for (const FusedCall& c : calls_) runCall(c, rank, timeoutNs);
-        _exit(0);
-      }
-      if (pid < 0) return false;
-      pids.push_back(pid);
-    }
-    bool ok = true;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(deadlineS);
-    for (pid_t pid : pids) {
-      int status = 0;
-      while (waitpid(pid, &status, WNOHANG) == 0) {
-        if (std::chrono::steady_clock::now() > deadline) {
-          kill(pid, SIGKILL);
-          waitpid(pid, &status, 0);
-          ok = false;
-          break;
-        }
-        usleep(2000);
-      }
-      ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    }
-    return ok;
+    std::vector<int> ranks;
+    for (int rank = 0; rank < n_; ++rank) ranks.push_back(rank);
+    return forkRanks(ranks, deadlineS, [&](int rank) {
+      for (const FusedCall& c : calls_) runCall(c, rank, timeoutNs);
+    });
   }
 
   uint32_t error(int rank) const { return errors_[rank]; }
@@ -216,8 +195,8 @@ class FusedEmulation : public ::testing::TestWithParam<int> {};
 TEST_P(FusedEmulation, EveryDtypeAlgorithmAndHiddenSizeMatchesTheReference) {
   const int n = GetParam();
   std::vector<FusedCall> calls;
-  const std::vector<std::pair<size_t, size_t>> shapes = {{1, 8}, {3, 13}, {2, 64}, {7, 40},
-                                                         {5, 1001}};
+  const std::vector<std::pair<size_t, size_t>> shapes = {
+      {1, 8}, {3, 13}, {2, 64}, {7, 40}, {5, 1001}};
   int variant = 0;
   for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
     for (Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {

@@ -43,20 +43,20 @@ struct Call {
   int threads = 32;
   bool inPlace = false;
   float scale = 1.f;
-  bool zeroCopy = false;     // sources from a table of the ranks' inputs
-  std::vector<bool> stages;  // zero-copy: which ranks still copy
-  bool ready = true;         // zero-copy: the table was filled
+  bool zeroCopy = false;      // sources from a table of the ranks' inputs
+  std::vector<bool> stages;   // zero-copy: which ranks still copy
+  bool ready = true;          // zero-copy: the table was filled
   std::vector<bool> readyOf;  // per rank, overriding `ready` (empty: not)
-  uint64_t timeoutNs = 0;    // 0: the run's
-  bool hostApi = false;      // through CustomAllreduce::allreduce (blocks 0: by size)
+  uint64_t timeoutNs = 0;     // 0: the run's
+  bool hostApi = false;       // through CustomAllreduce::allreduce (blocks 0: by size)
   bool chooseAlgorithm = false;
   std::vector<uint64_t> timeouts;  // per rank, overriding timeoutNs (0: not)
   int slowRank = -1;               // this rank's blocks sleep slowMs after passing
   int slowPhase = kStart;          // a barrier of this phase
   int slowMs = 0;
-  bool resetBefore = false;  // every rank runs CustomAllreduce::reset first
+  bool resetBefore = false;       // every rank runs CustomAllreduce::reset first
   cudaStream_t stream = nullptr;  // host API: the stream the call names
-  bool check = true;         // expectResults compares this call's outputs
+  bool check = true;              // expectResults compares this call's outputs
   // Set by the group.
   std::vector<void*> in, out;
   std::vector<std::vector<char>> original;  // the inputs as they were
@@ -115,33 +115,10 @@ class EmulatedGroup {
   // rank did not exit cleanly within `deadlineS`.
   bool run(const std::vector<int>& ranks, uint64_t timeoutNs, int deadlineS = 120,
            std::vector<size_t> callsOf = {}) {
-    std::vector<pid_t> pids;
-    for (int rank : ranks) {
+    return forkRanks(ranks, deadlineS, [&](int rank) {
       const size_t calls = callsOf.empty() ? calls_.size() : callsOf[rank];
-      const pid_t pid = fork();
-      if (pid == 0) {
-        for (size_t i = 0; i < calls; ++i) runCall(calls_[i], rank, timeoutNs);
-        _exit(0);
-      }
-      if (pid < 0) return false;
-      pids.push_back(pid);
-    }
-    bool ok = true;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(deadlineS);
-    for (pid_t pid : pids) {
-      int status = 0;
-      while (waitpid(pid, &status, WNOHANG) == 0) {
-        if (std::chrono::steady_clock::now() > deadline) {
-          kill(pid, SIGKILL);
-          waitpid(pid, &status, 0);
-          ok = false;
-          break;
-        }
-        usleep(2000);
-      }
-      ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
-    }
-    return ok;
+      for (size_t i = 0; i < calls; ++i) runCall(calls_[i], rank, timeoutNs);
+    });
   }
 
   uint32_t error(int rank) const { return errors_[rank]; }
@@ -152,8 +129,10 @@ class EmulatedGroup {
 
  private:
   void runCall(const Call& c, int rank, uint64_t timeoutNs) {
-    if (!c.timeouts.empty() && c.timeouts[rank] != 0) timeoutNs = c.timeouts[rank];
-    else if (c.timeoutNs != 0) timeoutNs = c.timeoutNs;
+    if (!c.timeouts.empty() && c.timeouts[rank] != 0)
+      timeoutNs = c.timeouts[rank];
+    else if (c.timeoutNs != 0)
+      timeoutNs = c.timeoutNs;
     if (c.resetBefore) resetThroughHostApi(rank);
     std::fill(std::begin(emu::leaveDelayMs), std::end(emu::leaveDelayMs), 0);
     if (c.slowRank == rank) emu::leaveDelayMs[c.slowPhase] = c.slowMs;
@@ -474,8 +453,8 @@ TEST(KernelEmulationFailure, ATimeoutPoisonsQueuedAndLateKernelsOfEveryRank) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
   for (int r = 0; r < 3; ++r) {
     const uint32_t code = g.error(r);
-    EXPECT_EQ(code & ~(0xfu << 24), errorCode(2, kStart, 0)) << "rank " << r << ": "
-                                                             << describeError(code);
+    EXPECT_EQ(code & ~(0xfu << 24), errorCode(2, kStart, 0))
+        << "rank " << r << ": " << describeError(code);
     if (r == 2) {
       EXPECT_TRUE(reporterOf(code) == 0 || reporterOf(code) == 1) << describeError(code);
       EXPECT_NE(describeError(code).find("the group is poisoned: rank "), std::string::npos);
