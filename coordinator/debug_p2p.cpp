@@ -47,7 +47,7 @@ std::string encode(const at::Tensor& tensor, const std::string& call) {
 Header decode(const std::vector<uint8_t>& raw) {
   std::string text(raw.begin(), raw.end());
   for (char& c : text) {
-    if (c < 0x20 || c > 0x7e) c = '?';  // a peer not running this check
+    if (c < 0x20 || c > 0x7e) c = '?';  // whatever else is under the key
   }
   Header h;
   const size_t a = text.find('|');
@@ -64,6 +64,11 @@ Header decode(const std::vector<uint8_t>& raw) {
 
 std::vector<uint8_t> bytesOf(const std::string& text) { return {text.begin(), text.end()}; }
 
+// What a header's key holds once one side has settled it (compareSet, so
+// that exactly one of "the peer took it" and "its writer gave up" happens).
+const std::vector<uint8_t> kTaken = bytesOf("taken");
+const std::vector<uint8_t> kAbandoned = bytesOf("abandoned");
+
 // One checked call's progress, shared by its Work and its helper thread.
 struct State {
   enum class Phase { kChecking, kPosted, kFailed };
@@ -73,6 +78,7 @@ struct State {
   c10::intrusive_ptr<c10d::Work> inner;  // once kPosted
   std::exception_ptr error;              // once kFailed
   int source = -1;                       // the peer, once known
+  bool aborted = false;                  // abort() before the post: never post
 
   void posted(c10::intrusive_ptr<c10d::Work> work) {
     std::lock_guard<std::mutex> lock(mutex);
@@ -117,15 +123,17 @@ class CheckedWork : public c10d::Work {
   }
 
   int sourceRank() const override {
+    TORCH_CHECK(retrieveOpType() != c10d::OpType::SEND, "a send's Work has no source rank");
     std::lock_guard<std::mutex> lock(state_->mutex);
-    TPCOMM_CHECK(state_->source >= 0, kInvalidUsage,
-                 "the source rank of a recv is known once it has been waited for");
+    TORCH_CHECK(state_->source >= 0,
+                "the source rank of a recv from any source is known once it has been waited for");
     return state_->source;
   }
 
   std::vector<at::Tensor> result() override { return {tensor_}; }
 
   bool wait(std::chrono::milliseconds timeout) override {
+    const auto start = std::chrono::steady_clock::now();
     c10::intrusive_ptr<c10d::Work> inner;
     {
       std::unique_lock<std::mutex> lock(state_->mutex);
@@ -139,11 +147,15 @@ class CheckedWork : public c10d::Work {
       if (state_->phase == State::Phase::kFailed) std::rethrow_exception(state_->error);
       inner = state_->inner;
     }
-    return inner->wait(timeout);
+    if (timeout == kNoTimeout) return inner->wait(timeout);
+    const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::steady_clock::now() - start);
+    return inner->wait(std::max(timeout - spent, std::chrono::milliseconds(1)));
   }
 
   void abort() override {
     std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->aborted = true;
     if (state_->inner) state_->inner->abort();
   }
 
@@ -238,16 +250,32 @@ struct P2pChecker::Shared {
                                " message from rank " + std::to_string(src) + " to rank " +
                                std::to_string(dst) + " on that tag";
       const Header me = decode(bytesOf(mine));
+      const std::string mineKey = key(src, dst, tag, turn.number, side);
       const std::string theirsKey = key(src, dst, tag, turn.number, other(side));
-      if (!poll([&] { return store->check({theirsKey}); })) {
+      const auto stoppedWaiting = [&] {
         TPCOMM_THROW(kTimeout, "TPCOMM_DEBUG: rank ", rank, " called ", me.call, " (", lane,
-                     ") on group '", groupName, "', but rank ", peer, " has not called the ",
-                     nameOf(other(side)), " that meets it within the group's timeout (",
-                     timeout().count(), " ms); nothing was ",
-                     side == Side::kSend ? "sent" : "received");
+                     ") on group '", groupName, "', but rank ", peer,
+                     " had stopped waiting for it (its ", nameOf(other(side)),
+                     " reached the group's timeout of ", timeout().count(),
+                     " ms first); nothing was ", side == Side::kSend ? "sent" : "received");
+      };
+      if (!poll([&] { return store->check({theirsKey}); })) {
+        // Give up, unless the peer took this call's header meanwhile (it
+        // then posts, and its own header is in the store already).
+        if (store->compareSet(mineKey, bytesOf(mine), kAbandoned) == kAbandoned) {
+          TPCOMM_THROW(kTimeout, "TPCOMM_DEBUG: rank ", rank, " called ", me.call, " (", lane,
+                       ") on group '", groupName, "', but rank ", peer, " has not called the ",
+                       nameOf(other(side)), " that meets it within the group's timeout (",
+                       timeout().count(), " ms) of this call; nothing was ",
+                       side == Side::kSend ? "sent" : "received");
+        }
       }
-      const Header theirs = decode(store->get(theirsKey));
+      const std::vector<uint8_t> raw = store->get(theirsKey);
+      // Take the peer's header, unless the peer gave up on it first.
+      const bool took = raw != kAbandoned && store->compareSet(theirsKey, raw, kTaken) == kTaken;
       store->deleteKey(theirsKey);
+      if (!took) stoppedWaiting();
+      const Header theirs = decode(raw);
       if (theirs.dtype != me.dtype || theirs.numel != me.numel) {
         const std::string sendCall = side == Side::kSend ? me.call : theirs.call;
         const std::string recvCall = side == Side::kSend ? theirs.call : me.call;
@@ -261,6 +289,11 @@ struct P2pChecker::Shared {
           turn.previous.wait_for(2 * timeout()) != std::future_status::ready) {
         TPCOMM_THROW(kTimeout, "TPCOMM_DEBUG: ", me.call, " (", lane,
                      "): the previous call on that tag is still being checked");
+      }
+      {
+        std::lock_guard<std::mutex> lock(state->mutex);
+        TPCOMM_CHECK(!state->aborted, kPeerLost, "TPCOMM_DEBUG: ", me.call, " (", lane,
+                     ") was aborted before it was posted");
       }
       state->posted(post(peer));
     } catch (...) {
@@ -297,26 +330,33 @@ void P2pChecker::setTimeout(std::chrono::milliseconds timeout) {
 c10::intrusive_ptr<c10d::Work> P2pChecker::Shared::start(const std::shared_ptr<Shared>& self,
                                                          Side side, const at::Tensor& tensor,
                                                          int peer, int tag, Post post) {
-  const std::string mine = encode(tensor, callOf(side, tensor, "rank " + std::to_string(peer)));
-  Turn turn;
-  {
-    std::lock_guard<std::mutex> lock(self->mutex);
-    turn = self->take(self->lanes[{peer, side, tag}]);
-  }
+  const std::string call = callOf(side, tensor, "rank " + std::to_string(peer));
+  const std::string mine = encode(tensor, call);
+  const int src = side == Side::kSend ? self->rank : peer;
+  const int dst = side == Side::kSend ? peer : self->rank;
   auto state = std::make_shared<State>();
   state->source = peer;
-  try {
-    // Written now, at issue time: the peer's check never waits for this
-    // rank's progress, only for this rank having made the call.
-    const int src = side == Side::kSend ? self->rank : peer;
-    const int dst = side == Side::kSend ? peer : self->rank;
-    self->store->set(self->key(src, dst, tag, turn.number, side), bytesOf(mine));
-    std::thread([self, state, side, peer, tag, turn, mine, post = std::move(post)] {
-      self->check(state, side, peer, tag, turn, mine, post, false);
-    }).detach();
-  } catch (...) {
-    turn.mine->set_value();
-    throw;
+  {
+    // The header is written now, at issue time: the peer's check waits only
+    // for this rank having made the call, never for its progress. The lane's
+    // number is taken once the write succeeded (under the lock, so calls on
+    // one lane from several threads stay in order): a failed write leaves
+    // both sides in step.
+    std::lock_guard<std::mutex> lock(self->mutex);
+    Shared::Lane& lane = self->lanes[{peer, side, tag}];
+    const std::string mineKey = self->key(src, dst, tag, lane.next, side);
+    self->store->set(mineKey, bytesOf(mine));
+    const Turn turn = self->take(lane);
+    try {
+      std::thread([self, state, side, peer, tag, turn, mine, post = std::move(post)] {
+        self->check(state, side, peer, tag, turn, mine, post, false);
+      }).detach();
+    } catch (const std::system_error& e) {
+      // The peer's call fails too, unless it took the header already.
+      turn.mine->set_value();
+      self->store->compareSet(mineKey, bytesOf(mine), kAbandoned);
+      TPCOMM_THROW(kSystem, "TPCOMM_DEBUG: could not start the check of ", call, ": ", e.what());
+    }
   }
   return c10::make_intrusive<CheckedWork>(
       self->rank, side == Side::kSend ? c10d::OpType::SEND : c10d::OpType::RECV, state,
@@ -359,7 +399,7 @@ c10::intrusive_ptr<c10d::Work> P2pChecker::Shared::startAnysource(
   const std::string call = callOf(Side::kRecv, tensor, "any source");
   const std::string mine = encode(tensor, call);
   auto state = std::make_shared<State>();
-  std::thread([self, state, tag, call, mine, post = std::move(post)] {
+  auto body = [self, state, tag, call, mine, post = std::move(post)] {
     std::pair<int, Turn> taken;
     try {
       taken = self->takeAnySender(tag, call);
@@ -373,7 +413,12 @@ c10::intrusive_ptr<c10d::Work> P2pChecker::Shared::startAnysource(
     }
     const std::string named = mine + " (took rank " + std::to_string(taken.first) + "'s message)";
     self->check(state, Side::kRecv, taken.first, tag, taken.second, named, post, true);
-  }).detach();
+  };
+  try {
+    std::thread(std::move(body)).detach();
+  } catch (const std::system_error& e) {
+    TPCOMM_THROW(kSystem, "TPCOMM_DEBUG: could not start the check of ", call, ": ", e.what());
+  }
   return c10::make_intrusive<CheckedWork>(self->rank, c10d::OpType::RECVANYSOURCE, state,
                                           boundOf(self->timeout()) + self->timeout(), tensor);
 }

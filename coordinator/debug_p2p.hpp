@@ -6,17 +6,25 @@
 // reinterprets bytes when only the dtypes do. Under TPCOMM_DEBUG each side
 // writes a header to the group's store when the call is issued (key: source,
 // destination, tag and the call's number on that lane), and a helper thread
-// per call waits (bounded by the group's timeout) for the peer's header,
+// per call polls (bounded by the group's timeout) for the peer's header,
 // compares, and only then posts the call to the CPU backend. On a mismatch
-// neither side posts anything: both Works fail, naming both ranks' calls, and
-// the lane stays in step for the calls that follow.
+// neither side posts anything: both Works fail, naming both ranks' calls.
+// A side that times out marks its header abandoned, and a side takes the
+// peer's header, each with one compareSet, so exactly one of the two
+// happens: both post, or neither does. Either way the lane stays in step for
+// the calls that follow.
 //
 // Posting order on a lane (peer, direction, tag) is the issue order, which is
 // all Gloo's matching depends on; calls on other lanes never wait for each
 // other, so any pattern that completes on the plain CPU backend completes
 // here (headers are written at issue time, never after another call's
-// completion). A recv from any source takes the first peer whose next send
-// header on that tag is there and becomes a recv from that peer.
+// completion). Two differences remain: the peer's call must come within the
+// group's timeout of this call's issue (Gloo counts from wait()), and a recv
+// from any source takes the first peer whose next send header on that tag
+// is there and becomes a recv from that peer, so a recv naming that peer on
+// the same tag issued after it but before it took one may take the earlier
+// message (Gloo would give it to the recv from any source). Cost: a store
+// write, a few polls and a thread per call; debugging only.
 
 #include <chrono>
 #include <functional>

@@ -210,6 +210,15 @@ def _debug_send_recv(ctx):
     start = time.monotonic()
     out["unmet"] = error_message(lambda: dist.isend(torch.ones(2), nxt, tag=9).wait())
     out["unmet_s"] = time.monotonic() - start
+    # The recv that comes too late (after every rank gave up: the barrier on
+    # the reference group) is refused, since nothing is posted to meet a
+    # send that gave up, and the lane is still in step afterwards.
+    dist.barrier(group=ctx.ref)
+    out["late"] = error_message(lambda: dist.recv(torch.empty(2), prv, tag=9))
+    reqs = [dist.isend(torch.full((4,), 5.0 + r), nxt, tag=9), dist.irecv(t := torch.empty(4), prv, tag=9)]
+    for q in reqs:
+        q.wait()
+    out["after_timeout"] = t.tolist()
     y = torch.ones(3)
     dist.all_reduce(y)  # the group is still usable
     out["allreduce"] = y.tolist()
@@ -246,6 +255,8 @@ def test_debug_catches_send_recv_size_and_dtype_mismatches():
         assert f"rank {(r + 1) % w} has not called the recv that meets it within the group's " \
             "timeout (4000 ms)" in res["unmet"], res
         assert 3.5 < res["unmet_s"] < 2 * 4, res
+        assert f"but rank {(r - 1) % w} had stopped waiting for it" in res["late"], res
+        assert res["after_timeout"] == [5.0 + (r - 1) % w] * 4, res
 
 
 def _debug_threads(ctx):
