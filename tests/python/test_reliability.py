@@ -102,6 +102,15 @@ def test_subgroups_inherit_the_default_groups_timeout():
 # ---------------------------------------------------------------- TPCOMM_DEBUG
 
 
+def _run_debug(world_size, fn, pg_timeout_s, timeout_s):
+    """fn's per-rank results on a fresh TPCOMM_DEBUG=1 group."""
+    group = Group(world_size, env={"TPCOMM_DEBUG": "1"}, pg_timeout_s=pg_timeout_s)
+    try:
+        return group.run(fn, timeout_s=timeout_s)
+    finally:
+        group.close()
+
+
 def _debug_mismatches(ctx):
     w, r = ctx.world_size, ctx.rank
     out = {}
@@ -127,11 +136,7 @@ def _debug_mismatches(ctx):
 
 
 def test_debug_catches_all_to_all_and_one_rank_refusals():
-    group = Group(3, env={"TPCOMM_DEBUG": "1"}, pg_timeout_s=30)
-    try:
-        results = group.run(_debug_mismatches, timeout_s=60)
-    finally:
-        group.close()
+    results = _run_debug(3, _debug_mismatches, pg_timeout_s=30, timeout_s=60)
     for res in results:
         assert "split sizes do not match" in res["a2a_single"], res
         assert "rank 0 sends 6 elements to rank 1, which expects 3" in res["a2a_single"], res
@@ -140,6 +145,15 @@ def test_debug_catches_all_to_all_and_one_rank_refusals():
         assert "the scatter list has 4 entries, expected 3" in res["scatter"], res
         assert res["scatter_s"] < 10, res
         assert res["after"] == [3.0] * 3
+
+
+def _ring_step(value, prv, nxt, tag=0):
+    """Sends `value` to the next rank (recv issued first) and returns what
+    the previous rank sent."""
+    got = torch.empty_like(value)
+    for work in [dist.irecv(got, prv, tag=tag), dist.isend(value, nxt, tag=tag)]:
+        work.wait()
+    return got.tolist()
 
 
 def _debug_send_recv(ctx):
@@ -166,24 +180,14 @@ def _debug_send_recv(ctx):
         out["after_mismatch"] = after.tolist()
     # Matched patterns complete as on Gloo: a ring whose recvs are issued
     # before its sends, a batched ring, and three messages in a row.
-    got = torch.empty(5)
-    reqs = [dist.irecv(got, prv), dist.isend(torch.full((5,), float(r)), nxt)]
-    for q in reqs:
-        q.wait()
-    out["ring"] = got.tolist()
+    out["ring"] = _ring_step(torch.full((5,), float(r)), prv, nxt)
     got3 = torch.empty(3, dtype=torch.float64)
     ops = [dist.P2POp(dist.isend, torch.full((3,), 10.0 * r, dtype=torch.float64), nxt),
            dist.P2POp(dist.irecv, got3, prv)]
     for q in dist.batch_isend_irecv(ops):
         q.wait()
     out["batched"] = got3.tolist()
-    seq = []
-    for i in range(3):
-        reqs = [dist.isend(torch.full((2,), 100.0 * r + i), nxt), dist.irecv(t := torch.empty(2), prv)]
-        for q in reqs:
-            q.wait()
-        seq.append(t.tolist())
-    out["sequence"] = seq
+    out["sequence"] = [_ring_step(torch.full((2,), 100.0 * r + i), prv, nxt) for i in range(3)]
     # Crossed tags: rank 0's recv on tag 5 is issued first and is met only
     # after rank 1 received rank 0's send on tag 0.
     if r == 0:
@@ -215,10 +219,7 @@ def _debug_send_recv(ctx):
     # send that gave up, and the lane is still in step afterwards.
     dist.barrier(group=ctx.ref)
     out["late"] = error_message(lambda: dist.recv(torch.empty(2), prv, tag=9))
-    reqs = [dist.isend(torch.full((4,), 5.0 + r), nxt, tag=9), dist.irecv(t := torch.empty(4), prv, tag=9)]
-    for q in reqs:
-        q.wait()
-    out["after_timeout"] = t.tolist()
+    out["after_timeout"] = _ring_step(torch.full((4,), 5.0 + r), prv, nxt, tag=9)
     y = torch.ones(3)
     dist.all_reduce(y)  # the group is still usable
     out["allreduce"] = y.tolist()
@@ -226,11 +227,7 @@ def _debug_send_recv(ctx):
 
 
 def test_debug_catches_send_recv_size_and_dtype_mismatches():
-    group = Group(3, env={"TPCOMM_DEBUG": "1"}, pg_timeout_s=4)
-    try:
-        results = group.run(_debug_send_recv, timeout_s=90)
-    finally:
-        group.close()
+    results = _run_debug(3, _debug_send_recv, pg_timeout_s=4, timeout_s=90)
     w = 3
     for r, res in enumerate(results):
         assert res["ring"] == [float((r - 1) % w)] * 5, res
