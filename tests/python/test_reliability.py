@@ -111,6 +111,13 @@ def _run_debug(world_size, fn, pg_timeout_s, timeout_s):
         group.close()
 
 
+def _allreduce_ones():
+    """An allreduce of ones, which a group that is still usable sums."""
+    y = torch.ones(3)
+    dist.all_reduce(y)
+    return y.tolist()
+
+
 def _debug_mismatches(ctx):
     w, r = ctx.world_size, ctx.rank
     out = {}
@@ -129,9 +136,7 @@ def _debug_mismatches(ctx):
     start = time.monotonic()
     out["scatter"] = error_message(lambda: dist.scatter(torch.empty(2), scatter_list, src=0))
     out["scatter_s"] = time.monotonic() - start
-    y = torch.ones(3)
-    dist.all_reduce(y)  # the group is still usable
-    out["after"] = y.tolist()
+    out["after"] = _allreduce_ones()
     return out
 
 
@@ -220,9 +225,7 @@ def _debug_send_recv(ctx):
     dist.barrier(group=ctx.ref)
     out["late"] = error_message(lambda: dist.recv(torch.empty(2), prv, tag=9))
     out["after_timeout"] = _ring_step(torch.full((4,), 5.0 + r), prv, nxt, tag=9)
-    y = torch.ones(3)
-    dist.all_reduce(y)  # the group is still usable
-    out["allreduce"] = y.tolist()
+    out["allreduce"] = _allreduce_ones()
     return out
 
 
