@@ -26,7 +26,10 @@
 // The epilogue uses this rank's own residual and weight, so ranks whose
 // residuals differ each get their own residualOut, as the separate
 // operations give. Rows move as 16-byte packs when `packed` (hidden is a
-// multiple of the pack and every pointer aligned), else element by element.
+// multiple of the pack and every pointer of this rank aligned), else element
+// by element; ranks may differ in that (alignment is per rank), so both
+// paths sum a row's squares in one order and the normed rows stay bitwise
+// equal across ranks.
 
 #include "custom_allreduce/kernels.cuh"
 
@@ -162,11 +165,18 @@ __device__ void normRow(const KernelArgs& a, const Sums& sums, size_t row) {
     }
     return;
   }
+  // Element by element, but in the pack path's order (thread t sums packs
+  // t, t + blockDim, ..., each front to back): a rank whose residual or
+  // weight is not pack-aligned takes this path while its peers take the
+  // other, and the row's statistics must be the same float32 sum on both.
   const size_t first = row * a.hidden;
   const T* residual = reinterpret_cast<const T*>(a.residual) + first;
   T* residualOut = reinterpret_cast<T*>(a.residualOut) + first;
-  for (size_t i = threadIdx.x; i < a.hidden; i += blockDim.x) {
-    squares += addResidual<T>(sums.element(first + i), residual[i], &residualOut[i]);
+  for (size_t start = threadIdx.x * kPer; start < a.hidden; start += blockDim.x * kPer) {
+    const size_t end = start + kPer < a.hidden ? start + kPer : a.hidden;
+    for (size_t i = start; i < end; ++i) {
+      squares += addResidual<T>(sums.element(first + i), residual[i], &residualOut[i]);
+    }
   }
   const float inverse = 1.f / sqrtf(blockSum(squares) / static_cast<float>(a.hidden) + a.eps);
   const T* weight = reinterpret_cast<const T*>(a.weight);

@@ -31,6 +31,9 @@ struct FusedCall {
   bool residualInPlace = false;  // residual_out is the residual
   bool normedInPlace = false;    // normed is the input
   bool ownResiduals = false;     // each rank's residual differs
+  // The last rank's residual and weight start one element past a pack
+  // boundary: it takes the element path while its peers take the pack path.
+  bool misalignedLastRank = false;
   float eps = 1e-5f;
   // Set by the group.
   std::vector<void*> in, residual, residualOut, weight, normed;
@@ -42,7 +45,8 @@ std::string describe(const FusedCall& c, int n) {
          " n=" + std::to_string(n) + " rows=" + std::to_string(c.rows) +
          " hidden=" + std::to_string(c.hidden) + " blocks=" + std::to_string(c.blocks) +
          (c.residualInPlace ? " residual in place" : "") +
-         (c.normedInPlace ? " normed in place" : "") + (c.ownResiduals ? " own residuals" : "");
+         (c.normedInPlace ? " normed in place" : "") + (c.ownResiduals ? " own residuals" : "") +
+         (c.misalignedLastRank ? " last rank misaligned" : "");
 }
 
 class FusedGroup {
@@ -51,7 +55,7 @@ class FusedGroup {
       : n_(n), layout_(BufferLayout::forMaxBytes(maxBytes)), calls_(std::move(calls)) {
     size_t bytes = n * layout_.totalBytes + 4096;
     for (const FusedCall& c : calls_) {
-      bytes += n * (5 * c.rows * c.hidden * dtypeSize(c.dtype) + 5 * 256);
+      bytes += n * (5 * c.rows * c.hidden * dtypeSize(c.dtype) + 5 * 256 + 2 * 16);
     }
     arena_ = std::make_unique<Arena>(bytes);
     errors_ = static_cast<uint32_t*>(arena_->take(sizeof(uint32_t) * kMaxRanks));
@@ -67,9 +71,11 @@ class FusedGroup {
       for (float& v : weight) v = 0.5f + value(random);
       for (int r = 0; r < n; ++r) {
         c.in.push_back(arena_->take(size));
-        c.residual.push_back(arena_->take(size));
+        const size_t shift = c.misalignedLastRank && r == n - 1 ? dtypeSize(c.dtype) : 0;
+        c.residual.push_back(static_cast<char*>(arena_->take(size + shift)) + shift);
         c.residualOut.push_back(c.residualInPlace ? c.residual[r] : arena_->take(size));
-        c.weight.push_back(arena_->take(c.hidden * dtypeSize(c.dtype)));
+        const size_t weightBytes = c.hidden * dtypeSize(c.dtype);
+        c.weight.push_back(static_cast<char*>(arena_->take(weightBytes + shift)) + shift);
         c.normed.push_back(c.normedInPlace ? c.in[r] : arena_->take(size));
         for (size_t i = 0; i < count; ++i) {
           store(c.dtype, c.in[r], i, value(random) * std::ldexp(1.f, -static_cast<int>(i % 5)));
@@ -222,6 +228,33 @@ TEST_P(FusedEmulation, EveryDtypeAlgorithmAndHiddenSizeMatchesTheReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, FusedEmulation, ::testing::Range(2, 9));
+
+// A rank whose residual and weight are not pack-aligned runs the element
+// path while its peers run the pack path; the row statistics must still be
+// summed in one order, so that the normed rows stay bitwise equal.
+TEST(FusedEmulationPaths, ARankOnTheElementPathNormsAsItsPeersOnThePackPath) {
+  std::vector<FusedCall> calls;
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+      for (size_t hidden : {64, 200, 1024}) {
+        FusedCall c;
+        c.dtype = dtype;
+        c.algorithm = algorithm;
+        c.rows = 3;
+        c.hidden = hidden;
+        c.blocks = 2;
+        c.misalignedLastRank = true;
+        calls.push_back(c);
+      }
+    }
+  }
+  for (int n : {2, 3}) {
+    FusedGroup g(n, 64 << 10, calls);
+    ASSERT_TRUE(g.run(kGenerousNs));
+    for (int r = 0; r < n; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
+    expectFusedResults(g);
+  }
+}
 
 // The host refuses what the kernel cannot do, before anything is launched.
 TEST(FusedEmulationRefusal, OverlapsEpsAndZeroCopyAreRefused) {
