@@ -8,6 +8,37 @@
 
 namespace tpcomm::backend {
 
+namespace {
+
+// Raises `error`, a failure of the call `what`, as the caller sees it: a
+// usage mistake found once the call ran (TPCOMM_DEBUG's send/recv check) as
+// the RuntimeError an argument error gets, anything else as DistBackendError
+// naming the call.
+[[noreturn]] void raiseFor(const std::string& what, std::exception_ptr error) {
+  try {
+    std::rethrow_exception(std::move(error));
+  } catch (const Error& e) {
+    TORCH_CHECK(e.code() != ErrorCode::kInvalidUsage, "tpcomm: ", what, " refused: ", e.what());
+    C10_THROW_ERROR(DistBackendError, "tpcomm: " + what + " failed: " + e.what());
+  } catch (const std::exception& e) {
+    C10_THROW_ERROR(DistBackendError, "tpcomm: " + what + " failed: " + e.what());
+  } catch (...) {
+    C10_THROW_ERROR(DistBackendError, "tpcomm: " + what + " failed: an unknown exception");
+  }
+}
+
+// Completes `future` with `error` raised as raiseFor raises it.
+void failFuture(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::string& what,
+                std::exception_ptr error) {
+  try {
+    raiseFor(what, std::move(error));
+  } catch (...) {
+    future->setError(std::current_exception());
+  }
+}
+
+}  // namespace
+
 TpcommWork::TpcommWork(coord::Pending pending, c10d::OpType type, std::string what, int rank)
     : c10d::Work(rank, type),
       inner_(std::move(pending.work)),
@@ -21,16 +52,16 @@ TpcommWork::TpcommWork(coord::Pending pending, c10d::OpType type, std::string wh
   // The child future runs the finish step on the thread that completes the
   // routed work, so that waiting on the future alone observes final results.
   future_ = inner_->getFuture()->then(
-      [finish = finish_, outputs = outputs_](c10::ivalue::Future& parent) -> c10::IValue {
-        parent.value();  // rethrows the routed backend's error
-        finish->run();
+      [finish = finish_, outputs = outputs_, what = what_](c10::ivalue::Future& parent) {
+        try {
+          parent.value();  // rethrows the routed backend's error
+          finish->run();
+        } catch (...) {
+          raiseFor(what, std::current_exception());
+        }
         return c10::IValue(outputs);
       },
       c10::ListType::ofTensors());
-}
-
-void TpcommWork::raise(const std::string& cause) const {
-  C10_THROW_ERROR(DistBackendError, "tpcomm: " + what_ + " failed: " + cause);
 }
 
 bool TpcommWork::isCompleted() {
@@ -58,28 +89,18 @@ std::vector<at::Tensor> TpcommWork::result() { return outputs_; }
 bool TpcommWork::wait(std::chrono::milliseconds timeout) {
   try {
     if (!inner_->wait(timeout)) return false;
-  } catch (const Error& e) {
-    // A mistake found once the call ran (TPCOMM_DEBUG's send/recv check) is
-    // the caller's, raised as the argument errors at the call are.
-    TORCH_CHECK(e.code() != ErrorCode::kInvalidUsage, "tpcomm: ", what_, " refused: ", e.what());
-    raise(e.what());
-  } catch (const std::exception& e) {
-    raise(e.what());
+  } catch (...) {
+    raiseFor(what_, std::current_exception());
   }
   if (innerHasFuture_) {
     future_->wait();
-    if (future_->hasError()) {
-      try {
-        std::rethrow_exception(future_->exception_ptr());
-      } catch (const std::exception& e) {
-        raise(e.what());
-      }
-    }
+    // The future's callback raised its error as raiseFor does.
+    if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
   } else {
     try {
       finish_->run();
-    } catch (const std::exception& e) {
-      raise(e.what());
+    } catch (...) {
+      raiseFor(what_, std::current_exception());
     }
     finishedByWait_ = true;
   }
@@ -94,13 +115,14 @@ c10::intrusive_ptr<c10::ivalue::Future> TpcommWork::getFuture() {
   future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
   // The routed work has no future: wait for it on a thread of its own. The
   // wait ends when the work does or when the routed backend's timeout fires.
-  std::thread([inner = inner_, finish = finish_, outputs = outputs_, future = future_] {
+  std::thread([inner = inner_, finish = finish_, outputs = outputs_, future = future_,
+               what = what_] {
     try {
       inner->wait();
       finish->run();
       future->markCompleted(c10::IValue(outputs));
     } catch (...) {
-      future->setError(std::current_exception());
+      failFuture(future, what, std::current_exception());
     }
   }).detach();
   return future_;

@@ -9,7 +9,7 @@
 //    a usage mistake found only once the call ran (TPCOMM_DEBUG's send/recv
 //    check) as the RuntimeError an argument error gets.
 //  - getFuture(): completes, with result() as its value, after the finish
-//    step ran; DDP's communication hooks rely on it. Where the routed work has
+//    step ran, or with the error wait() would raise; DDP's communication hooks rely on it. Where the routed work has
 //    no future (Gloo's point-to-point and reduce-scatter works), the first
 //    getFuture() starts a thread that waits for it (bounded by the group's
 //    timeout) and completes the future.
@@ -42,8 +42,6 @@ class TpcommWork : public c10d::Work {
   uint64_t getSequencenumber() const override;
 
  private:
-  [[noreturn]] void raise(const std::string& cause) const;
-
   // Shared with the future's callback, which may outlive this Work.
   struct FinishStep {
     std::once_flag once;

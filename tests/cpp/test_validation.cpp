@@ -203,7 +203,16 @@ TEST(BackendErrors, CommunicationFailureIsDistBackendErrorNamingTheCall) {
               std::string::npos)
         << what;
   }
-  EXPECT_TRUE(work->getFuture()->hasError());
+  // The future carries the error wait() raised.
+  auto future = work->getFuture();
+  ASSERT_TRUE(future->hasError());
+  try {
+    std::rethrow_exception(future->exception_ptr());
+  } catch (const c10::DistBackendError& e) {
+    EXPECT_NE(std::string(e.what()).find("tpcomm: allreduce on group 'g' (rank 0 of 1) failed: "),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 TEST(BackendWork, FutureCompletesAfterTheFinishStep) {

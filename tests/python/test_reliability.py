@@ -170,12 +170,14 @@ def _debug_send_recv(ctx):
         out["size"] = error_message(lambda: dist.send(torch.ones(8), 1))
     elif r == 1:
         out["size"] = error_message(lambda: dist.recv(torch.empty(4), 0))
-    # Equal byte counts, different dtypes (Gloo would reinterpret the bytes).
+    # Equal byte counts, different dtypes (Gloo would reinterpret the bytes),
+    # seen through the works' futures.
     if r == 0:
-        out["dtype"] = error_message(lambda: dist.send(torch.ones(4), 1, tag=3))
-    elif r == 1:
         out["dtype"] = error_message(
-            lambda: dist.recv(torch.empty(4, dtype=torch.int32), 0, tag=3))
+            lambda: dist.isend(torch.ones(4), 1, tag=3).get_future().wait())
+    elif r == 1:
+        out["dtype"] = error_message(lambda: dist.irecv(
+            torch.empty(4, dtype=torch.int32), 0, tag=3).get_future().wait())
     # The next message on that lane pairs up and arrives intact.
     if r == 0:
         dist.send(torch.arange(6.0), 1)
@@ -242,7 +244,8 @@ def test_debug_catches_send_recv_size_and_dtype_mismatches():
         assert size.startswith("RuntimeError") and "send/recv mismatch" in size, size
         assert "rank 0 called send float32[8] to rank 1 and rank 1 called recv float32[4] " \
             "from rank 0" in size, size
-        assert "rank 0 called send float32[4] to rank 1 and rank 1 called recv int32[4] " \
+        assert dtype.startswith("RuntimeError: tpcomm: ") and \
+            "rank 0 called send float32[4] to rank 1 and rank 1 called recv int32[4] " \
             "from rank 0 (tag 3, the 1st message" in dtype, dtype
     assert results[1]["after_mismatch"] == [float(i) for i in range(6)]
     assert results[0]["crossed"] == [21.0, 21.0]
