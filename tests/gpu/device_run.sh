@@ -2,24 +2,56 @@
 # Builds and tests tpcomm on a GPU machine that has torch 2.11.0+cu130, nvcc,
 # cmake, ninja and pytest but no network and no GoogleTest: carry a copy of
 # /usr/src/googletest as .gtest/ (ignored by git). Logs go to $OUT (or ./out).
+#
+#   bash tests/gpu/device_run.sh [pytest args for the CPU suite...]
+#
+# Order: build, ctest, the GPU tests, the GPU benchmarks (custom allreduce,
+# dist.all_reduce per route, fused allreduce + add + RMSNorm), then the CPU
+# suite. The whole run fits in TPCOMM_DEVICE_BUDGET_S seconds (default 570,
+# under the device's 600 s per command): each step is stopped at its own cap
+# or at what is left of the budget, whichever comes first, so a step that
+# hangs costs its cap and the logs of every step still come back.
 set -uo pipefail
 out="${OUT:-$PWD/out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
+deadline=$(( $(date +%s) + ${TPCOMM_DEVICE_BUDGET_S:-570} ))
+
+# step NAME CAP_S COMMAND...: runs COMMAND into $out/NAME.txt (its tail on
+# the console) for at most CAP_S seconds or what is left of the budget.
+step() {
+  local name="$1" cap="$2"
+  shift 2
+  local left=$(( deadline - $(date +%s) ))
+  (( left < cap )) && cap=$left
+  if (( cap < 5 )); then
+    echo "== $name: skipped, the budget is spent" | tee "$out/$name.txt"
+    return
+  fi
+  local start rc
+  start=$(date +%s)
+  timeout --kill-after=5 "$cap" "$@" >> "$out/$name.txt" 2>&1
+  rc=$?
+  local took=$(( $(date +%s) - start ))
+  (( rc == 124 || rc == 137 )) && echo "stopped at its cap of ${cap}s" >> "$out/$name.txt"
+  echo "== $name: rc=$rc in ${took}s" >> "$out/$name.txt"
+  tail -n 12 "$out/$name.txt"
+}
+
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   nvcc --version | tail -2
-} 2>&1 | tee "$out/env.txt"
-start=$(date +%s)
-"$py" -m pip install --no-build-isolation --no-deps -q \
+} 2>&1 | tee "$out/build.txt"  # the device returns at most 8 files: 7 logs and the plot
+step build 240 "$py" -m pip install --no-build-isolation --no-deps -q \
   -C build-dir=build/gpu -C cmake.define.TPCOMM_BUILD_TESTS=ON \
   -C cmake.define.TPCOMM_GTEST_DIR="$PWD/.gtest" \
-  -C cmake.define.Python_EXECUTABLE="$(command -v "$py")" . > "$out/build.txt" 2>&1
-echo "build rc=$? in $(( $(date +%s) - start ))s" | tee -a "$out/build.txt"
-ctest --test-dir build/gpu -j 8 2>&1 | tail -5 | tee "$out/ctest.txt"
-"$py" -m pytest -q -rs tests/gpu 2>&1 | tee "$out/pytest_gpu.txt" | tail -15
-"$py" -m pytest -q -rs tests/python "$@" 2>&1 | tee "$out/pytest_cpu.txt" | tail -15
-# The fused allreduce + add + RMSNorm, 2 ranks sharing GPU 0 (custom kernel), against the three ops.
-"$py" -m tpcomm.bench fused --device cuda --world-sizes 2 4 2>&1 | tee "$out/bench_fused.txt" | tail -25
+  -C cmake.define.Python_EXECUTABLE="$(command -v "$py")" .
+step ctest 120 ctest --test-dir build/gpu -j 8 --output-on-failure
+step pytest_gpu 200 "$py" -m pytest -q -rs tests/gpu
+step bench_car 90 "$py" -m tpcomm.bench car --png "$out/car.png"
+step bench_allreduce 90 "$py" -m tpcomm.bench allreduce
+# 2 and 4 ranks sharing GPU 0 (custom kernel), against the three separate ops.
+step bench_fused 90 "$py" -m tpcomm.bench fused --device cuda --world-sizes 2 4
+step pytest_cpu 300 "$py" -m pytest -q -rs tests/python "$@"
