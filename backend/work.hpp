@@ -9,10 +9,11 @@
 //    a usage mistake found only once the call ran (TPCOMM_DEBUG's send/recv
 //    check) as the RuntimeError an argument error gets.
 //  - getFuture(): completes, with result() as its value, after the finish
-//    step ran, or with the error wait() would raise; DDP's communication hooks rely on it. Where the routed work has
-//    no future (Gloo's point-to-point and reduce-scatter works), the first
-//    getFuture() starts a thread that waits for it (bounded by the group's
-//    timeout) and completes the future.
+//    step ran, or with the error wait() would raise; DDP's communication
+//    hooks rely on it. Where the routed work has no future (Gloo's
+//    point-to-point and reduce-scatter works), the first getFuture() starts
+//    a thread that waits for it (bounded by the group's timeout) and
+//    completes the future.
 //  - isCompleted() never blocks. Thread-safe like the wrapped work.
 
 #include <atomic>

@@ -8,8 +8,8 @@
 #include "coordinator/common/settings.hpp"
 #include "coordinator/composite_ops.hpp"
 #include "coordinator/debug_check.hpp"
-#include "coordinator/gloo_dtypes.hpp"
 #include "coordinator/interpreter_lock.hpp"
+#include "coordinator/routed_call.hpp"
 
 namespace tpcomm::coord {
 
@@ -86,27 +86,6 @@ void GroupCoordinator::logAllreduceRoute(const c10d::ReduceOp& op, const at::Ten
 
 namespace {
 
-Pending passThrough(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> outputs) {
-  Pending pending;
-  pending.work = std::move(work);
-  pending.outputs = std::move(outputs);
-  return pending;
-}
-
-// Gloo's point-to-point and reduce-scatter works have no future.
-Pending withoutFutureOnCpu(Route route, Pending pending) {
-  pending.hasFuture = route != Route::kCpu;
-  return pending;
-}
-
-// TPCOMM_DEBUG's checked send or recv of a CPU tensor (debug_p2p.hpp): the
-// check's Work has no future.
-Pending checkedPointToPoint(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> outputs) {
-  Pending pending = passThrough(std::move(work), std::move(outputs));
-  pending.hasFuture = false;
-  return pending;
-}
-
 // The start of each of `parts` equal byte ranges of a contiguous tensor.
 std::vector<void*> slicesOf(const at::Tensor& t, int parts) {
   std::vector<void*> out;
@@ -118,17 +97,6 @@ std::vector<void*> slicesOf(const at::Tensor& t, int parts) {
 std::vector<const void*> constSlicesOf(const at::Tensor& t, int parts) {
   const auto slices = slicesOf(t, parts);
   return {slices.begin(), slices.end()};
-}
-
-// What a call hands its routed backend: Gloo gets byte views of the dtypes
-// it has no kernels for (gloo_dtypes.hpp); other backends the tensors as
-// they are.
-at::Tensor carried(Route route, const at::Tensor& t) {
-  return route == Route::kCpu ? glooView(t) : t;
-}
-template <typename List>
-List carried(Route route, const List& tensors) {
-  return route == Route::kCpu ? glooViews(tensors) : tensors;
 }
 
 // Elements per peer of an all-to-all over dim 0: `splits` rows each (empty:
@@ -541,52 +509,6 @@ Pending GroupCoordinator::alltoall(std::vector<at::Tensor>& outputs,
   Pending pending = alltoallThroughBase(backendFor(route, bytesOf(inputs)), outs, ins, opts);
   pending.outputs = outputs;
   return pending;
-}
-
-Pending GroupCoordinator::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  const Route route = routeFor(tensors[0]);
-  auto moved = carried(route, tensors);
-  if (p2p_ && route == Route::kCpu) {
-    stats_.record(StatsRoute::kGloo, bytesOf(tensors));
-    return checkedPointToPoint(p2p_->send(tensors[0], dstRank, tag,
-                                          [cpu = cpu_, moved, tag](int peer) mutable {
-                                            return cpu->send(moved, peer, tag);
-                                          }),
-                               {});
-  }
-  return withoutFutureOnCpu(
-      route, passThrough(backendFor(route, bytesOf(tensors)).send(moved, dstRank, tag), {}));
-}
-
-Pending GroupCoordinator::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  const Route route = routeFor(tensors[0]);
-  auto moved = carried(route, tensors);
-  if (p2p_ && route == Route::kCpu) {
-    stats_.record(StatsRoute::kGloo, bytesOf(tensors));
-    return checkedPointToPoint(p2p_->recv(tensors[0], srcRank, tag,
-                                          [cpu = cpu_, moved, tag](int peer) mutable {
-                                            return cpu->recv(moved, peer, tag);
-                                          }),
-                               tensors);
-  }
-  return withoutFutureOnCpu(
-      route, passThrough(backendFor(route, bytesOf(tensors)).recv(moved, srcRank, tag), tensors));
-}
-
-Pending GroupCoordinator::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  const Route route = routeFor(tensors[0]);
-  auto moved = carried(route, tensors);
-  if (p2p_ && route == Route::kCpu) {
-    // Taken as a recv from the first rank whose send to this one is there.
-    stats_.record(StatsRoute::kGloo, bytesOf(tensors));
-    return checkedPointToPoint(p2p_->recvAnysource(tensors[0], tag,
-                                                   [cpu = cpu_, moved, tag](int peer) mutable {
-                                                     return cpu->recv(moved, peer, tag);
-                                                   }),
-                               tensors);
-  }
-  return withoutFutureOnCpu(
-      route, passThrough(backendFor(route, bytesOf(tensors)).recvAnysource(moved, tag), tensors));
 }
 
 Pending GroupCoordinator::barrier(const c10d::BarrierOptions& opts) {
