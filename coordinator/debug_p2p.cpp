@@ -62,12 +62,12 @@ Header decode(const std::vector<uint8_t>& raw) {
   return h;
 }
 
-std::vector<uint8_t> bytesOf(const std::string& text) { return {text.begin(), text.end()}; }
+std::vector<uint8_t> storeBytes(const std::string& text) { return {text.begin(), text.end()}; }
 
 // What a header's key holds once one side has settled it (compareSet, so
 // that exactly one of "the peer took it" and "its writer gave up" happens).
-const std::vector<uint8_t> kTaken = bytesOf("taken");
-const std::vector<uint8_t> kAbandoned = bytesOf("abandoned");
+const std::vector<uint8_t> kTaken = storeBytes("taken");
+const std::vector<uint8_t> kAbandoned = storeBytes("abandoned");
 
 // One checked call's progress, shared by its Work and its helper thread.
 struct State {
@@ -245,11 +245,11 @@ struct P2pChecker::Shared {
     try {
       const int src = side == Side::kSend ? rank : peer;
       const int dst = side == Side::kSend ? peer : rank;
-      if (writeMine) store->set(key(src, dst, tag, turn.number, side), bytesOf(mine));
+      if (writeMine) store->set(key(src, dst, tag, turn.number, side), storeBytes(mine));
       const std::string lane = "tag " + std::to_string(tag) + ", the " + ordinal(turn.number + 1) +
                                " message from rank " + std::to_string(src) + " to rank " +
                                std::to_string(dst) + " on that tag";
-      const Header me = decode(bytesOf(mine));
+      const Header me = decode(storeBytes(mine));
       const std::string mineKey = key(src, dst, tag, turn.number, side);
       const std::string theirsKey = key(src, dst, tag, turn.number, other(side));
       const auto stoppedWaiting = [&] {
@@ -262,7 +262,7 @@ struct P2pChecker::Shared {
       if (!poll([&] { return store->check({theirsKey}); })) {
         // Give up, unless the peer took this call's header meanwhile (it
         // then posts, and its own header is in the store already).
-        if (store->compareSet(mineKey, bytesOf(mine), kAbandoned) == kAbandoned) {
+        if (store->compareSet(mineKey, storeBytes(mine), kAbandoned) == kAbandoned) {
           TPCOMM_THROW(kTimeout, "TPCOMM_DEBUG: rank ", rank, " called ", me.call, " (", lane,
                        ") on group '", groupName, "', but rank ", peer, " has not called the ",
                        nameOf(other(side)), " that meets it within the group's timeout (",
@@ -345,7 +345,7 @@ c10::intrusive_ptr<c10d::Work> P2pChecker::Shared::start(const std::shared_ptr<S
     std::lock_guard<std::mutex> lock(self->mutex);
     Shared::Lane& lane = self->lanes[{peer, side, tag}];
     const std::string mineKey = self->key(src, dst, tag, lane.next, side);
-    self->store->set(mineKey, bytesOf(mine));
+    self->store->set(mineKey, storeBytes(mine));
     const Turn turn = self->take(lane);
     try {
       std::thread([self, state, side, peer, tag, turn, mine, post = std::move(post)] {
@@ -354,7 +354,7 @@ c10::intrusive_ptr<c10d::Work> P2pChecker::Shared::start(const std::shared_ptr<S
     } catch (const std::system_error& e) {
       // The peer's call fails too, unless it took the header already.
       turn.mine->set_value();
-      self->store->compareSet(mineKey, bytesOf(mine), kAbandoned);
+      self->store->compareSet(mineKey, storeBytes(mine), kAbandoned);
       TPCOMM_THROW(kSystem, "TPCOMM_DEBUG: could not start the check of ", call, ": ", e.what());
     }
   }
