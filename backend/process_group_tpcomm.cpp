@@ -162,6 +162,7 @@ WorkPtr ProcessGroupTpcomm::allreduceInto(at::Tensor& input, at::Tensor& output,
     checkSameDevice("allreduce", {input, output});
     checkDtype("allreduce", "output", {output}, input.scalar_type());
     checkNumel("allreduce", "the output", output.numel(), input.numel());
+    checkOverlap("allreduce", "the output", output, "the input", input);
     checkReduceOp("allreduce", opts.reduceOp, input.scalar_type());
     return coordinator_->allreduceInto(input, output, opts);
   });
@@ -222,6 +223,7 @@ WorkPtr ProcessGroupTpcomm::allgather(std::vector<std::vector<at::Tensor>>& outp
     checkDtype("allgather", "output tensor list", outputs[0], inputs[0].scalar_type());
     for (const auto& out : outputs[0]) {
       checkNumel("allgather", "an output tensor", out.numel(), inputs[0].numel());
+      checkOverlap("allgather", "an output tensor", out, "the input", inputs[0]);
     }
     return coordinator_->allgather(outputs, inputs, opts);
   });
@@ -236,6 +238,7 @@ WorkPtr ProcessGroupTpcomm::_allgather_base(at::Tensor& output, at::Tensor& inpu
     checkSameDevice(op, {input, output});
     checkDtype(op, "output", {output}, input.scalar_type());
     checkNumel(op, "the output", output.numel(), input.numel() * size_);
+    checkSlotOverlap(op, "the input", input, "the output", output, rank_);
     return coordinator_->allgatherBase(output, input, opts);
   });
 }
@@ -272,6 +275,7 @@ WorkPtr ProcessGroupTpcomm::allgather_into_tensor_coalesced(std::vector<at::Tens
     for (size_t i = 0; i < inputs.size(); ++i) {
       checkDtype(op, "outputs", {outputs[i]}, inputs[i].scalar_type());
       checkNumel(op, "an output", outputs[i].numel(), inputs[i].numel() * size_);
+      checkSlotOverlap(op, "an input", inputs[i], "its output", outputs[i], rank_);
     }
     return coordinator_->allgatherIntoTensorCoalesced(outputs, inputs, opts);
   });
@@ -338,6 +342,7 @@ WorkPtr ProcessGroupTpcomm::reduce_scatter(std::vector<at::Tensor>& outputs,
     checkDtype(op, "the input list", inputs[0], outputs[0].scalar_type());
     for (const auto& in : inputs[0]) {
       checkNumel(op, "an input tensor", in.numel(), outputs[0].numel());
+      checkOverlap(op, "the output", outputs[0], "an input tensor", in);
     }
     checkReduceOp(op, opts.reduceOp, outputs[0].scalar_type());
     return coordinator_->reduceScatter(outputs, inputs, opts);
@@ -353,6 +358,7 @@ WorkPtr ProcessGroupTpcomm::_reduce_scatter_base(at::Tensor& output, at::Tensor&
     checkSameDevice(op, {input, output});
     checkDtype(op, "output", {output}, input.scalar_type());
     checkNumel(op, "the input", input.numel(), output.numel() * size_);
+    checkSlotOverlap(op, "the output", output, "the input", input, rank_);
     checkReduceOp(op, opts.reduceOp, input.scalar_type());
     return coordinator_->reduceScatterBase(output, input, opts);
   });
@@ -370,6 +376,7 @@ WorkPtr ProcessGroupTpcomm::reduce_scatter_tensor_coalesced(
     for (size_t i = 0; i < inputs.size(); ++i) {
       checkDtype(op, "outputs", {outputs[i]}, inputs[i].scalar_type());
       checkNumel(op, "an input", inputs[i].numel(), outputs[i].numel() * size_);
+      checkSlotOverlap(op, "an output", outputs[i], "its input", inputs[i], rank_);
       checkReduceOp(op, opts.reduceOp, inputs[i].scalar_type());
     }
     return coordinator_->reduceScatterTensorCoalesced(outputs, inputs, opts);

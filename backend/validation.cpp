@@ -142,6 +142,27 @@ bool shareBytes(const at::Tensor& a, const at::Tensor& b) {
 }
 }  // namespace
 
+void checkOverlap(const char* op, const char* outName, const at::Tensor& output, const char* inName,
+                  const at::Tensor& input) {
+  if (!shareBytes(output, input)) return;
+  const bool same = output.data_ptr() == input.data_ptr() && output.nbytes() == input.nbytes();
+  TPCOMM_CHECK(same, kInvalidUsage, op, ": ", outName, " (", output.nbytes(), " bytes at ",
+               output.data_ptr(), ") partly overlaps ", inName, " (", input.nbytes(), " bytes at ",
+               input.data_ptr(),
+               "): it would be read after it was written; pass the same tensor (in place) or "
+               "separate memory");
+}
+
+void checkSlotOverlap(const char* op, const char* partName, const at::Tensor& part,
+                      const char* wholeName, const at::Tensor& whole, int rank) {
+  if (!shareBytes(part, whole)) return;
+  const auto slot = static_cast<const char*>(whole.data_ptr()) + part.nbytes() * rank;
+  TPCOMM_CHECK(part.data_ptr() == slot, kInvalidUsage, op, ": ", partName, " (", part.nbytes(),
+               " bytes at ", part.data_ptr(), ") overlaps ", wholeName,
+               " other than as exactly this rank's part (rank ", rank, " at ",
+               static_cast<const void*>(slot), "); pass that part (in place) or separate memory");
+}
+
 void checkAddRmsNorm(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight,
                      double eps, const at::Tensor& normed, const at::Tensor& residualOut) {
   constexpr const char* op = "all_reduce_add_rms_norm";

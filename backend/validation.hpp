@@ -30,6 +30,14 @@ void checkRank(const char* op, const char* what, int64_t rank, int size);
 // BroadcastOptions/ReduceOptions.rootTensor indexes the call's tensor list.
 void checkRootTensor(const char* op, int64_t rootTensor, size_t tensors);
 void checkLength(const char* op, const char* what, size_t actual, size_t expected);
+// InvalidUsage when `output` and `input` share some bytes without being the
+// same bytes (an in-place call is fine).
+void checkOverlap(const char* op, const char* outName, const at::Tensor& output, const char* inName,
+                  const at::Tensor& input);
+// InvalidUsage when `part` shares bytes with `whole` other than as exactly
+// part `rank` of it (an all-gather's input, a reduce-scatter's output).
+void checkSlotOverlap(const char* op, const char* partName, const at::Tensor& part,
+                      const char* wholeName, const at::Tensor& whole, int rank);
 void checkNumel(const char* op, const char* what, int64_t actual, int64_t expected);
 // Split sizes: empty (even split of dim 0 by size) or one per rank summing to dim 0.
 void checkSplits(const char* op, const char* what, const std::vector<int64_t>& splits,

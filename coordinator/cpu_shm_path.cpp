@@ -74,12 +74,21 @@ std::string agreement(const std::vector<std::string>& modes, const std::vector<s
 
 }  // namespace
 
+mq::ReduceIsa reduceIsaOf(const std::string& setting) {
+  const mq::ReduceIsa wanted = setting == "avx512"     ? mq::ReduceIsa::kAvx512
+                               : setting == "avx2"     ? mq::ReduceIsa::kAvx2
+                               : setting == "portable" ? mq::ReduceIsa::kPortable
+                                                       : mq::bestReduceIsa();
+  return mq::cpuRunsReduceIsa(wanted) ? wanted : mq::bestReduceIsa();
+}
+
 CpuShmConfig CpuShmConfig::fromSettings() {
   CpuShmConfig c;
   c.mode = settings().cpuShm;
   c.bufferBytes = settings().cpuShmBufferBytes;
   c.twoPhaseBytes = settings().cpuShmTwoPhaseBytes;
   c.spinUs = settings().cpuShmSpinUs;
+  c.reduceIsa = settings().cpuReduceIsa;
   return c;
 }
 
@@ -122,6 +131,7 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   options.bufferBytes = static_cast<uint64_t>(config.bufferBytes);
   options.twoPhaseMinBytes = static_cast<uint64_t>(config.twoPhaseBytes);
   options.spin = std::chrono::microseconds(config.spinUs);
+  options.reduceIsa = reduceIsaOf(config.reduceIsa);
   options.timeout = timeout;
 
   // Round 2: rank 0 creates the region; the others map it.

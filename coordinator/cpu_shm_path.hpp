@@ -32,6 +32,7 @@ struct CpuShmConfig {
   int64_t bufferBytes = 1 << 20;
   int64_t twoPhaseBytes = 256 << 10;
   int64_t spinUs = 50;
+  std::string reduceIsa = "auto";  // TPCOMM_CPU_REDUCE_ISA
   static CpuShmConfig fromSettings();
 };
 
@@ -43,6 +44,10 @@ struct CpuShmSetup {
 // Throws InvalidUsage on every rank when mode is "1" and the set-up failed.
 CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::string& hostId,
                         const CpuShmConfig& config, std::chrono::milliseconds timeout);
+
+// The reductions' kernel level for a TPCOMM_CPU_REDUCE_ISA value: the level
+// named if this CPU runs it, else the best it runs.
+mq::ReduceIsa reduceIsaOf(const std::string& setting);
 
 // The path's dtype for a tensor's, if it reduces that dtype.
 std::optional<mq::DType> shmDtype(at::ScalarType dtype);

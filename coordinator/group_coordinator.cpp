@@ -113,6 +113,11 @@ std::vector<int64_t> splitCounts(const at::Tensor& t, const std::vector<int64_t>
   return out;
 }
 
+// Tensor i of a coalesced call of n, for the shared-memory signature.
+mq::ShmPart partOf(size_t i, size_t n) {
+  return mq::ShmPart{static_cast<uint32_t>(i), static_cast<uint32_t>(n)};
+}
+
 std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
   std::vector<at::Tensor> out;
   for (const auto& list : lists) out.insert(out.end(), list.begin(), list.end());
@@ -201,7 +206,8 @@ Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
   if (route == Route::kCpu) checkCpuReduces("allreduce_coalesced", tensors[0].scalar_type());
   if (route == Route::kCpu && cpuShm() != nullptr &&
       shmReduces(opts.reduceOp, tensors[0].scalar_type(), nullptr)) {
-    for (auto& t : tensors) shmAllreduce(t, t, opts.reduceOp, false);
+    for (size_t i = 0; i < tensors.size(); ++i)
+      shmAllreduce(tensors[i], tensors[i], opts.reduceOp, false, partOf(i, tensors.size()));
     return completedCall(tensors, opts.asyncOp);
   }
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);
@@ -293,7 +299,7 @@ Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>
     for (size_t i = 0; i < inputs.size(); ++i) {
       std::vector<void*> outs;
       for (auto& list : outputs) outs.push_back(list[i].data_ptr());
-      shmAllgather(inputs[i], outs, {}, false);
+      shmAllgather(inputs[i], outs, {}, false, partOf(i, inputs.size()));
     }
     return completedCall(flatten(outputs), opts.asyncOp);
   }
@@ -313,7 +319,7 @@ Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& 
   const Route route = routeFor(inputs[0]);
   if (route == Route::kCpu && cpuShm() != nullptr) {
     for (size_t i = 0; i < inputs.size(); ++i)
-      shmAllgather(inputs[i], slicesOf(outputs[i], size()), {}, false);
+      shmAllgather(inputs[i], slicesOf(outputs[i], size()), {}, false, partOf(i, inputs.size()));
     return completedCall(outputs, opts.asyncOp);
   }
   auto outs = carried(route, outputs);
@@ -439,7 +445,8 @@ Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& 
   });
   if (route == Route::kCpu && everyDtype && cpuShm() != nullptr) {
     for (size_t i = 0; i < inputs.size(); ++i)
-      shmReduceScatter(constSlicesOf(inputs[i], size()), outputs[i], opts.reduceOp, false);
+      shmReduceScatter(constSlicesOf(inputs[i], size()), outputs[i], opts.reduceOp, false,
+                       partOf(i, inputs.size()));
     return completedCall(outputs, opts.asyncOp);
   }
   const ReductionPlan plan = planWithoutAvgOrPremul(opts.reduceOp);

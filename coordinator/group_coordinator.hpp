@@ -194,13 +194,19 @@ class GroupCoordinator {
     bool setUp = false;
     bool available = false;
     std::string reason;
-    std::string mode;  // auto, 0, 1
+    std::string mode;       // auto, 0, 1
+    std::string reduceIsa;  // the reductions' kernels (avx512, avx2, portable)
   };
   CpuShmState cpuShmState() const;
   // Benchmarks and tests: this group's TPCOMM_CPU_SHM mode (auto, 0, 1)
   // instead of the process's; every rank must call it before the group's
   // first CPU collective. Throws InvalidUsage once the path is set up.
   void setCpuShmMode(const std::string& mode);
+  // Benchmarks and tests: the widest reduction kernels of this group's
+  // shared-memory path (auto, avx512, avx2, portable; as
+  // TPCOMM_CPU_REDUCE_ISA), at any time, on any rank (every level gives the
+  // same bits). Throws InvalidUsage for another name.
+  void setCpuReduceIsa(const std::string& level);
   // TPCOMM_DEBUG: how many cross-rank checks this thread has run (on any
   // group), so that the backend can tell whether a refused call reached its
   // check.
@@ -248,12 +254,16 @@ class GroupCoordinator {
   void checkSignature(const std::string& signature);
   // The shared-memory path's share of a CPU call (group_coordinator_shm.cpp):
   // each returns nullopt when the path does not take the call (Gloo does).
+  // `part`: the tensor's place in a coalesced call (checked across ranks).
   std::optional<Pending> shmAllreduce(const at::Tensor& input, at::Tensor& output,
-                                      const c10d::ReduceOp& op, bool asyncOp);
+                                      const c10d::ReduceOp& op, bool asyncOp,
+                                      const mq::ShmPart& part = {});
   std::optional<Pending> shmAllgather(const at::Tensor& input, const std::vector<void*>& outs,
-                                      std::vector<at::Tensor> results, bool asyncOp);
+                                      std::vector<at::Tensor> results, bool asyncOp,
+                                      const mq::ShmPart& part = {});
   std::optional<Pending> shmReduceScatter(const std::vector<const void*>& ins, at::Tensor& output,
-                                          const c10d::ReduceOp& op, bool asyncOp);
+                                          const c10d::ReduceOp& op, bool asyncOp,
+                                          const mq::ShmPart& part = {});
   std::optional<Pending> shmBroadcast(at::Tensor& tensor, int root, bool asyncOp);
   std::optional<Pending> shmBarrier(bool asyncOp);
   // The group's shared-memory path when it takes this call (`reduceOp`
@@ -277,6 +287,7 @@ class GroupCoordinator {
   std::unique_ptr<mq::ShmGroup> shm_;            // guarded by shmMutex_
   std::string shmReason_ = "not set up yet (at the group's first CPU collective)";
   std::string shmMode_;   // setCpuShmMode's override; guarded by shmMutex_
+  std::string shmIsa_;    // setCpuReduceIsa's override; guarded by shmMutex_
   std::string shmError_;  // a refused TPCOMM_CPU_SHM=1 set-up, raised by every call
   std::atomic<int> registrationDepth_{0};  // read on every custom call, without the lock
   uint64_t debugSequence_ = 0;             // guarded by debugMutex_

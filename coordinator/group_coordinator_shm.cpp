@@ -22,6 +22,7 @@ mq::ShmGroup* GroupCoordinator::cpuShm() {
   shmReason_ = "set-up failed";
   CpuShmConfig config = CpuShmConfig::fromSettings();
   if (!shmMode_.empty()) config.mode = shmMode_;
+  if (!shmIsa_.empty()) config.reduceIsa = shmIsa_;
   CpuShmSetup setup;
   try {
     setup = setUpCpuShm(*cpu_, rank(), size(), hostIdentity(), config, options_.timeout);
@@ -52,6 +53,15 @@ void GroupCoordinator::setCpuShmMode(const std::string& mode) {
   shmMode_ = mode;
 }
 
+void GroupCoordinator::setCpuReduceIsa(const std::string& level) {
+  TPCOMM_CHECK(level == "auto" || level == "avx512" || level == "avx2" || level == "portable",
+               kInvalidUsage, "CPU reduction kernels '", level,
+               "' are not one of auto, avx512, avx2, portable");
+  std::lock_guard<std::mutex> lock(shmMutex_);
+  shmIsa_ = level;
+  if (shm_) shm_->setReduceIsa(reduceIsaOf(level));
+}
+
 GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
   std::lock_guard<std::mutex> lock(shmMutex_);
   CpuShmState state;
@@ -59,6 +69,8 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
   state.available = shm_ != nullptr;
   state.reason = shm_ ? shm_->failure() : shmReason_;
   state.mode = shmMode_.empty() ? settings().cpuShm : shmMode_;
+  state.reduceIsa = mq::reduceIsaName(
+      shm_ ? shm_->reduceIsa() : reduceIsaOf(shmIsa_.empty() ? settings().cpuReduceIsa : shmIsa_));
   return state;
 }
 
@@ -84,34 +96,36 @@ mq::ShmGroup* GroupCoordinator::shmFor(const char* op, const at::Tensor& tensor,
 }
 
 std::optional<Pending> GroupCoordinator::shmAllreduce(const at::Tensor& input, at::Tensor& output,
-                                                      const c10d::ReduceOp& op, bool asyncOp) {
+                                                      const c10d::ReduceOp& op, bool asyncOp,
+                                                      const mq::ShmPart& part) {
   mq::ShmGroup* shm = shmFor("allreduce", input, &op);
   if (shm == nullptr) return std::nullopt;
   stats_.record(StatsRoute::kCpuShm, bytesOf(input));
   shm->allreduce(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
-                 *shmDtype(input.scalar_type()), shmReduction(op, size()));
+                 *shmDtype(input.scalar_type()), shmReduction(op, size()), part);
   return completedCall({output}, asyncOp);
 }
 
 std::optional<Pending> GroupCoordinator::shmAllgather(const at::Tensor& input,
                                                       const std::vector<void*>& outs,
-                                                      std::vector<at::Tensor> results,
-                                                      bool asyncOp) {
+                                                      std::vector<at::Tensor> results, bool asyncOp,
+                                                      const mq::ShmPart& part) {
   mq::ShmGroup* shm = shmFor("all_gather", input, nullptr);
   if (shm == nullptr) return std::nullopt;
   stats_.record(StatsRoute::kCpuShm, bytesOf(input));
-  shm->allgather(input.data_ptr(), bytesOf(input), outs);
+  shm->allgather(input.data_ptr(), bytesOf(input), outs, part);
   return completedCall(std::move(results), asyncOp);
 }
 
 std::optional<Pending> GroupCoordinator::shmReduceScatter(const std::vector<const void*>& ins,
                                                           at::Tensor& output,
-                                                          const c10d::ReduceOp& op, bool asyncOp) {
+                                                          const c10d::ReduceOp& op, bool asyncOp,
+                                                          const mq::ShmPart& part) {
   mq::ShmGroup* shm = shmFor("reduce_scatter", output, &op);
   if (shm == nullptr) return std::nullopt;
   stats_.record(StatsRoute::kCpuShm, bytesOf(output) * size());
   shm->reduceScatter(ins, output.data_ptr(), static_cast<size_t>(output.numel()),
-                     *shmDtype(output.scalar_type()), shmReduction(op, size()));
+                     *shmDtype(output.scalar_type()), shmReduction(op, size()), part);
   return completedCall({output}, asyncOp);
 }
 

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 
 #include "coordinator/common/error.hpp"
@@ -14,7 +15,7 @@ namespace tpcomm::mq {
 namespace {
 
 constexpr uint64_t kMagic = 0x7470636f6d6d7332ULL;  // "tpcomms2"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr size_t kLine = 64;
 constexpr size_t kControlOffset = 256;
 constexpr size_t kPage = 4096;
@@ -74,17 +75,32 @@ int reductionCode(const ReduceSpec& spec) {
 }  // namespace
 
 // What every rank of one call must agree on: op, dtype, reduction and root
-// in `head`, the element (or byte) count in full in `count`.
+// in `head`, the element (or byte) count in full in `count`, and in `extra`
+// the fused call's eps (its bits) or the call's place in a coalesced list
+// (top bit set, then index and length; 0 for a call on its own).
 struct ShmGroup::Signature {
   uint64_t head = 0;
   uint64_t count = 0;
-  Signature(int op, int dtype, int reduction, int root, uint64_t n)
+  uint64_t extra = 0;
+  Signature(int op, int dtype, int reduction, int root, uint64_t n, uint64_t x = 0)
       : head((static_cast<uint64_t>(op) << 56) | (static_cast<uint64_t>(dtype & 0xff) << 48) |
              (static_cast<uint64_t>(reduction & 0xff) << 40) |
              static_cast<uint64_t>(static_cast<uint32_t>(root))),
-        count(n) {}
-  Signature(uint64_t h, uint64_t c) : head(h), count(c) {}
-  bool operator==(const Signature& o) const { return head == o.head && count == o.count; }
+        count(n),
+        extra(x) {}
+  Signature(uint64_t h, uint64_t c, uint64_t x) : head(h), count(c), extra(x) {}
+  static uint64_t ofPart(const ShmPart& part) {
+    if (part.of <= 1) return 0;
+    return (1ull << 63) | (static_cast<uint64_t>(part.index & 0x7fffffff) << 32) | part.of;
+  }
+  static uint64_t ofEps(double eps) {
+    uint64_t bits;
+    std::memcpy(&bits, &eps, sizeof(bits));
+    return bits;
+  }
+  bool operator==(const Signature& o) const {
+    return head == o.head && count == o.count && extra == o.extra;
+  }
   std::string describe() const {
     const auto op = static_cast<Op>(head >> 56);
     const int dtype = static_cast<int>((head >> 48) & 0xff);
@@ -95,20 +111,30 @@ struct ShmGroup::Signature {
       case Op::kBarrier:
         return out;
       case Op::kAllgather:
-        return detail::concat(out, " of ", count, " bytes");
+        return detail::concat(out, " of ", count, " bytes", partOf());
       case Op::kBroadcast:
         return detail::concat(out, " of ", count, " bytes from root ", root);
-      case Op::kAllreduceAddRmsNorm:
+      case Op::kAllreduceAddRmsNorm: {
+        double eps;
+        std::memcpy(&eps, &extra, sizeof(eps));
+        char text[32];
+        std::snprintf(text, sizeof(text), "%.9g", eps);
         return detail::concat(out, " ", dtypeName(static_cast<DType>(dtype)), "[", count,
-                              "] in rows of ", root);
+                              "] in rows of ", root, " with eps ", text);
+      }
       default:
         break;
     }
     std::string how = reduceKindName(static_cast<ReduceKind>(reduction & 3));
     if (reduction & 4) how = "avg";
     if (reduction & 8) how = "premul_sum";
-    return detail::concat(out, " ", how, " ", dtypeName(static_cast<DType>(dtype)), "[", count,
-                          "]");
+    return detail::concat(out, " ", how, " ", dtypeName(static_cast<DType>(dtype)), "[", count, "]",
+                          partOf());
+  }
+  std::string partOf() const {
+    if ((extra >> 63) == 0) return "";
+    return detail::concat(" (tensor ", ((extra >> 32) & 0x7fffffff) + 1, " of a coalesced list of ",
+                          static_cast<uint32_t>(extra), ")");
   }
 };
 
@@ -143,6 +169,7 @@ struct alignas(kLine) ShmGroup::Control {
   struct {
     std::atomic<uint64_t> head;
     std::atomic<uint64_t> count;
+    std::atomic<uint64_t> extra;
   } signature[2];
 };
 
@@ -182,6 +209,7 @@ ShmGroup::ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& 
                kSystem, "the shared region is not a tpcomm group of ", options_.size,
                " ranks with ", options_.bufferBytes, "-byte buffers and a two-phase crossover of ",
                options_.twoPhaseMinBytes, " bytes");
+  setReduceIsa(options_.reduceIsa);
   timeoutMs_.store(options_.timeout.count());
   data_ = region_->base() + dataOffset(options_.size);
   sources_.resize(options_.size);
@@ -197,6 +225,10 @@ ShmGroup::Control& ShmGroup::control(int r) const {
 
 char* ShmGroup::half(int r, uint64_t chunk) const {
   return data_ + (static_cast<size_t>(r) * 2 + (chunk & 1)) * options_.bufferBytes;
+}
+
+void ShmGroup::setReduceIsa(ReduceIsa isa) {
+  reduceIsa_.store(cpuRunsReduceIsa(isa) ? isa : bestReduceIsa(), std::memory_order_relaxed);
 }
 
 void ShmGroup::setTimeout(std::chrono::milliseconds timeout) { timeoutMs_.store(timeout.count()); }
@@ -252,13 +284,16 @@ void ShmGroup::step(const Signature& signature) {
   Control& mine = control(options_.rank);
   mine.signature[s & 1].head.store(signature.head, std::memory_order_relaxed);
   mine.signature[s & 1].count.store(signature.count, std::memory_order_relaxed);
+  mine.signature[s & 1].extra.store(signature.extra, std::memory_order_relaxed);
   mine.arrived.store(s, std::memory_order_seq_cst);  // publishes this rank's half
   Header& h = header();
   wakeSleepers(h.wake, h.sleepers);
   waitAll(s, signature);
   const auto theirs = [&](int r) {
-    return Signature(control(r).signature[s & 1].head.load(std::memory_order_relaxed),
-                     control(r).signature[s & 1].count.load(std::memory_order_relaxed));
+    const auto& theirs = control(r).signature[s & 1];
+    return Signature(theirs.head.load(std::memory_order_relaxed),
+                     theirs.count.load(std::memory_order_relaxed),
+                     theirs.extra.load(std::memory_order_relaxed));
   };
   bool agree = true;
   for (int r = 0; r < options_.size; ++r) agree &= theirs(r) == signature;
@@ -349,12 +384,14 @@ void ShmGroup::barrier() {
 void ShmGroup::allreduceAddRmsNorm(const void* in, size_t rows, DType dtype, const NormRows& norm) {
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
+  const ReduceIsa isa = reduceIsa_.load(std::memory_order_relaxed);
   const size_t esize = dtypeBytes(dtype);
   const size_t rowBytes = norm.hidden * esize;
   // The hidden size travels as the signature's root: ranks that disagree on
   // it (same count, other rows) are named too.
   const Signature sig(static_cast<int>(Op::kAllreduceAddRmsNorm), static_cast<int>(dtype), 0,
-                      static_cast<int>(norm.hidden), rows * norm.hidden);
+                      static_cast<int>(norm.hidden), rows * norm.hidden,
+                      Signature::ofEps(norm.eps));
   TPCOMM_CHECK(rowBytes <= options_.bufferBytes, kInvalidUsage, "allreduce_add_rms_norm: a row of ",
                rowBytes, " bytes exceeds the shared-memory chunk of ", options_.bufferBytes);
   if (rows == 0) return step(sig);
@@ -389,8 +426,8 @@ void ShmGroup::allreduceAddRmsNorm(const void* in, size_t rows, DType dtype, con
     const size_t from = std::min(m, per * me);
     const size_t to = std::min(m, from + per);
     for (int r = 0; r < n; ++r) srcs[r] = half(r, k) + from * rowBytes;
-    reduceInto(half(me, k) + from * rowBytes, srcs.data(), n, (to - from) * norm.hidden, dtype,
-               sum);
+    reduceIntoWith(isa, half(me, k) + from * rowBytes, srcs.data(), n, (to - from) * norm.hidden,
+                   dtype, sum);
     step(sig);
     for (int r = 0; r < n; ++r) {
       const size_t a = std::min(m, per * r);
@@ -404,11 +441,12 @@ void ShmGroup::allreduceAddRmsNorm(const void* in, size_t rows, DType dtype, con
 }
 
 void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
-                         const ReduceSpec& spec) {
+                         const ReduceSpec& spec, const ShmPart& part) {
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
+  const ReduceIsa isa = reduceIsa_.load(std::memory_order_relaxed);
   const Signature sig(static_cast<int>(Op::kAllreduce), static_cast<int>(dtype),
-                      reductionCode(spec), 0, count);
+                      reductionCode(spec), 0, count, Signature::ofPart(part));
   const int n = options_.size;
   const int me = options_.rank;
   const size_t esize = dtypeBytes(dtype);
@@ -426,14 +464,14 @@ void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
     char* dst = static_cast<char*>(out) + offset * esize;
     if (!twoPhase) {
       for (int r = 0; r < n; ++r) srcs[r] = half(r, k);
-      reduceInto(dst, srcs.data(), n, m, dtype, reduce);
+      reduceIntoWith(isa, dst, srcs.data(), n, m, dtype, reduce);
       continue;
     }
     const size_t slice = sliceElements(m, n, esize);
     const size_t from = std::min(m, slice * me);
     const size_t to = std::min(m, from + slice);
     for (int r = 0; r < n; ++r) srcs[r] = half(r, k) + from * esize;
-    reduceInto(half(me, k) + from * esize, srcs.data(), n, to - from, dtype, reduce);
+    reduceIntoWith(isa, half(me, k) + from * esize, srcs.data(), n, to - from, dtype, reduce);
     step(sig);
     for (int r = 0; r < n; ++r) {
       const size_t a = std::min(m, slice * r);
@@ -443,11 +481,12 @@ void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
   }
 }
 
-void ShmGroup::allgather(const void* in, size_t bytes, const std::vector<void*>& outs) {
+void ShmGroup::allgather(const void* in, size_t bytes, const std::vector<void*>& outs,
+                         const ShmPart& part) {
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
   TPCOMM_CHECK_EQ(outs.size(), static_cast<size_t>(options_.size), "(all_gather outputs)");
-  const Signature sig(static_cast<int>(Op::kAllgather), 0, 0, 0, bytes);
+  const Signature sig(static_cast<int>(Op::kAllgather), 0, 0, 0, bytes, Signature::ofPart(part));
   if (bytes == 0) return step(sig);
   const size_t chunk = options_.bufferBytes;
   for (size_t offset = 0; offset < bytes; offset += chunk) {
@@ -462,13 +501,14 @@ void ShmGroup::allgather(const void* in, size_t bytes, const std::vector<void*>&
 }
 
 void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, size_t count,
-                             DType dtype, const ReduceSpec& spec) {
+                             DType dtype, const ReduceSpec& spec, const ShmPart& part) {
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
+  const ReduceIsa isa = reduceIsa_.load(std::memory_order_relaxed);
   const int n = options_.size;
   TPCOMM_CHECK_EQ(ins.size(), static_cast<size_t>(n), "(reduce_scatter inputs)");
   const Signature sig(static_cast<int>(Op::kReduceScatter), static_cast<int>(dtype),
-                      reductionCode(spec), 0, count);
+                      reductionCode(spec), 0, count, Signature::ofPart(part));
   if (count == 0) return step(sig);
   const size_t esize = dtypeBytes(dtype);
   // Each half holds one piece per destination rank, whole cache lines each
@@ -491,7 +531,7 @@ void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, siz
     }
     step(sig);
     for (int r = 0; r < n; ++r) srcs[r] = half(r, k) + options_.rank * piece * esize;
-    reduceInto(static_cast<char*>(out) + offset * esize, srcs.data(), n, m, dtype, reduce);
+    reduceIntoWith(isa, static_cast<char*>(out) + offset * esize, srcs.data(), n, m, dtype, reduce);
   }
 }
 

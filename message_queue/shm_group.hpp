@@ -14,7 +14,7 @@
 //   |                              |  futex word + sleeper count
 //   +------------------------------+ kControlOffset
 //   | Control[size]                |  one cache line per rank: arrived (u64),
-//   |                              |  signature[2] (u64, by step parity)
+//   |                              |  signature[2] (3 x u64, by step parity)
 //   +------------------------------+ dataOffset (page aligned)
 //   | rank 0: half 0 | half 1      |  2 x bufferBytes per rank
 //   | rank 1: half 0 | half 1      |
@@ -42,7 +42,8 @@
 // Flags are never reset: step numbers only grow, so a stale value cannot
 // pass a wait.
 //
-// Each step also carries a signature of the call (op, dtype, count, root);
+// Each step also carries a signature of the call (op, dtype, count, root,
+// the fused call's eps, its place in a coalesced list);
 // ranks that disagree all throw InvalidUsage at the same step, naming every
 // rank's call, and the group stays usable. Waits poll (sched_yield after the
 // first few polls, so more ranks than cores progress) for the spin window,
@@ -80,7 +81,18 @@ struct ShmGroupOptions {
   uint64_t twoPhaseMinBytes = 256 << 10;
   // How long a wait polls before it sleeps on the futex.
   std::chrono::microseconds spin{50};
+  // The reductions' vector kernels (every level gives the same bits); one
+  // this CPU cannot run falls back to the best it can.
+  ReduceIsa reduceIsa = bestReduceIsa();
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+};
+
+// A call's place in a coalesced list (tensor `index` of `of`): part of the
+// call's signature, so that ranks whose lists differ in length are named
+// instead of pairing calls of equal size.
+struct ShmPart {
+  uint32_t index = 0;
+  uint32_t of = 1;
 };
 
 class ShmGroup {
@@ -99,7 +111,8 @@ class ShmGroup {
   ~ShmGroup();
 
   // out = reduction over ranks of `in` (count elements). `out` may be `in`.
-  void allreduce(const void* in, void* out, size_t count, DType dtype, const ReduceSpec& spec);
+  void allreduce(const void* in, void* out, size_t count, DType dtype, const ReduceSpec& spec,
+                 const ShmPart& part = {});
   // The allreduce fused with a transformer layer's residual add and RMSNorm
   // (reduceAddRmsNorm in shm_reduce.hpp) over `rows` rows of norm.hidden
   // elements of `in`: the add and the norm run in the reduction's pass,
@@ -108,14 +121,19 @@ class ShmGroup {
   // InvalidUsage when a row exceeds bufferBytes (the caller composes then).
   void allreduceAddRmsNorm(const void* in, size_t rows, DType dtype, const NormRows& norm);
   // outs[r] = rank r's `in` (bytes each). outs[rank] may be `in`.
-  void allgather(const void* in, size_t bytes, const std::vector<void*>& outs);
+  void allgather(const void* in, size_t bytes, const std::vector<void*>& outs,
+                 const ShmPart& part = {});
   // out = reduction over ranks of their ins[rank] (count elements each).
   void reduceScatter(const std::vector<const void*>& ins, void* out, size_t count, DType dtype,
-                     const ReduceSpec& spec);
+                     const ReduceSpec& spec, const ShmPart& part = {});
   // data on every rank = data of `root` (bytes).
   void broadcast(void* data, size_t bytes, int root);
   void barrier();
 
+  // The reductions' kernel level from the next call on (one this CPU cannot
+  // run falls back to the best it can); any thread, any time.
+  void setReduceIsa(ReduceIsa isa);
+  ReduceIsa reduceIsa() const { return reduceIsa_.load(std::memory_order_relaxed); }
   void setTimeout(std::chrono::milliseconds timeout);
   std::chrono::milliseconds timeout() const;
   const ShmGroupOptions& options() const { return options_; }
@@ -153,6 +171,7 @@ class ShmGroup {
   uint64_t chunks_ = 0;
   std::vector<const void*> sources_;  // a reduction's inputs, one per rank (guarded by mutex_)
   std::atomic<int64_t> timeoutMs_{0};
+  std::atomic<ReduceIsa> reduceIsa_{ReduceIsa::kPortable};
   std::mutex mutex_;                 // one call at a time (held while it waits)
   mutable std::mutex failureMutex_;  // guards failure_ (never held while waiting)
   std::string failure_;

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "coordinator/common/error.hpp"
+#include "message_queue/shm_reduce_vector.hpp"
 
 // The loops below are written so that the compiler vectorises them (this file
 // is built with -O3); on x86-64 each dtype's entry point is also cloned for
@@ -163,14 +164,15 @@ struct Max {
   }
 };
 
+// Elements [from, count).
 template <typename D, typename Op>
-TPCOMM_INLINE void reduceTyped(void* outRaw, const void* const* srcs, int n, size_t count,
-                               int divisor) {
+TPCOMM_INLINE void reduceTyped(void* outRaw, const void* const* srcs, int n, size_t from,
+                               size_t count, int divisor) {
   using T = typename D::T;
   using Acc = typename D::Acc;
   T* out = static_cast<T*>(outRaw);
   Acc acc[kTile];
-  for (size_t base = 0; base < count; base += kTile) {
+  for (size_t base = from; base < count; base += kTile) {
     const size_t m = count - base < kTile ? count - base : kTile;
     const T* first = static_cast<const T*>(srcs[0]) + base;
     for (size_t i = 0; i < m; ++i) acc[i] = D::load(first[i]);
@@ -189,17 +191,17 @@ TPCOMM_INLINE void reduceTyped(void* outRaw, const void* const* srcs, int n, siz
 }
 
 template <typename D>
-TPCOMM_INLINE void reduceAny(void* out, const void* const* srcs, int n, size_t count,
+TPCOMM_INLINE void reduceAny(void* out, const void* const* srcs, int n, size_t from, size_t count,
                              const ReduceSpec& spec) {
   switch (spec.kind) {
     case ReduceKind::kSum:
-      return reduceTyped<D, Sum>(out, srcs, n, count, spec.divisor);
+      return reduceTyped<D, Sum>(out, srcs, n, from, count, spec.divisor);
     case ReduceKind::kProduct:
-      return reduceTyped<D, Product>(out, srcs, n, count, 1);
+      return reduceTyped<D, Product>(out, srcs, n, from, count, 1);
     case ReduceKind::kMin:
-      return reduceTyped<D, Min>(out, srcs, n, count, 1);
+      return reduceTyped<D, Min>(out, srcs, n, from, count, 1);
     case ReduceKind::kMax:
-      return reduceTyped<D, Max>(out, srcs, n, count, 1);
+      return reduceTyped<D, Max>(out, srcs, n, from, count, 1);
   }
 }
 
@@ -211,30 +213,31 @@ TPCOMM_INLINE void scaleTyped(void* dstRaw, const void* srcRaw, size_t count, S 
   for (size_t i = 0; i < count; ++i) dst[i] = D::store(D::load(src[i]) * scale);
 }
 
-// One entry point per dtype, so that each is cloned for the vector ISA.
-TPCOMM_VECTOR_CLONES void reduceF32(void* o, const void* const* s, int n, size_t c,
+// One entry point per dtype, so that each is cloned for the vector ISA; each
+// reduces elements [f, c).
+TPCOMM_VECTOR_CLONES void reduceF32(void* o, const void* const* s, int n, size_t f, size_t c,
                                     const ReduceSpec& p) {
-  reduceAny<F32>(o, s, n, c, p);
+  reduceAny<F32>(o, s, n, f, c, p);
 }
-TPCOMM_VECTOR_CLONES void reduceF64(void* o, const void* const* s, int n, size_t c,
+TPCOMM_VECTOR_CLONES void reduceF64(void* o, const void* const* s, int n, size_t f, size_t c,
                                     const ReduceSpec& p) {
-  reduceAny<F64>(o, s, n, c, p);
+  reduceAny<F64>(o, s, n, f, c, p);
 }
-TPCOMM_VECTOR_CLONES void reduceBF16(void* o, const void* const* s, int n, size_t c,
+TPCOMM_VECTOR_CLONES void reduceBF16(void* o, const void* const* s, int n, size_t f, size_t c,
                                      const ReduceSpec& p) {
-  reduceAny<BF16>(o, s, n, c, p);
+  reduceAny<BF16>(o, s, n, f, c, p);
 }
-TPCOMM_VECTOR_CLONES void reduceFP16(void* o, const void* const* s, int n, size_t c,
+TPCOMM_VECTOR_CLONES void reduceFP16(void* o, const void* const* s, int n, size_t f, size_t c,
                                      const ReduceSpec& p) {
-  reduceAny<FP16>(o, s, n, c, p);
+  reduceAny<FP16>(o, s, n, f, c, p);
 }
-TPCOMM_VECTOR_CLONES void reduceI32(void* o, const void* const* s, int n, size_t c,
+TPCOMM_VECTOR_CLONES void reduceI32(void* o, const void* const* s, int n, size_t f, size_t c,
                                     const ReduceSpec& p) {
-  reduceAny<I32>(o, s, n, c, p);
+  reduceAny<I32>(o, s, n, f, c, p);
 }
-TPCOMM_VECTOR_CLONES void reduceI64(void* o, const void* const* s, int n, size_t c,
+TPCOMM_VECTOR_CLONES void reduceI64(void* o, const void* const* s, int n, size_t f, size_t c,
                                     const ReduceSpec& p) {
-  reduceAny<I64>(o, s, n, c, p);
+  reduceAny<I64>(o, s, n, f, c, p);
 }
 TPCOMM_VECTOR_CLONES void scaleFloats(void* d, const void* s, size_t c, DType dtype, double k) {
   switch (dtype) {
@@ -367,24 +370,94 @@ const char* reduceKindName(ReduceKind kind) {
   return "unknown";
 }
 
-void reduceInto(void* out, const void* const* srcs, int n, size_t count, DType dtype,
-                const ReduceSpec& spec) {
+namespace {
+
+vec::Kernel kernelOf(ReduceIsa isa) {
+  switch (isa) {
+    case ReduceIsa::kAvx512:
+      return vec::reduceAvx512;
+    case ReduceIsa::kAvx2:
+      return vec::reduceAvx2;
+    case ReduceIsa::kPortable:
+      break;
+  }
+  return nullptr;
+}
+
+bool cpuRuns(ReduceIsa isa) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  switch (isa) {
+    case ReduceIsa::kAvx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+    case ReduceIsa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    case ReduceIsa::kPortable:
+      return true;
+  }
+  return false;
+#else
+  return isa == ReduceIsa::kPortable;
+#endif
+}
+
+const ReduceIsa kBestIsa = cpuRuns(ReduceIsa::kAvx512) ? ReduceIsa::kAvx512
+                           : cpuRuns(ReduceIsa::kAvx2) ? ReduceIsa::kAvx2
+                                                       : ReduceIsa::kPortable;
+
+// The level's kernel for whole vectors, then the portable loop (itself
+// cloned for the CPU) for the rest and for the dtypes the kernel lacks.
+void reduceWith(vec::Kernel kernel, void* out, const void* const* srcs, int n, size_t count,
+                DType dtype, const ReduceSpec& spec) {
   TPCOMM_CHECK(n >= 1, kInvalidUsage, "reduceInto: no sources");
   TPCOMM_CHECK(spec.divisor >= 1, kInvalidUsage, "reduceInto: divisor ", spec.divisor);
+  const int divisor = spec.kind == ReduceKind::kSum ? spec.divisor : 1;
+  const size_t f = kernel != nullptr ? kernel(out, srcs, n, count, dtype, spec.kind, divisor) : 0;
+  if (f == count) return;
   switch (dtype) {
     case DType::kFloat32:
-      return reduceF32(out, srcs, n, count, spec);
+      return reduceF32(out, srcs, n, f, count, spec);
     case DType::kFloat64:
-      return reduceF64(out, srcs, n, count, spec);
+      return reduceF64(out, srcs, n, f, count, spec);
     case DType::kBFloat16:
-      return reduceBF16(out, srcs, n, count, spec);
+      return reduceBF16(out, srcs, n, f, count, spec);
     case DType::kFloat16:
-      return reduceFP16(out, srcs, n, count, spec);
+      return reduceFP16(out, srcs, n, f, count, spec);
     case DType::kInt32:
-      return reduceI32(out, srcs, n, count, spec);
+      return reduceI32(out, srcs, n, f, count, spec);
     case DType::kInt64:
-      return reduceI64(out, srcs, n, count, spec);
+      return reduceI64(out, srcs, n, f, count, spec);
   }
+}
+
+}  // namespace
+
+void reduceInto(void* out, const void* const* srcs, int n, size_t count, DType dtype,
+                const ReduceSpec& spec) {
+  reduceWith(kernelOf(kBestIsa), out, srcs, n, count, dtype, spec);
+}
+
+ReduceIsa bestReduceIsa() { return kBestIsa; }
+
+bool cpuRunsReduceIsa(ReduceIsa isa) { return cpuRuns(isa); }
+
+const char* reduceIsaName(ReduceIsa isa) {
+  switch (isa) {
+    case ReduceIsa::kAvx512:
+      return "avx512";
+    case ReduceIsa::kAvx2:
+      return "avx2";
+    case ReduceIsa::kPortable:
+      break;
+  }
+  return "portable";
+}
+
+void reduceIntoWith(ReduceIsa isa, void* out, const void* const* srcs, int n, size_t count,
+                    DType dtype, const ReduceSpec& spec) {
+  TPCOMM_CHECK(cpuRuns(isa), kInvalidUsage, "this CPU cannot run the ", reduceIsaName(isa),
+               " reductions");
+  reduceWith(kernelOf(isa), out, srcs, n, count, dtype, spec);
 }
 
 void copyScaled(void* dst, const void* src, size_t count, DType dtype, const ReduceSpec& spec) {

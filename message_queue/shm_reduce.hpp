@@ -37,6 +37,20 @@ struct ReduceSpec {
 void reduceInto(void* out, const void* const* srcs, int n, size_t count, DType dtype,
                 const ReduceSpec& spec);
 
+// The instruction-set levels the reductions have kernels for: float32,
+// bfloat16 and float16 reduce in AVX2 (with F16C) or AVX-512 registers where
+// the CPU has them (the other dtypes, and the last elements, through the
+// portable loop); every level gives the same bits.
+enum class ReduceIsa : uint8_t { kPortable, kAvx2, kAvx512 };
+// The best level this CPU runs: the one reduceInto uses.
+ReduceIsa bestReduceIsa();
+bool cpuRunsReduceIsa(ReduceIsa isa);
+const char* reduceIsaName(ReduceIsa isa);
+// reduceInto with the kernels of `isa` (tests compare the levels);
+// InvalidUsage when this CPU cannot run it.
+void reduceIntoWith(ReduceIsa isa, void* out, const void* const* srcs, int n, size_t count,
+                    DType dtype, const ReduceSpec& spec);
+
 // dst[i] = src[i] * spec.scale, rounded to dtype (PREMUL_SUM's copy-in), or
 // a plain copy when !spec.premultiply. Floating dtypes only scale.
 void copyScaled(void* dst, const void* src, size_t count, DType dtype, const ReduceSpec& spec);

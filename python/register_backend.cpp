@@ -145,6 +145,7 @@ tensors through the device backend (NCCL), created on first use.)")
             shm["buffer_bytes"] = shmConfig.bufferBytes;
             shm["two_phase_bytes"] = shmConfig.twoPhaseBytes;
             shm["spin_us"] = shmConfig.spinUs;
+            shm["reduce_isa"] = shmState.reduceIsa;
             out["cpu_shm"] = shm;
             out["route_mode"] = routing.config().mode;
             out["autotune"] = routing.tuneSource();
@@ -204,6 +205,14 @@ tensors through the device backend (NCCL), created on first use.)")
           py::arg("mode"),
           "This group's TPCOMM_CPU_SHM mode (auto, 0, 1) instead of the process's; every rank "
           "calls it before the group's first CPU collective (benchmarks, tests).")
+      .def(
+          "set_cpu_reduce_isa",
+          [](backend::ProcessGroupTpcomm& self, const std::string& level) {
+            self.coordinator().setCpuReduceIsa(level);
+          },
+          py::arg("level"),
+          "The widest reduction kernels of this group's shared-memory path (auto, avx512, avx2, "
+          "portable) instead of TPCOMM_CPU_REDUCE_ISA; any time, any rank (benchmarks, tests).")
       .def(
           "begin_graph_registration",
           [](backend::ProcessGroupTpcomm& self) { self.coordinator().beginGraphRegistration(); },

@@ -86,7 +86,7 @@ ensure_build() {
   sources="$(find CMakeLists.txt pyproject.toml backend coordinator custom_allreduce \
     message_queue python tests/cpp tests/fuzz -type f \
     \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \
-    -o -name '*.txt' -o -name '*.toml' \) -print0 | sort -z | xargs -0 sha1sum | sha1sum)"
+    -o -name '*.txt' -o -name '*.toml' -o -name '*.inl' \) -print0 | sort -z | xargs -0 sha1sum | sha1sum)"
   local wanted="$sources tests=$build_tests"
   if [[ -f "$stamp" && "$(cat "$stamp")" == "$wanted" ]] \
     && { [[ "$build_tests" == OFF ]] || [[ -x "$build_dir/tests/cpp/tpcomm_cpp_tests" ]]; }; then

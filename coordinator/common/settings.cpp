@@ -58,6 +58,10 @@ const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_CPU_SHM_SPIN_US", "int", "50",
      "How long a shared-memory CPU collective polls for its peers (yielding the core) before it "
      "sleeps on a futex."},
+    {"TPCOMM_CPU_REDUCE_ISA", "string", "auto",
+     "The widest vector kernels the shared-memory CPU reductions use: auto (the best this CPU "
+     "runs), avx512, avx2, portable (the compiler's loops). A level the CPU lacks falls back to "
+     "the best it has. Every level gives the same bits."},
     {"TPCOMM_MQ_SPIN_US", "int", "200",
      "How long a message-queue wait polls (yielding the core) before it sleeps on a futex: "
      "busy round trips never pay a wake-up, an idle reader costs no CPU. 0: a fixed 4,000 "
@@ -145,6 +149,13 @@ Settings Settings::parse(const Lookup& lookup) {
   }
   if (auto v = lookup("TPCOMM_CPU_SHM_SPIN_US")) {
     s.cpuShmSpinUs = parseInt("TPCOMM_CPU_SHM_SPIN_US", *v, 0, 1000000);
+  }
+  if (auto v = lookup("TPCOMM_CPU_REDUCE_ISA")) {
+    s.cpuReduceIsa = v->empty() ? "auto" : *v;
+    TPCOMM_CHECK(s.cpuReduceIsa == "auto" || s.cpuReduceIsa == "avx512" ||
+                     s.cpuReduceIsa == "avx2" || s.cpuReduceIsa == "portable",
+                 kInvalidUsage, "setting TPCOMM_CPU_REDUCE_ISA='", *v,
+                 "' is not one of auto, avx512, avx2, portable");
   }
   if (auto v = lookup("TPCOMM_AUTOTUNE")) s.autotune = parseBool("TPCOMM_AUTOTUNE", *v);
   if (auto v = lookup("TPCOMM_AUTOTUNE_DIR")) s.autotuneDir = *v;

@@ -60,6 +60,9 @@ struct Settings {
   // TPCOMM_CPU_SHM_SPIN_US: how long a shared-memory wait polls before it
   // sleeps on a futex.
   int64_t cpuShmSpinUs = 50;
+  // TPCOMM_CPU_REDUCE_ISA: the vector kernels the shared-memory reductions
+  // use at most: auto (the best this CPU has), avx512, avx2, portable.
+  std::string cpuReduceIsa = "auto";
   // TPCOMM_MQ_SPIN_US: how long a message-queue wait polls before it sleeps
   // on a futex (0: a fixed 4,000 polls).
   int64_t mqSpinUs = 200;

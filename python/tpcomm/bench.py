@@ -4,6 +4,7 @@
     python -m tpcomm.bench car [--world-sizes 2 4 8] [--max-mib 64] [--png car_bench.png]
     python -m tpcomm.bench allreduce [--max-mib 64] [--quick]
     python -m tpcomm.bench cpu [--world-sizes 2 4] [--max-mib 64] [--quick] [--png cpu_bench.png]
+                               [--dtypes]
     python -m tpcomm.bench faults [--world-sizes 2 3] [--timeout 3] [--quick]
     python -m tpcomm.bench fused [--world-sizes 2 4] [--device cpu|cuda] [--dtype bfloat16]
 
@@ -164,6 +165,8 @@ def main(argv=None):
     cpu.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     cpu.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best kept)")
     cpu.add_argument("--png", default="cpu_bench.png", help="plot of time vs size ('' for none)")
+    cpu.add_argument("--dtypes", action="store_true",
+                     help="all_reduce of float32/bfloat16/float16, best vs portable kernels")
     faults = sub.add_parser("faults", help="bad inputs, debug-mode mistakes, killed ranks")
     faults.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3])
     faults.add_argument("--timeout", type=float, default=3.0, help="group timeout (s)")
@@ -194,7 +197,10 @@ def main(argv=None):
         return run_allreduce(args.max_mib, args.quick)
     if args.what == "cpu":
         from tpcomm._bench_cpu import run as run_cpu
+        from tpcomm._bench_cpu import run_dtypes
 
+        if args.dtypes:
+            return run_dtypes(args.world_sizes, args.max_mib, args.quick, args.rounds)
         return run_cpu(args.world_sizes, args.max_mib, args.quick, args.png, args.rounds)
     if args.what == "faults":
         from tpcomm._bench_faults import run as run_faults

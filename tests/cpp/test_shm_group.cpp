@@ -439,6 +439,64 @@ TEST(ShmGroup, MismatchedCallsRaiseOnEveryRankAndTheGroupStaysUsable) {
   for (int code : runRanks(3, smallBuffers(1ull << 40), body)) EXPECT_EQ(code, 0);
 }
 
+TEST(ShmGroup, CoalescedPositionsAndTheFusedEpsArePartOfTheSignature) {
+  const auto body = [](ShmGroup& g) {
+    const int me = g.options().rank;
+    // Rank 1's coalesced list is one tensor longer: its first tensor pairs
+    // with rank 0's first only by size, which is not enough.
+    std::vector<float> x(16, 1.0f);
+    try {
+      g.allreduce(x.data(), x.data(), x.size(), DType::kFloat32, ReduceSpec{},
+                  ShmPart{0, me == 1 ? 3u : 2u});
+      return 2;
+    } catch (const Error& e) {
+      CHILD_CHECK(e.code() == ErrorCode::kInvalidUsage, "code");
+      const std::string what = e.what();
+      CHILD_CHECK(what.find("tensor 1 of a coalesced list of 3") != std::string::npos &&
+                      what.find("tensor 1 of a coalesced list of 2") != std::string::npos,
+                  "message: %s", what.c_str());
+    }
+    std::vector<float> gathered(32);
+    try {
+      g.allgather(x.data(), 64, {gathered.data(), gathered.data() + 16},
+                  ShmPart{me == 0 ? 1u : 0u, 2});
+      return 3;
+    } catch (const Error& e) {
+      CHILD_CHECK(std::string(e.what()).find("tensor 2 of a coalesced list") != std::string::npos,
+                  "message: %s", e.what());
+    }
+    // The fused call with another eps on rank 1.
+    const size_t hidden = 8;
+    std::vector<float> in(hidden, 1.0f), residual(hidden, 0.5f), weight(hidden, 1.0f);
+    std::vector<float> normed(hidden), residualOut(hidden);
+    NormRows norm;
+    norm.residual = residual.data();
+    norm.residualOut = residualOut.data();
+    norm.weight = weight.data();
+    norm.normed = normed.data();
+    norm.hidden = hidden;
+    norm.eps = me == 1 ? 1e-5 : 1e-6;
+    try {
+      g.allreduceAddRmsNorm(in.data(), 1, DType::kFloat32, norm);
+      return 4;
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      CHILD_CHECK(what.find("eps 1e-05") != std::string::npos &&
+                      what.find("eps 1e-06") != std::string::npos,
+                  "message: %s", what.c_str());
+    }
+    // Equal places and eps: served, and the group stays usable.
+    std::vector<float> y(16, static_cast<float>(me + 1));
+    g.allreduce(y.data(), y.data(), y.size(), DType::kFloat32, ReduceSpec{}, ShmPart{1, 2});
+    CHILD_CHECK(y[0] == 3.0f, "after the mismatches: %g", y[0]);
+    norm.eps = 1e-6;
+    g.allreduceAddRmsNorm(in.data(), 1, DType::kFloat32, norm);
+    CHILD_CHECK(residualOut[0] == 2.5f, "fused after the mismatches: %g", residualOut[0]);
+    return 0;
+  };
+  for (int code : runRanks(2, smallBuffers(1ull << 40), body)) EXPECT_EQ(code, 0);
+}
+
 TEST(ShmGroup, AKilledRankMakesTheOthersRaiseNamingIt) {
   ShmGroupOptions o = smallBuffers(1ull << 40);
   o.timeout = 60s;  // far longer than the test may take: death must be noticed

@@ -137,6 +137,89 @@ def test_gathers_scatters_broadcasts_and_barrier(shm):
     assert all(shm.run(_gathers_scatters_broadcasts, timeout_s=600))
 
 
+def _partial_overlaps(ctx):
+    """Outputs that partly overlap their inputs are refused (they would be
+    read after they were written); exact in-place calls still work."""
+    import tpcomm
+
+    w, r = ctx.world_size, ctx.rank
+    n, shift = 3000, 100  # several 4 KiB chunks
+    inputs = [make(k, n, torch.float32) for k in range(w)]
+    want = rank_order(inputs, R.SUM, torch.float32, w)
+    refused = []
+    buf = torch.zeros(n + shift)
+    buf[:n] = inputs[r]
+    try:
+        tpcomm.all_reduce_into(buf[:n], buf[shift:shift + n])
+    except Exception as e:  # noqa: BLE001
+        refused.append(str(e))
+    assert torch.equal(buf[:n], inputs[r]), "a refused call changed its input"
+    whole = torch.zeros(n * w + 7)
+    whole[7:7 + n] = inputs[r]
+    try:  # the input starts 7 elements into the output: nobody's slot
+        dist.all_gather_into_tensor(whole[:n * w], whole[7:7 + n])
+    except Exception as e:  # noqa: BLE001
+        refused.append(str(e))
+    full = make(r, n * w + 5, torch.float32)
+    try:
+        dist.reduce_scatter_tensor(full[5:5 + n], full[:n * w])
+    except Exception as e:  # noqa: BLE001
+        refused.append(str(e))
+    assert len(refused) == 3, refused
+    assert all("overlap" in m for m in refused), refused
+    # Exactly in place: still served, still right.
+    same = inputs[r].clone()
+    tpcomm.all_reduce_into(same, same)
+    assert torch.equal(same, want)
+    whole = torch.zeros(n * w)
+    whole[r * n:(r + 1) * n] = inputs[r]
+    dist.all_gather_into_tensor(whole, whole[r * n:(r + 1) * n])
+    assert torch.equal(whole, torch.cat(inputs))
+    fulls = [make(k, n * w, torch.float32, salt=1) for k in range(w)]
+    mine = fulls[r].clone()
+    dist.reduce_scatter_tensor(mine[r * n:(r + 1) * n], mine)
+    assert torch.equal(mine[r * n:(r + 1) * n],
+                       rank_order([f[r * n:(r + 1) * n] for f in fulls], R.SUM, torch.float32, w))
+    return True
+
+
+def test_partly_overlapping_outputs_are_refused_and_in_place_calls_work(shm):
+    assert all(shm.run(_partial_overlaps, timeout_s=120))
+
+
+def _every_kernel_level(ctx):
+    """Every reduction kernel level gives the same bits (16-bit types through
+    the vector kernels, tails through the portable loop)."""
+    import tpcomm
+
+    w, r = ctx.world_size, ctx.rank
+    backend = tpcomm._backend_of(dist.group.WORLD)
+    seen = set()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for op in (R.SUM, R.AVG, R.MAX):
+            for n in (5, 1000, 5000):
+                inputs = [make(k, n, dtype, salt=3) for k in range(w)]
+                want = rank_order(inputs, op, dtype, w)
+                for level in ("portable", "avx2", "avx512", "auto"):
+                    backend.set_cpu_reduce_isa(level)
+                    seen.add(tpcomm.describe()["cpu_shm"]["reduce_isa"])
+                    x = inputs[r].clone()
+                    dist.all_reduce(x, op=op)
+                    assert torch.equal(x, want), f"{level} {dtype} {op} n={n}"
+    try:
+        backend.set_cpu_reduce_isa("sse9")
+        raise AssertionError("an unknown level was accepted")
+    except Exception as e:  # noqa: BLE001
+        assert "sse9" in str(e) and "portable" in str(e), e
+    return sorted(seen)
+
+
+def test_every_reduction_kernel_level_gives_the_reference_bits(shm):
+    levels = shm.run(_every_kernel_level, timeout_s=120)
+    print("kernel levels run:", levels[0])
+    assert "portable" in levels[0]
+
+
 def _async_and_routes(ctx):
     import tpcomm
     w, r = ctx.world_size, ctx.rank

@@ -1,0 +1,175 @@
+// The reductions of the shared-memory collectives (message_queue/shm_reduce.hpp)
+// at every instruction-set level this CPU runs, against a reference written
+// here: rank-order accumulation in float32, one rounding through the scalar
+// conversions. Inputs are every 16-bit pattern (NaN, infinities and
+// subnormals included) or float32 bit patterns of every class; counts around
+// the vector widths; unaligned and in-place buffers.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "message_queue/shm_reduce.hpp"
+
+namespace tpcomm::mq {
+namespace {
+
+float loadAt(DType d, const char* p, size_t i) {
+  if (d == DType::kFloat32) {
+    float f;
+    std::memcpy(&f, p + 4 * i, 4);
+    return f;
+  }
+  uint16_t h;
+  std::memcpy(&h, p + 2 * i, 2);
+  return d == DType::kBFloat16 ? bf16ToFloat(h) : fp16ToFloat(h);
+}
+
+uint32_t bitsAt(DType d, const char* p, size_t i) {
+  uint32_t u = 0;
+  std::memcpy(&u, p + dtypeBytes(d) * i, dtypeBytes(d));
+  return u;
+}
+
+void storeAt(DType d, char* p, size_t i, float f) {
+  if (d == DType::kFloat32) {
+    std::memcpy(p + 4 * i, &f, 4);
+    return;
+  }
+  const uint16_t h = d == DType::kBFloat16 ? floatToBf16(f) : floatToFp16(f);
+  std::memcpy(p + 2 * i, &h, 2);
+}
+
+float apply(ReduceKind kind, float a, float b) {
+  switch (kind) {
+    case ReduceKind::kSum:
+      return a + b;
+    case ReduceKind::kProduct:
+      return a * b;
+    case ReduceKind::kMin:
+      return std::isnan(b) ? b : (b < a ? b : a);
+    case ReduceKind::kMax:
+      return std::isnan(b) ? b : (a < b ? b : a);
+  }
+  return 0;
+}
+
+// Rank r's element i: 16-bit types walk every bit pattern (a different
+// start per rank); float32 mixes small values with patterns of every class.
+std::vector<char> input(DType d, int r, size_t count, size_t pad) {
+  std::vector<char> out((count + pad) * dtypeBytes(d));
+  std::mt19937 rng(1234 + r);
+  for (size_t i = 0; i < count + pad; ++i) {
+    if (d != DType::kFloat32) {
+      const uint16_t h = static_cast<uint16_t>(i * 2654435761u / 7 + r * 40503u + i);
+      std::memcpy(out.data() + 2 * i, &h, 2);
+      continue;
+    }
+    uint32_t u = rng();
+    if (i % 5 != 0) {
+      const float f = static_cast<float>(static_cast<int>(u % 2001) - 1000) / 64.0f;
+      std::memcpy(&u, &f, 4);
+    }
+    std::memcpy(out.data() + 4 * i, &u, 4);
+  }
+  return out;
+}
+
+struct Case {
+  DType dtype;
+  ReduceKind kind;
+  int divisor;
+};
+
+void checkLevel(ReduceIsa isa, const Case& c, int n, size_t count, size_t misalign, bool inPlace) {
+  const size_t esize = dtypeBytes(c.dtype);
+  std::vector<std::vector<char>> in;
+  for (int r = 0; r < n; ++r) in.push_back(input(c.dtype, r, count, misalign));
+  std::vector<char> expected(count * esize);
+  for (size_t i = 0; i < count; ++i) {
+    float acc = loadAt(c.dtype, in[0].data() + misalign * esize, i);
+    for (int r = 1; r < n; ++r)
+      acc = apply(c.kind, acc, loadAt(c.dtype, in[r].data() + misalign * esize, i));
+    if (c.divisor != 1) acc = acc / static_cast<float>(c.divisor);
+    storeAt(c.dtype, expected.data(), i, acc);
+  }
+  std::vector<const void*> srcs;
+  for (int r = 0; r < n; ++r) srcs.push_back(in[r].data() + misalign * esize);
+  std::vector<char> outBuffer((count + misalign) * esize);
+  void* out = inPlace ? const_cast<void*>(srcs[n - 1]) : outBuffer.data() + misalign * esize;
+  ReduceSpec spec;
+  spec.kind = c.kind;
+  spec.divisor = c.divisor;
+  reduceIntoWith(isa, out, srcs.data(), n, count, c.dtype, spec);
+  const uint32_t nanBits = c.dtype == DType::kFloat16 ? 0x7e00 : 0x7fc0;
+  for (size_t i = 0; i < count; ++i) {
+    const uint32_t want = bitsAt(c.dtype, expected.data(), i);
+    const uint32_t got = bitsAt(c.dtype, static_cast<const char*>(out), i);
+    const bool wantNaN = std::isnan(loadAt(c.dtype, expected.data(), i));
+    if (wantNaN) {
+      // Which NaN's sign survives a sum of two NaNs is the hardware's choice;
+      // a 16-bit NaN is always the quiet one without payload.
+      ASSERT_TRUE(std::isnan(loadAt(c.dtype, static_cast<const char*>(out), i)))
+          << reduceIsaName(isa) << " element " << i;
+      if (c.dtype != DType::kFloat32) ASSERT_EQ(got & 0x7fff, nanBits) << i;
+      continue;
+    }
+    ASSERT_EQ(got, want) << reduceIsaName(isa) << " " << dtypeName(c.dtype) << " "
+                         << reduceKindName(c.kind) << "/" << c.divisor << " n=" << n
+                         << " count=" << count << " misalign=" << misalign
+                         << " in place=" << inPlace << ": element " << i;
+  }
+}
+
+std::vector<ReduceIsa> levels() {
+  std::vector<ReduceIsa> out;
+  for (ReduceIsa isa : {ReduceIsa::kPortable, ReduceIsa::kAvx2, ReduceIsa::kAvx512}) {
+    if (cpuRunsReduceIsa(isa)) out.push_back(isa);
+  }
+  return out;
+}
+
+TEST(ShmReduceLevels, EveryLevelGivesTheReferenceBitsForEveryPatternCountAndLayout) {
+  std::printf("levels this CPU runs:");
+  for (ReduceIsa isa : levels()) std::printf(" %s", reduceIsaName(isa));
+  std::printf(" (reduceInto uses %s)\n", reduceIsaName(bestReduceIsa()));
+  const Case cases[] = {
+      {DType::kFloat32, ReduceKind::kSum, 1},     {DType::kFloat32, ReduceKind::kSum, 3},
+      {DType::kFloat32, ReduceKind::kProduct, 1}, {DType::kFloat32, ReduceKind::kMin, 1},
+      {DType::kFloat32, ReduceKind::kMax, 1},     {DType::kBFloat16, ReduceKind::kSum, 1},
+      {DType::kBFloat16, ReduceKind::kSum, 3},    {DType::kBFloat16, ReduceKind::kProduct, 1},
+      {DType::kBFloat16, ReduceKind::kMin, 1},    {DType::kBFloat16, ReduceKind::kMax, 1},
+      {DType::kFloat16, ReduceKind::kSum, 1},     {DType::kFloat16, ReduceKind::kSum, 3},
+      {DType::kFloat16, ReduceKind::kProduct, 1}, {DType::kFloat16, ReduceKind::kMin, 1},
+      {DType::kFloat16, ReduceKind::kMax, 1},
+  };
+  for (ReduceIsa isa : levels()) {
+    for (const Case& c : cases) {
+      for (int n : {1, 2, 3, 5}) {
+        for (size_t count : {0, 1, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 129, 1000}) {
+          checkLevel(isa, c, n, count, 0, false);
+          checkLevel(isa, c, n, count, 1, false);
+          checkLevel(isa, c, n, count, 3, true);
+        }
+        checkLevel(isa, c, n, 65536 + 13, 0, false);  // every 16-bit pattern on every rank
+      }
+    }
+  }
+}
+
+TEST(ShmReduceLevels, AskingForALevelTheCpuLacksIsAClearError) {
+  for (ReduceIsa isa : {ReduceIsa::kAvx2, ReduceIsa::kAvx512}) {
+    if (cpuRunsReduceIsa(isa)) continue;
+    float x = 1;
+    const void* src = &x;
+    EXPECT_THROW(reduceIntoWith(isa, &x, &src, 1, 1, DType::kFloat32, ReduceSpec()),
+                 std::exception);
+  }
+  EXPECT_TRUE(cpuRunsReduceIsa(ReduceIsa::kPortable));
+}
+
+}  // namespace
+}  // namespace tpcomm::mq
