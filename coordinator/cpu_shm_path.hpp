@@ -30,7 +30,7 @@ namespace tpcomm::coord {
 struct CpuShmConfig {
   std::string mode = "auto";  // TPCOMM_CPU_SHM: auto, 0, 1
   int64_t bufferBytes = 1 << 20;
-  int64_t twoPhaseBytes = 256 << 10;
+  int64_t twoPhaseBytes = 16 << 10;
   int64_t spinUs = 50;
   std::string reduceIsa = "auto";  // TPCOMM_CPU_REDUCE_ISA
   static CpuShmConfig fromSettings();

@@ -196,6 +196,7 @@ class GroupCoordinator {
     std::string reason;
     std::string mode;       // auto, 0, 1
     std::string reduceIsa;  // the reductions' kernels (avx512, avx2, portable)
+    std::string memfd;      // how the region's memfd was made (set up only)
   };
   CpuShmState cpuShmState() const;
   // Benchmarks and tests: this group's TPCOMM_CPU_SHM mode (auto, 0, 1)

@@ -69,6 +69,12 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
   state.available = shm_ != nullptr;
   state.reason = shm_ ? shm_->failure() : shmReason_;
   state.mode = shmMode_.empty() ? settings().cpuShm : shmMode_;
+  if (shm_) {
+    state.memfd = shm_->execSealed()
+                      ? "sealed against execution (MFD_NOEXEC_SEAL)"
+                      : "not sealed against execution (the kernel refused MFD_NOEXEC_SEAL: "
+                        "before Linux 6.3)";
+  }
   state.reduceIsa = mq::reduceIsaName(
       shm_ ? shm_->reduceIsa() : reduceIsaOf(shmIsa_.empty() ? settings().cpuReduceIsa : shmIsa_));
   return state;

@@ -18,11 +18,31 @@ namespace {
 constexpr const char* kMemfdName = "tpcomm-shm";
 constexpr const char* kMemfdTarget = "/memfd:tpcomm-shm";  // what /proc/<pid>/fd/<fd> links to
 
+// Linux 6.3 on: the memfd can never be made executable. Kernels before 6.3
+// refuse the flag (EINVAL); with vm.memfd_noexec=2, kernels 6.3 to 6.7
+// refuse a memfd without it (EACCES).
+#ifndef MFD_NOEXEC_SEAL
+#define MFD_NOEXEC_SEAL 0x0008U
+#endif
+#ifndef F_SEAL_EXEC
+#define F_SEAL_EXEC 0x0020
+#endif
+
+// The pages of a fresh mapping faulted in at once (set-up), not spread over
+// the first calls.
+constexpr int kMapFlags = MAP_SHARED | MAP_POPULATE;
+
+bool sealedAgainstExec(int fd) {
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  return seals >= 0 && (seals & F_SEAL_EXEC) != 0;
+}
+
 }  // namespace
 
 std::unique_ptr<SharedRegion> SharedRegion::create(size_t bytes) {
   TPCOMM_CHECK(bytes > 0, kInvalidUsage, "shared region of 0 bytes");
-  const int fd = ::memfd_create(kMemfdName, MFD_CLOEXEC);
+  int fd = ::memfd_create(kMemfdName, MFD_CLOEXEC | MFD_NOEXEC_SEAL);
+  if (fd < 0 && errno == EINVAL) fd = ::memfd_create(kMemfdName, MFD_CLOEXEC);
   TPCOMM_CHECK(fd >= 0, kSystem, "memfd_create: ", std::strerror(errno));
   const auto fail = [fd](const char* what) {
     const int err = errno;
@@ -31,9 +51,9 @@ std::unique_ptr<SharedRegion> SharedRegion::create(size_t bytes) {
   };
   if (::fchmod(fd, 0600) != 0) fail("fchmod(memfd, 0600)");
   if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) fail("ftruncate(memfd)");
-  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, kMapFlags, fd, 0);
   if (base == MAP_FAILED) fail("mmap(memfd)");
-  return std::unique_ptr<SharedRegion>(new SharedRegion(base, bytes, fd));
+  return std::unique_ptr<SharedRegion>(new SharedRegion(base, bytes, fd, sealedAgainstExec(fd)));
 }
 
 std::unique_ptr<SharedRegion> SharedRegion::attach(int32_t pid, int32_t fd, size_t bytes) {
@@ -53,11 +73,12 @@ std::unique_ptr<SharedRegion> SharedRegion::attach(int32_t pid, int32_t fd, size
     ::close(own);
     TPCOMM_THROW(kSystem, path, " is not the expected shared region of ", bytes, " bytes");
   }
-  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, own, 0);
+  void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, kMapFlags, own, 0);
   const int err = errno;
+  const bool sealed = sealedAgainstExec(own);
   ::close(own);
   TPCOMM_CHECK(base != MAP_FAILED, kSystem, "mmap(", path, "): ", std::strerror(err));
-  return std::unique_ptr<SharedRegion>(new SharedRegion(base, bytes, -1));
+  return std::unique_ptr<SharedRegion>(new SharedRegion(base, bytes, -1, sealed));
 }
 
 SharedRegion::~SharedRegion() {

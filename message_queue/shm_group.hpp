@@ -78,7 +78,7 @@ struct ShmGroupOptions {
   uint64_t bufferBytes = 1 << 20;
   // Allreduces of at least this many bytes reduce-scatter then all-gather
   // inside shared memory (each rank reduces 1/size of every chunk).
-  uint64_t twoPhaseMinBytes = 256 << 10;
+  uint64_t twoPhaseMinBytes = 16 << 10;
   // How long a wait polls before it sleeps on the futex.
   std::chrono::microseconds spin{50};
   // The reductions' vector kernels (every level gives the same bits); one
@@ -141,6 +141,8 @@ class ShmGroup {
   std::string failure() const;
   // Marks the group failed on every rank (their waits end with PeerLost).
   void abort(const std::string& why);
+  // Whether the region's memfd is sealed against execution.
+  bool execSealed() const { return region_->execSealed(); }
   // Closes the region's descriptor once every peer mapped it (set-up).
   void closeDescriptor() { region_->closeDescriptor(); }
 

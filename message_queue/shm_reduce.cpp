@@ -3,6 +3,10 @@
 #include <cmath>
 #include <cstring>
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 #include "coordinator/common/error.hpp"
 #include "message_queue/shm_reduce_vector.hpp"
 
@@ -372,6 +376,28 @@ const char* reduceKindName(ReduceKind kind) {
 
 namespace {
 
+// The reductions run in the IEEE default mode whatever the calling thread
+// set: round to nearest even, no flush-to-zero, no denormals-are-zero (the
+// MXCSR's rounding, FTZ and DAZ bits; restored on leaving). A rank whose
+// thread set FTZ/DAZ (as some math libraries and -ffast-math start-up code
+// do) then still gives its peers' bits. Costs one read of the register when
+// the mode is the default already.
+class DefaultFloatMode {
+ public:
+#if defined(__x86_64__)
+  DefaultFloatMode() : saved_(_mm_getcsr()) {
+    if ((saved_ & kModeBits) != 0) _mm_setcsr(saved_ & ~kModeBits);
+  }
+  ~DefaultFloatMode() {
+    if ((saved_ & kModeBits) != 0) _mm_setcsr(saved_);
+  }
+
+ private:
+  static constexpr unsigned kModeBits = 0x8000u | 0x6000u | 0x0040u;  // FTZ, rounding, DAZ
+  unsigned saved_;
+#endif
+};
+
 vec::Kernel kernelOf(ReduceIsa isa) {
   switch (isa) {
     case ReduceIsa::kAvx512:
@@ -411,6 +437,7 @@ void reduceWith(vec::Kernel kernel, void* out, const void* const* srcs, int n, s
                 DType dtype, const ReduceSpec& spec) {
   TPCOMM_CHECK(n >= 1, kInvalidUsage, "reduceInto: no sources");
   TPCOMM_CHECK(spec.divisor >= 1, kInvalidUsage, "reduceInto: divisor ", spec.divisor);
+  const DefaultFloatMode mode;
   const int divisor = spec.kind == ReduceKind::kSum ? spec.divisor : 1;
   const size_t f = kernel != nullptr ? kernel(out, srcs, n, count, dtype, spec.kind, divisor) : 0;
   if (f == count) return;
@@ -463,6 +490,7 @@ void reduceIntoWith(ReduceIsa isa, void* out, const void* const* srcs, int n, si
 void copyScaled(void* dst, const void* src, size_t count, DType dtype, const ReduceSpec& spec) {
   const bool floating = dtype != DType::kInt32 && dtype != DType::kInt64;
   if (spec.premultiply && floating) {
+    const DefaultFloatMode mode;
     scaleFloats(dst, src, count, dtype, spec.scale);
   } else if (dst != src) {
     std::memcpy(dst, src, count * dtypeBytes(dtype));
@@ -473,6 +501,7 @@ void reduceAddRmsNorm(const void* const* srcs, int n, size_t rows, DType dtype,
                       const NormRows& spec) {
   TPCOMM_CHECK(n >= 1, kInvalidUsage, "reduceAddRmsNorm: no sources");
   TPCOMM_CHECK(spec.hidden > 0 || rows == 0, kInvalidUsage, "reduceAddRmsNorm: hidden size 0");
+  const DefaultFloatMode mode;
   switch (dtype) {
     case DType::kFloat32:
       return addRmsNormF32(srcs, n, rows, spec);

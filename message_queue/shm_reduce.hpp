@@ -5,8 +5,11 @@
 // Every reduction reads its sources in the order given (rank order) and
 // accumulates in `Acc<T>`: float32 for float32, bfloat16 and float16 (one
 // rounding at the end), float64 for float64, and wrapping unsigned
-// arithmetic for the integers (as two's-complement hardware and Gloo do).
-// The same inputs therefore give the same bits on every rank and every run.
+// arithmetic for the integers (as two's-complement hardware and Gloo do),
+// in the IEEE default floating-point mode whatever the calling thread set
+// (round to nearest even, no flush-to-zero or denormals-are-zero; restored
+// after). The same inputs therefore give the same bits on every rank and
+// every run.
 
 #include <cstddef>
 #include <cstdint>

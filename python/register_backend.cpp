@@ -146,6 +146,7 @@ tensors through the device backend (NCCL), created on first use.)")
             shm["two_phase_bytes"] = shmConfig.twoPhaseBytes;
             shm["spin_us"] = shmConfig.spinUs;
             shm["reduce_isa"] = shmState.reduceIsa;
+            shm["memfd"] = shmState.memfd;
             out["cpu_shm"] = shm;
             out["route_mode"] = routing.config().mode;
             out["autotune"] = routing.tuneSource();

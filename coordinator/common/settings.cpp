@@ -51,7 +51,7 @@ const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_CPU_SHM_BUFFER_BYTES", "int", "1048576",
      "Chunk size of the shared-memory CPU collectives (a multiple of 64; each rank maps twice "
      "this); larger calls stream through in chunks. Must be equal on every rank."},
-    {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "int", "262144",
+    {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "int", "16384",
      "CPU allreduces from this size on reduce-scatter then all-gather inside shared memory "
      "(each rank reduces a slice); smaller ones are reduced whole by every rank. Must be equal "
      "on every rank."},

@@ -56,7 +56,7 @@ struct Settings {
   int64_t cpuShmBufferBytes = 1 << 20;
   // TPCOMM_CPU_SHM_TWO_PHASE_BYTES: allreduces from this size on reduce-
   // scatter then all-gather inside shared memory.
-  int64_t cpuShmTwoPhaseBytes = 256 << 10;
+  int64_t cpuShmTwoPhaseBytes = 16 << 10;
   // TPCOMM_CPU_SHM_SPIN_US: how long a shared-memory wait polls before it
   // sleeps on a futex.
   int64_t cpuShmSpinUs = 50;

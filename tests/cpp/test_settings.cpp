@@ -73,7 +73,7 @@ TEST(Settings, CpuSharedMemory) {
   Settings d = Settings::parse(fakeEnv({}));
   EXPECT_EQ(d.cpuShm, "auto");
   EXPECT_EQ(d.cpuShmBufferBytes, 1 << 20);
-  EXPECT_EQ(d.cpuShmTwoPhaseBytes, 256 << 10);
+  EXPECT_EQ(d.cpuShmTwoPhaseBytes, 16 << 10);
   EXPECT_EQ(d.cpuShmSpinUs, 50);
   const std::vector<std::pair<const char*, const char*>> modes = {
       {"", "auto"}, {"AUTO", "auto"}, {"0", "0"}, {"1", "1"}, {"off", "0"}, {"true", "1"}};

@@ -12,6 +12,10 @@
 #include <random>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 #include "message_queue/shm_reduce.hpp"
 
 namespace tpcomm::mq {
@@ -170,6 +174,35 @@ TEST(ShmReduceLevels, AskingForALevelTheCpuLacksIsAClearError) {
   }
   EXPECT_TRUE(cpuRunsReduceIsa(ReduceIsa::kPortable));
 }
+
+#if defined(__x86_64__)
+TEST(ShmReduceLevels, TheCallersFlushToZeroAndRoundingModesDoNotChangeTheBits) {
+  // Subnormal float32 sums (DAZ would read them as 0, FTZ write 0) and a
+  // sum that rounds differently toward zero.
+  const float a[] = {1e-40f, -3e-39f, 1.0f, 1e-38f};
+  const float b[] = {1e-40f, 1e-39f, 0x1.0p-24f + 0x1.0p-47f, -9.99e-39f};
+  std::vector<float> in0, in1;
+  for (int i = 0; i < 64; ++i) {
+    in0.push_back(a[i % 4]);
+    in1.push_back(b[i % 4]);
+  }
+  const void* srcs[] = {in0.data(), in1.data()};
+  for (ReduceIsa isa : levels()) {
+    std::vector<float> want(64), got(64);
+    reduceIntoWith(isa, want.data(), srcs, 2, 64, DType::kFloat32, ReduceSpec());
+    const unsigned saved = _mm_getcsr();
+    _mm_setcsr(saved | 0x8000u | 0x0040u | 0x6000u);  // FTZ, DAZ, round toward zero
+    reduceIntoWith(isa, got.data(), srcs, 2, 64, DType::kFloat32, ReduceSpec());
+    const unsigned after = _mm_getcsr();
+    _mm_setcsr(saved);
+    EXPECT_EQ(after, saved | 0x8000u | 0x0040u | 0x6000u) << "the caller's mode is restored";
+    EXPECT_EQ(std::memcmp(want.data(), got.data(), 64 * sizeof(float)), 0)
+        << reduceIsaName(isa) << ": " << want[0] << " vs " << got[0] << ", " << want[2] << " vs "
+        << got[2];
+    EXPECT_NE(want[0], 0.0f);  // the subnormal sum survived
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace tpcomm::mq
