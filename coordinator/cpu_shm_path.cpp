@@ -74,6 +74,14 @@ std::string agreement(const std::vector<std::string>& modes, const std::vector<s
 
 }  // namespace
 
+SpinPolicy spinPolicy(int64_t spinUs, int size) {
+  const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
+  const bool oversubscribed = cpus > 0 && size > cpus;
+  if (spinUs >= 0) return {std::chrono::microseconds(spinUs), oversubscribed};
+  if (oversubscribed) return {std::chrono::microseconds(50), true};
+  return {std::chrono::microseconds(1000), false};
+}
+
 mq::ReduceIsa reduceIsaOf(const std::string& setting) {
   const mq::ReduceIsa wanted = setting == "avx512"     ? mq::ReduceIsa::kAvx512
                                : setting == "avx2"     ? mq::ReduceIsa::kAvx2
@@ -130,7 +138,9 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   options.size = size;
   options.bufferBytes = static_cast<uint64_t>(config.bufferBytes);
   options.twoPhaseMinBytes = static_cast<uint64_t>(config.twoPhaseBytes);
-  options.spin = std::chrono::microseconds(config.spinUs);
+  const SpinPolicy policy = spinPolicy(config.spinUs, size);
+  options.spin = policy.spin;
+  options.yield = policy.yield;
   options.reduceIsa = reduceIsaOf(config.reduceIsa);
   options.timeout = timeout;
 

@@ -31,7 +31,7 @@ struct CpuShmConfig {
   std::string mode = "auto";  // TPCOMM_CPU_SHM: auto, 0, 1
   int64_t bufferBytes = 1 << 20;
   int64_t twoPhaseBytes = 16 << 10;
-  int64_t spinUs = 50;
+  int64_t spinUs = -1;             // -1: spinPolicy's choice
   std::string reduceIsa = "auto";  // TPCOMM_CPU_REDUCE_ISA
   static CpuShmConfig fromSettings();
 };
@@ -48,6 +48,19 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
 // The reductions' kernel level for a TPCOMM_CPU_REDUCE_ISA value: the level
 // named if this CPU runs it, else the best it runs.
 mq::ReduceIsa reduceIsaOf(const std::string& setting);
+
+// How a group of `size` ranks on this host waits for its peers: polling
+// `spin` (then sleeping), yielding the core each round or not. spinUs -1:
+// 1000 us without yielding when the ranks do not outnumber the online CPUs,
+// so that a peer up to about 1 ms late is met without a sleep and a wake-up
+// (measured: python -m tpcomm.bench cpu --late); else 50 us, yielding, so
+// that oversubscribed ranks progress. Another spinUs: that window, yielding
+// only when oversubscribed.
+struct SpinPolicy {
+  std::chrono::microseconds spin;
+  bool yield;
+};
+SpinPolicy spinPolicy(int64_t spinUs, int size);
 
 // The path's dtype for a tensor's, if it reduces that dtype.
 std::optional<mq::DType> shmDtype(at::ScalarType dtype);

@@ -197,6 +197,8 @@ class GroupCoordinator {
     std::string mode;       // auto, 0, 1
     std::string reduceIsa;  // the reductions' kernels (avx512, avx2, portable)
     std::string memfd;      // how the region's memfd was made (set up only)
+    int64_t spinUs = -1;    // the waits' polling window (set up only)
+    bool yields = true;     // whether they yield the core while polling
   };
   CpuShmState cpuShmState() const;
   // Benchmarks and tests: this group's TPCOMM_CPU_SHM mode (auto, 0, 1)
@@ -208,6 +210,9 @@ class GroupCoordinator {
   // TPCOMM_CPU_REDUCE_ISA), at any time, on any rank (every level gives the
   // same bits). Throws InvalidUsage for another name.
   void setCpuReduceIsa(const std::string& level);
+  // Benchmarks and tests: this group's TPCOMM_CPU_SHM_SPIN_US (-1: the
+  // policy's choice), at any time, on any rank.
+  void setCpuShmSpinUs(int64_t spinUs);
   // TPCOMM_DEBUG: how many cross-rank checks this thread has run (on any
   // group), so that the backend can tell whether a refused call reached its
   // check.
@@ -287,9 +292,10 @@ class GroupCoordinator {
   std::atomic<mq::ShmGroup*> shmFast_{nullptr};  // shm_.get() once set up: the per-call read
   std::unique_ptr<mq::ShmGroup> shm_;            // guarded by shmMutex_
   std::string shmReason_ = "not set up yet (at the group's first CPU collective)";
-  std::string shmMode_;   // setCpuShmMode's override; guarded by shmMutex_
-  std::string shmIsa_;    // setCpuReduceIsa's override; guarded by shmMutex_
-  std::string shmError_;  // a refused TPCOMM_CPU_SHM=1 set-up, raised by every call
+  std::string shmMode_;               // setCpuShmMode's override; guarded by shmMutex_
+  std::string shmIsa_;                // setCpuReduceIsa's override; guarded by shmMutex_
+  std::optional<int64_t> shmSpinUs_;  // setCpuShmSpinUs's override; guarded by shmMutex_
+  std::string shmError_;              // a refused TPCOMM_CPU_SHM=1 set-up, raised by every call
   std::atomic<int> registrationDepth_{0};  // read on every custom call, without the lock
   uint64_t debugSequence_ = 0;             // guarded by debugMutex_
   std::recursive_timed_mutex debugMutex_;  // TPCOMM_DEBUG: one checked call at a time

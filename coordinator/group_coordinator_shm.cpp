@@ -23,6 +23,7 @@ mq::ShmGroup* GroupCoordinator::cpuShm() {
   CpuShmConfig config = CpuShmConfig::fromSettings();
   if (!shmMode_.empty()) config.mode = shmMode_;
   if (!shmIsa_.empty()) config.reduceIsa = shmIsa_;
+  if (shmSpinUs_) config.spinUs = *shmSpinUs_;
   CpuShmSetup setup;
   try {
     setup = setUpCpuShm(*cpu_, rank(), size(), hostIdentity(), config, options_.timeout);
@@ -62,6 +63,17 @@ void GroupCoordinator::setCpuReduceIsa(const std::string& level) {
   if (shm_) shm_->setReduceIsa(reduceIsaOf(level));
 }
 
+void GroupCoordinator::setCpuShmSpinUs(int64_t spinUs) {
+  TPCOMM_CHECK(spinUs >= -1 && spinUs <= 1000000, kInvalidUsage, "CPU shared-memory spin of ",
+               spinUs, " us (-1..1000000)");
+  std::lock_guard<std::mutex> lock(shmMutex_);
+  shmSpinUs_ = spinUs;
+  if (shm_) {
+    const SpinPolicy policy = spinPolicy(spinUs, size());
+    shm_->setSpin(policy.spin, policy.yield);
+  }
+}
+
 GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
   std::lock_guard<std::mutex> lock(shmMutex_);
   CpuShmState state;
@@ -70,6 +82,8 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
   state.reason = shm_ ? shm_->failure() : shmReason_;
   state.mode = shmMode_.empty() ? settings().cpuShm : shmMode_;
   if (shm_) {
+    state.spinUs = shm_->spin().count();
+    state.yields = shm_->yields();
     state.memfd = shm_->execSealed()
                       ? "sealed against execution (MFD_NOEXEC_SEAL)"
                       : "not sealed against execution (the kernel refused MFD_NOEXEC_SEAL: "

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/futex.h>
+#include <poll.h>
 #include <sched.h>
 #include <signal.h>
 #include <sys/syscall.h>
@@ -10,6 +11,7 @@
 #include <cerrno>
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 namespace tpcomm::mq {
@@ -32,7 +34,7 @@ void wakeSleepers(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers) 
 }
 
 bool pollUntil(const std::function<bool()>& ready, std::chrono::steady_clock::time_point until,
-               int pauseRounds, const std::function<void()>& betweenRounds) {
+               int pauseRounds, const std::function<void()>& betweenRounds, bool yield) {
   for (int round = 0; round < pauseRounds || std::chrono::steady_clock::now() < until; ++round) {
     for (int i = 0; i < 16; ++i) {
       if (ready()) return true;
@@ -41,7 +43,7 @@ bool pollUntil(const std::function<bool()>& ready, std::chrono::steady_clock::ti
 #endif
     }
     if (betweenRounds) betweenRounds();
-    if (round >= pauseRounds) sched_yield();
+    if (yield && round >= pauseRounds) sched_yield();
   }
   return ready();
 }
@@ -57,23 +59,38 @@ bool sleepOn(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
 
 namespace {
 
-// The state letter of /proc/<pid>/stat ("pid (comm) S ..."), or 0 when the
-// file cannot be read. comm may hold spaces and parentheses: the state
-// follows the last ')'.
-char procState(int32_t pid) {
+struct ProcStat {
+  char state = 0;          // 0: unreadable
+  uint64_t startTime = 0;  // clock ticks after boot (field 22)
+};
+
+// The state letter and start time of /proc/<pid>/stat ("pid (comm) S ...").
+// comm may hold spaces and parentheses: the state follows the last ')'.
+ProcStat procStat(int32_t pid) {
+  ProcStat out;
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%d/stat", static_cast<int>(pid));
   const int fd = ::open(path, O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return 0;
-  char buf[512];
+  if (fd < 0) return out;
+  char buf[1024];
   const ssize_t n = ::read(fd, buf, sizeof(buf) - 1);
   ::close(fd);
-  if (n <= 0) return 0;
+  if (n <= 0) return out;
   buf[n] = '\0';
   const char* close = std::strrchr(buf, ')');
-  if (close == nullptr || close[1] != ' ') return 0;
-  return close[2];
+  if (close == nullptr || close[1] != ' ') return out;
+  out.state = close[2];
+  // Fields 3.. follow the state; the start time is field 22.
+  const char* p = close + 2;
+  for (int field = 3; field < 22 && p != nullptr; ++field) {
+    p = std::strchr(p, ' ');
+    if (p != nullptr) ++p;
+  }
+  if (p != nullptr) out.startTime = std::strtoull(p, nullptr, 10);
+  return out;
 }
+
+char procState(int32_t pid) { return procStat(pid).state; }
 
 }  // namespace
 
@@ -86,6 +103,48 @@ bool processAlive(int32_t pid) {
   // timeout still bounds it).
   const char state = procState(pid);
   return state != 'Z' && state != 'X';
+}
+
+PeerProcess::PeerProcess(int32_t pid) : pid_(pid) {
+  if (pid_ <= 0) return;
+#if defined(SYS_pidfd_open)
+  fd_ = static_cast<int>(::syscall(SYS_pidfd_open, pid_, 0));
+#endif
+  if (fd_ < 0) startTime_ = procStat(pid_).startTime;
+}
+
+PeerProcess::~PeerProcess() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+PeerProcess::PeerProcess(PeerProcess&& other) noexcept
+    : pid_(other.pid_), fd_(other.fd_), startTime_(other.startTime_) {
+  other.fd_ = -1;
+}
+
+PeerProcess& PeerProcess::operator=(PeerProcess&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    pid_ = other.pid_;
+    fd_ = other.fd_;
+    startTime_ = other.startTime_;
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+bool PeerProcess::alive() const {
+  if (pid_ < 0) return false;
+  if (pid_ == 0) return true;
+  if (fd_ >= 0) {
+    // Readable once the whole process has exited (zombies included).
+    struct pollfd p = {fd_, POLLIN, 0};
+    return !(::poll(&p, 1, 0) > 0 && (p.revents & (POLLIN | POLLHUP)) != 0);
+  }
+  const ProcStat now = procStat(pid_);
+  if (now.state == 0) return !(::kill(pid_, 0) != 0 && errno == ESRCH);
+  if (startTime_ != 0 && now.startTime != startTime_) return false;  // the pid was reused
+  return now.state != 'Z' && now.state != 'X';
 }
 
 }  // namespace tpcomm::mq

@@ -1,6 +1,8 @@
 #include "message_queue/shm_group.hpp"
 
+#include <pthread.h>
 #include <sched.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -25,7 +27,15 @@ constexpr int kPausePolls = 8;  // rounds of 16 polls before the first sched_yie
 
 // The first failure, in the header's failure word: cause, the rank that
 // reported it and the rank it blames, published together by one CAS.
-enum FailureCode : uint64_t { kNone = 0, kTimedOut = 1, kDied = 2, kAborted = 3 };
+enum FailureCode : uint64_t { kNone = 0, kTimedOut = 1, kDied = 2, kAborted = 3, kLeft = 4 };
+
+// Forks of this process so far, counted in the child (pthread_atfork): a
+// group set up before a fork is not the child's to use.
+std::atomic<uint64_t> gForks{0};
+const bool kCountsForks = [] {
+  ::pthread_atfork(nullptr, nullptr, [] { gForks.fetch_add(1, std::memory_order_relaxed); });
+  return true;
+}();
 
 uint64_t packFailure(uint64_t code, int by, int culprit) {
   return (code << 48) | (static_cast<uint64_t>(by & 0xffffff) << 24) |
@@ -36,6 +46,10 @@ std::string describeFailure(uint64_t word) {
   const uint64_t code = word >> 48;
   const int by = static_cast<int>((word >> 24) & 0xffffff);
   const int culprit = static_cast<int>(word & 0xffffff) - 1;
+  if (code == kLeft) {
+    return detail::concat("rank ", by, " left the group (it destroyed the group while its peers ",
+                          "still use it)");
+  }
   const char* cause = code == kTimedOut ? "timed out" : code == kDied ? "lost a peer" : "aborted";
   return detail::concat("rank ", by, " of the group ", cause,
                         culprit >= 0 ? detail::concat(" (rank ", culprit, " died)") : "");
@@ -195,11 +209,11 @@ void ShmGroup::initRegion(char* base, int size, uint64_t bufferBytes, uint64_t t
 
 ShmGroup::ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& options,
                    std::vector<int32_t> pids)
-    : region_(std::move(region)), options_(options), pids_(std::move(pids)) {
+    : region_(std::move(region)), options_(options), forkGeneration_(gForks.load()) {
   TPCOMM_CHECK(region_ != nullptr, kInvalidUsage, "ShmGroup without a region");
   TPCOMM_CHECK(options_.rank >= 0 && options_.rank < options_.size, kInvalidUsage, "rank ",
                options_.rank, " of a group of ", options_.size);
-  TPCOMM_CHECK_EQ(pids_.size(), static_cast<size_t>(options_.size), "(one pid per rank)");
+  TPCOMM_CHECK_EQ(pids.size(), static_cast<size_t>(options_.size), "(one pid per rank)");
   TPCOMM_CHECK_EQ(region_->bytes(), regionBytes(options_.size, options_.bufferBytes),
                   "(shared region size)");
   const Header& h = header();
@@ -210,12 +224,29 @@ ShmGroup::ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& 
                " ranks with ", options_.bufferBytes, "-byte buffers and a two-phase crossover of ",
                options_.twoPhaseMinBytes, " bytes");
   setReduceIsa(options_.reduceIsa);
+  setSpin(options_.spin, options_.yield);
   timeoutMs_.store(options_.timeout.count());
   data_ = region_->base() + dataOffset(options_.size);
   sources_.resize(options_.size);
+  for (int32_t pid : pids) peers_.emplace_back(pid);
 }
 
-ShmGroup::~ShmGroup() = default;
+ShmGroup::~ShmGroup() {
+  if (options_.size > 1 && !forked()) publishFailure(kLeft, options_.rank);
+}
+
+bool ShmGroup::forked() const { return gForks.load(std::memory_order_relaxed) != forkGeneration_; }
+
+void ShmGroup::checkNotForked() const {
+  TPCOMM_CHECK(!forked(), kInvalidUsage, "a shared-memory collective called in a process (pid ",
+               ::getpid(), ") forked from the one that set the group up (rank ", options_.rank,
+               "): a forked child cannot use its parent's group; create a new group in the child");
+}
+
+void ShmGroup::setSpin(std::chrono::microseconds spin, bool yield) {
+  spinUs_.store(spin.count(), std::memory_order_relaxed);
+  yield_.store(yield, std::memory_order_relaxed);
+}
 
 ShmGroup::Header& ShmGroup::header() const { return *reinterpret_cast<Header*>(region_->base()); }
 
@@ -268,7 +299,7 @@ void ShmGroup::publishFailure(uint64_t code, int culprit) {
 }
 
 void ShmGroup::abort(const std::string& why) {
-  publishFailure(kAborted, -1);
+  if (!forked()) publishFailure(kAborted, -1);
   setFailure(why);
 }
 
@@ -321,7 +352,7 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
   };
   if (ready()) return;
   const auto start = std::chrono::steady_clock::now();
-  const auto spinUntil = start + options_.spin;
+  const auto spinUntil = start + std::chrono::microseconds(spinUs_.load(std::memory_order_relaxed));
   const auto limit = timeout();
   const auto deadline = start + limit;
   const auto failed = [&] { return h.failure.load(std::memory_order_acquire) != 0; };
@@ -329,9 +360,14 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
     fail(kAborted, -1,
          detail::concat(describeFailure(h.failure.load()), " during ", signature.describe()));
   };
-  if (pollUntil(ready, spinUntil, kPausePolls, [&] {
-        if (failed()) joinFailure();
-      })) {
+  // A rank that arrived, finished the call and then failed or left the
+  // group published the failure after its arrival: all arrived wins.
+  if (pollUntil(
+          ready, spinUntil, kPausePolls,
+          [&] {
+            if (failed() && !ready()) joinFailure();
+          },
+          yield_.load(std::memory_order_relaxed))) {
     return;
   }
   auto lastLivenessCheck = start;
@@ -346,7 +382,10 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
             h.wake, h.sleepers, [&] { return ready() || failed(); }, slice) &&
         ready())
       return;
-    if (failed()) joinFailure();
+    if (failed()) {
+      if (ready()) return;  // every rank arrived before the failure was published
+      joinFailure();
+    }
     now = std::chrono::steady_clock::now();
     // Peers' liveness at most once per sleep slice (every arrival wakes
     // every sleeper; the check costs system calls).
@@ -354,9 +393,9 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
       lastLivenessCheck = now;
       for (int r = next; r < n; ++r) {
         if (control(r).arrived.load(std::memory_order_acquire) >= s) continue;
-        if (!processAlive(pids_[r])) {
+        if (!peers_[r].alive()) {
           fail(kDied, r,
-               detail::concat("rank ", r, " (pid ", pids_[r], ") died before it reached ",
+               detail::concat("rank ", r, " (pid ", peers_[r].pid(), ") died before it reached ",
                               signature.describe()));
         }
       }
@@ -376,12 +415,14 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
 }
 
 void ShmGroup::barrier() {
+  checkNotForked();  // before the lock: a fork may have copied it held
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
   step(Signature(static_cast<int>(Op::kBarrier), 0, 0, 0, 0));
 }
 
 void ShmGroup::allreduceAddRmsNorm(const void* in, size_t rows, DType dtype, const NormRows& norm) {
+  checkNotForked();  // before the lock: a fork may have copied it held
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
   const ReduceIsa isa = reduceIsa_.load(std::memory_order_relaxed);
@@ -442,6 +483,7 @@ void ShmGroup::allreduceAddRmsNorm(const void* in, size_t rows, DType dtype, con
 
 void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
                          const ReduceSpec& spec, const ShmPart& part) {
+  checkNotForked();  // before the lock: a fork may have copied it held
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
   const ReduceIsa isa = reduceIsa_.load(std::memory_order_relaxed);
@@ -483,6 +525,7 @@ void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
 
 void ShmGroup::allgather(const void* in, size_t bytes, const std::vector<void*>& outs,
                          const ShmPart& part) {
+  checkNotForked();  // before the lock: a fork may have copied it held
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
   TPCOMM_CHECK_EQ(outs.size(), static_cast<size_t>(options_.size), "(all_gather outputs)");
@@ -502,6 +545,7 @@ void ShmGroup::allgather(const void* in, size_t bytes, const std::vector<void*>&
 
 void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, size_t count,
                              DType dtype, const ReduceSpec& spec, const ShmPart& part) {
+  checkNotForked();  // before the lock: a fork may have copied it held
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
   const ReduceIsa isa = reduceIsa_.load(std::memory_order_relaxed);
@@ -536,6 +580,7 @@ void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, siz
 }
 
 void ShmGroup::broadcast(void* data, size_t bytes, int root) {
+  checkNotForked();  // before the lock: a fork may have copied it held
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
   TPCOMM_CHECK(root >= 0 && root < options_.size, kInvalidUsage, "broadcast root ", root,

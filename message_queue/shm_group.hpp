@@ -66,6 +66,7 @@
 #include <string>
 #include <vector>
 
+#include "message_queue/futex.hpp"
 #include "message_queue/shared_region.hpp"
 #include "message_queue/shm_reduce.hpp"
 
@@ -79,8 +80,10 @@ struct ShmGroupOptions {
   // Allreduces of at least this many bytes reduce-scatter then all-gather
   // inside shared memory (each rank reduces 1/size of every chunk).
   uint64_t twoPhaseMinBytes = 16 << 10;
-  // How long a wait polls before it sleeps on the futex.
+  // How long a wait polls before it sleeps on the futex, and whether it
+  // yields the core while it polls (for more ranks than cores).
   std::chrono::microseconds spin{50};
+  bool yield = true;
   // The reductions' vector kernels (every level gives the same bits); one
   // this CPU cannot run falls back to the best it can.
   ReduceIsa reduceIsa = bestReduceIsa();
@@ -104,8 +107,15 @@ class ShmGroup {
   static void initRegion(char* base, int size, uint64_t bufferBytes, uint64_t twoPhaseMinBytes);
 
   // `region` must have been initialised for options.size ranks, bufferBytes
-  // and twoPhaseMinBytes; `pids[r]` is rank r's process (liveness checks). Throws
+  // and twoPhaseMinBytes; `pids[r]` is rank r's process, watched from here on
+  // (PeerProcess in futex.hpp), so every peer must be alive now. Throws
   // System if the header does not match.
+  //
+  // Destroying the group tells the peers: their current and later calls
+  // raise PeerLost naming this rank ("left the group"), instead of waiting
+  // out the timeout. A process forked from this one cannot use the group:
+  // its calls raise InvalidUsage before touching shared memory or the
+  // group's lock, and its copy leaves without telling anyone.
   ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& options,
            std::vector<int32_t> pids);
   ~ShmGroup();
@@ -133,6 +143,12 @@ class ShmGroup {
   // The reductions' kernel level from the next call on (one this CPU cannot
   // run falls back to the best it can); any thread, any time.
   void setReduceIsa(ReduceIsa isa);
+  // The waits' polling window and yielding from the next wait on.
+  void setSpin(std::chrono::microseconds spin, bool yield);
+  std::chrono::microseconds spin() const {
+    return std::chrono::microseconds(spinUs_.load(std::memory_order_relaxed));
+  }
+  bool yields() const { return yield_.load(std::memory_order_relaxed); }
   ReduceIsa reduceIsa() const { return reduceIsa_.load(std::memory_order_relaxed); }
   void setTimeout(std::chrono::milliseconds timeout);
   std::chrono::milliseconds timeout() const;
@@ -164,15 +180,21 @@ class ShmGroup {
   [[noreturn]] void fail(int code, int culprit, const std::string& message);
   void setFailure(const std::string& message);
   void throwIfFailed();
+  // InvalidUsage in a process forked after the group was set up.
+  void checkNotForked() const;
+  bool forked() const;
 
   std::unique_ptr<SharedRegion> region_;
   ShmGroupOptions options_;
-  std::vector<int32_t> pids_;
+  std::vector<PeerProcess> peers_;
+  uint64_t forkGeneration_;  // the process's forks seen when it was set up
   char* data_ = nullptr;
   uint64_t steps_ = 0;
   uint64_t chunks_ = 0;
   std::vector<const void*> sources_;  // a reduction's inputs, one per rank (guarded by mutex_)
   std::atomic<int64_t> timeoutMs_{0};
+  std::atomic<int64_t> spinUs_{0};
+  std::atomic<bool> yield_{true};
   std::atomic<ReduceIsa> reduceIsa_{ReduceIsa::kPortable};
   std::mutex mutex_;                 // one call at a time (held while it waits)
   mutable std::mutex failureMutex_;  // guards failure_ (never held while waiting)

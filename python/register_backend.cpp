@@ -144,7 +144,8 @@ tensors through the device backend (NCCL), created on first use.)")
             shm["reason"] = shmState.reason;
             shm["buffer_bytes"] = shmConfig.bufferBytes;
             shm["two_phase_bytes"] = shmConfig.twoPhaseBytes;
-            shm["spin_us"] = shmConfig.spinUs;
+            shm["spin_us"] = shmState.spinUs;
+            shm["yields"] = shmState.yields;
             shm["reduce_isa"] = shmState.reduceIsa;
             shm["memfd"] = shmState.memfd;
             out["cpu_shm"] = shm;
@@ -214,6 +215,14 @@ tensors through the device backend (NCCL), created on first use.)")
           py::arg("level"),
           "The widest reduction kernels of this group's shared-memory path (auto, avx512, avx2, "
           "portable) instead of TPCOMM_CPU_REDUCE_ISA; any time, any rank (benchmarks, tests).")
+      .def(
+          "set_cpu_shm_spin_us",
+          [](backend::ProcessGroupTpcomm& self, int64_t spinUs) {
+            self.coordinator().setCpuShmSpinUs(spinUs);
+          },
+          py::arg("spin_us"),
+          "How long this group's shared-memory waits poll before sleeping (-1: the policy's "
+          "choice) instead of TPCOMM_CPU_SHM_SPIN_US; any time, any rank (benchmarks, tests).")
       .def(
           "begin_graph_registration",
           [](backend::ProcessGroupTpcomm& self) { self.coordinator().beginGraphRegistration(); },

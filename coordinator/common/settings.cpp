@@ -55,9 +55,10 @@ const std::vector<SettingInfo> kSettingTable = {
      "CPU allreduces from this size on reduce-scatter then all-gather inside shared memory "
      "(each rank reduces a slice); smaller ones are reduced whole by every rank. Must be equal "
      "on every rank."},
-    {"TPCOMM_CPU_SHM_SPIN_US", "int", "50",
-     "How long a shared-memory CPU collective polls for its peers (yielding the core) before it "
-     "sleeps on a futex."},
+    {"TPCOMM_CPU_SHM_SPIN_US", "int", "-1",
+     "How long a shared-memory CPU collective polls for its peers before it sleeps on a futex. "
+     "-1: 1000 us without yielding the core when the group's ranks do not outnumber the online "
+     "CPUs (a late peer is met without a wake-up), else 50 us yielding the core each round."},
     {"TPCOMM_CPU_REDUCE_ISA", "string", "auto",
      "The widest vector kernels the shared-memory CPU reductions use: auto (the best this CPU "
      "runs), avx512, avx2, portable (the compiler's loops). A level the CPU lacks falls back to "
@@ -148,7 +149,7 @@ Settings Settings::parse(const Lookup& lookup) {
     s.mqSpinUs = parseInt("TPCOMM_MQ_SPIN_US", *v, 0, 10000000);
   }
   if (auto v = lookup("TPCOMM_CPU_SHM_SPIN_US")) {
-    s.cpuShmSpinUs = parseInt("TPCOMM_CPU_SHM_SPIN_US", *v, 0, 1000000);
+    s.cpuShmSpinUs = parseInt("TPCOMM_CPU_SHM_SPIN_US", *v, -1, 1000000);
   }
   if (auto v = lookup("TPCOMM_CPU_REDUCE_ISA")) {
     s.cpuReduceIsa = v->empty() ? "auto" : *v;

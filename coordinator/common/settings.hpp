@@ -58,8 +58,8 @@ struct Settings {
   // scatter then all-gather inside shared memory.
   int64_t cpuShmTwoPhaseBytes = 16 << 10;
   // TPCOMM_CPU_SHM_SPIN_US: how long a shared-memory wait polls before it
-  // sleeps on a futex.
-  int64_t cpuShmSpinUs = 50;
+  // sleeps on a futex (-1: by the group, see cpu_shm_path.hpp's spinPolicy).
+  int64_t cpuShmSpinUs = -1;
   // TPCOMM_CPU_REDUCE_ISA: the vector kernels the shared-memory reductions
   // use at most: auto (the best this CPU has), avx512, avx2, portable.
   std::string cpuReduceIsa = "auto";

@@ -6,6 +6,7 @@
 // idle waiter burns.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,6 +15,7 @@
 #include <csignal>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -495,6 +497,133 @@ TEST(ShmGroup, CoalescedPositionsAndTheFusedEpsArePartOfTheSignature) {
     return 0;
   };
   for (int code : runRanks(2, smallBuffers(1ull << 40), body)) EXPECT_EQ(code, 0);
+}
+
+TEST(ShmGroup, APeerWhoseMainThreadEndedWhileAnotherThreadRunsIsAlive) {
+  ShmGroupOptions o = smallBuffers(1ull << 40);
+  o.timeout = 60s;
+  const auto body = [](ShmGroup& g) {
+    if (g.options().rank == 0) {
+      std::thread([&g] {
+        std::this_thread::sleep_for(300ms);  // the peer sleeps, checking liveness meanwhile
+        float x = 1.0f;
+        try {
+          g.allreduce(&x, &x, 1, DType::kFloat32, ReduceSpec{});
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "rank 0's thread: %s\n", e.what());
+          ::_exit(3);
+        }
+        ::_exit(x == 3.0f ? 0 : 4);
+      }).detach();
+      ::syscall(SYS_exit, 0);  // ends this thread only (no unwinding, no exit_group)
+    }
+    float x = 2.0f;
+    g.allreduce(&x, &x, 1, DType::kFloat32, ReduceSpec{});
+    CHILD_CHECK(x == 3.0f, "sum %g", x);
+    return 0;
+  };
+  for (int code : runRanks(2, o, body)) EXPECT_EQ(code, 0);
+}
+
+TEST(ShmGroup, ARankThatDestroysItsGroupIsNamedByItsPeersAtOnce) {
+  ShmGroupOptions o = smallBuffers(1ull << 40);
+  o.timeout = 60s;  // far longer than the test may take
+  const size_t bytes = ShmGroup::regionBytes(3, o.bufferBytes);
+  auto region = SharedRegion::create(bytes);
+  ShmGroup::initRegion(region->base(), 3, o.bufferBytes, o.twoPhaseMinBytes);
+  const pid_t parent = ::getpid();
+  std::vector<pid_t> pids;
+  for (int r = 0; r < 3; ++r) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      int status = 0;
+      try {
+        ShmGroupOptions options = o;
+        options.rank = r;
+        options.size = 3;
+        auto group = std::make_unique<ShmGroup>(SharedRegion::attach(parent, region->fd(), bytes),
+                                                options, std::vector<int32_t>(3, 0));
+        float x = 1.0f;
+        group->allreduce(&x, &x, 1, DType::kFloat32, ReduceSpec{});
+        if (r == 2) {
+          group.reset();  // leaves, and stays alive
+          std::this_thread::sleep_for(3s);
+          ::_exit(0);
+        }
+        const auto start = std::chrono::steady_clock::now();
+        try {
+          group->allreduce(&x, &x, 1, DType::kFloat32, ReduceSpec{});
+          status = 10;
+        } catch (const Error& e) {
+          const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+                               .count();
+          const std::string what = e.what();
+          if (e.code() != ErrorCode::kPeerLost || what.find("rank 2 left the group") ==
+                                                      std::string::npos) {
+            std::fprintf(stderr, "rank %d: %s\n", r, what.c_str());
+            status = 11;
+          } else if (s > 1.0) {
+            std::fprintf(stderr, "rank %d raised after %.2f s\n", r, s);
+            status = 12;
+          }
+        }
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "rank %d: %s\n", r, e.what());
+        status = 13;
+      }
+      ::_exit(status);
+    }
+    pids.push_back(pid);
+  }
+  for (pid_t p : pids) {
+    int status = 0;
+    ::waitpid(p, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  }
+}
+
+TEST(ShmGroup, CallsInAForkedChildRaiseEvenWhileTheParentHoldsTheLock) {
+  ShmGroupOptions o = smallBuffers(1ull << 40);
+  o.timeout = 60s;
+  const auto body = [](ShmGroup& g) {
+    const int me = g.options().rank;
+    float x = 1.0f;
+    g.allreduce(&x, &x, 1, DType::kFloat32, ReduceSpec{});
+    if (me == 1) std::this_thread::sleep_for(500ms);  // rank 0's call waits, holding its lock
+    std::thread waiting;
+    if (me == 0) {
+      waiting = std::thread([&g] {
+        float y = 1.0f;
+        g.allreduce(&y, &y, 1, DType::kFloat32, ReduceSpec{});
+      });
+      std::this_thread::sleep_for(100ms);
+      const pid_t child = ::fork();
+      if (child == 0) {
+        float z = 5.0f;
+        try {
+          g.allreduce(&z, &z, 1, DType::kFloat32, ReduceSpec{});
+          ::_exit(20);
+        } catch (const Error& e) {
+          const bool named = e.code() == ErrorCode::kInvalidUsage &&
+                             std::string(e.what()).find("forked") != std::string::npos;
+          ::_exit(named && z == 5.0f ? 0 : 21);
+        }
+      }
+      int status = 0;
+      ::waitpid(child, &status, 0);
+      CHILD_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "forked child: %d", status);
+      waiting.join();
+    } else {
+      float y = 1.0f;
+      g.allreduce(&y, &y, 1, DType::kFloat32, ReduceSpec{});
+    }
+    // The child's attempt changed nothing: the group goes on.
+    float w = static_cast<float>(me + 1);
+    g.allreduce(&w, &w, 1, DType::kFloat32, ReduceSpec{});
+    CHILD_CHECK(w == 3.0f, "after the fork: %g", w);
+    return 0;
+  };
+  for (int code : runRanks(2, o, body)) EXPECT_EQ(code, 0);
 }
 
 TEST(ShmGroup, AKilledRankMakesTheOthersRaiseNamingIt) {

@@ -490,6 +490,71 @@ def test_killed_rank_raises_on_the_survivors_within_the_timeout():
         assert elapsed < 20, elapsed  # within 2x the 10 s timeout (death is seen at once)
 
 
+def _destroyed_by_one_rank(ctx):
+    import gc
+
+    sub = dist.new_group(backend="tpcomm")
+    dist.all_reduce(torch.ones(8), group=sub)  # the path is set up
+    if ctx.rank == 1:
+        dist.destroy_process_group(sub)
+        del sub
+        gc.collect()
+        time.sleep(3)  # alive, but gone from the group
+        return None
+    time.sleep(0.3)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(8), group=sub)
+    except Exception as e:  # noqa: BLE001
+        return type(e).__name__, str(e), time.monotonic() - start
+    return "no error"
+
+
+def test_a_rank_that_destroys_its_group_is_named_by_its_peers_at_once():
+    group = Group(2, env={"TPCOMM_CPU_SHM": "1"}, pg_timeout_s=60)
+    try:
+        results = group.run(_destroyed_by_one_rank, timeout_s=60)
+    finally:
+        group.close(kill=True)
+    kind, msg, elapsed = results[0]
+    assert kind == "DistBackendError", (kind, msg)
+    assert "rank 1 left the group" in msg, msg
+    assert elapsed < 1.0, elapsed  # not the 60 s timeout
+
+
+def _forked_child_calls(ctx):
+    dist.all_reduce(torch.ones(8))  # the path is set up
+    message = None
+    if ctx.rank == 0:
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:
+            try:
+                dist.all_reduce(torch.ones(8))
+                text = "served"
+            except Exception as e:  # noqa: BLE001
+                text = f"{type(e).__name__}: {e}"
+            os.write(write, text.encode()[:4000])
+            os._exit(0)
+        os.close(write)
+        os.waitpid(child, 0)
+        message = os.read(read, 4096).decode()
+        os.close(read)
+    x = torch.full((8,), float(ctx.rank + 1))
+    dist.all_reduce(x)  # the parent's group is untouched
+    assert torch.equal(x, torch.full((8,), 3.0)), x
+    return message
+
+
+def test_a_forked_child_cannot_use_its_parents_group():
+    group = Group(2, env={"TPCOMM_CPU_SHM": "1"})
+    try:
+        results = group.run(_forked_child_calls, timeout_s=60)
+    finally:
+        group.close(kill=True)
+    assert "forked from the one that set the group up" in results[0], results[0]
+
+
 def test_dev_shm_is_unchanged():
     """Runs last in this module: the path never names anything in /dev/shm."""
     before = set(os.listdir("/dev/shm"))
