@@ -73,6 +73,7 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Call&& call) {
       // path) names the call, as a failed Work's wait() does.
       throw tpcomm::Error(e.code(), "tpcomm: " + describeCall(op) + " failed: " + e.what());
     }
+    if (pending.done) return pending.work;  // completed in this thread: nothing to watch
     if (!pending.work) {
       // A synchronous call (asyncOp=false) that the routed backend already
       // ordered on the current stream returns no Work (ProcessGroupNCCL does

@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <mutex>
+
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
 #include "coordinator/composite_ops.hpp"
@@ -257,14 +259,41 @@ mq::ReduceSpec shmReduction(const c10d::ReduceOp& op, int size) {
   return spec;
 }
 
+namespace {
+
+// What completedCall hands back for an asynchronous call: done and
+// successful from the start; the future is made on the first getFuture().
+class CompletedWork : public c10d::Work {
+ public:
+  explicit CompletedWork(std::vector<at::Tensor> outputs) : outputs_(std::move(outputs)) {}
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
+  std::vector<at::Tensor> result() override { return outputs_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    std::lock_guard<std::mutex> lock(futureMutex_);
+    if (!future_) {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+      future_->markCompleted(c10::IValue(outputs_));
+    }
+    return future_;
+  }
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  std::mutex futureMutex_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+}  // namespace
+
 Pending completedCall(std::vector<at::Tensor> outputs, bool asyncOp) {
   Pending pending;
-  pending.outputs = std::move(outputs);
   if (asyncOp) {
-    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
-    future->markCompleted(c10::IValue(pending.outputs));
-    pending.work = c10d::Work::create_from_future(future);
+    pending.work = c10::make_intrusive<CompletedWork>(outputs);
+    pending.done = true;
   }
+  pending.outputs = std::move(outputs);
   return pending;
 }
 

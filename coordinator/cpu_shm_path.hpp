@@ -75,7 +75,8 @@ mq::ReduceSpec shmReduction(const c10d::ReduceOp& op, int size);
 
 // A call the path already completed: no Work for a synchronous call (torch's
 // Python API then skips wait(), as for ProcessGroupNCCL), else a completed
-// one whose future holds the outputs.
+// Work whose result is the outputs; its future (holding the outputs) is made
+// only when asked for.
 Pending completedCall(std::vector<at::Tensor> outputs, bool asyncOp);
 
 }  // namespace tpcomm::coord

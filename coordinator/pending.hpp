@@ -24,6 +24,9 @@ struct Pending {
   // False where the routed backend's work has no future (Gloo's send/recv
   // and reduce-scatter works); the backend layer then provides one.
   bool hasFuture = true;
+  // `work` completed in the caller's thread already (the shared-memory
+  // path): the backend layer hands it back as it is, no wrapper.
+  bool done = false;
 };
 
 }  // namespace tpcomm::coord

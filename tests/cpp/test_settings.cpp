@@ -1,9 +1,11 @@
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <map>
 
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
+#include "coordinator/cpu_shm_path.hpp"
 
 namespace tpcomm {
 namespace {
@@ -74,7 +76,8 @@ TEST(Settings, CpuSharedMemory) {
   EXPECT_EQ(d.cpuShm, "auto");
   EXPECT_EQ(d.cpuShmBufferBytes, 1 << 20);
   EXPECT_EQ(d.cpuShmTwoPhaseBytes, 16 << 10);
-  EXPECT_EQ(d.cpuShmSpinUs, 50);
+  EXPECT_EQ(d.cpuShmSpinUs, -1);  // the group's policy (coord::spinPolicy)
+  EXPECT_EQ(d.cpuReduceIsa, "auto");
   const std::vector<std::pair<const char*, const char*>> modes = {
       {"", "auto"}, {"AUTO", "auto"}, {"0", "0"}, {"1", "1"}, {"off", "0"}, {"true", "1"}};
   for (const auto& [value, mode] : modes) {
@@ -87,12 +90,29 @@ TEST(Settings, CpuSharedMemory) {
   EXPECT_EQ(s.cpuShmTwoPhaseBytes, 0);
   EXPECT_EQ(s.cpuShmSpinUs, 0);
   const std::vector<std::pair<const char*, const char*>> bad = {
-      {"TPCOMM_CPU_SHM", "sometimes"},
-      {"TPCOMM_CPU_SHM_BUFFER_BYTES", "4100"},
-      {"TPCOMM_CPU_SHM_BUFFER_BYTES", "1024"},
-      {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "-1"},
-      {"TPCOMM_CPU_SHM_SPIN_US", "2000000"}};
+      {"TPCOMM_CPU_SHM", "sometimes"},         {"TPCOMM_CPU_SHM_BUFFER_BYTES", "4100"},
+      {"TPCOMM_CPU_SHM_BUFFER_BYTES", "1024"}, {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "-1"},
+      {"TPCOMM_CPU_SHM_SPIN_US", "2000000"},   {"TPCOMM_CPU_SHM_SPIN_US", "-2"},
+      {"TPCOMM_CPU_REDUCE_ISA", "sse9"}};
   expectEachRefused(bad);
+  for (const char* level : {"avx512", "avx2", "portable", "auto"}) {
+    EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_CPU_REDUCE_ISA", level}})).cpuReduceIsa, level);
+  }
+}
+
+TEST(Settings, CpuSharedMemoryWaitingPolicy) {
+  const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
+  // Ranks that fit the CPUs poll 1 ms without yielding; more ranks than CPUs
+  // poll 50 us, yielding; an explicit window yields only when oversubscribed.
+  const auto fits = coord::spinPolicy(-1, 1);
+  EXPECT_EQ(fits.spin.count(), 1000);
+  EXPECT_FALSE(fits.yield);
+  const auto crowded = coord::spinPolicy(-1, static_cast<int>(cpus) + 1);
+  EXPECT_EQ(crowded.spin.count(), 50);
+  EXPECT_TRUE(crowded.yield);
+  EXPECT_EQ(coord::spinPolicy(7, 1).spin.count(), 7);
+  EXPECT_FALSE(coord::spinPolicy(7, 1).yield);
+  EXPECT_TRUE(coord::spinPolicy(0, static_cast<int>(cpus) + 1).yield);
 }
 
 TEST(Settings, MessageQueueSpin) {
