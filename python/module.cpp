@@ -7,6 +7,7 @@ namespace tpcomm::python {
 void registerBackend(pybind11::module_& m);
 void registerMessageQueue(pybind11::module_& m);
 void registerCustomAllreduce(pybind11::module_& m);
+void registerOps(pybind11::module_& m);
 }  // namespace tpcomm::python
 
 namespace {
@@ -32,4 +33,5 @@ PYBIND11_MODULE(_C, m) {
   tpcomm::python::registerBackend(m);
   tpcomm::python::registerMessageQueue(m);
   tpcomm::python::registerCustomAllreduce(m);
+  tpcomm::python::registerOps(m);
 }

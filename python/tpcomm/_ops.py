@@ -7,6 +7,10 @@ registry of live coordinators. Every op is out of place (custom ops may not
 both mutate an input and return a new tensor) and has a fake implementation
 that gives the output's shape and dtype without communicating.
 
+CPU tensors run the ops' C++ kernels (python/register_ops.cpp), which look
+the name up in a C++ registry and call the group's tpcomm backend directly;
+CUDA tensors run the Python kernels below (the custom kernel's route).
+
     torch.ops.tpcomm.all_reduce(x, "tp:0")
     torch.ops.tpcomm.all_gather(x, dim, world_size, "tp:0")
     torch.ops.tpcomm.reduce_scatter(x, dim, world_size, "tp:0")
@@ -25,6 +29,8 @@ import weakref
 
 import torch
 
+from tpcomm import _C
+
 _lock = threading.Lock()
 _coordinators = {}  # unique name -> weakref to a GroupCoordinator
 _name_counters = {}  # group name -> itertools.count
@@ -40,11 +46,13 @@ def unique_name(name):
 def register_coordinator(coordinator):
     with _lock:
         _coordinators[coordinator.unique_name] = weakref.ref(coordinator)
+    _C.register_op_group(coordinator.unique_name, coordinator.device_group)
 
 
 def unregister_coordinator(name):
     with _lock:
         _coordinators.pop(name, None)
+    _C.unregister_op_group(name)
 
 
 def lookup(name):
@@ -142,6 +150,6 @@ def register_ops():
     _library = torch.library.Library("tpcomm", "FRAGMENT")
     for name, (schema, impl, fake) in _SCHEMAS.items():
         _library.define(schema)
-        # One implementation for every device: the coordinator routes.
-        _library.impl(name, impl, "CompositeExplicitAutograd")
+        _library.impl(name, impl, "CUDA")  # CPU: the C++ kernels
         torch.library.register_fake(f"tpcomm::{name}", fake, lib=_library)
+    _C.register_op_cpu_kernels()

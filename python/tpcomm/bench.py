@@ -4,7 +4,7 @@
     python -m tpcomm.bench car [--world-sizes 2 4 8] [--max-mib 64] [--png car_bench.png]
     python -m tpcomm.bench allreduce [--max-mib 64] [--quick]
     python -m tpcomm.bench cpu [--world-sizes 2 4] [--max-mib 64] [--quick] [--png cpu_bench.png]
-                               [--dtypes | --late]
+                               [--dtypes | --paths | --late]
     python -m tpcomm.bench faults [--world-sizes 2 3] [--timeout 3] [--quick]
     python -m tpcomm.bench fused [--world-sizes 2 4] [--device cpu|cuda] [--dtype bfloat16]
 
@@ -167,6 +167,8 @@ def main(argv=None):
     cpu.add_argument("--png", default="cpu_bench.png", help="plot of time vs size ('' for none)")
     cpu.add_argument("--dtypes", action="store_true",
                      help="all_reduce of float32/bfloat16/float16, best vs portable kernels")
+    cpu.add_argument("--paths", action="store_true",
+                     help="all_reduce through dist, async_op, functional, the coordinator op")
     cpu.add_argument("--late", action="store_true",
                      help="what a late peer costs under each waiting policy (2 ranks)")
     faults = sub.add_parser("faults", help="bad inputs, debug-mode mistakes, killed ranks")
@@ -199,8 +201,10 @@ def main(argv=None):
         return run_allreduce(args.max_mib, args.quick)
     if args.what == "cpu":
         from tpcomm._bench_cpu import run as run_cpu
-        from tpcomm._bench_cpu import run_dtypes, run_late
+        from tpcomm._bench_cpu import run_dtypes, run_late, run_paths
 
+        if args.paths:
+            return run_paths(args.max_mib, args.quick, args.rounds)
         if args.late:
             return run_late()
         if args.dtypes:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tpcomm import _graphs, _ops, _tensor_dict
+from tpcomm import _C, _graphs, _ops, _tensor_dict
 from tpcomm._expert_parallel import combine_tokens, dispatch_tokens
 from tpcomm._registration import BACKEND_NAME
 from tpcomm._tensor_dict import TensorMetadata  # noqa: F401  (re-exported)
@@ -88,7 +88,7 @@ class GroupCoordinator:
             self.mq_broadcaster = MessageQueue.create_from_process_group(
                 self.cpu_group, 1 << 22, 6, device_group=self.device_group)
         self.communication_buffer_bytes = 0
-        self.last_fused_path = None  # the path all_reduce_add_rms_norm last took
+
         self._ep_plans = deque()
 
     def _check_group_ranks(self, group_ranks):
@@ -182,6 +182,11 @@ class GroupCoordinator:
                                                            self.unique_name)
         return normed, residual
 
+    @property
+    def last_fused_path(self):
+        """The path all_reduce_add_rms_norm last took (None before the first)."""
+        return _C.op_group_fused_path(self.unique_name) or None
+
     def _all_reduce_add_rms_norm_out(self, input_, residual, weight, eps, residual_out):
         """The ops' implementation: residual_out None makes a new tensor."""
         if residual_out is None:
@@ -192,7 +197,7 @@ class GroupCoordinator:
         res = residual.contiguous()  # residual itself when contiguous (then in place)
         if self._tpcomm and self.device_group is not None:
             backend = self._tpcomm_backend()
-            self.last_fused_path = backend.all_reduce_add_rms_norm(
+            path = backend.all_reduce_add_rms_norm(
                 input_.contiguous(), res, weight.contiguous(), eps, normed, out)
         else:
             reduced = input_.clone(memory_format=torch.contiguous_format)
@@ -202,7 +207,8 @@ class GroupCoordinator:
             stats = torch.float64 if out.dtype == torch.float64 else torch.float32
             normed.copy_(torch.nn.functional.rms_norm(out.to(stats), (weight.numel(),),
                                                       weight.to(stats), eps))
-            self.last_fused_path = "composed"
+            path = "composed"
+        _C.set_op_group_fused_path(self.unique_name, path)
         if out is not residual_out:
             residual_out.copy_(out)
         return normed, residual_out

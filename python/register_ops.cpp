@@ -1,0 +1,262 @@
+// The CPU kernels of the GroupCoordinator's torch ops (tpcomm/_ops.py defines
+// their schemas, fake kernels and CUDA kernels) and the registry of groups
+// they run on. A CPU call goes from the op to the group's tpcomm backend
+// (validation, routing, the shared-memory engine) writing its output out of
+// place: no Python, no clone, no dist.all_reduce in between. A coordinator
+// over another backend (gloo) gets the same results through its
+// ProcessGroup.
+#include <pybind11/stl.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <unordered_map>
+
+#include "backend/process_group_tpcomm.hpp"
+
+namespace py = pybind11;
+
+namespace tpcomm::python {
+
+namespace {
+
+// One registered coordinator: its device group, and the tpcomm backend
+// serving that group's CPU tensors when there is one.
+struct OpGroup {
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> group;
+  std::optional<c10::weak_intrusive_ptr<c10d::Backend>> backend;  // a ProcessGroupTpcomm
+  std::string lastFusedPath;
+};
+
+class OpGroups {
+ public:
+  void add(const std::string& name, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+    OpGroup entry{c10::weak_intrusive_ptr<c10d::ProcessGroup>(group), std::nullopt, {}};
+    try {
+      auto backend = group->getBackend(c10::DeviceType::CPU);
+      if (dynamic_cast<backend::ProcessGroupTpcomm*>(backend.get()) != nullptr) {
+        entry.backend = c10::weak_intrusive_ptr<c10d::Backend>(backend);
+      }
+    } catch (const std::exception&) {
+      // No CPU backend on this group: the ProcessGroup serves the call.
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    groups_.insert_or_assign(name, std::move(entry));
+  }
+
+  void remove(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    groups_.erase(name);
+  }
+
+  // The group (and tpcomm backend, if any) of a live coordinator; throws
+  // naming the live ones otherwise.
+  std::pair<c10::intrusive_ptr<c10d::ProcessGroup>, backend::ProcessGroupTpcomm*> find(
+      c10::string_view name, c10::intrusive_ptr<c10d::Backend>& keepAlive) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = groups_.find(std::string(name));
+    c10::intrusive_ptr<c10d::ProcessGroup> group;
+    if (it != groups_.end()) group = it->second.group.lock();
+    if (!group) {
+      std::string live;
+      for (const auto& [key, entry] : groups_) {
+        if (entry.group.lock()) live += (live.empty() ? "" : ", ") + key;
+      }
+      TORCH_CHECK_VALUE(false, "no live tpcomm GroupCoordinator named '", name,
+                        "' in this process (live: ", live.empty() ? "none" : live, ")");
+    }
+    if (it->second.backend) keepAlive = it->second.backend->lock();
+    return {group, static_cast<backend::ProcessGroupTpcomm*>(keepAlive.get())};
+  }
+
+  void setFusedPath(const std::string& name, const std::string& path) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = groups_.find(name);
+    if (it != groups_.end()) it->second.lastFusedPath = path;
+  }
+
+  std::string fusedPath(const std::string& name) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = groups_.find(name);
+    return it == groups_.end() ? std::string() : it->second.lastFusedPath;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::unordered_map<std::string, OpGroup> groups_;
+};
+
+OpGroups& opGroups() {
+  static OpGroups* groups = new OpGroups();  // outlives every static destructor
+  return *groups;
+}
+
+void finish(const c10::intrusive_ptr<c10d::Work>& work) {
+  if (work) work->wait();
+}
+
+// A collective waits for its peers: not while holding the GIL of a Python
+// caller (torch.ops calls keep it), which would stall the process's other
+// Python threads.
+class WithoutGil {
+ public:
+  WithoutGil() {
+    if (Py_IsInitialized() && PyGILState_Check()) release_.emplace();
+  }
+
+ private:
+  std::optional<py::gil_scoped_release> release_;
+};
+
+at::Tensor allReduceCpu(const at::Tensor& tensor, c10::string_view groupName) {
+  const WithoutGil released;
+  c10::intrusive_ptr<c10d::Backend> keep;
+  auto [group, tpcomm] = opGroups().find(groupName, keep);
+  at::Tensor input = tensor.contiguous();
+  at::Tensor out = at::empty_like(input, at::MemoryFormat::Contiguous);
+  if (tpcomm != nullptr) {
+    finish(tpcomm->allreduceInto(input, out, c10d::AllreduceOptions()));
+    return out;
+  }
+  out.copy_(input);
+  std::vector<at::Tensor> tensors{out};
+  finish(group->allreduce(tensors));
+  return out;
+}
+
+at::Tensor allGatherCpu(const at::Tensor& tensor, int64_t dim, int64_t worldSize,
+                        c10::string_view groupName) {
+  const WithoutGil released;
+  c10::intrusive_ptr<c10d::Backend> keep;
+  auto [group, tpcomm] = opGroups().find(groupName, keep);
+  at::Tensor input = tensor.contiguous();
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
+  std::vector<int64_t> gathered = shape;
+  TORCH_CHECK_VALUE(!shape.empty(), "all_gather: a 0-dim tensor has no dim to gather along");
+  gathered[0] *= worldSize;
+  at::Tensor out = input.new_empty(gathered);
+  if (tpcomm != nullptr) {
+    finish(tpcomm->_allgather_base(out, input, c10d::AllgatherOptions()));
+  } else {
+    finish(group->_allgather_base(out, input));
+  }
+  if (dim == 0) return out;
+  std::vector<int64_t> split = {worldSize};
+  split.insert(split.end(), shape.begin(), shape.end());
+  std::vector<int64_t> result = shape;
+  result[dim] *= worldSize;
+  return out.reshape(split).movedim(0, dim).reshape(result);
+}
+
+at::Tensor reduceScatterCpu(const at::Tensor& tensor, int64_t dim, int64_t worldSize,
+                            c10::string_view groupName) {
+  const WithoutGil released;
+  c10::intrusive_ptr<c10d::Backend> keep;
+  auto [group, tpcomm] = opGroups().find(groupName, keep);
+  at::Tensor source = tensor.movedim(dim, 0).contiguous();
+  std::vector<int64_t> shape(source.sizes().begin(), source.sizes().end());
+  shape[0] /= worldSize;
+  at::Tensor out = source.new_empty(shape);
+  if (tpcomm != nullptr) {
+    finish(tpcomm->_reduce_scatter_base(out, source, c10d::ReduceScatterOptions()));
+  } else {
+    finish(group->_reduce_scatter_base(out, source));
+  }
+  return dim == 0 ? out : out.movedim(0, dim).contiguous();
+}
+
+// normed and residualOut (new, or `residualOut` itself) from the fused call
+// on a tpcomm group, or composed (the routed allreduce, the add and a
+// float32 RMSNorm) on another.
+std::tuple<at::Tensor, at::Tensor> addRmsNormCpu(const at::Tensor& tensor,
+                                                 const at::Tensor& residual,
+                                                 const at::Tensor& weight, double eps,
+                                                 c10::string_view groupName,
+                                                 std::optional<at::Tensor> residualOut) {
+  const WithoutGil released;
+  c10::intrusive_ptr<c10d::Backend> keep;
+  auto [group, tpcomm] = opGroups().find(groupName, keep);
+  at::Tensor target = residualOut ? *residualOut
+                                  : at::empty_like(residual, at::MemoryFormat::Contiguous);
+  at::Tensor normed = at::empty_like(tensor, at::MemoryFormat::Contiguous);
+  at::Tensor out =
+      target.is_contiguous() ? target : at::empty_like(target, at::MemoryFormat::Contiguous);
+  at::Tensor res = residual.contiguous();
+  std::string path;
+  if (tpcomm != nullptr) {
+    path = tpcomm->allreduceAddRmsNorm(tensor.contiguous(), res, weight.contiguous(), eps, normed,
+                                       out);
+  } else {
+    at::Tensor reduced = tensor.clone(at::MemoryFormat::Contiguous);
+    if (group->getSize() > 1) {
+      std::vector<at::Tensor> tensors{reduced};
+      finish(group->allreduce(tensors));
+    }
+    at::add_out(out, reduced, res);
+    const auto stats = out.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    normed.copy_(at::rms_norm(out.to(stats), {weight.numel()}, weight.to(stats), eps));
+    path = "composed";
+  }
+  if (!out.is_same(target)) target.copy_(out);
+  opGroups().setFusedPath(std::string(groupName), path);
+  return {normed, target};
+}
+
+std::tuple<at::Tensor, at::Tensor> allReduceAddRmsNormCpu(const at::Tensor& tensor,
+                                                          const at::Tensor& residual,
+                                                          const at::Tensor& weight, double eps,
+                                                          c10::string_view groupName) {
+  return addRmsNormCpu(tensor, residual, weight, eps, groupName, std::nullopt);
+}
+
+at::Tensor allReduceAddRmsNormInPlaceCpu(const at::Tensor& tensor, at::Tensor& residual,
+                                         const at::Tensor& weight, double eps,
+                                         c10::string_view groupName) {
+  return std::get<0>(addRmsNormCpu(tensor, residual, weight, eps, groupName, residual));
+}
+
+}  // namespace
+
+void registerOps(py::module_& m) {
+  m.def(
+      "register_op_group",
+      [](const std::string& name, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+        opGroups().add(name, group);
+      },
+      py::arg("name"), py::arg("group"),
+      "Registers a GroupCoordinator's device group under its unique name for the CPU kernels "
+      "of torch.ops.tpcomm.*.");
+  m.def(
+      "unregister_op_group", [](const std::string& name) { opGroups().remove(name); },
+      py::arg("name"));
+  m.def(
+      "op_group_fused_path", [](const std::string& name) { return opGroups().fusedPath(name); },
+      py::arg("name"), "The path the group's last all_reduce_add_rms_norm took.");
+  m.def(
+      "set_op_group_fused_path",
+      [](const std::string& name, const std::string& path) { opGroups().setFusedPath(name, path); },
+      py::arg("name"), py::arg("path"));
+  m.def(
+      "register_op_cpu_kernels",
+      [] {
+        // Once per process, after tpcomm/_ops.py defined the schemas.
+        static auto* library = [] {
+          auto* lib = new torch::Library(torch::Library::IMPL, "tpcomm", c10::DispatchKey::CPU,
+                                         __FILE__, __LINE__);
+          lib->impl("all_reduce", TORCH_FN(allReduceCpu));
+          lib->impl("all_gather", TORCH_FN(allGatherCpu));
+          lib->impl("reduce_scatter", TORCH_FN(reduceScatterCpu));
+          lib->impl("all_reduce_add_rms_norm", TORCH_FN(allReduceAddRmsNormCpu));
+          lib->impl("all_reduce_add_rms_norm_", TORCH_FN(allReduceAddRmsNormInPlaceCpu));
+          return lib;
+        }();
+        (void)library;
+      },
+      "Registers the CPU kernels of torch.ops.tpcomm.* (once).");
+}
+
+}  // namespace tpcomm::python
