@@ -451,3 +451,72 @@ def _bad_arguments(ctx):
 
 def test_bad_arguments(group):
     group.run(_bad_arguments)
+
+
+# ------------------------------------------------------ the ops' CPU kernels
+def _ops_go_straight_to_the_engine(ctx):
+    """CPU calls of the coordinator's ops run their C++ kernels: right with
+    torch.distributed's Python collectives out of the way, other Python
+    threads running while a call waits for a late peer, and on a coordinator
+    over Gloo too."""
+    import threading
+    import time
+
+    import tpcomm
+
+    n, r = ctx.world_size, ctx.rank
+    c = _coordinator(ctx)
+    x = _data(11, r, (6, 4 * n))
+    every = [_data(11, k, (6, 4 * n)) for k in range(n)]
+    saved = {name: getattr(dist, name) for name in
+             ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")}
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a CPU op went through torch.distributed's Python API")
+
+    try:
+        for name in saved:
+            setattr(dist, name, refuse)
+        total = torch.stack(every).sum(0)
+        torch.testing.assert_close(c.all_reduce(x), total.to(x.dtype), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(c.all_gather(x, dim=1), torch.cat(every, 1))
+        torch.testing.assert_close(c.reduce_scatter(x, dim=1), total.chunk(n, 1)[r].contiguous(),
+                                   rtol=1e-6, atol=1e-6)
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+    # A peer 0.5 s late: this rank's Python threads go on meanwhile.
+    ticks = []
+    stop = threading.Event()
+
+    def tick():
+        while not stop.is_set():
+            ticks.append(1)
+            time.sleep(0.005)
+
+    if n > 1:
+        if r == n - 1:
+            time.sleep(0.5)
+        thread = threading.Thread(target=tick)
+        thread.start()
+        c.all_reduce(x)
+        stop.set()
+        thread.join()
+        if r == 0:
+            assert len(ticks) > 20, len(ticks)
+    # Over Gloo: the same results through its ProcessGroup.
+    g = tpcomm.GroupCoordinator([list(range(n))], r, torch_distributed_backend="gloo",
+                                group_name="ops_gloo", device="cpu")
+    if n > 1:
+        torch.testing.assert_close(g.all_reduce(x), c.all_reduce(x))
+        torch.testing.assert_close(g.all_gather(x, dim=0), c.all_gather(x, dim=0))
+    g.destroy()
+    return torch._C._dispatch_has_kernel_for_dispatch_key("tpcomm::all_reduce", "CPU")
+
+
+def test_the_ops_cpu_kernels_go_straight_to_the_engine(group):
+    assert all(group.run(_ops_go_straight_to_the_engine))
+
+
+def test_the_ops_cpu_kernels_on_the_shared_memory_path(shm_groups):
+    assert all(shm_groups(3).run(_ops_go_straight_to_the_engine))
