@@ -1,6 +1,9 @@
 #include "coordinator/cpu_shm_path.hpp"
 
+#include <sched.h>
 #include <unistd.h>
+
+#include <algorithm>
 
 #include <mutex>
 
@@ -76,6 +79,14 @@ std::string agreement(const std::vector<std::string>& modes, const std::vector<s
 
 }  // namespace
 
+int threadsFor(int64_t setting, int size) {
+  if (setting > 0) return static_cast<int>(setting);
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  const int cpus = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+  return std::max(1, std::min(8, cpus / std::max(1, size)));
+}
+
 SpinPolicy spinPolicy(int64_t spinUs, int size) {
   const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
   const bool oversubscribed = cpus > 0 && size > cpus;
@@ -99,6 +110,7 @@ CpuShmConfig CpuShmConfig::fromSettings() {
   c.twoPhaseBytes = settings().cpuShmTwoPhaseBytes;
   c.spinUs = settings().cpuShmSpinUs;
   c.reduceIsa = settings().cpuReduceIsa;
+  c.threads = settings().cpuShmThreads;
   return c;
 }
 
@@ -144,6 +156,7 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   options.spin = policy.spin;
   options.yield = policy.yield;
   options.reduceIsa = reduceIsaOf(config.reduceIsa);
+  options.threads = threadsFor(config.threads, size);
   options.timeout = timeout;
 
   // Round 2: rank 0 creates the region; the others map it.

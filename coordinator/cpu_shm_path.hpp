@@ -33,6 +33,7 @@ struct CpuShmConfig {
   int64_t twoPhaseBytes = 16 << 10;
   int64_t spinUs = -1;             // -1: spinPolicy's choice
   std::string reduceIsa = "auto";  // TPCOMM_CPU_REDUCE_ISA
+  int64_t threads = 0;             // TPCOMM_CPU_SHM_THREADS (0: threadsFor's choice)
   static CpuShmConfig fromSettings();
 };
 
@@ -61,6 +62,11 @@ struct SpinPolicy {
   bool yield;
 };
 SpinPolicy spinPolicy(int64_t spinUs, int size);
+
+// Threads per rank for a group of `size` ranks on this host: `setting` when
+// positive, else the CPUs this process may run on divided among the ranks,
+// 1 to 8.
+int threadsFor(int64_t setting, int size);
 
 // The path's dtype for a tensor's, if it reduces that dtype.
 std::optional<mq::DType> shmDtype(at::ScalarType dtype);

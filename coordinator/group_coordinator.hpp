@@ -199,6 +199,7 @@ class GroupCoordinator {
     std::string memfd;      // how the region's memfd was made (set up only)
     int64_t spinUs = -1;    // the waits' polling window (set up only)
     bool yields = true;     // whether they yield the core while polling
+    int threads = 1;        // threads per rank for large calls (set up only)
   };
   CpuShmState cpuShmState() const;
   // Benchmarks and tests: this group's TPCOMM_CPU_SHM mode (auto, 0, 1)

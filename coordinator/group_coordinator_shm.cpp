@@ -84,6 +84,7 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
   if (shm_) {
     state.spinUs = shm_->spin().count();
     state.yields = shm_->yields();
+    state.threads = shm_->threads();
     state.memfd = shm_->execSealed()
                       ? "sealed against execution (MFD_NOEXEC_SEAL)"
                       : "not sealed against execution (the kernel refused MFD_NOEXEC_SEAL: "

@@ -24,6 +24,9 @@ constexpr size_t kPage = 4096;
 constexpr int kMaxRanks = 1024;
 constexpr auto kSleepSlice = std::chrono::milliseconds(10);
 constexpr int kPausePolls = 8;  // rounds of 16 polls before the first sched_yield
+// The least a worker thread is given of a copy or reduction (a smaller part
+// costs more to hand over than it saves).
+constexpr size_t kSplitMinBytes = 256 << 10;
 
 // The first failure, in the header's failure word: cause, the rank that
 // reported it and the rank it blames, published together by one CAS.
@@ -229,10 +232,15 @@ ShmGroup::ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& 
   data_ = region_->base() + dataOffset(options_.size);
   sources_.resize(options_.size);
   for (int32_t pid : pids) peers_.emplace_back(pid);
+  if (options_.threads > 1) pool_ = std::make_unique<WorkerPool>(options_.threads);
 }
 
 ShmGroup::~ShmGroup() {
-  if (options_.size > 1 && !forked()) publishFailure(kLeft, options_.rank);
+  if (forked()) {
+    (void)pool_.release();  // its threads are the parent's: nothing to join here
+    return;
+  }
+  if (options_.size > 1) publishFailure(kLeft, options_.rank);
 }
 
 bool ShmGroup::forked() const { return gForks.load(std::memory_order_relaxed) != forkGeneration_; }
@@ -256,6 +264,28 @@ ShmGroup::Control& ShmGroup::control(int r) const {
 
 char* ShmGroup::half(int r, uint64_t chunk) const {
   return data_ + (static_cast<size_t>(r) * 2 + (chunk & 1)) * options_.bufferBytes;
+}
+
+const void* const* ShmGroup::sourcesAt(uint64_t chunk, size_t byteOffset) const {
+  thread_local std::vector<const void*> sources;  // one per thread: parts run at once
+  sources.resize(options_.size);
+  for (int r = 0; r < options_.size; ++r) sources[r] = half(r, chunk) + byteOffset;
+  return sources.data();
+}
+
+template <typename Fn>
+void ShmGroup::split(size_t count, size_t esize, const Fn& fn) {
+  const size_t bytes = count * esize;
+  const size_t parts =
+      pool_ ? std::min<size_t>(pool_->threads(), bytes / kSplitMinBytes) : size_t{1};
+  if (parts <= 1) return fn(0, count);
+  const size_t perLine = std::max<size_t>(1, kLine / esize);
+  const size_t each = alignUp((count + parts - 1) / parts, perLine);
+  pool_->run(parts, [&](size_t p) {
+    const size_t a = std::min(count, p * each);
+    const size_t b = std::min(count, a + each);
+    if (b > a) fn(a, b);
+  });
 }
 
 void ShmGroup::setReduceIsa(ReduceIsa isa) {
@@ -497,29 +527,36 @@ void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
   const size_t chunkElements = options_.bufferBytes / esize;
   ReduceSpec reduce = spec;
   reduce.premultiply = false;  // applied while copying in
-  std::vector<const void*>& srcs = sources_;
   for (size_t offset = 0; offset < count; offset += chunkElements) {
     const size_t m = std::min(chunkElements, count - offset);
     const uint64_t k = chunks_++;
-    copyScaled(half(me, k), static_cast<const char*>(in) + offset * esize, m, dtype, spec);
+    const char* src = static_cast<const char*>(in) + offset * esize;
+    split(m, esize, [&](size_t a, size_t b) {
+      copyScaled(half(me, k) + a * esize, src + a * esize, b - a, dtype, spec);
+    });
     step(sig);
     char* dst = static_cast<char*>(out) + offset * esize;
     if (!twoPhase) {
-      for (int r = 0; r < n; ++r) srcs[r] = half(r, k);
-      reduceIntoWith(isa, dst, srcs.data(), n, m, dtype, reduce);
+      split(m, esize, [&](size_t a, size_t b) {
+        reduceIntoWith(isa, dst + a * esize, sourcesAt(k, a * esize), n, b - a, dtype, reduce);
+      });
       continue;
     }
     const size_t slice = sliceElements(m, n, esize);
     const size_t from = std::min(m, slice * me);
     const size_t to = std::min(m, from + slice);
-    for (int r = 0; r < n; ++r) srcs[r] = half(r, k) + from * esize;
-    reduceIntoWith(isa, half(me, k) + from * esize, srcs.data(), n, to - from, dtype, reduce);
+    split(to - from, esize, [&](size_t a, size_t b) {
+      reduceIntoWith(isa, half(me, k) + (from + a) * esize, sourcesAt(k, (from + a) * esize), n,
+                     b - a, dtype, reduce);
+    });
     step(sig);
-    for (int r = 0; r < n; ++r) {
-      const size_t a = std::min(m, slice * r);
-      const size_t b = std::min(m, a + slice);
-      if (b > a) std::memcpy(dst + a * esize, half(r, k) + a * esize, (b - a) * esize);
-    }
+    split(m, esize, [&](size_t a, size_t b) {
+      for (int r = 0; r < n; ++r) {  // the part of [a, b) that rank r owns
+        const size_t lo = std::max(a, std::min(m, slice * r));
+        const size_t hi = std::min(b, std::min(m, slice * r + slice));
+        if (hi > lo) std::memcpy(dst + lo * esize, half(r, k) + lo * esize, (hi - lo) * esize);
+      }
+    });
   }
 }
 
@@ -535,11 +572,17 @@ void ShmGroup::allgather(const void* in, size_t bytes, const std::vector<void*>&
   for (size_t offset = 0; offset < bytes; offset += chunk) {
     const size_t m = std::min(chunk, bytes - offset);
     const uint64_t k = chunks_++;
-    std::memcpy(half(options_.rank, k), static_cast<const char*>(in) + offset, m);
+    const char* src = static_cast<const char*>(in) + offset;
+    split(m, 1,
+          [&](size_t a, size_t b) { std::memcpy(half(options_.rank, k) + a, src + a, b - a); });
     step(sig);
-    for (int r = 0; r < options_.size; ++r) {
-      std::memcpy(static_cast<char*>(outs[r]) + offset, half(r, k), m);
-    }
+    split(m, 1, [&](size_t a, size_t b) {
+      for (int r = 0; r < options_.size; ++r) {
+        // An in-place call's own part is in place already.
+        if (r == options_.rank && outs[r] == in) continue;
+        std::memcpy(static_cast<char*>(outs[r]) + offset + a, half(r, k) + a, b - a);
+      }
+    });
   }
 }
 
@@ -565,17 +608,21 @@ void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, siz
                " ranks");
   ReduceSpec reduce = spec;
   reduce.premultiply = false;
-  std::vector<const void*>& srcs = sources_;
+  const size_t mine = options_.rank * piece * esize;  // this rank's piece in every half
   for (size_t offset = 0; offset < count; offset += piece) {
     const size_t m = std::min(piece, count - offset);
     const uint64_t k = chunks_++;
-    for (int r = 0; r < n; ++r) {
-      copyScaled(half(options_.rank, k) + r * piece * esize,
-                 static_cast<const char*>(ins[r]) + offset * esize, m, dtype, spec);
-    }
+    split(m, esize, [&](size_t a, size_t b) {
+      for (int r = 0; r < n; ++r) {
+        copyScaled(half(options_.rank, k) + (r * piece + a) * esize,
+                   static_cast<const char*>(ins[r]) + (offset + a) * esize, b - a, dtype, spec);
+      }
+    });
     step(sig);
-    for (int r = 0; r < n; ++r) srcs[r] = half(r, k) + options_.rank * piece * esize;
-    reduceIntoWith(isa, static_cast<char*>(out) + offset * esize, srcs.data(), n, m, dtype, reduce);
+    split(m, esize, [&](size_t a, size_t b) {
+      reduceIntoWith(isa, static_cast<char*>(out) + (offset + a) * esize,
+                     sourcesAt(k, mine + a * esize), n, b - a, dtype, reduce);
+    });
   }
 }
 
@@ -592,9 +639,13 @@ void ShmGroup::broadcast(void* data, size_t bytes, int root) {
     const size_t m = std::min(chunk, bytes - offset);
     const uint64_t k = chunks_++;
     char* mine = static_cast<char*>(data) + offset;
-    if (options_.rank == root) std::memcpy(half(root, k), mine, m);
+    if (options_.rank == root) {
+      split(m, 1, [&](size_t a, size_t b) { std::memcpy(half(root, k) + a, mine + a, b - a); });
+    }
     step(sig);
-    if (options_.rank != root) std::memcpy(mine, half(root, k), m);
+    if (options_.rank != root) {
+      split(m, 1, [&](size_t a, size_t b) { std::memcpy(mine + a, half(root, k) + a, b - a); });
+    }
   }
 }
 

@@ -69,6 +69,7 @@
 #include "message_queue/futex.hpp"
 #include "message_queue/shared_region.hpp"
 #include "message_queue/shm_reduce.hpp"
+#include "message_queue/worker_pool.hpp"
 
 namespace tpcomm::mq {
 
@@ -87,6 +88,10 @@ struct ShmGroupOptions {
   // The reductions' vector kernels (every level gives the same bits); one
   // this CPU cannot run falls back to the best it can.
   ReduceIsa reduceIsa = bestReduceIsa();
+  // Threads (this one included) that split the copies and reductions of a
+  // large chunk (at least 256 KiB a thread); 1: this thread only. Results do
+  // not depend on it.
+  int threads = 1;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
 };
 
@@ -149,6 +154,7 @@ class ShmGroup {
     return std::chrono::microseconds(spinUs_.load(std::memory_order_relaxed));
   }
   bool yields() const { return yield_.load(std::memory_order_relaxed); }
+  int threads() const { return pool_ ? pool_->threads() : 1; }
   ReduceIsa reduceIsa() const { return reduceIsa_.load(std::memory_order_relaxed); }
   void setTimeout(std::chrono::milliseconds timeout);
   std::chrono::milliseconds timeout() const;
@@ -169,6 +175,13 @@ class ShmGroup {
   Header& header() const;
   Control& control(int r) const;
   char* half(int r, uint64_t chunk) const;
+  // Every rank's half of `chunk` from byteOffset on, in rank order (valid
+  // until this thread's next call).
+  const void* const* sourcesAt(uint64_t chunk, size_t byteOffset) const;
+  // fn(a, b) over parts of [0, count) elements of esize bytes: on the pool's
+  // threads and this one when the range is large enough, else fn(0, count).
+  template <typename Fn>
+  void split(size_t count, size_t esize, const Fn& fn);
 
   // Arrives at the next step and waits for every rank; throws InvalidUsage
   // when signatures differ, Timeout/PeerLost as described above.
@@ -187,7 +200,8 @@ class ShmGroup {
   std::unique_ptr<SharedRegion> region_;
   ShmGroupOptions options_;
   std::vector<PeerProcess> peers_;
-  uint64_t forkGeneration_;  // the process's forks seen when it was set up
+  std::unique_ptr<WorkerPool> pool_;  // null: every part on the calling thread
+  uint64_t forkGeneration_;           // the process's forks seen when it was set up
   char* data_ = nullptr;
   uint64_t steps_ = 0;
   uint64_t chunks_ = 0;

@@ -146,6 +146,7 @@ tensors through the device backend (NCCL), created on first use.)")
             shm["two_phase_bytes"] = shmConfig.twoPhaseBytes;
             shm["spin_us"] = shmState.spinUs;
             shm["yields"] = shmState.yields;
+            shm["threads"] = shmState.threads;
             shm["reduce_isa"] = shmState.reduceIsa;
             shm["memfd"] = shmState.memfd;
             out["cpu_shm"] = shm;

@@ -6,9 +6,9 @@
 // over another backend (gloo) gets the same results through its
 // ProcessGroup.
 #include <pybind11/stl.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <memory>
 #include <mutex>
@@ -180,8 +180,8 @@ std::tuple<at::Tensor, at::Tensor> addRmsNormCpu(const at::Tensor& tensor,
   const WithoutGil released;
   c10::intrusive_ptr<c10d::Backend> keep;
   auto [group, tpcomm] = opGroups().find(groupName, keep);
-  at::Tensor target = residualOut ? *residualOut
-                                  : at::empty_like(residual, at::MemoryFormat::Contiguous);
+  at::Tensor target =
+      residualOut ? *residualOut : at::empty_like(residual, at::MemoryFormat::Contiguous);
   at::Tensor normed = at::empty_like(tensor, at::MemoryFormat::Contiguous);
   at::Tensor out =
       target.is_contiguous() ? target : at::empty_like(target, at::MemoryFormat::Contiguous);

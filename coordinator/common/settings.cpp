@@ -59,6 +59,11 @@ const std::vector<SettingInfo> kSettingTable = {
      "How long a shared-memory CPU collective polls for its peers before it sleeps on a futex. "
      "-1: 1000 us without yielding the core when the group's ranks do not outnumber the online "
      "CPUs (a late peer is met without a wake-up), else 50 us yielding the core each round."},
+    {"TPCOMM_CPU_SHM_THREADS", "int", "0",
+     "Threads per rank (its own included) that split the copies and reductions of large "
+     "shared-memory CPU collectives, at least 256 KiB each; smaller calls use one. 0: the CPUs "
+     "this process may run on divided among the group's ranks (at most 8). Results do not "
+     "depend on it."},
     {"TPCOMM_CPU_REDUCE_ISA", "string", "auto",
      "The widest vector kernels the shared-memory CPU reductions use: auto (the best this CPU "
      "runs), avx512, avx2, portable (the compiler's loops). A level the CPU lacks falls back to "
@@ -150,6 +155,9 @@ Settings Settings::parse(const Lookup& lookup) {
   }
   if (auto v = lookup("TPCOMM_CPU_SHM_SPIN_US")) {
     s.cpuShmSpinUs = parseInt("TPCOMM_CPU_SHM_SPIN_US", *v, -1, 1000000);
+  }
+  if (auto v = lookup("TPCOMM_CPU_SHM_THREADS")) {
+    s.cpuShmThreads = parseInt("TPCOMM_CPU_SHM_THREADS", *v, 0, 64);
   }
   if (auto v = lookup("TPCOMM_CPU_REDUCE_ISA")) {
     s.cpuReduceIsa = v->empty() ? "auto" : *v;

@@ -60,6 +60,10 @@ struct Settings {
   // TPCOMM_CPU_SHM_SPIN_US: how long a shared-memory wait polls before it
   // sleeps on a futex (-1: by the group, see cpu_shm_path.hpp's spinPolicy).
   int64_t cpuShmSpinUs = -1;
+  // TPCOMM_CPU_SHM_THREADS: threads per rank that split large copies and
+  // reductions (0: the CPUs this process may run on, divided among the
+  // group's ranks).
+  int64_t cpuShmThreads = 0;
   // TPCOMM_CPU_REDUCE_ISA: the vector kernels the shared-memory reductions
   // use at most: auto (the best this CPU has), avx512, avx2, portable.
   std::string cpuReduceIsa = "auto";

@@ -10,6 +10,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -21,6 +22,7 @@
 
 #include "coordinator/common/error.hpp"
 #include "message_queue/shm_group.hpp"
+#include "message_queue/worker_pool.hpp"
 
 namespace tpcomm::mq {
 namespace {
@@ -394,6 +396,96 @@ TEST(ShmGroup, DefaultBuffersLargeAllreduceBothAlgorithms) {
     return 0;
   };
   for (int code : runRanks(3, o, body)) EXPECT_EQ(code, 0);
+}
+
+// Large calls split among worker threads give the bits of one thread: the
+// rank-order reference for allreduce and reduce-scatter, the inputs for
+// all-gather and broadcast, one- and two-phase, in and out of place.
+TEST(ShmGroup, WorkerThreadsGiveTheBitsOfOneThread) {
+  for (int threads : {1, 3}) {
+    for (uint64_t twoPhase : {uint64_t{1} << 40, uint64_t{16} << 10}) {
+      ShmGroupOptions o;
+      o.timeout = 60s;
+      o.threads = threads;
+      o.twoPhaseMinBytes = twoPhase;
+      const auto body = [threads](ShmGroup& g) {
+        const int n = g.options().size;
+        const int me = g.options().rank;
+        CHILD_CHECK(g.threads() == threads, "threads %d", g.threads());
+        for (DType d : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kInt64}) {
+          const size_t count = (5u << 20) / dtypeBytes(d) / 2 + 7;  // 2.5 MiB: three chunks
+          ReduceSpec sum;
+          std::vector<char> in, want;
+          std::vector<double> exact;
+          makeInput(d, me, count, in, false);
+          reference(d, sum, n, count, false, want, exact);
+          std::vector<char> out(in.size());
+          g.allreduce(in.data(), out.data(), count, d, sum);
+          CHILD_CHECK(std::memcmp(out.data(), want.data(), want.size()) == 0, "allreduce %s",
+                      dtypeName(d));
+          g.allreduce(in.data(), in.data(), count, d, sum);  // in place
+          CHILD_CHECK(std::memcmp(in.data(), want.data(), want.size()) == 0,
+                      "in-place allreduce %s", dtypeName(d));
+          // Reduce-scatter: rank r's input holds n slices; slice j of every
+          // rank is reduced into rank j's output.
+          std::vector<std::vector<char>> slices(n), wants(n);
+          std::vector<const void*> ins;
+          for (int j = 0; j < n; ++j) makeInput(d, me + 7 * j, count / n, slices[j], false);
+          for (int j = 0; j < n; ++j) ins.push_back(slices[j].data());
+          std::vector<char> scattered(count / n * dtypeBytes(d));
+          g.reduceScatter(ins, scattered.data(), count / n, d, sum);
+          // The reference of slice `me`: every rank r contributed makeInput(r + 7 me).
+          std::vector<std::vector<char>> theirs(n);
+          std::vector<const void*> srcs;
+          for (int r = 0; r < n; ++r) {
+            makeInput(d, r + 7 * me, count / n, theirs[r], false);
+            srcs.push_back(theirs[r].data());
+          }
+          std::vector<char> expected(scattered.size());
+          reduceIntoWith(ReduceIsa::kPortable, expected.data(), srcs.data(), n, count / n, d, sum);
+          CHILD_CHECK(std::memcmp(scattered.data(), expected.data(), expected.size()) == 0,
+                      "reduce_scatter %s", dtypeName(d));
+        }
+        const size_t bytes = (3u << 20) + 100;
+        std::vector<char> mine(bytes), all(bytes * n);
+        for (size_t i = 0; i < bytes; ++i) mine[i] = static_cast<char>(i * 31 + me * 7);
+        std::vector<void*> outs;
+        for (int r = 0; r < n; ++r) outs.push_back(all.data() + r * bytes);
+        g.allgather(mine.data(), bytes, outs);
+        for (int r = 0; r < n; ++r) {
+          for (size_t i = 0; i < bytes; i += 4099) {
+            CHILD_CHECK(all[r * bytes + i] == static_cast<char>(i * 31 + r * 7), "all_gather");
+          }
+        }
+        g.allgather(all.data() + me * bytes, bytes, outs);  // in place
+        CHILD_CHECK(all[me * bytes + 5] == static_cast<char>(5 * 31 + me * 7), "in place");
+        g.broadcast(mine.data(), bytes, 1);
+        for (size_t i = 0; i < bytes; i += 4099) {
+          CHILD_CHECK(mine[i] == static_cast<char>(i * 31 + 7), "broadcast");
+        }
+        return 0;
+      };
+      for (int code : runRanks(3, o, body)) EXPECT_EQ(code, 0) << threads << " threads";
+    }
+  }
+}
+
+TEST(WorkerPool, RunsEveryPartOnceAndRethrowsAPartsError) {
+  WorkerPool pool(4);
+  EXPECT_EQ(pool.threads(), 4);
+  for (int round = 0; round < 200; ++round) {
+    std::vector<std::atomic<int>> hits(1 + round % 9);
+    pool.run(hits.size(), [&](size_t p) { hits[p].fetch_add(1); });
+    for (auto& h : hits) ASSERT_EQ(h.load(), 1) << round;
+  }
+  EXPECT_THROW(pool.run(6,
+                        [](size_t p) {
+                          if (p == 4) throw std::runtime_error("part 4");
+                        }),
+               std::runtime_error);
+  std::atomic<int> after{0};
+  pool.run(5, [&](size_t) { after.fetch_add(1); });
+  EXPECT_EQ(after.load(), 5);
 }
 
 TEST(ShmGroup, MismatchedCallsRaiseOnEveryRankAndTheGroupStaysUsable) {

@@ -1,0 +1,51 @@
+#pragma once
+// tpcomm::mq::WorkerPool — a few threads that split one large copy or
+// reduction of the shared-memory collectives (shm_group.hpp) with the
+// calling thread, so that a large message is not capped at one core's
+// bandwidth. Internal to message_queue/; plain C++.
+//
+// run(parts, fn) calls fn(0) .. fn(parts - 1), each exactly once, part 0 on
+// the caller and the others on the pool's threads, and returns when all
+// returned; the first exception a part threw is rethrown in the caller.
+// Parts never wait for anything outside the pool, so run() ends. One run()
+// at a time (the group's lock serialises them). Idle threads sleep on a
+// condition variable; the destructor wakes and joins them.
+
+#include <condition_variable>
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace tpcomm::mq {
+
+class WorkerPool {
+ public:
+  // `threads` counts the caller: threads - 1 are started (none for 1).
+  explicit WorkerPool(int threads);
+  ~WorkerPool();
+  WorkerPool(const WorkerPool&) = delete;
+  WorkerPool& operator=(const WorkerPool&) = delete;
+
+  int threads() const { return static_cast<int>(workers_.size()) + 1; }
+  void run(size_t parts, const std::function<void(size_t)>& fn);
+
+ private:
+  void loop(size_t index);
+
+  std::vector<std::thread> workers_;
+  std::mutex mutex_;
+  std::condition_variable wake_;                       // a new task, or stop
+  std::condition_variable done_;                       // a part finished
+  const std::function<void(size_t)>* task_ = nullptr;  // guarded by mutex_
+  size_t parts_ = 0;                                   // guarded by mutex_
+  size_t next_ = 0;                                    // the next part to take; guarded by mutex_
+  size_t finished_ = 0;                                // parts done; guarded by mutex_
+  uint64_t generation_ = 0;
+  std::exception_ptr error_;
+  bool stop_ = false;
+};
+
+}  // namespace tpcomm::mq
