@@ -239,7 +239,7 @@ WorkPtr ProcessGroupTpcomm::_allgather_base(at::Tensor& output, at::Tensor& inpu
     checkSameDevice(op, {input, output});
     checkDtype(op, "output", {output}, input.scalar_type());
     checkNumel(op, "the output", output.numel(), input.numel() * size_);
-    checkSlotOverlap(op, "the input", input, "the output", output, rank_);
+    checkSlotOverlap(op, "the input", input, "the output", output);
     return coordinator_->allgatherBase(output, input, opts);
   });
 }
@@ -276,8 +276,9 @@ WorkPtr ProcessGroupTpcomm::allgather_into_tensor_coalesced(std::vector<at::Tens
     for (size_t i = 0; i < inputs.size(); ++i) {
       checkDtype(op, "outputs", {outputs[i]}, inputs[i].scalar_type());
       checkNumel(op, "an output", outputs[i].numel(), inputs[i].numel() * size_);
-      checkSlotOverlap(op, "an input", inputs[i], "its output", outputs[i], rank_);
+      checkSlotOverlap(op, "an input", inputs[i], "its output", outputs[i]);
     }
+    checkNoSharing(op, outputs, inputs);
     return coordinator_->allgatherIntoTensorCoalesced(outputs, inputs, opts);
   });
 }
@@ -359,7 +360,7 @@ WorkPtr ProcessGroupTpcomm::_reduce_scatter_base(at::Tensor& output, at::Tensor&
     checkSameDevice(op, {input, output});
     checkDtype(op, "output", {output}, input.scalar_type());
     checkNumel(op, "the input", input.numel(), output.numel() * size_);
-    checkSlotOverlap(op, "the output", output, "the input", input, rank_);
+    checkSlotOverlap(op, "the output", output, "the input", input);
     checkReduceOp(op, opts.reduceOp, input.scalar_type());
     return coordinator_->reduceScatterBase(output, input, opts);
   });
@@ -377,9 +378,10 @@ WorkPtr ProcessGroupTpcomm::reduce_scatter_tensor_coalesced(
     for (size_t i = 0; i < inputs.size(); ++i) {
       checkDtype(op, "outputs", {outputs[i]}, inputs[i].scalar_type());
       checkNumel(op, "an input", inputs[i].numel(), outputs[i].numel() * size_);
-      checkSlotOverlap(op, "an output", outputs[i], "its input", inputs[i], rank_);
+      checkSlotOverlap(op, "an output", outputs[i], "its input", inputs[i]);
       checkReduceOp(op, opts.reduceOp, inputs[i].scalar_type());
     }
+    checkNoSharing(op, outputs, inputs);
     return coordinator_->reduceScatterTensorCoalesced(outputs, inputs, opts);
   });
 }

@@ -154,13 +154,31 @@ void checkOverlap(const char* op, const char* outName, const at::Tensor& output,
 }
 
 void checkSlotOverlap(const char* op, const char* partName, const at::Tensor& part,
-                      const char* wholeName, const at::Tensor& whole, int rank) {
+                      const char* wholeName, const at::Tensor& whole) {
   if (!shareBytes(part, whole)) return;
-  const auto slot = static_cast<const char*>(whole.data_ptr()) + part.nbytes() * rank;
-  TPCOMM_CHECK(part.data_ptr() == slot, kInvalidUsage, op, ": ", partName, " (", part.nbytes(),
-               " bytes at ", part.data_ptr(), ") overlaps ", wholeName,
-               " other than as exactly this rank's part (rank ", rank, " at ",
-               static_cast<const void*>(slot), "); pass that part (in place) or separate memory");
+  // Exactly one rank's part (this rank's: in place): each offset of it is
+  // read before that offset of any part is written.
+  const auto offset =
+      static_cast<const char*>(part.data_ptr()) - static_cast<const char*>(whole.data_ptr());
+  const auto each = static_cast<std::ptrdiff_t>(part.nbytes());
+  TPCOMM_CHECK(offset >= 0 && offset % each == 0, kInvalidUsage, op, ": ", partName, " (",
+               part.nbytes(), " bytes at ", part.data_ptr(), ") overlaps ", wholeName, " (at ",
+               whole.data_ptr(),
+               ") other than as exactly one rank's part; pass that part (in place) or separate "
+               "memory");
+}
+
+void checkNoSharing(const char* op, const std::vector<at::Tensor>& outputs,
+                    const std::vector<at::Tensor>& inputs) {
+  for (size_t o = 0; o < outputs.size(); ++o) {
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (i == o) continue;  // each pair is checked by its own rule
+      TPCOMM_CHECK(!shareBytes(outputs[o], inputs[i]), kInvalidUsage, op, ": output ", o,
+                   " shares memory with input ", i,
+                   " (the tensors of a coalesced call are done one after another, so it would "
+                   "be written before it was read)");
+    }
+  }
 }
 
 void checkAddRmsNorm(const at::Tensor& input, const at::Tensor& residual, const at::Tensor& weight,

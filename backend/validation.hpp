@@ -35,9 +35,13 @@ void checkLength(const char* op, const char* what, size_t actual, size_t expecte
 void checkOverlap(const char* op, const char* outName, const at::Tensor& output, const char* inName,
                   const at::Tensor& input);
 // InvalidUsage when `part` shares bytes with `whole` other than as exactly
-// part `rank` of it (an all-gather's input, a reduce-scatter's output).
+// one rank's part of it (an all-gather's input, a reduce-scatter's output).
 void checkSlotOverlap(const char* op, const char* partName, const at::Tensor& part,
-                      const char* wholeName, const at::Tensor& whole, int rank);
+                      const char* wholeName, const at::Tensor& whole);
+// InvalidUsage when output o of a coalesced call shares bytes with an input
+// i != o.
+void checkNoSharing(const char* op, const std::vector<at::Tensor>& outputs,
+                    const std::vector<at::Tensor>& inputs);
 void checkNumel(const char* op, const char* what, int64_t actual, int64_t expected);
 // Split sizes: empty (even split of dim 0 by size) or one per rank summing to dim 0.
 void checkSplits(const char* op, const char* what, const std::vector<int64_t>& splits,

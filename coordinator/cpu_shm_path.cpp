@@ -4,6 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 
 #include <mutex>
 
@@ -79,17 +82,32 @@ std::string agreement(const std::vector<std::string>& modes, const std::vector<s
 
 }  // namespace
 
-int threadsFor(int64_t setting, int size) {
-  if (setting > 0) return static_cast<int>(setting);
+int usableCpus() {
   cpu_set_t set;
   CPU_ZERO(&set);
-  const int cpus = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
-  return std::max(1, std::min(8, cpus / std::max(1, size)));
+  int cpus = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
+  if (cpus <= 0) cpus = static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN)));
+  // A cgroup (v2) CPU quota: "max 100000" (none) or "<quota> <period>".
+  if (FILE* f = std::fopen("/sys/fs/cgroup/cpu.max", "r")) {
+    char quota[32] = {};
+    long long period = 0;
+    if (std::fscanf(f, "%31s %lld", quota, &period) == 2 && std::strcmp(quota, "max") != 0 &&
+        period > 0) {
+      const long long q = std::atoll(quota);
+      if (q > 0) cpus = std::min<int>(cpus, std::max<long long>(1, q / period));
+    }
+    std::fclose(f);
+  }
+  return cpus;
+}
+
+int threadsFor(int64_t setting, int size) {
+  if (setting > 0) return static_cast<int>(setting);
+  return std::max(1, std::min(8, usableCpus() / std::max(1, size)));
 }
 
 SpinPolicy spinPolicy(int64_t spinUs, int size) {
-  const long cpus = ::sysconf(_SC_NPROCESSORS_ONLN);
-  const bool oversubscribed = cpus > 0 && size > cpus;
+  const bool oversubscribed = size > usableCpus();
   if (spinUs >= 0) return {std::chrono::microseconds(spinUs), oversubscribed};
   if (oversubscribed) return {std::chrono::microseconds(50), true};
   return {std::chrono::microseconds(1000), false};
@@ -121,9 +139,14 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   Record mine;
   mine.put(config.mode, kModeWidth).put(hostId, kHostWidth).put(::getpid());
   mine.put(config.bufferBytes).put(config.twoPhaseBytes);
+  mine.put(static_cast<int64_t>(reduceIsaOf(config.reduceIsa)));
   const auto records = allgatherBytes(cpu, size, mine.bytes());
   std::vector<std::string> modes(size), hosts(size);
   std::vector<int64_t> pids(size), buffers(size), twoPhase(size);
+  // The reductions' kernel level: the lowest any rank asks for or runs, so
+  // that every rank computes the same bits (a SUM of two NaNs keeps the NaN
+  // the instruction order picks, which may differ between levels).
+  int64_t isaLevel = static_cast<int64_t>(mq::ReduceIsa::kAvx512);
   for (int r = 0; r < size; ++r) {
     Fields f(records[r]);
     modes[r] = f.text(kModeWidth);
@@ -131,6 +154,7 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
     pids[r] = f.number();
     buffers[r] = f.number();
     twoPhase[r] = f.number();
+    isaLevel = std::min(isaLevel, f.number());
   }
   // TPCOMM_CPU_SHM=1 on any rank makes a refusal an error on every rank, so
   // that no rank goes on through Gloo while another raised.
@@ -155,7 +179,7 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   const SpinPolicy policy = spinPolicy(config.spinUs, size);
   options.spin = policy.spin;
   options.yield = policy.yield;
-  options.reduceIsa = reduceIsaOf(config.reduceIsa);
+  options.reduceIsa = static_cast<mq::ReduceIsa>(std::max<int64_t>(0, isaLevel));
   options.threads = threadsFor(config.threads, size);
   options.timeout = timeout;
 
@@ -201,6 +225,7 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   reason = firstFailure(failures);
   if (!reason.empty()) return refuse(reason);
   group->closeDescriptor();
+  group->prefaultPeers();
   result.group = std::move(group);
   return result;
 }

@@ -50,9 +50,13 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
 // named if this CPU runs it, else the best it runs.
 mq::ReduceIsa reduceIsaOf(const std::string& setting);
 
+// The CPUs this process may use: its affinity mask, capped by a cgroup v2
+// CPU quota.
+int usableCpus();
+
 // How a group of `size` ranks on this host waits for its peers: polling
 // `spin` (then sleeping), yielding the core each round or not. spinUs -1:
-// 1000 us without yielding when the ranks do not outnumber the online CPUs,
+// 1000 us without yielding when the ranks do not outnumber usableCpus(),
 // so that a peer up to about 1 ms late is met without a sleep and a wake-up
 // (measured: python -m tpcomm.bench cpu --late); else 50 us, yielding, so
 // that oversubscribed ranks progress. Another spinUs: that window, yielding
@@ -64,8 +68,7 @@ struct SpinPolicy {
 SpinPolicy spinPolicy(int64_t spinUs, int size);
 
 // Threads per rank for a group of `size` ranks on this host: `setting` when
-// positive, else the CPUs this process may run on divided among the ranks,
-// 1 to 8.
+// positive, else usableCpus() divided among the ranks, 1 to 8.
 int threadsFor(int64_t setting, int size);
 
 // The path's dtype for a tensor's, if it reduces that dtype.

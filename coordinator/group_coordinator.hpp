@@ -208,12 +208,18 @@ class GroupCoordinator {
   void setCpuShmMode(const std::string& mode);
   // Benchmarks and tests: the widest reduction kernels of this group's
   // shared-memory path (auto, avx512, avx2, portable; as
-  // TPCOMM_CPU_REDUCE_ISA), at any time, on any rank (every level gives the
-  // same bits). Throws InvalidUsage for another name.
+  // TPCOMM_CPU_REDUCE_ISA), at any time; every rank sets the same level
+  // between the same two calls (levels differ only in which NaN's sign a
+  // SUM of two NaNs keeps; set-up agrees on the lowest level asked for).
+  // Throws InvalidUsage for another name.
   void setCpuReduceIsa(const std::string& level);
   // Benchmarks and tests: this group's TPCOMM_CPU_SHM_SPIN_US (-1: the
   // policy's choice), at any time, on any rank.
   void setCpuShmSpinUs(int64_t spinUs);
+  // Benchmarks and tests: this group's TPCOMM_CPU_SHM_THREADS (0: the
+  // default), before the group's first CPU collective on this rank (results
+  // do not depend on it, so ranks may differ). Throws InvalidUsage after.
+  void setCpuShmThreads(int64_t threads);
   // TPCOMM_DEBUG: how many cross-rank checks this thread has run (on any
   // group), so that the backend can tell whether a refused call reached its
   // check.
@@ -293,10 +299,11 @@ class GroupCoordinator {
   std::atomic<mq::ShmGroup*> shmFast_{nullptr};  // shm_.get() once set up: the per-call read
   std::unique_ptr<mq::ShmGroup> shm_;            // guarded by shmMutex_
   std::string shmReason_ = "not set up yet (at the group's first CPU collective)";
-  std::string shmMode_;               // setCpuShmMode's override; guarded by shmMutex_
-  std::string shmIsa_;                // setCpuReduceIsa's override; guarded by shmMutex_
-  std::optional<int64_t> shmSpinUs_;  // setCpuShmSpinUs's override; guarded by shmMutex_
-  std::string shmError_;              // a refused TPCOMM_CPU_SHM=1 set-up, raised by every call
+  std::string shmMode_;                // setCpuShmMode's override; guarded by shmMutex_
+  std::string shmIsa_;                 // setCpuReduceIsa's override; guarded by shmMutex_
+  std::optional<int64_t> shmSpinUs_;   // setCpuShmSpinUs's override; guarded by shmMutex_
+  std::optional<int64_t> shmThreads_;  // setCpuShmThreads's override; guarded by shmMutex_
+  std::string shmError_;               // a refused TPCOMM_CPU_SHM=1 set-up, raised by every call
   std::atomic<int> registrationDepth_{0};  // read on every custom call, without the lock
   uint64_t debugSequence_ = 0;             // guarded by debugMutex_
   std::recursive_timed_mutex debugMutex_;  // TPCOMM_DEBUG: one checked call at a time

@@ -24,6 +24,7 @@ mq::ShmGroup* GroupCoordinator::cpuShm() {
   if (!shmMode_.empty()) config.mode = shmMode_;
   if (!shmIsa_.empty()) config.reduceIsa = shmIsa_;
   if (shmSpinUs_) config.spinUs = *shmSpinUs_;
+  if (shmThreads_) config.threads = *shmThreads_;
   CpuShmSetup setup;
   try {
     setup = setUpCpuShm(*cpu_, rank(), size(), hostIdentity(), config, options_.timeout);
@@ -72,6 +73,15 @@ void GroupCoordinator::setCpuShmSpinUs(int64_t spinUs) {
     const SpinPolicy policy = spinPolicy(spinUs, size());
     shm_->setSpin(policy.spin, policy.yield);
   }
+}
+
+void GroupCoordinator::setCpuShmThreads(int64_t threads) {
+  TPCOMM_CHECK(threads >= 0 && threads <= 64, kInvalidUsage, "CPU shared-memory threads ",
+               threads, " (0..64)");
+  std::lock_guard<std::mutex> lock(shmMutex_);
+  TPCOMM_CHECK(!shmTried_, kInvalidUsage,
+               "set_cpu_shm_threads: the group's CPU shared-memory path is already set up");
+  shmThreads_ = threads;
 }
 
 GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {

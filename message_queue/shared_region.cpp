@@ -28,9 +28,13 @@ constexpr const char* kMemfdTarget = "/memfd:tpcomm-shm";  // what /proc/<pid>/f
 #define F_SEAL_EXEC 0x0020
 #endif
 
-// The pages of a fresh mapping faulted in at once (set-up), not spread over
-// the first calls.
-constexpr int kMapFlags = MAP_SHARED | MAP_POPULATE;
+constexpr int kMapFlags = MAP_SHARED;
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
 
 bool sealedAgainstExec(int fd) {
   const int seals = ::fcntl(fd, F_GET_SEALS);
@@ -51,6 +55,9 @@ std::unique_ptr<SharedRegion> SharedRegion::create(size_t bytes) {
   };
   if (::fchmod(fd, 0600) != 0) fail("fchmod(memfd, 0600)");
   if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0) fail("ftruncate(memfd)");
+  // Where sealing is allowed (MFD_NOEXEC_SEAL allows it): no process holding
+  // the memfd may resize it (a shrink would fault every mapper) or add seals.
+  ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
   void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, kMapFlags, fd, 0);
   if (base == MAP_FAILED) fail("mmap(memfd)");
   return std::unique_ptr<SharedRegion>(new SharedRegion(base, bytes, fd, sealedAgainstExec(fd)));
@@ -84,6 +91,23 @@ std::unique_ptr<SharedRegion> SharedRegion::attach(int32_t pid, int32_t fd, size
 SharedRegion::~SharedRegion() {
   closeDescriptor();
   ::munmap(base_, bytes_);
+}
+
+void SharedRegion::prefault(size_t offset, size_t length, bool write) {
+  if (length == 0) return;
+  char* start = base() + offset;
+  if (::madvise(start, length, write ? MADV_POPULATE_WRITE : MADV_POPULATE_READ) == 0) return;
+  // Before Linux 5.14: touch a byte per page (a write of the zero it holds:
+  // the caller's pages are fresh).
+  constexpr size_t kPage = 4096;
+  for (size_t at = 0; at < length; at += kPage) {
+    volatile char* p = start + at;
+    if (write) {
+      *p = *p;
+    } else {
+      (void)*p;
+    }
+  }
 }
 
 void SharedRegion::closeDescriptor() {

@@ -14,8 +14,8 @@ namespace tpcomm::mq {
 
 class SharedRegion {
  public:
-  // Creates and maps `bytes` of zeroed shared memory (its pages faulted in),
-  // sealed against ever being executable where the kernel can (Linux 6.3
+  // Creates and maps `bytes` of zeroed shared memory, sealed against ever
+  // being executable (and against resizing) where the kernel can (Linux 6.3
   // on; older kernels refuse the flag and get a plain memfd). Throws System.
   static std::unique_ptr<SharedRegion> create(size_t bytes);
   // Maps the region another process of this host created and still holds
@@ -32,6 +32,10 @@ class SharedRegion {
   int32_t fd() const { return fd_; }
   // Closes the descriptor once every peer attached; the mapping stays.
   void closeDescriptor();
+  // Faults in [offset, offset + length) of this mapping now rather than on
+  // first use: `write` allocates the pages (first touch: on this process's
+  // NUMA node), else maps pages someone allocated. Best effort.
+  void prefault(size_t offset, size_t length, bool write);
   // Whether the memfd is sealed against execution (MFD_NOEXEC_SEAL).
   bool execSealed() const { return execSealed_; }
 

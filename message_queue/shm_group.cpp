@@ -232,6 +232,9 @@ ShmGroup::ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& 
   data_ = region_->base() + dataOffset(options_.size);
   sources_.resize(options_.size);
   for (int32_t pid : pids) peers_.emplace_back(pid);
+  // This rank's halves are allocated by this rank (on its NUMA node), now.
+  region_->prefault(static_cast<size_t>(half(options_.rank, 0) - region_->base()),
+                    2 * options_.bufferBytes, true);
   if (options_.threads > 1) pool_ = std::make_unique<WorkerPool>(options_.threads);
 }
 
@@ -249,6 +252,14 @@ void ShmGroup::checkNotForked() const {
   TPCOMM_CHECK(!forked(), kInvalidUsage, "a shared-memory collective called in a process (pid ",
                ::getpid(), ") forked from the one that set the group up (rank ", options_.rank,
                "): a forked child cannot use its parent's group; create a new group in the child");
+}
+
+void ShmGroup::prefaultPeers() {
+  for (int r = 0; r < options_.size; ++r) {
+    if (r == options_.rank) continue;
+    region_->prefault(static_cast<size_t>(half(r, 0) - region_->base()), 2 * options_.bufferBytes,
+                      false);
+  }
 }
 
 void ShmGroup::setSpin(std::chrono::microseconds spin, bool yield) {
@@ -423,7 +434,8 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
       lastLivenessCheck = now;
       for (int r = next; r < n; ++r) {
         if (control(r).arrived.load(std::memory_order_acquire) >= s) continue;
-        if (!peers_[r].alive()) {
+        // Dead, unless it arrived (and left) after the load above.
+        if (!peers_[r].alive() && control(r).arrived.load(std::memory_order_acquire) < s) {
           fail(kDied, r,
                detail::concat("rank ", r, " (pid ", peers_[r].pid(), ") died before it reached ",
                               signature.describe()));

@@ -165,6 +165,9 @@ class ShmGroup {
   void abort(const std::string& why);
   // Whether the region's memfd is sealed against execution.
   bool execSealed() const { return region_->execSealed(); }
+  // Maps every peer's halves into this process now (set-up, once every
+  // peer allocated its own), not on the first calls.
+  void prefaultPeers();
   // Closes the region's descriptor once every peer mapped it (set-up).
   void closeDescriptor() { region_->closeDescriptor(); }
 

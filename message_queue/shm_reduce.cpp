@@ -415,7 +415,8 @@ bool cpuRuns(ReduceIsa isa) {
   switch (isa) {
     case ReduceIsa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+             __builtin_cpu_supports("f16c");
     case ReduceIsa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
     case ReduceIsa::kPortable:

@@ -40,10 +40,11 @@ struct ReduceSpec {
 void reduceInto(void* out, const void* const* srcs, int n, size_t count, DType dtype,
                 const ReduceSpec& spec);
 
-// The instruction-set levels the reductions have kernels for: float32,
-// bfloat16 and float16 reduce in AVX2 (with F16C) or AVX-512 registers where
-// the CPU has them (the other dtypes, and the last elements, through the
-// portable loop); every level gives the same bits.
+// The instruction-set levels the reductions have kernels for: every dtype
+// accumulates in AVX2 (with F16C) or AVX-512 registers where the CPU has
+// them (the last elements, integer AVG and AVX2's int64 PRODUCT/MIN/MAX
+// through the portable loop); every level gives the same bits, but for
+// which NaN's sign or payload a SUM or PRODUCT of two NaNs keeps.
 enum class ReduceIsa : uint8_t { kPortable, kAvx2, kAvx512 };
 // The best level this CPU runs: the one reduceInto uses.
 ReduceIsa bestReduceIsa();

@@ -1,10 +1,13 @@
 #pragma once
-// Hand-vectorised reductions for float32, bfloat16 and float16 (shm_reduce.hpp
-// dispatches to them): one kernel per instruction-set level, each summing in
-// vector registers, source after source in rank order, and rounding once, so
-// that its bits are those of the portable loop in shm_reduce.cpp (NaN
-// included: a float16 NaN is stored as sign | 0x7e00, a bfloat16 NaN as
-// 0x7fc0, as the portable conversions do). Internal to message_queue/.
+// Hand-vectorised reductions for every dtype the shared-memory path reduces
+// (shm_reduce.hpp dispatches to them): one kernel per instruction-set level,
+// each accumulating in vector registers, source after source in rank order,
+// and rounding once, so that its bits are those of the portable loop in
+// shm_reduce.cpp (a float16 NaN is stored as sign | 0x7e00, a bfloat16 NaN
+// as 0x7fc0, as the portable conversions do; which NaN's sign or payload
+// survives a SUM or PRODUCT of two NaNs is the instruction operand order's,
+// which the compiler may swap, so ranks agree on one level at set-up).
+// Internal to message_queue/.
 
 #include <cstddef>
 #include <cstdint>

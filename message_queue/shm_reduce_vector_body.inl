@@ -1,66 +1,102 @@
 // The body of one instruction-set level's kernels (shm_reduce_vector.hpp),
 // included by shm_reduce_vector.cpp once per level, inside that level's
-// `#pragma GCC target` region and namespace, after it defined `V`: the
-// vector type F of kWidth floats and its loads, stores and arithmetic.
+// `#pragma GCC target` region and namespace, after it defined the vector
+// traits VF (float), VD (double), VI32 and VI64: each a Vec of kWidth
+// lanes, its Scalar, loads, stores and arithmetic, and whether the level
+// can divide (kDivide), multiply (kProduct) and take minima (kMinMax).
 // Not a header of its own: it has no include guard on purpose.
 
-// A dtype's unit: kElements elements held as kVectors float vectors. A
-// bfloat16 unit is a whole register of bfloat16 pairs, split into the even
-// and the odd elements (shifts and masks, no cross-lane shuffles); the
-// reduction is element-wise, so the order inside a unit does not matter.
+// A dtype's unit: kElements elements held as kVectors vectors of its
+// accumulator (A: VF for float32 and the 16-bit types, VD for float64, VI32
+// and VI64 for the integers). A bfloat16 unit is a whole register of
+// bfloat16 pairs, split into the even and the odd elements (shifts and
+// masks, no cross-lane shuffles); the reduction is element-wise, so the
+// order inside a unit does not matter.
 template <DType D>
 struct Io;
 template <>
 struct Io<DType::kFloat32> {
   using T = float;
-  static constexpr size_t kElements = V::kWidth;
+  using A = VF;
+  static constexpr size_t kElements = A::kWidth;
   static constexpr int kVectors = 1;
-  static void load(const T* p, F* v) { v[0] = V::loadF32(p); }
-  static void store(T* p, const F* v) { V::storeF32(p, v[0]); }
+  static void load(const T* p, A::Vec* v) { v[0] = A::load(p); }
+  static void store(T* p, const A::Vec* v) { A::store(p, v[0]); }
 };
 template <>
 struct Io<DType::kBFloat16> {
   using T = uint16_t;
-  static constexpr size_t kElements = 2 * V::kWidth;
+  using A = VF;
+  static constexpr size_t kElements = 2 * A::kWidth;
   static constexpr int kVectors = 2;
-  static void load(const T* p, F* v) { V::loadBF16Pairs(p, v[0], v[1]); }
-  static void store(T* p, const F* v) { V::storeBF16Pairs(p, v[0], v[1]); }
+  static void load(const T* p, A::Vec* v) { A::loadBF16Pairs(p, v[0], v[1]); }
+  static void store(T* p, const A::Vec* v) { A::storeBF16Pairs(p, v[0], v[1]); }
 };
 template <>
 struct Io<DType::kFloat16> {
   using T = uint16_t;
-  static constexpr size_t kElements = V::kWidth;
+  using A = VF;
+  static constexpr size_t kElements = A::kWidth;
   static constexpr int kVectors = 1;
-  static void load(const T* p, F* v) { v[0] = V::loadFP16(p); }
-  static void store(T* p, const F* v) { V::storeFP16(p, v[0]); }
+  static void load(const T* p, A::Vec* v) { v[0] = A::loadFP16(p); }
+  static void store(T* p, const A::Vec* v) { A::storeFP16(p, v[0]); }
 };
+template <DType D, typename Arith, typename Scalar>
+struct Plain {  // a dtype whose vectors hold its elements as they are
+  using T = Scalar;
+  using A = Arith;
+  static constexpr size_t kElements = A::kWidth;
+  static constexpr int kVectors = 1;
+  static void load(const T* p, typename A::Vec* v) { v[0] = A::load(p); }
+  static void store(T* p, const typename A::Vec* v) { A::store(p, v[0]); }
+};
+template <>
+struct Io<DType::kFloat64> : Plain<DType::kFloat64, VD, double> {};
+template <>
+struct Io<DType::kInt32> : Plain<DType::kInt32, VI32, int32_t> {};
+template <>
+struct Io<DType::kInt64> : Plain<DType::kInt64, VI64, int64_t> {};
 
 // acc = acc (op) next, as the portable loop's Sum, Product, Min and Max
-// (MIN and MAX propagate a NaN from any rank).
+// (MIN and MAX propagate a NaN from any rank; integers wrap).
+template <typename A>
 struct Sum {
-  static F apply(F acc, F next) { return V::add(acc, next); }
+  static typename A::Vec apply(typename A::Vec acc, typename A::Vec next) {
+    return A::add(acc, next);
+  }
 };
+template <typename A>
 struct Product {
-  static F apply(F acc, F next) { return V::mul(acc, next); }
+  static typename A::Vec apply(typename A::Vec acc, typename A::Vec next) {
+    return A::mul(acc, next);
+  }
 };
+template <typename A>
 struct Min {
-  static F apply(F acc, F next) { return V::keepNaN(next, V::minFirst(next, acc)); }
+  static typename A::Vec apply(typename A::Vec acc, typename A::Vec next) {
+    return A::keepNaN(next, A::minFirst(next, acc));
+  }
 };
+template <typename A>
 struct Max {
-  static F apply(F acc, F next) { return V::keepNaN(next, V::maxFirst(next, acc)); }
+  static typename A::Vec apply(typename A::Vec acc, typename A::Vec next) {
+    return A::keepNaN(next, A::maxFirst(next, acc));
+  }
 };
 
 // kUnroll units per step, then one unit at a time: every source of a block
 // is read before the block is stored, so `out` may be one of the sources.
-template <DType D, typename Op, bool kDivide, int kUnroll>
+template <DType D, template <typename> class Op, bool kDivide, int kUnroll>
 size_t runBlocks(typename Io<D>::T* out, const void* const* srcs, int n, size_t i, size_t count,
-                 F divisor) {
+                 typename Io<D>::A::Vec divisor) {
   using T = typename Io<D>::T;
+  using A = typename Io<D>::A;
+  using Vec = typename A::Vec;
   constexpr size_t kStep = kUnroll * Io<D>::kElements;
   constexpr int kV = kUnroll * Io<D>::kVectors;
   for (; i + kStep <= count; i += kStep) {
-    F acc[kV];
-    F next[kV];
+    Vec acc[kV];
+    Vec next[kV];
     for (int u = 0; u < kUnroll; ++u) {
       Io<D>::load(static_cast<const T*>(srcs[0]) + i + u * Io<D>::kElements,
                   acc + u * Io<D>::kVectors);
@@ -70,10 +106,10 @@ size_t runBlocks(typename Io<D>::T* out, const void* const* srcs, int n, size_t 
       for (int u = 0; u < kUnroll; ++u) {
         Io<D>::load(src + u * Io<D>::kElements, next + u * Io<D>::kVectors);
       }
-      for (int v = 0; v < kV; ++v) acc[v] = Op::apply(acc[v], next[v]);
+      for (int v = 0; v < kV; ++v) acc[v] = Op<A>::apply(acc[v], next[v]);
     }
-    if (kDivide) {
-      for (int v = 0; v < kV; ++v) acc[v] = V::div(acc[v], divisor);
+    if constexpr (kDivide) {
+      for (int v = 0; v < kV; ++v) acc[v] = A::div(acc[v], divisor);
     }
     for (int u = 0; u < kUnroll; ++u) {
       Io<D>::store(out + i + u * Io<D>::kElements, acc + u * Io<D>::kVectors);
@@ -82,28 +118,37 @@ size_t runBlocks(typename Io<D>::T* out, const void* const* srcs, int n, size_t 
   return i;
 }
 
-template <DType D, typename Op, bool kDivide>
-size_t run(void* out, const void* const* srcs, int n, size_t count, float divisor) {
+template <DType D, template <typename> class Op, bool kDivide>
+size_t run(void* out, const void* const* srcs, int n, size_t count, int divisor) {
   using T = typename Io<D>::T;
-  const F d = V::set1(divisor);
+  using A = typename Io<D>::A;
+  typename A::Vec d{};
+  if constexpr (kDivide) d = A::set1(static_cast<typename A::Scalar>(divisor));
   T* dst = static_cast<T*>(out);
   const size_t i = runBlocks<D, Op, kDivide, 4 / Io<D>::kVectors>(dst, srcs, n, 0, count, d);
   return runBlocks<D, Op, kDivide, 1>(dst, srcs, n, i, count, d);
 }
 
+// 0 (the portable loop does it all) for what the level has no instruction
+// for: integer division (AVG), and per level A::kProduct / A::kMinMax.
 template <DType D>
 size_t byKind(void* out, const void* const* srcs, int n, size_t count, ReduceKind kind,
               int divisor) {
+  using A = typename Io<D>::A;
   switch (kind) {
     case ReduceKind::kSum:
-      return divisor != 1 ? run<D, Sum, true>(out, srcs, n, count, static_cast<float>(divisor))
-                          : run<D, Sum, false>(out, srcs, n, count, 1.0f);
+      if (divisor == 1) return run<D, Sum, false>(out, srcs, n, count, 1);
+      if constexpr (A::kDivide) return run<D, Sum, true>(out, srcs, n, count, divisor);
+      return 0;
     case ReduceKind::kProduct:
-      return run<D, Product, false>(out, srcs, n, count, 1.0f);
+      if constexpr (A::kProduct) return run<D, Product, false>(out, srcs, n, count, 1);
+      return 0;
     case ReduceKind::kMin:
-      return run<D, Min, false>(out, srcs, n, count, 1.0f);
+      if constexpr (A::kMinMax) return run<D, Min, false>(out, srcs, n, count, 1);
+      return 0;
     case ReduceKind::kMax:
-      return run<D, Max, false>(out, srcs, n, count, 1.0f);
+      if constexpr (A::kMinMax) return run<D, Max, false>(out, srcs, n, count, 1);
+      return 0;
   }
   return 0;
 }
@@ -117,7 +162,12 @@ size_t reduce(void* out, const void* const* srcs, int n, size_t count, DType dty
       return byKind<DType::kBFloat16>(out, srcs, n, count, kind, divisor);
     case DType::kFloat16:
       return byKind<DType::kFloat16>(out, srcs, n, count, kind, divisor);
-    default:
-      return 0;
+    case DType::kFloat64:
+      return byKind<DType::kFloat64>(out, srcs, n, count, kind, divisor);
+    case DType::kInt32:
+      return byKind<DType::kInt32>(out, srcs, n, count, kind, divisor);
+    case DType::kInt64:
+      return byKind<DType::kInt64>(out, srcs, n, count, kind, divisor);
   }
+  return 0;
 }

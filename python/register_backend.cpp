@@ -215,7 +215,8 @@ tensors through the device backend (NCCL), created on first use.)")
           },
           py::arg("level"),
           "The widest reduction kernels of this group's shared-memory path (auto, avx512, avx2, "
-          "portable) instead of TPCOMM_CPU_REDUCE_ISA; any time, any rank (benchmarks, tests).")
+          "portable) instead of TPCOMM_CPU_REDUCE_ISA; any time, every rank alike (benchmarks, "
+          "tests).")
       .def(
           "set_cpu_shm_spin_us",
           [](backend::ProcessGroupTpcomm& self, int64_t spinUs) {
@@ -224,6 +225,14 @@ tensors through the device backend (NCCL), created on first use.)")
           py::arg("spin_us"),
           "How long this group's shared-memory waits poll before sleeping (-1: the policy's "
           "choice) instead of TPCOMM_CPU_SHM_SPIN_US; any time, any rank (benchmarks, tests).")
+      .def(
+          "set_cpu_shm_threads",
+          [](backend::ProcessGroupTpcomm& self, int64_t threads) {
+            self.coordinator().setCpuShmThreads(threads);
+          },
+          py::arg("threads"),
+          "This group's TPCOMM_CPU_SHM_THREADS (0: the default) instead of the process's, before "
+          "its first CPU collective on this rank (benchmarks, tests).")
       .def(
           "begin_graph_registration",
           [](backend::ProcessGroupTpcomm& self) { self.coordinator().beginGraphRegistration(); },

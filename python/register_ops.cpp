@@ -5,6 +5,7 @@
 // place: no Python, no clone, no dist.all_reduce in between. A coordinator
 // over another backend (gloo) gets the same results through its
 // ProcessGroup.
+#include <c10/core/WrapDimMinimal.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
@@ -24,53 +25,60 @@ namespace tpcomm::python {
 
 namespace {
 
-// One registered coordinator: its device group, and the tpcomm backend
-// serving that group's CPU tensors when there is one.
+// One registered coordinator: its device group (weakly: the coordinator
+// owns it) and the path its last fused call took.
 struct OpGroup {
   c10::weak_intrusive_ptr<c10d::ProcessGroup> group;
-  std::optional<c10::weak_intrusive_ptr<c10d::Backend>> backend;  // a ProcessGroupTpcomm
   std::string lastFusedPath;
 };
 
 class OpGroups {
  public:
   void add(const std::string& name, const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
-    OpGroup entry{c10::weak_intrusive_ptr<c10d::ProcessGroup>(group), std::nullopt, {}};
-    try {
-      auto backend = group->getBackend(c10::DeviceType::CPU);
-      if (dynamic_cast<backend::ProcessGroupTpcomm*>(backend.get()) != nullptr) {
-        entry.backend = c10::weak_intrusive_ptr<c10d::Backend>(backend);
-      }
-    } catch (const std::exception&) {
-      // No CPU backend on this group: the ProcessGroup serves the call.
-    }
+    OpGroup entry{c10::weak_intrusive_ptr<c10d::ProcessGroup>(group), {}};
     std::lock_guard<std::mutex> lock(mutex_);
     groups_.insert_or_assign(name, std::move(entry));
   }
 
   void remove(const std::string& name) {
+    std::optional<OpGroup> gone;  // released after the lock
     std::lock_guard<std::mutex> lock(mutex_);
-    groups_.erase(name);
+    auto it = groups_.find(name);
+    if (it == groups_.end()) return;
+    gone.emplace(std::move(it->second));
+    groups_.erase(it);
   }
 
-  // The group (and tpcomm backend, if any) of a live coordinator; throws
-  // naming the live ones otherwise.
-  std::pair<c10::intrusive_ptr<c10d::ProcessGroup>, backend::ProcessGroupTpcomm*> find(
-      c10::string_view name, c10::intrusive_ptr<c10d::Backend>& keepAlive) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = groups_.find(std::string(name));
+  // The group of a live coordinator, and its tpcomm backend for CPU tensors
+  // (null on another backend); throws naming the live ones otherwise.
+  std::pair<c10::intrusive_ptr<c10d::ProcessGroup>, c10::intrusive_ptr<c10d::Backend>> find(
+      c10::string_view name) {
     c10::intrusive_ptr<c10d::ProcessGroup> group;
-    if (it != groups_.end()) group = it->second.group.lock();
-    if (!group) {
-      std::string live;
-      for (const auto& [key, entry] : groups_) {
-        if (entry.group.lock()) live += (live.empty() ? "" : ", ") + key;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = groups_.find(std::string(name));
+      if (it != groups_.end()) group = it->second.group.lock();
+      if (!group) {
+        std::string live;
+        for (const auto& [key, entry] : groups_) {
+          if (entry.group.lock()) live += (live.empty() ? "" : ", ") + key;
+        }
+        TORCH_CHECK_VALUE(false, "no live tpcomm GroupCoordinator named '", name,
+                          "' in this process (live: ", live.empty() ? "none" : live, ")");
       }
-      TORCH_CHECK_VALUE(false, "no live tpcomm GroupCoordinator named '", name,
-                        "' in this process (live: ", live.empty() ? "none" : live, ")");
     }
-    if (it->second.backend) keepAlive = it->second.backend->lock();
-    return {group, static_cast<backend::ProcessGroupTpcomm*>(keepAlive.get())};
+    c10::intrusive_ptr<c10d::Backend> backend;
+    if (group->hasBackends()) {
+      try {
+        backend = group->getBackend(c10::DeviceType::CPU);
+      } catch (const std::exception&) {
+        // No CPU backend: the ProcessGroup serves the call.
+      }
+    }
+    if (backend && dynamic_cast<backend::ProcessGroupTpcomm*>(backend.get()) == nullptr) {
+      backend.reset();
+    }
+    return {group, backend};
   }
 
   void setFusedPath(const std::string& name, const std::string& path) {
@@ -114,8 +122,8 @@ class WithoutGil {
 
 at::Tensor allReduceCpu(const at::Tensor& tensor, c10::string_view groupName) {
   const WithoutGil released;
-  c10::intrusive_ptr<c10d::Backend> keep;
-  auto [group, tpcomm] = opGroups().find(groupName, keep);
+  auto [group, backend] = opGroups().find(groupName);
+  auto* tpcomm = static_cast<backend::ProcessGroupTpcomm*>(backend.get());
   at::Tensor input = tensor.contiguous();
   at::Tensor out = at::empty_like(input, at::MemoryFormat::Contiguous);
   if (tpcomm != nullptr) {
@@ -131,12 +139,14 @@ at::Tensor allReduceCpu(const at::Tensor& tensor, c10::string_view groupName) {
 at::Tensor allGatherCpu(const at::Tensor& tensor, int64_t dim, int64_t worldSize,
                         c10::string_view groupName) {
   const WithoutGil released;
-  c10::intrusive_ptr<c10d::Backend> keep;
-  auto [group, tpcomm] = opGroups().find(groupName, keep);
+  auto [group, backend] = opGroups().find(groupName);
+  auto* tpcomm = static_cast<backend::ProcessGroupTpcomm*>(backend.get());
+  TORCH_CHECK_VALUE(tensor.dim() > 0, "all_gather: a 0-dim tensor has no dim to gather along");
+  TORCH_CHECK_VALUE(worldSize > 0, "all_gather: world_size ", worldSize, " must be positive");
+  dim = c10::maybe_wrap_dim(dim, tensor.dim());
   at::Tensor input = tensor.contiguous();
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end());
   std::vector<int64_t> gathered = shape;
-  TORCH_CHECK_VALUE(!shape.empty(), "all_gather: a 0-dim tensor has no dim to gather along");
   gathered[0] *= worldSize;
   at::Tensor out = input.new_empty(gathered);
   if (tpcomm != nullptr) {
@@ -155,8 +165,13 @@ at::Tensor allGatherCpu(const at::Tensor& tensor, int64_t dim, int64_t worldSize
 at::Tensor reduceScatterCpu(const at::Tensor& tensor, int64_t dim, int64_t worldSize,
                             c10::string_view groupName) {
   const WithoutGil released;
-  c10::intrusive_ptr<c10d::Backend> keep;
-  auto [group, tpcomm] = opGroups().find(groupName, keep);
+  auto [group, backend] = opGroups().find(groupName);
+  auto* tpcomm = static_cast<backend::ProcessGroupTpcomm*>(backend.get());
+  TORCH_CHECK_VALUE(tensor.dim() > 0, "reduce_scatter: a 0-dim tensor has no dim to scatter");
+  TORCH_CHECK_VALUE(worldSize > 0, "reduce_scatter: world_size ", worldSize, " must be positive");
+  dim = c10::maybe_wrap_dim(dim, tensor.dim());
+  TORCH_CHECK_VALUE(tensor.size(dim) % worldSize == 0, "reduce_scatter: size ", tensor.size(dim),
+                    " of dim ", dim, " does not divide by the group size ", worldSize);
   at::Tensor source = tensor.movedim(dim, 0).contiguous();
   std::vector<int64_t> shape(source.sizes().begin(), source.sizes().end());
   shape[0] /= worldSize;
@@ -178,8 +193,8 @@ std::tuple<at::Tensor, at::Tensor> addRmsNormCpu(const at::Tensor& tensor,
                                                  c10::string_view groupName,
                                                  std::optional<at::Tensor> residualOut) {
   const WithoutGil released;
-  c10::intrusive_ptr<c10d::Backend> keep;
-  auto [group, tpcomm] = opGroups().find(groupName, keep);
+  auto [group, backend] = opGroups().find(groupName);
+  auto* tpcomm = static_cast<backend::ProcessGroupTpcomm*>(backend.get());
   at::Tensor target =
       residualOut ? *residualOut : at::empty_like(residual, at::MemoryFormat::Contiguous);
   at::Tensor normed = at::empty_like(tensor, at::MemoryFormat::Contiguous);

@@ -57,8 +57,9 @@ const std::vector<SettingInfo> kSettingTable = {
      "on every rank."},
     {"TPCOMM_CPU_SHM_SPIN_US", "int", "-1",
      "How long a shared-memory CPU collective polls for its peers before it sleeps on a futex. "
-     "-1: 1000 us without yielding the core when the group's ranks do not outnumber the online "
-     "CPUs (a late peer is met without a wake-up), else 50 us yielding the core each round."},
+     "-1: 1000 us without yielding the core when the group's ranks do not outnumber the CPUs "
+     "this process may use (affinity, cgroup quota; a late peer is met without a wake-up), else "
+     "50 us yielding the core each round."},
     {"TPCOMM_CPU_SHM_THREADS", "int", "0",
      "Threads per rank (its own included) that split the copies and reductions of large "
      "shared-memory CPU collectives, at least 256 KiB each; smaller calls use one. 0: the CPUs "
@@ -67,7 +68,8 @@ const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_CPU_REDUCE_ISA", "string", "auto",
      "The widest vector kernels the shared-memory CPU reductions use: auto (the best this CPU "
      "runs), avx512, avx2, portable (the compiler's loops). A level the CPU lacks falls back to "
-     "the best it has. Every level gives the same bits."},
+     "the best it has; a group uses the lowest level any of its ranks asks for. Every level "
+     "gives the same bits (but for which NaN's sign a sum of two NaNs keeps)."},
     {"TPCOMM_MQ_SPIN_US", "int", "200",
      "How long a message-queue wait polls (yielding the core) before it sleeps on a futex: "
      "busy round trips never pay a wake-up, an idle reader costs no CPU. 0: a fixed 4,000 "

@@ -164,6 +164,66 @@ TEST(ShmReduceLevels, EveryLevelGivesTheReferenceBitsForEveryPatternCountAndLayo
   }
 }
 
+// float64 and the integers: every level against the portable loop (itself
+// checked against a rank-order reference in test_shm_group.cpp), every
+// reduction, counts around the vector widths, unaligned, in place; NaNs
+// and infinities in one rank's float64 input.
+TEST(ShmReduceLevels, Float64AndIntegersMatchThePortableLoopAtEveryLevel) {
+  std::mt19937_64 rng(99);
+  for (DType d : {DType::kFloat64, DType::kInt32, DType::kInt64}) {
+    const size_t esize = dtypeBytes(d);
+    for (int n : {1, 2, 3, 5}) {
+      for (size_t count : {0, 1, 3, 4, 7, 8, 9, 15, 16, 17, 31, 33, 64, 65, 1000, 4099}) {
+        std::vector<std::vector<char>> in(n, std::vector<char>((count + 1) * esize));
+        for (int r = 0; r < n; ++r) {
+          for (size_t i = 0; i <= count; ++i) {
+            char* p = in[r].data() + i * esize;
+            if (d == DType::kFloat64) {
+              const double specials[] = {NAN, -NAN, INFINITY, -INFINITY, -0.0, 5e-324};
+              double v = static_cast<double>(static_cast<int64_t>(rng() % 4001) - 2000) / 8;
+              if (r == 1 && i % 7 == 3) v = specials[i % 6];
+              std::memcpy(p, &v, 8);
+            } else if (d == DType::kInt32) {
+              const int32_t v = static_cast<int32_t>(rng());
+              std::memcpy(p, &v, 4);
+            } else {
+              const int64_t v = static_cast<int64_t>(rng());
+              std::memcpy(p, &v, 8);
+            }
+          }
+        }
+        for (auto [kind, divisor] : {std::pair{ReduceKind::kSum, 1}, {ReduceKind::kSum, 3},
+                                     {ReduceKind::kProduct, 1}, {ReduceKind::kMin, 1},
+                                     {ReduceKind::kMax, 1}}) {
+          ReduceSpec spec;
+          spec.kind = kind;
+          spec.divisor = divisor;
+          for (size_t misalign : {0, 1}) {
+            std::vector<const void*> srcs;
+            for (int r = 0; r < n; ++r) srcs.push_back(in[r].data() + misalign * esize);
+            std::vector<char> want(count * esize);
+            reduceIntoWith(ReduceIsa::kPortable, want.data(), srcs.data(), n, count, d, spec);
+            for (ReduceIsa isa : levels()) {
+              std::vector<char> got(count * esize);
+              reduceIntoWith(isa, got.data(), srcs.data(), n, count, d, spec);
+              ASSERT_EQ(std::memcmp(got.data(), want.data(), got.size()), 0)
+                  << reduceIsaName(isa) << " " << dtypeName(d) << " " << reduceKindName(kind)
+                  << "/" << divisor << " n=" << n << " count=" << count;
+              std::vector<char> copy = in[0];  // in place over source 0
+              std::vector<const void*> inPlace = srcs;
+              inPlace[0] = copy.data() + misalign * esize;
+              reduceIntoWith(isa, const_cast<void*>(inPlace[0]), inPlace.data(), n, count, d,
+                             spec);
+              ASSERT_EQ(std::memcmp(inPlace[0], want.data(), want.size()), 0)
+                  << "in place " << reduceIsaName(isa) << " " << dtypeName(d);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(ShmReduceLevels, AskingForALevelTheCpuLacksIsAClearError) {
   for (ReduceIsa isa : {ReduceIsa::kAvx2, ReduceIsa::kAvx512}) {
     if (cpuRunsReduceIsa(isa)) continue;

@@ -180,6 +180,26 @@ def _partial_overlaps(ctx):
     dist.reduce_scatter_tensor(mine[r * n:(r + 1) * n], mine)
     assert torch.equal(mine[r * n:(r + 1) * n],
                        rank_order([f[r * n:(r + 1) * n] for f in fulls], R.SUM, torch.float32, w))
+    # Exactly another rank's part: each offset is read before it is written.
+    other = (r + 1) % w
+    whole = torch.zeros(n * w)
+    whole[other * n:(other + 1) * n] = inputs[r]
+    dist.all_gather_into_tensor(whole, whole[other * n:(other + 1) * n])
+    assert torch.equal(whole, torch.cat(inputs))
+    mine = fulls[r].clone()
+    dist.reduce_scatter_tensor(mine[other * n:(other + 1) * n], mine)
+    assert torch.equal(mine[other * n:(other + 1) * n],
+                       rank_order([f[r * n:(r + 1) * n] for f in fulls], R.SUM, torch.float32, w))
+    # A coalesced call whose output 0 is input 1's memory: refused.
+    pg = dist.group.WORLD
+    a, b = torch.ones(n), torch.ones(n)
+    outs = [torch.empty(n * w), torch.empty(n * w)]
+    message = None
+    try:
+        pg.allgather_into_tensor_coalesced([outs[0], outs[1]], [a, outs[0][:n]]).wait()
+    except Exception as e:  # noqa: BLE001
+        message = str(e)
+    assert message is not None and "shares memory with input 1" in message, message
     return True
 
 
@@ -578,3 +598,11 @@ def test_cpu_benchmark_runs_and_prints_its_tables():
     for op in ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
         assert f"{op}, world size 2" in out.stdout, out.stdout
     assert "gloo/on" in out.stdout and "256 KB" in out.stdout, out.stdout
+    for extra, expect in ((["--dtype", "bfloat16", "--threads", "2"], "on/thr"),
+                          (["--dtypes"], "bf16/f32"), (["--paths"], "coordinator"),
+                          (["--late"], "late rank in its call")):
+        out = subprocess.run([sys.executable, "-m", "tpcomm.bench", "cpu", "--world-sizes", "2",
+                              "--max-mib", "1", "--quick", "--rounds", "1", "--png", "", *extra],
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, (extra, out.stderr)
+        assert expect in out.stdout, (extra, out.stdout)

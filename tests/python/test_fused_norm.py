@@ -229,6 +229,6 @@ def test_bad_input_is_named(shm_groups):
 
 def test_bench_fused_quick_runs():
     # The benchmark's quick run end to end (its figures are printed, not checked).
-    from tpcomm._bench_fused import run
+    from tpcomm.bench.fused import run
 
     assert run(world_sizes=(2,), quick=True, rounds=1) == 0

@@ -23,12 +23,13 @@ import torch
 import torch.distributed as dist
 
 from tpcomm._net import run_ranks
+from tpcomm.bench.mq import gloo_broadcast_dict
+from tpcomm.bench.mq import payloads as broadcast_payloads
 
 VARIANTS = ("mq", "mq spin 0", "gloo")
 
 
 def _payloads(quick):
-    from tpcomm.bench import _payloads as broadcast_payloads
 
     step = broadcast_payloads(quick)[0][1]
     small = {"ids": list(range(150)), "text": "x" * 200, "flags": (True, None, 0.5)}
@@ -72,8 +73,7 @@ def _worker(rank, world, port, quick, results):
                 box = [payload if rank == 0 else None]
                 dist.broadcast_object_list(box, src=0, group=gloo)
             else:
-                from tpcomm.bench import _gloo_broadcast_dict
-                _gloo_broadcast_dict(payload, 0, gloo)
+                gloo_broadcast_dict(payload, 0, gloo)
             if rank == 0:
                 for r in range(1, world):
                     dist.recv(ack, src=r, group=gloo)

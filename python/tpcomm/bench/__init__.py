@@ -1,0 +1,38 @@
+"""Benchmarks that print figures (never timed tests).
+
+    python -m tpcomm.bench mq [--readers 1 3] [--quick] [--mode broadcast|round-trip|both]
+    python -m tpcomm.bench car [--world-sizes 2 4 8] [--max-mib 64] [--png car_bench.png]
+    python -m tpcomm.bench allreduce [--max-mib 64] [--quick]
+    python -m tpcomm.bench cpu [--world-sizes 2 4] [--max-mib 64] [--quick] [--png cpu_bench.png]
+                               [--dtype bfloat16] [--threads N] [--dtypes | --paths | --late]
+    python -m tpcomm.bench faults [--world-sizes 2 3] [--timeout 3] [--quick]
+    python -m tpcomm.bench fused [--world-sizes 2 4] [--device cpu|cuda] [--dtype bfloat16]
+
+One module per benchmark (tpcomm.bench.<name>), each with a run() that prints
+its figures; this package's __main__ is the command line.
+
+mq: broadcast of tensor dicts from one writer to N readers on this host,
+through tpcomm.MessageQueue and, in the same run, through the Gloo path
+(metadata with broadcast_object_list, then one dist.broadcast per tensor);
+plus single-thread memcpy bandwidth as the ceiling. Round trips (the writer
+broadcasts, every reader acknowledges through a queue of its own) with the
+queue's polling on and at spin 0, against Gloo, and a blocked reader's idle
+CPU (see tpcomm.bench.mq and tpcomm.bench.mq_round_trip).
+
+car: the custom allreduce on one GPU (see tpcomm.bench.car).
+
+allreduce: dist.all_reduce over the tpcomm backend per route, and the host
+overhead of its dispatch (see tpcomm.bench.allreduce).
+
+cpu: CPU all_reduce, all_gather_into_tensor and reduce_scatter_tensor through
+plain Gloo, tpcomm with its shared-memory path off and on, interleaved (see
+tpcomm.bench.cpu).
+
+faults: bad inputs, one-rank mistakes under TPCOMM_DEBUG and kill -9 of each
+role, summarised as clear errors, timeouts, crashes and wrong results (see
+tpcomm.bench.faults).
+
+fused: all_reduce_add_rms_norm against all_reduce + add + rms_norm for
+hidden 1024..8192 x 1..128 tokens, on CPU or with every rank on GPU 0 (see
+tpcomm.bench.fused).
+"""

@@ -1,0 +1,99 @@
+"""python -m tpcomm.bench: the command line of the benchmarks (see tpcomm.bench)."""
+
+import argparse
+import sys
+
+from tpcomm.bench import __doc__ as _doc
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=_doc.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    mq = sub.add_parser("mq", help="message queue vs the Gloo path")
+    mq.add_argument("--readers", type=int, nargs="+", default=[1, 3])
+    mq.add_argument("--quick", action="store_true", help="fewer iterations")
+    mq.add_argument("--chunk-mb", type=float, default=1.0, help="ring chunk size (default 1)")
+    mq.add_argument("--mode", choices=("broadcast", "round-trip", "both"), default="both")
+    car = sub.add_parser("car", help="custom allreduce, N ranks on N streams of one GPU")
+    car.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4, 8])
+    car.add_argument("--max-mib", type=int, default=64, help="largest size (default 64 MiB)")
+    car.add_argument("--quick", action="store_true", help="fewer iterations")
+    car.add_argument("--png", default="car_bench.png", help="plot of time vs size")
+    ar = sub.add_parser("allreduce", help="dist.all_reduce per route on the GPUs present")
+    ar.add_argument("--max-mib", type=int, default=64, help="largest size (default 64 MiB)")
+    ar.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    cpu = sub.add_parser("cpu", help="CPU collectives: Gloo vs tpcomm shared memory off/on")
+    cpu.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    cpu.add_argument("--max-mib", type=int, default=64, help="largest size (default 64 MiB)")
+    cpu.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
+    cpu.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best kept)")
+    cpu.add_argument("--png", default="cpu_bench.png", help="plot of time vs size ('' for none)")
+    cpu.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    cpu.add_argument("--threads", type=int, default=0,
+                     help="also the path with this many worker threads per rank")
+    cpu.add_argument("--dtypes", action="store_true",
+                     help="all_reduce of float32/bfloat16/float16, best vs portable kernels")
+    cpu.add_argument("--paths", action="store_true",
+                     help="all_reduce through dist, async_op, functional, the coordinator op")
+    cpu.add_argument("--late", action="store_true",
+                     help="what a late peer costs under each waiting policy (2 ranks)")
+    faults = sub.add_parser("faults", help="bad inputs, debug-mode mistakes, killed ranks")
+    faults.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3])
+    faults.add_argument("--timeout", type=float, default=3.0, help="group timeout (s)")
+    faults.add_argument("--quick", action="store_true", help="three of the five kill roles")
+    fused = sub.add_parser("fused", help="fused allreduce + add + RMSNorm vs the three ops")
+    fused.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    fused.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    fused.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    fused.add_argument("--quick", action="store_true", help="two shapes")
+    fused.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best kept)")
+    args = parser.parse_args(argv)
+    if args.what == "mq":
+        rc = 0
+        if args.mode in ("broadcast", "both"):
+            from tpcomm.bench.mq import run as run_broadcasts
+
+            rc = run_broadcasts(args.readers, args.quick, args.chunk_mb)
+        if rc == 0 and args.mode in ("round-trip", "both"):
+            from tpcomm.bench.mq_round_trip import run as run_round_trips
+
+            rc = run_round_trips(args.readers, args.quick)
+        return rc
+    if args.what == "car":
+        from tpcomm.bench.car import run
+
+        return run(args.world_sizes, args.max_mib, args.quick, args.png)
+    if args.what == "allreduce":
+        from tpcomm.bench.allreduce import run as run_allreduce
+
+        return run_allreduce(args.max_mib, args.quick)
+    if args.what == "cpu":
+        if args.paths:
+            from tpcomm.bench.cpu_paths import run
+
+            return run(args.max_mib, args.quick, args.rounds)
+        if args.late:
+            from tpcomm.bench.cpu_late import run
+
+            return run(args.quick)
+        if args.dtypes:
+            from tpcomm.bench.cpu_dtypes import run
+
+            return run(args.world_sizes, args.max_mib, args.quick, args.rounds)
+        from tpcomm.bench.cpu import run as run_cpu
+
+        return run_cpu(args.world_sizes, args.max_mib, args.quick, args.png, args.rounds,
+                       args.dtype, args.threads)
+    if args.what == "faults":
+        from tpcomm.bench.faults import run as run_faults
+
+        return run_faults(args.world_sizes, args.timeout, args.quick)
+    if args.what == "fused":
+        from tpcomm.bench.fused import run as run_fused
+
+        return run_fused(args.world_sizes, args.device, args.dtype, args.quick, args.rounds)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
