@@ -600,7 +600,8 @@ def test_cpu_benchmark_runs_and_prints_its_tables():
     assert "gloo/on" in out.stdout and "256 KB" in out.stdout, out.stdout
     for extra, expect in ((["--dtype", "bfloat16", "--threads", "2"], "on/thr"),
                           (["--dtypes"], "bf16/f32"), (["--paths"], "coordinator"),
-                          (["--late"], "late rank in its call")):
+                          (["--late"], "late rank in its call"),
+                          (["--bound"], "of the bandwidth bound")):
         out = subprocess.run([sys.executable, "-m", "tpcomm.bench", "cpu", "--world-sizes", "2",
                               "--max-mib", "1", "--quick", "--rounds", "1", "--png", "", *extra],
                              capture_output=True, text=True, timeout=300)

@@ -29,12 +29,16 @@ def main(argv=None):
     cpu.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best kept)")
     cpu.add_argument("--png", default="cpu_bench.png", help="plot of time vs size ('' for none)")
     cpu.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    cpu.add_argument("--ops", nargs="+", default=None,
+                     choices=("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"))
     cpu.add_argument("--threads", type=int, default=0,
                      help="also the path with this many worker threads per rank")
     cpu.add_argument("--dtypes", action="store_true",
                      help="all_reduce of float32/bfloat16/float16, best vs portable kernels")
     cpu.add_argument("--paths", action="store_true",
                      help="all_reduce through dist, async_op, functional, the coordinator op")
+    cpu.add_argument("--bound", action="store_true",
+                     help="a 64 MiB allreduce against the cores' concurrent copy bandwidth")
     cpu.add_argument("--late", action="store_true",
                      help="what a late peer costs under each waiting policy (2 ranks)")
     faults = sub.add_parser("faults", help="bad inputs, debug-mode mistakes, killed ranks")
@@ -72,6 +76,10 @@ def main(argv=None):
             from tpcomm.bench.cpu_paths import run
 
             return run(args.max_mib, args.quick, args.rounds)
+        if args.bound:
+            from tpcomm.bench.cpu_bound import run
+
+            return run(args.max_mib, 2 if args.quick else 5)
         if args.late:
             from tpcomm.bench.cpu_late import run
 
@@ -82,8 +90,10 @@ def main(argv=None):
             return run(args.world_sizes, args.max_mib, args.quick, args.rounds)
         from tpcomm.bench.cpu import run as run_cpu
 
+        from tpcomm.bench.cpu import OPS
+
         return run_cpu(args.world_sizes, args.max_mib, args.quick, args.png, args.rounds,
-                       args.dtype, args.threads)
+                       args.dtype, args.threads, args.ops or OPS)
     if args.what == "faults":
         from tpcomm.bench.faults import run as run_faults
 

@@ -6,8 +6,8 @@ all_reduce, all_gather_into_tensor and reduce_scatter_tensor from 4 B to
 plot of time against size when matplotlib is installed. --dtype sends
 bfloat16 or float16 instead of float32 (same bytes); --threads N adds the
 path with N worker threads per rank (TPCOMM_CPU_SHM_THREADS) beside the
-default's. --dtypes, --paths and --late run the benchmarks of cpu_dtypes.py,
-cpu_paths.py and cpu_late.py instead.
+default's. --dtypes, --paths, --late and --bound run the benchmarks of
+cpu_dtypes.py, cpu_paths.py, cpu_late.py and cpu_bound.py instead.
 """
 
 import sys
@@ -62,7 +62,7 @@ def _threaded(threads):
     return f"tpcomm shm on, {threads} threads"
 
 
-def _worker(rank, world, port, max_mib, quick, rounds, dtype, threads, results):
+def _worker(rank, world, port, max_mib, quick, rounds, dtype, threads, ops, results):
     import tpcomm
 
     torch.set_num_threads(1)
@@ -82,7 +82,7 @@ def _worker(rank, world, port, max_mib, quick, rounds, dtype, threads, results):
     assert tpcomm.describe(groups["tpcomm shm on"])["cpu_shm"]["available"]
     paths = list(groups)
     rows = []
-    for op in OPS:
+    for op in ops:
         for nbytes in sizes(max_mib, quick):
             calls = {p: _call(op, g, world, nbytes, dtype) for p, g in groups.items()}
             for fn in calls.values():
@@ -122,11 +122,12 @@ def _save_plot(table, png):
         print("matplotlib is not installed: no plot")
         return
     worlds = sorted(table)
-    fig, axes = plt.subplots(len(worlds), len(OPS), figsize=(5 * len(OPS), 4 * len(worlds)),
+    ops = sorted({r[0] for rows in table.values() for r in rows}, key=OPS.index)
+    fig, axes = plt.subplots(len(worlds), len(ops), figsize=(5 * len(ops), 4 * len(worlds)),
                              squeeze=False)
     for i, world in enumerate(worlds):
         rows = table[world]
-        for j, op in enumerate(OPS):
+        for j, op in enumerate(ops):
             ax = axes[i][j]
             mine = [r for r in rows if r[0] == op]
             xs = [r[1] for r in mine]
@@ -144,7 +145,7 @@ def _save_plot(table, png):
 
 
 def run(world_sizes=(2, 4), max_mib=64, quick=False, png="cpu_bench.png", rounds=3,
-        dtype="float32", threads=0):
+        dtype="float32", threads=0, ops=OPS):
     import os
 
     dtype = getattr(torch, dtype)
@@ -154,14 +155,15 @@ def run(world_sizes=(2, 4), max_mib=64, quick=False, png="cpu_bench.png", rounds
           "reduce_scatter output); algbw = bytes / time")
     table = {}
     for world in world_sizes:
-        got = run_ranks(_worker, world, lambda r: (max_mib, quick, rounds, dtype, threads), 3600)
+        got = run_ranks(_worker, world,
+                        lambda r: (max_mib, quick, rounds, dtype, threads, tuple(ops)), 3600)
         if got is None:
             print(f"world size {world}: a rank failed", file=sys.stderr)
             return 1
         default, rows = got
         table[world] = rows
         extra = _threaded(threads) if threads else None
-        for op in OPS:
+        for op in ops:
             print(f"\n{op}, world size {world} (shm on: {default} thread(s) per rank)")
             print(f"{'size':>8s} {'gloo us':>10s} {'shm off us':>11s} {'shm on us':>10s} "
                   f"{'on GB/s':>8s} {'off/gloo':>9s} {'gloo/on':>8s}" +

@@ -1,0 +1,69 @@
+"""python -m tpcomm.bench cpu --bound: the shared-memory allreduce of a large
+float32 message at 2 ranks against the memory bandwidth the two cores have
+together, measured in the same run: both ranks copy a buffer of the same size
+at once (read + write bytes per second, summed over the ranks).
+
+Model of the bytes the engine moves, per rank, for a message of S bytes at n
+ranks (two-phase, as every allreduce from TPCOMM_CPU_SHM_TWO_PHASE_BYTES on):
+copy in (S read, S written), reduce its slice (n x S/n read, S/n written),
+copy every slice out (S read, S written): 3S read + (2 + 1/n)S written. The
+bound is the time the n ranks' bytes take at the measured bandwidth.
+"""
+
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tpcomm._net import run_ranks
+
+
+def _worker(rank, world, port, mib, iters, results):
+    torch.set_num_threads(1)
+    dist.init_process_group("tpcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=600))
+    control = dist.new_group(backend="gloo")
+    nbytes = mib << 20
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    x = torch.ones(nbytes // 4)
+    dst.copy_(src)
+    dist.all_reduce(x)
+    best_copy = best_reduce = float("inf")
+    for _ in range(iters):
+        dist.barrier(group=control)
+        start = time.perf_counter()
+        dst.copy_(src)
+        took = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=control)
+        best_copy = min(best_copy, took.item())
+        dist.barrier(group=control)
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        took = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=control)
+        best_reduce = min(best_reduce, took.item())
+    if rank == 0:
+        results.put((best_copy, best_reduce))
+    dist.destroy_process_group()
+
+
+def run(mib=64, iters=5, world=2):
+    got = run_ranks(_worker, world, lambda r: (mib, iters), 1800)
+    if got is None:
+        print("a rank failed", file=sys.stderr)
+        return 1
+    copy_s, reduce_s = got
+    s = mib << 20
+    bandwidth = world * 2 * s / copy_s  # read + write bytes/s of the ranks copying at once
+    moved = world * (3 * s + (2 + 1 / world) * s)
+    bound_s = moved / bandwidth
+    print(f"{world} ranks, float32 allreduce of {mib} MiB, best of {iters}:")
+    print(f"  concurrent copy: {copy_s * 1e3:.2f} ms per rank, {bandwidth / 1e9:.1f} GB/s "
+          "read + written by the ranks together")
+    print(f"  allreduce: {reduce_s * 1e3:.2f} ms; model: {moved / 2**20:.0f} MiB moved, "
+          f"bound {bound_s * 1e3:.2f} ms at that bandwidth")
+    print(f"  allreduce at {100 * bound_s / reduce_s:.0f}% of the bandwidth bound")
+    return 0
