@@ -79,7 +79,7 @@ def main(argv=None):
         if args.bound:
             from tpcomm.bench.cpu_bound import run
 
-            return run(args.max_mib, 2 if args.quick else 5)
+            return run(args.max_mib, 2 if args.quick else 10)
         if args.late:
             from tpcomm.bench.cpu_late import run
 
