@@ -42,6 +42,23 @@ def iters_for(nbytes, quick):
     return max(2, iters // 4) if quick else iters
 
 
+def best_interleaved(calls, iters, rounds, control):
+    """{key: seconds per call}: each call run `iters` times in a row, the
+    calls interleaved round after round (so they see the same machine load),
+    the slowest rank's time kept per round and the best round kept."""
+    best = {key: float("inf") for key in calls}
+    for _ in range(rounds):
+        for key, fn in calls.items():
+            dist.barrier(group=control)
+            start = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            elapsed = torch.tensor([(time.perf_counter() - start) / iters])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
+            best[key] = min(best[key], elapsed.item())
+    return best
+
+
 def _call(op, group, world, nbytes, dtype=torch.float32):
     """A closure running one call of `op` whose per-rank payload is nbytes
     of `dtype` (at least one element per rank)."""
@@ -80,24 +97,13 @@ def _worker(rank, world, port, max_mib, quick, rounds, dtype, threads, ops, resu
     for g in groups.values():
         dist.barrier(group=g)  # sets the path up (or not)
     assert tpcomm.describe(groups["tpcomm shm on"])["cpu_shm"]["available"]
-    paths = list(groups)
     rows = []
     for op in ops:
         for nbytes in sizes(max_mib, quick):
             calls = {p: _call(op, g, world, nbytes, dtype) for p, g in groups.items()}
             for fn in calls.values():
                 fn()  # warm-up
-            best = {p: float("inf") for p in paths}
-            iters = iters_for(nbytes, quick)
-            for _ in range(rounds):
-                for path in paths:
-                    dist.barrier(group=control)
-                    start = time.perf_counter()
-                    for _ in range(iters):
-                        calls[path]()
-                    elapsed = torch.tensor([(time.perf_counter() - start) / iters])
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
-                    best[path] = min(best[path], elapsed.item())
+            best = best_interleaved(calls, iters_for(nbytes, quick), rounds, control)
             rows.append((op, nbytes, best))
     if rank == 0:
         default = tpcomm.describe(groups["tpcomm shm on"])["cpu_shm"]["threads"]

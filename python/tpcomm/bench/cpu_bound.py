@@ -17,13 +17,13 @@ on):
 """
 
 import sys
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from tpcomm._net import run_ranks
+from tpcomm.bench.cpu import best_interleaved
 
 
 def _worker(rank, world, port, mib, iters, results):
@@ -37,22 +37,10 @@ def _worker(rank, world, port, mib, iters, results):
     x = torch.ones(nbytes // 4)
     dst.copy_(src)
     dist.all_reduce(x)
-    best_copy = best_reduce = float("inf")
-    for _ in range(iters):
-        dist.barrier(group=control)
-        start = time.perf_counter()
-        dst.copy_(src)
-        took = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=control)
-        best_copy = min(best_copy, took.item())
-        dist.barrier(group=control)
-        start = time.perf_counter()
-        dist.all_reduce(x)
-        took = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=control)
-        best_reduce = min(best_reduce, took.item())
+    calls = {"copy": lambda: dst.copy_(src), "allreduce": lambda: dist.all_reduce(x)}
+    best = best_interleaved(calls, 1, iters, control)
     if rank == 0:
-        results.put((best_copy, best_reduce))
+        results.put((best["copy"], best["allreduce"]))
     dist.destroy_process_group()
 
 

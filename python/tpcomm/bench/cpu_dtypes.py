@@ -5,14 +5,13 @@ reductions' best kernels and with the portable ones
 """
 
 import sys
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from tpcomm._net import run_ranks
-from tpcomm.bench.cpu import fmt_bytes, iters_for, sizes
+from tpcomm.bench.cpu import best_interleaved, fmt_bytes, iters_for, sizes
 
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -42,17 +41,7 @@ def _dtype_worker(rank, world, port, max_mib, quick, rounds, results):
             calls[(level, dtype)] = (lambda x=x, g=groups[level]: dist.all_reduce(x, group=g))
         for fn in calls.values():
             fn()
-        best = {p: float("inf") for p in DTYPE_PATHS}
-        iters = iters_for(nbytes, quick)
-        for _ in range(rounds):
-            for path in DTYPE_PATHS:
-                dist.barrier(group=control)
-                start = time.perf_counter()
-                for _ in range(iters):
-                    calls[path]()
-                elapsed = torch.tensor([(time.perf_counter() - start) / iters])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
-                best[path] = min(best[path], elapsed.item())
+        best = best_interleaved(calls, iters_for(nbytes, quick), rounds, control)
         rows.append((nbytes, [best[p] for p in DTYPE_PATHS]))
     if rank == 0:
         results.put((levels, rows))

@@ -8,14 +8,13 @@ a world-size-1 group of each rank.
 """
 
 import sys
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from tpcomm._net import run_ranks
-from tpcomm.bench.cpu import fmt_bytes, iters_for, sizes
+from tpcomm.bench.cpu import best_interleaved, fmt_bytes, iters_for, sizes
 
 
 CALL_PATHS = ("dist", "async_op", "functional", "coordinator", "process group", "backend")
@@ -61,17 +60,8 @@ def _paths_worker(rank, world, port, max_mib, quick, rounds, results):
                     cells[(scope, name)] = fn
             for fn in cells.values():
                 fn()
-            best = {k: float("inf") for k in cells}
             iters = iters_for(nbytes, quick) * (5 if nbytes <= 4096 else 1)
-            for _ in range(rounds):
-                for key, fn in cells.items():
-                    dist.barrier(group=control)
-                    start = time.perf_counter()
-                    for _ in range(iters):
-                        fn()
-                    elapsed = torch.tensor([(time.perf_counter() - start) / iters])
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
-                    best[key] = min(best[key], elapsed.item())
+            best = best_interleaved(cells, iters, rounds, control)
             rows.append((dtype, nbytes, best))
     if rank == 0:
         results.put(rows)
