@@ -92,10 +92,9 @@ std::unique_ptr<Segment> Segment::attach(const std::string& name) {
   int pid = 0, fd = 0;
   unsigned long long bytes = 0, token = 0;
   int used = 0;
-  const bool parsed = std::sscanf(name.c_str(), "memfd:%d:%d:%llu:%llu%n", &pid, &fd, &bytes,
-                                  &token, &used) == 4 &&
-                      used == static_cast<int>(name.size()) && pid > 0 && fd >= 0 &&
-                      bytes >= kHeaderBytes;
+  const bool parsed =
+      std::sscanf(name.c_str(), "memfd:%d:%d:%llu:%llu%n", &pid, &fd, &bytes, &token, &used) == 4 &&
+      used == static_cast<int>(name.size()) && pid > 0 && fd >= 0 && bytes >= kHeaderBytes;
   TPCOMM_CHECK(parsed, kInvalidUsage, "'", name, "' is not the name of a tpcomm message queue");
   std::unique_ptr<SharedRegion> region;
   try {
@@ -130,7 +129,8 @@ ReaderSlot& Segment::slot(uint32_t r) {
 }
 
 ChunkHeader& Segment::chunkHeader(uint64_t seq) {
-  return *reinterpret_cast<ChunkHeader*>(region_->base() + chunkHeadersOffset(geometry_.numReaders) +
+  return *reinterpret_cast<ChunkHeader*>(region_->base() +
+                                         chunkHeadersOffset(geometry_.numReaders) +
                                          (seq % geometry_.numChunks) * sizeof(ChunkHeader));
 }
 
@@ -147,9 +147,12 @@ void Segment::wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
   Header& h = header();
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + timeout;
+  // What a peer published before it shut down or exited is still read:
+  // ready() is checked again after seeing either (the shutdown store and the
+  // exit come after the publishing store).
   const auto checkShutdown = [&] {
-    TPCOMM_CHECK(h.shutdown.load(std::memory_order_acquire) == 0, kPeerLost, "message queue ",
-                 name_, " was shut down while ", what);
+    TPCOMM_CHECK(h.shutdown.load(std::memory_order_acquire) == 0 || ready(), kPeerLost,
+                 "message queue ", name_, " was shut down while ", what);
   };
   // Busy: poll (yielding the core) for `spin`, so that a round trip never
   // pays a wake-up; idle: sleep, costing no CPU.
@@ -163,8 +166,9 @@ void Segment::wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
   };
   while (true) {
     checkShutdown();
-    TPCOMM_CHECK(peerAlive(), kPeerLost, "message queue ", name_, ": a peer process died while ",
-                 what);
+    if (ready()) return;
+    TPCOMM_CHECK(peerAlive() || ready(), kPeerLost, "message queue ", name_,
+                 ": a peer process died while ", what);
     const auto now = std::chrono::steady_clock::now();
     TPCOMM_CHECK(now < deadline, kTimeout, "message queue ", name_, ": timed out after ",
                  timeout.count(), " ms ", what);

@@ -2,13 +2,14 @@
 // sizes around the chunk size, reads in place, timeouts, killed and zombie
 // peers, bounds checks, and nothing ever in /dev/shm (SIGKILL at each step of
 // the creation included).
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -82,7 +83,8 @@ ForkedWriter forkWriter(const Geometry& g, const std::function<void(Writer&)>& t
   const ssize_t got = ::read(fds[0], name, sizeof(name));
   ::close(fds[0]);
   ::close(fds[1]);
-  if (got != static_cast<ssize_t>(sizeof(name))) throw std::runtime_error("no name from the writer");
+  if (got != static_cast<ssize_t>(sizeof(name)))
+    throw std::runtime_error("no name from the writer");
   return {pid, name};
 }
 
@@ -249,6 +251,35 @@ TEST(Ring, ShutdownWakesABlockedReader) {
   blocked.join();
   EXPECT_EQ(code, ErrorCode::kPeerLost);
   EXPECT_LT(std::chrono::steady_clock::now() - start, 5s);
+}
+
+// The writer publishes and shuts down at once while the reader polls: the
+// message is read, not lost to the shutdown (the reader checks for what was
+// published after it sees the shutdown).
+TEST(Ring, AMessagePublishedJustBeforeShutdownIsStillRead) {
+  for (int round = 0; round < 300; ++round) {
+    Writer writer(small(1));
+    Reader reader(writer.name(), 0);
+    writer.waitForReaders(5s);
+    std::atomic<bool> waiting{false};
+    size_t got = 0;
+    std::string error;
+    std::thread blocked([&] {
+      waiting = true;
+      try {
+        got = reader.read(10s).size();
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    });
+    while (!waiting) std::this_thread::yield();
+    std::vector<char> m(64, 'x');
+    writer.write(m.data(), m.size(), 5s);
+    writer.shutdown();
+    blocked.join();
+    ASSERT_EQ(error, "") << "round " << round;
+    ASSERT_EQ(got, 64u) << "round " << round;
+  }
 }
 
 // A ring holding one 10-byte message, with a second mapping to corrupt it.
@@ -479,7 +510,8 @@ TEST(RingFaults, WriterKilledAtEachStepOfCreationLeavesNothing) {
     const pid_t writerPid = forked.pid;
     const std::string& name = forked.name;
     std::vector<std::unique_ptr<Reader>> readers;
-    for (int r = 0; r < attachedBeforeKill; ++r) readers.push_back(std::make_unique<Reader>(name, r));
+    for (int r = 0; r < attachedBeforeKill; ++r)
+      readers.push_back(std::make_unique<Reader>(name, r));
     EXPECT_EQ(devShmEntries(), before);
     ::kill(writerPid, SIGKILL);
     int status = 0;
@@ -490,8 +522,8 @@ TEST(RingFaults, WriterKilledAtEachStepOfCreationLeavesNothing) {
     if (attachedBeforeKill < 2) {
       EXPECT_EQ(codeOf([&] { Reader late(name, attachedBeforeKill); }), ErrorCode::kSystem);
     }
-    EXPECT_EQ(devShmEntries(), before) << "after killing the writer with " << attachedBeforeKill
-                                       << " readers attached";
+    EXPECT_EQ(devShmEntries(), before)
+        << "after killing the writer with " << attachedBeforeKill << " readers attached";
   }
 }
 
