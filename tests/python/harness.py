@@ -103,19 +103,38 @@ class Group:
             self._procs.append(p)
         self._collect("start", start_timeout_s)
 
-    def _collect(self, what, timeout_s):
-        results, failures = [], []
-        for rank, conn in enumerate(self._conns):
-            if not conn.poll(timeout_s):
-                self.close(kill=True)
-                raise RankFailure(f"rank {rank} did not answer '{what}' within {timeout_s}s")
-            status, value = conn.recv()
-            if status == "error":
-                failures.append(f"--- rank {rank} ---\n{value}")
-            results.append(value)
+    def _collect(self, what, timeout_s, grace_s=15):
+        """Every rank's answer, in rank order. A rank that fails is reported
+        at once with its traceback: the others get `grace_s` more (a rank
+        often hangs because its peer failed), then count as not answering."""
+        import time
+        from multiprocessing.connection import wait
+
+        deadline = time.monotonic() + timeout_s
+        answers, failures = {}, []
+        while len(answers) < len(self._conns):
+            pending = [c for r, c in enumerate(self._conns) if r not in answers]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            for conn in wait(pending, timeout=left):
+                rank = self._conns.index(conn)
+                status, value = conn.recv()
+                answers[rank] = value
+                if status == "error":
+                    failures.append(f"--- rank {rank} ---\n{value}")
+                    deadline = min(deadline, time.monotonic() + grace_s)
+        missing = [r for r in range(len(self._conns)) if r not in answers]
+        if missing:
+            self.close(kill=True)
+            silent = f"rank(s) {missing} did not answer '{what}' within {timeout_s}s"
+            if failures:
+                silent = (f"{silent} (given {grace_s}s after another rank failed)\n"
+                          + "\n".join(failures))
+            raise RankFailure(silent)
         if failures:
             raise RankFailure(f"'{what}' failed:\n" + "\n".join(failures))
-        return results
+        return [answers[r] for r in range(len(self._conns))]
 
     def run(self, fn, *args, timeout_s=120):
         for conn in self._conns:
