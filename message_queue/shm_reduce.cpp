@@ -410,27 +410,23 @@ vec::Kernel kernelOf(ReduceIsa isa) {
   return nullptr;
 }
 
-bool cpuRuns(ReduceIsa isa) {
+// The best level this CPU runs, read once at load time (every level below
+// it runs too: AVX-512 CPUs have AVX2 and F16C).
+ReduceIsa detectBestIsa() {
 #if defined(__x86_64__) && defined(__GNUC__)
-  switch (isa) {
-    case ReduceIsa::kAvx512:
-      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-             __builtin_cpu_supports("f16c");
-    case ReduceIsa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    case ReduceIsa::kPortable:
-      return true;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("f16c")) {
+    return ReduceIsa::kAvx512;
   }
-  return false;
-#else
-  return isa == ReduceIsa::kPortable;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c")) return ReduceIsa::kAvx2;
 #endif
+  return ReduceIsa::kPortable;
 }
 
-const ReduceIsa kBestIsa = cpuRuns(ReduceIsa::kAvx512) ? ReduceIsa::kAvx512
-                           : cpuRuns(ReduceIsa::kAvx2) ? ReduceIsa::kAvx2
-                                                       : ReduceIsa::kPortable;
+const ReduceIsa kBestIsa = detectBestIsa();
+
+bool cpuRuns(ReduceIsa isa) { return isa <= kBestIsa; }
 
 // The level's kernel for whole vectors, then the portable loop (itself
 // cloned for the CPU) for the rest and for the dtypes the kernel lacks.

@@ -45,6 +45,7 @@ void reduceInto(void* out, const void* const* srcs, int n, size_t count, DType d
 // them (the last elements, integer AVG and AVX2's int64 PRODUCT/MIN/MAX
 // through the portable loop); every level gives the same bits, but for
 // which NaN's sign or payload a SUM or PRODUCT of two NaNs keeps.
+// Ordered: a CPU that runs a level runs every level below it.
 enum class ReduceIsa : uint8_t { kPortable, kAvx2, kAvx512 };
 // The best level this CPU runs: the one reduceInto uses.
 ReduceIsa bestReduceIsa();

@@ -41,7 +41,7 @@ struct Io<DType::kFloat16> {
   static void load(const T* p, A::Vec* v) { v[0] = A::loadFP16(p); }
   static void store(T* p, const A::Vec* v) { A::storeFP16(p, v[0]); }
 };
-template <DType D, typename Arith, typename Scalar>
+template <typename Arith, typename Scalar>
 struct Plain {  // a dtype whose vectors hold its elements as they are
   using T = Scalar;
   using A = Arith;
@@ -51,11 +51,11 @@ struct Plain {  // a dtype whose vectors hold its elements as they are
   static void store(T* p, const typename A::Vec* v) { A::store(p, v[0]); }
 };
 template <>
-struct Io<DType::kFloat64> : Plain<DType::kFloat64, VD, double> {};
+struct Io<DType::kFloat64> : Plain<VD, double> {};
 template <>
-struct Io<DType::kInt32> : Plain<DType::kInt32, VI32, int32_t> {};
+struct Io<DType::kInt32> : Plain<VI32, int32_t> {};
 template <>
-struct Io<DType::kInt64> : Plain<DType::kInt64, VI64, int64_t> {};
+struct Io<DType::kInt64> : Plain<VI64, int64_t> {};
 
 // acc = acc (op) next, as the portable loop's Sum, Product, Min and Max
 // (MIN and MAX propagate a NaN from any rank; integers wrap).
