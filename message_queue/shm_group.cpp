@@ -11,6 +11,7 @@
 
 #include "coordinator/common/error.hpp"
 #include "message_queue/futex.hpp"
+#include "message_queue/shm_group_internal.hpp"
 
 namespace tpcomm::mq {
 
@@ -18,15 +19,9 @@ namespace {
 
 constexpr uint64_t kMagic = 0x7470636f6d6d7332ULL;  // "tpcomms2"
 constexpr uint32_t kVersion = 2;
-constexpr size_t kLine = 64;
-constexpr size_t kControlOffset = 256;
-constexpr size_t kPage = 4096;
 constexpr int kMaxRanks = 1024;
 constexpr auto kSleepSlice = std::chrono::milliseconds(10);
 constexpr int kPausePolls = 8;  // rounds of 16 polls before the first sched_yield
-// The least a worker thread is given of a copy or reduction (a smaller part
-// costs more to hand over than it saves).
-constexpr size_t kSplitMinBytes = 256 << 10;
 
 // The first failure, in the header's failure word: cause, the rank that
 // reported it and the rank it blames, published together by one CAS.
@@ -58,14 +53,7 @@ std::string describeFailure(uint64_t word) {
                         culprit >= 0 ? detail::concat(" (rank ", culprit, " died)") : "");
 }
 
-enum class Op : uint8_t {
-  kBarrier = 1,
-  kAllreduce,
-  kAllgather,
-  kReduceScatter,
-  kBroadcast,
-  kAllreduceAddRmsNorm
-};
+}  // namespace
 
 const char* opName(Op op) {
   switch (op) {
@@ -85,90 +73,41 @@ const char* opName(Op op) {
   return "unknown";
 }
 
-int reductionCode(const ReduceSpec& spec) {
-  return static_cast<int>(spec.kind) | (spec.divisor != 1 ? 4 : 0) | (spec.premultiply ? 8 : 0);
-}
-
-}  // namespace
-
-// What every rank of one call must agree on: op, dtype, reduction and root
-// in `head`, the element (or byte) count in full in `count`, and in `extra`
-// the fused call's eps (its bits) or the call's place in a coalesced list
-// (top bit set, then index and length; 0 for a call on its own).
-struct ShmGroup::Signature {
-  uint64_t head = 0;
-  uint64_t count = 0;
-  uint64_t extra = 0;
-  Signature(int op, int dtype, int reduction, int root, uint64_t n, uint64_t x = 0)
-      : head((static_cast<uint64_t>(op) << 56) | (static_cast<uint64_t>(dtype & 0xff) << 48) |
-             (static_cast<uint64_t>(reduction & 0xff) << 40) |
-             static_cast<uint64_t>(static_cast<uint32_t>(root))),
-        count(n),
-        extra(x) {}
-  Signature(uint64_t h, uint64_t c, uint64_t x) : head(h), count(c), extra(x) {}
-  static uint64_t ofPart(const ShmPart& part) {
-    if (part.of <= 1) return 0;
-    return (1ull << 63) | (static_cast<uint64_t>(part.index & 0x7fffffff) << 32) | part.of;
-  }
-  static uint64_t ofEps(double eps) {
-    uint64_t bits;
-    std::memcpy(&bits, &eps, sizeof(bits));
-    return bits;
-  }
-  bool operator==(const Signature& o) const {
-    return head == o.head && count == o.count && extra == o.extra;
-  }
-  std::string describe() const {
-    const auto op = static_cast<Op>(head >> 56);
-    const int dtype = static_cast<int>((head >> 48) & 0xff);
-    const int reduction = static_cast<int>((head >> 40) & 0xff);
-    const int root = static_cast<int>(static_cast<uint32_t>(head));
-    std::string out = opName(op);
-    switch (op) {
-      case Op::kBarrier:
-        return out;
-      case Op::kAllgather:
-        return detail::concat(out, " of ", count, " bytes", partOf());
-      case Op::kBroadcast:
-        return detail::concat(out, " of ", count, " bytes from root ", root);
-      case Op::kAllreduceAddRmsNorm: {
-        double eps;
-        std::memcpy(&eps, &extra, sizeof(eps));
-        char text[32];
-        std::snprintf(text, sizeof(text), "%.9g", eps);
-        return detail::concat(out, " ", dtypeName(static_cast<DType>(dtype)), "[", count,
-                              "] in rows of ", root, " with eps ", text);
-      }
-      default:
-        break;
+std::string ShmGroup::Signature::describe() const {
+  const auto op = static_cast<Op>(head >> 56);
+  const int dtype = static_cast<int>((head >> 48) & 0xff);
+  const int reduction = static_cast<int>((head >> 40) & 0xff);
+  const int root = static_cast<int>(static_cast<uint32_t>(head));
+  std::string out = opName(op);
+  switch (op) {
+    case Op::kBarrier:
+      return out;
+    case Op::kAllgather:
+      return detail::concat(out, " of ", count, " bytes", partOf());
+    case Op::kBroadcast:
+      return detail::concat(out, " of ", count, " bytes from root ", root);
+    case Op::kAllreduceAddRmsNorm: {
+      double eps;
+      std::memcpy(&eps, &extra, sizeof(eps));
+      char text[32];
+      std::snprintf(text, sizeof(text), "%.9g", eps);
+      return detail::concat(out, " ", dtypeName(static_cast<DType>(dtype)), "[", count,
+                            "] in rows of ", root, " with eps ", text);
     }
-    std::string how = reduceKindName(static_cast<ReduceKind>(reduction & 3));
-    if (reduction & 4) how = "avg";
-    if (reduction & 8) how = "premul_sum";
-    return detail::concat(out, " ", how, " ", dtypeName(static_cast<DType>(dtype)), "[", count, "]",
-                          partOf());
+    default:
+      break;
   }
-  std::string partOf() const {
-    if ((extra >> 63) == 0) return "";
-    return detail::concat(" (tensor ", ((extra >> 32) & 0x7fffffff) + 1, " of a coalesced list of ",
-                          static_cast<uint32_t>(extra), ")");
-  }
-};
-
-namespace {
-
-size_t alignUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
-
-size_t dataOffset(int size) { return alignUp(kControlOffset + kLine * size, kPage); }
-
-// Elements of each rank's slice in a two-phase chunk of n elements: whole
-// cache lines, so ranks never write the same line.
-size_t sliceElements(size_t n, int size, size_t elementBytes) {
-  const size_t perLine = kLine / elementBytes;
-  return alignUp((n + size - 1) / size, perLine);
+  std::string how = reduceKindName(static_cast<ReduceKind>(reduction & 3));
+  if (reduction & 4) how = "avg";
+  if (reduction & 8) how = "premul_sum";
+  return detail::concat(out, " ", how, " ", dtypeName(static_cast<DType>(dtype)), "[", count, "]",
+                        partOf());
 }
-
-}  // namespace
+std::string ShmGroup::Signature::partOf() const {
+  if ((extra >> 63) == 0) return "";
+  return detail::concat(" (tensor ", ((extra >> 32) & 0x7fffffff) + 1, " of a coalesced list of ",
+                        static_cast<uint32_t>(extra), ")");
+}
 
 struct ShmGroup::Header {
   uint64_t magic;
@@ -230,7 +169,6 @@ ShmGroup::ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& 
   setSpin(options_.spin, options_.yield);
   timeoutMs_.store(options_.timeout.count());
   data_ = region_->base() + dataOffset(options_.size);
-  sources_.resize(options_.size);
   for (int32_t pid : pids) peers_.emplace_back(pid);
   // This rank's halves are allocated by this rank (on its NUMA node), now.
   region_->prefault(static_cast<size_t>(half(options_.rank, 0) - region_->base()),
@@ -275,28 +213,6 @@ ShmGroup::Control& ShmGroup::control(int r) const {
 
 char* ShmGroup::half(int r, uint64_t chunk) const {
   return data_ + (static_cast<size_t>(r) * 2 + (chunk & 1)) * options_.bufferBytes;
-}
-
-const void* const* ShmGroup::sourcesAt(uint64_t chunk, size_t byteOffset) const {
-  thread_local std::vector<const void*> sources;  // one per thread: parts run at once
-  sources.resize(options_.size);
-  for (int r = 0; r < options_.size; ++r) sources[r] = half(r, chunk) + byteOffset;
-  return sources.data();
-}
-
-template <typename Fn>
-void ShmGroup::split(size_t count, size_t esize, const Fn& fn) {
-  const size_t bytes = count * esize;
-  const size_t parts =
-      pool_ ? std::min<size_t>(pool_->threads(), bytes / kSplitMinBytes) : size_t{1};
-  if (parts <= 1) return fn(0, count);
-  const size_t perLine = std::max<size_t>(1, kLine / esize);
-  const size_t each = alignUp((count + parts - 1) / parts, perLine);
-  pool_->run(parts, [&](size_t p) {
-    const size_t a = std::min(count, p * each);
-    const size_t b = std::min(count, a + each);
-    if (b > a) fn(a, b);
-  });
 }
 
 void ShmGroup::setReduceIsa(ReduceIsa isa) {
@@ -452,211 +368,6 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
       fail(kTimedOut, -1,
            detail::concat("ranks ", missing, " did not reach ", signature.describe(), " within ",
                           limit.count(), " ms"));
-    }
-  }
-}
-
-void ShmGroup::barrier() {
-  checkNotForked();  // before the lock: a fork may have copied it held
-  std::lock_guard<std::mutex> lock(mutex_);
-  throwIfFailed();
-  step(Signature(static_cast<int>(Op::kBarrier), 0, 0, 0, 0));
-}
-
-void ShmGroup::allreduceAddRmsNorm(const void* in, size_t rows, DType dtype, const NormRows& norm) {
-  checkNotForked();  // before the lock: a fork may have copied it held
-  std::lock_guard<std::mutex> lock(mutex_);
-  throwIfFailed();
-  const ReduceIsa isa = reduceIsa_.load(std::memory_order_relaxed);
-  const size_t esize = dtypeBytes(dtype);
-  const size_t rowBytes = norm.hidden * esize;
-  // The hidden size travels as the signature's root: ranks that disagree on
-  // it (same count, other rows) are named too.
-  const Signature sig(static_cast<int>(Op::kAllreduceAddRmsNorm), static_cast<int>(dtype), 0,
-                      static_cast<int>(norm.hidden), rows * norm.hidden,
-                      Signature::ofEps(norm.eps));
-  TPCOMM_CHECK(rowBytes <= options_.bufferBytes, kInvalidUsage, "allreduce_add_rms_norm: a row of ",
-               rowBytes, " bytes exceeds the shared-memory chunk of ", options_.bufferBytes);
-  if (rows == 0) return step(sig);
-  const int n = options_.size;
-  const int me = options_.rank;
-  const size_t chunkRows = options_.bufferBytes / rowBytes;
-  const bool twoPhase = n > 1 && rows * rowBytes >= options_.twoPhaseMinBytes;
-  std::vector<const void*>& srcs = sources_;
-  ReduceSpec sum;
-  for (size_t first = 0; first < rows; first += chunkRows) {
-    const size_t m = std::min(chunkRows, rows - first);
-    const uint64_t k = chunks_++;
-    std::memcpy(half(me, k), static_cast<const char*>(in) + first * rowBytes, m * rowBytes);
-    step(sig);
-    NormRows at = norm;
-    auto rowsFrom = [&](size_t row) {
-      const size_t offset = (first + row) * rowBytes;
-      at.residual = static_cast<const char*>(norm.residual) + offset;
-      at.residualOut = static_cast<char*>(norm.residualOut) + offset;
-      at.normed = static_cast<char*>(norm.normed) + offset;
-    };
-    if (!twoPhase) {
-      for (int r = 0; r < n; ++r) srcs[r] = half(r, k);
-      rowsFrom(0);
-      reduceAddRmsNorm(srcs.data(), n, m, dtype, at);
-      continue;
-    }
-    // Rank r sums rows [per x r, per x (r + 1)) of the chunk into its own
-    // half; after the second step every rank finishes every row from its
-    // owner's sums with its own residual.
-    const size_t per = (m + n - 1) / n;
-    const size_t from = std::min(m, per * me);
-    const size_t to = std::min(m, from + per);
-    for (int r = 0; r < n; ++r) srcs[r] = half(r, k) + from * rowBytes;
-    reduceIntoWith(isa, half(me, k) + from * rowBytes, srcs.data(), n, (to - from) * norm.hidden,
-                   dtype, sum);
-    step(sig);
-    for (int r = 0; r < n; ++r) {
-      const size_t a = std::min(m, per * r);
-      const size_t b = std::min(m, a + per);
-      if (b == a) continue;
-      const void* owner = half(r, k) + a * rowBytes;
-      rowsFrom(a);
-      reduceAddRmsNorm(&owner, 1, b - a, dtype, at);
-    }
-  }
-}
-
-void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
-                         const ReduceSpec& spec, const ShmPart& part) {
-  checkNotForked();  // before the lock: a fork may have copied it held
-  std::lock_guard<std::mutex> lock(mutex_);
-  throwIfFailed();
-  const ReduceIsa isa = reduceIsa_.load(std::memory_order_relaxed);
-  const Signature sig(static_cast<int>(Op::kAllreduce), static_cast<int>(dtype),
-                      reductionCode(spec), 0, count, Signature::ofPart(part));
-  const int n = options_.size;
-  const int me = options_.rank;
-  const size_t esize = dtypeBytes(dtype);
-  if (count == 0) return step(sig);
-  const bool twoPhase = n > 1 && count * esize >= options_.twoPhaseMinBytes;
-  const size_t chunkElements = options_.bufferBytes / esize;
-  ReduceSpec reduce = spec;
-  reduce.premultiply = false;  // applied while copying in
-  for (size_t offset = 0; offset < count; offset += chunkElements) {
-    const size_t m = std::min(chunkElements, count - offset);
-    const uint64_t k = chunks_++;
-    const char* src = static_cast<const char*>(in) + offset * esize;
-    split(m, esize, [&](size_t a, size_t b) {
-      copyScaled(half(me, k) + a * esize, src + a * esize, b - a, dtype, spec);
-    });
-    step(sig);
-    char* dst = static_cast<char*>(out) + offset * esize;
-    if (!twoPhase) {
-      split(m, esize, [&](size_t a, size_t b) {
-        reduceIntoWith(isa, dst + a * esize, sourcesAt(k, a * esize), n, b - a, dtype, reduce);
-      });
-      continue;
-    }
-    const size_t slice = sliceElements(m, n, esize);
-    const size_t from = std::min(m, slice * me);
-    const size_t to = std::min(m, from + slice);
-    split(to - from, esize, [&](size_t a, size_t b) {
-      reduceIntoWith(isa, half(me, k) + (from + a) * esize, sourcesAt(k, (from + a) * esize), n,
-                     b - a, dtype, reduce);
-    });
-    step(sig);
-    split(m, esize, [&](size_t a, size_t b) {
-      for (int r = 0; r < n; ++r) {  // the part of [a, b) that rank r owns
-        const size_t lo = std::max(a, std::min(m, slice * r));
-        const size_t hi = std::min(b, std::min(m, slice * r + slice));
-        if (hi > lo) std::memcpy(dst + lo * esize, half(r, k) + lo * esize, (hi - lo) * esize);
-      }
-    });
-  }
-}
-
-void ShmGroup::allgather(const void* in, size_t bytes, const std::vector<void*>& outs,
-                         const ShmPart& part) {
-  checkNotForked();  // before the lock: a fork may have copied it held
-  std::lock_guard<std::mutex> lock(mutex_);
-  throwIfFailed();
-  TPCOMM_CHECK_EQ(outs.size(), static_cast<size_t>(options_.size), "(all_gather outputs)");
-  const Signature sig(static_cast<int>(Op::kAllgather), 0, 0, 0, bytes, Signature::ofPart(part));
-  if (bytes == 0) return step(sig);
-  const size_t chunk = options_.bufferBytes;
-  for (size_t offset = 0; offset < bytes; offset += chunk) {
-    const size_t m = std::min(chunk, bytes - offset);
-    const uint64_t k = chunks_++;
-    const char* src = static_cast<const char*>(in) + offset;
-    split(m, 1,
-          [&](size_t a, size_t b) { std::memcpy(half(options_.rank, k) + a, src + a, b - a); });
-    step(sig);
-    split(m, 1, [&](size_t a, size_t b) {
-      for (int r = 0; r < options_.size; ++r) {
-        // An in-place call's own part is in place already.
-        if (r == options_.rank && outs[r] == in) continue;
-        std::memcpy(static_cast<char*>(outs[r]) + offset + a, half(r, k) + a, b - a);
-      }
-    });
-  }
-}
-
-void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, size_t count,
-                             DType dtype, const ReduceSpec& spec, const ShmPart& part) {
-  checkNotForked();  // before the lock: a fork may have copied it held
-  std::lock_guard<std::mutex> lock(mutex_);
-  throwIfFailed();
-  const ReduceIsa isa = reduceIsa_.load(std::memory_order_relaxed);
-  const int n = options_.size;
-  TPCOMM_CHECK_EQ(ins.size(), static_cast<size_t>(n), "(reduce_scatter inputs)");
-  const Signature sig(static_cast<int>(Op::kReduceScatter), static_cast<int>(dtype),
-                      reductionCode(spec), 0, count, Signature::ofPart(part));
-  if (count == 0) return step(sig);
-  const size_t esize = dtypeBytes(dtype);
-  // Each half holds one piece per destination rank, whole cache lines each
-  // where the buffer allows.
-  const size_t perLine = kLine / esize;
-  size_t piece = options_.bufferBytes / n / esize;
-  if (piece >= perLine) piece = piece / perLine * perLine;
-  TPCOMM_CHECK(piece >= 1, kInvalidUsage, "shared-memory buffer of ", options_.bufferBytes,
-               " bytes is too small for a reduce-scatter of ", dtypeName(dtype), " over ", n,
-               " ranks");
-  ReduceSpec reduce = spec;
-  reduce.premultiply = false;
-  const size_t mine = options_.rank * piece * esize;  // this rank's piece in every half
-  for (size_t offset = 0; offset < count; offset += piece) {
-    const size_t m = std::min(piece, count - offset);
-    const uint64_t k = chunks_++;
-    split(m, esize, [&](size_t a, size_t b) {
-      for (int r = 0; r < n; ++r) {
-        copyScaled(half(options_.rank, k) + (r * piece + a) * esize,
-                   static_cast<const char*>(ins[r]) + (offset + a) * esize, b - a, dtype, spec);
-      }
-    });
-    step(sig);
-    split(m, esize, [&](size_t a, size_t b) {
-      reduceIntoWith(isa, static_cast<char*>(out) + (offset + a) * esize,
-                     sourcesAt(k, mine + a * esize), n, b - a, dtype, reduce);
-    });
-  }
-}
-
-void ShmGroup::broadcast(void* data, size_t bytes, int root) {
-  checkNotForked();  // before the lock: a fork may have copied it held
-  std::lock_guard<std::mutex> lock(mutex_);
-  throwIfFailed();
-  TPCOMM_CHECK(root >= 0 && root < options_.size, kInvalidUsage, "broadcast root ", root,
-               " outside a group of ", options_.size);
-  const Signature sig(static_cast<int>(Op::kBroadcast), 0, 0, root, bytes);
-  if (bytes == 0) return step(sig);
-  const size_t chunk = options_.bufferBytes;
-  for (size_t offset = 0; offset < bytes; offset += chunk) {
-    const size_t m = std::min(chunk, bytes - offset);
-    const uint64_t k = chunks_++;
-    char* mine = static_cast<char*>(data) + offset;
-    if (options_.rank == root) {
-      split(m, 1, [&](size_t a, size_t b) { std::memcpy(half(root, k) + a, mine + a, b - a); });
-    }
-    step(sig);
-    if (options_.rank != root) {
-      split(m, 1, [&](size_t a, size_t b) { std::memcpy(mine + a, half(root, k) + a, b - a); });
     }
   }
 }

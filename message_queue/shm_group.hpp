@@ -208,7 +208,6 @@ class ShmGroup {
   char* data_ = nullptr;
   uint64_t steps_ = 0;
   uint64_t chunks_ = 0;
-  std::vector<const void*> sources_;  // a reduction's inputs, one per rank (guarded by mutex_)
   std::atomic<int64_t> timeoutMs_{0};
   std::atomic<int64_t> spinUs_{0};
   std::atomic<bool> yield_{true};
