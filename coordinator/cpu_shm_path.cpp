@@ -23,6 +23,7 @@ constexpr size_t kModeWidth = 8;
 constexpr size_t kHostWidth = 128;
 constexpr size_t kNumberWidth = 24;
 constexpr size_t kMessageWidth = 384;
+constexpr size_t kNonceWidth = 32;
 
 // A record of fixed-width fields, and its fields back.
 class Record {
@@ -56,19 +57,15 @@ class Fields {
   size_t offset_ = 0;
 };
 
-// Round 1's verdict: empty when every rank can share one region.
-std::string agreement(const std::vector<std::string>& modes, const std::vector<std::string>& hosts,
-                      const std::vector<int64_t>& buffers, const std::vector<int64_t>& twoPhase) {
+// Round 1's verdict on the settings: empty when every rank can share one
+// region, hosts aside.
+std::string agreement(const std::vector<std::string>& modes, const std::vector<int64_t>& buffers,
+                      const std::vector<int64_t>& twoPhase) {
   std::string off;
   for (size_t r = 0; r < modes.size(); ++r) {
     if (modes[r] == "0") off += detail::concat(off.empty() ? "" : ",", r);
   }
   if (!off.empty()) return detail::concat("TPCOMM_CPU_SHM=0 on rank(s) ", off);
-  for (size_t r = 1; r < hosts.size(); ++r) {
-    if (hosts[r] != hosts[0])
-      return detail::concat("ranks 0 and ", r, " are on different hosts ('", hosts[0], "' and '",
-                            hosts[r], "')");
-  }
   for (size_t r = 1; r < buffers.size(); ++r) {
     if (buffers[r] != buffers[0])
       return detail::concat("ranks disagree on TPCOMM_CPU_SHM_BUFFER_BYTES (rank 0: ", buffers[0],
@@ -129,6 +126,7 @@ CpuShmConfig CpuShmConfig::fromSettings() {
   c.spinUs = settings().cpuShmSpinUs;
   c.reduceIsa = settings().cpuReduceIsa;
   c.threads = settings().cpuShmThreads;
+  c.hierSliceBytes = settings().cpuHierSliceBytes;
   return c;
 }
 
@@ -168,8 +166,17 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
     result.reason = std::move(reason);
     return std::move(result);
   };
-  std::string reason = agreement(modes, hosts, buffers, twoPhase);
+  std::string reason = agreement(modes, buffers, twoPhase);
   if (!reason.empty()) return refuse(reason);
+  for (int r = 1; r < size; ++r) {
+    if (hosts[r] == hosts[0]) continue;
+    // A group across hosts: the caller decides (hierarchical collectives).
+    result.hosts = hosts;
+    result.required = !required.empty();
+    result.reason = detail::concat("ranks 0 and ", r, " are on different hosts ('", hosts[0],
+                                   "' and '", hosts[r], "')");
+    return result;
+  }
 
   mq::ShmGroupOptions options;
   options.rank = rank;
@@ -198,16 +205,18 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   }
   Record created;
   created.put(failure, kMessageWidth).put(region ? region->fd() : -1);
+  created.put(region ? region->nonce().hex() : std::string(), kNonceWidth);
   const auto fromZero = allgatherBytes(cpu, size, created.bytes())[0];
   Fields zero(fromZero);
   const std::string zeroFailure = zero.text(kMessageWidth);
   const int64_t fd = zero.number();
+  const std::string nonce = zero.text(kNonceWidth);
   if (!zeroFailure.empty()) return refuse("rank 0: " + zeroFailure);
   std::unique_ptr<mq::ShmGroup> group;
   try {
     if (rank != 0) {
-      region =
-          mq::SharedRegion::attach(static_cast<int32_t>(pids[0]), static_cast<int32_t>(fd), bytes);
+      region = mq::SharedRegion::attach(static_cast<int32_t>(pids[0]), static_cast<int32_t>(fd),
+                                        bytes, mq::RegionNonce::parse(nonce));
     }
     // Checks the header it mapped (magic, size, settings): a rank that
     // reached some other file says so in round 3.

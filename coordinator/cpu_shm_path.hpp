@@ -9,9 +9,11 @@
 // same data and reaches the same verdict:
 //   1. TPCOMM_CPU_SHM mode, host identity, pid, and the settings that shape
 //      the protocol (buffer bytes, two-phase crossover): refused when any
-//      rank turned the path off, hosts differ, or settings differ
-//   2. rank 0 creates the region (memfd) and sends its pid and descriptor,
-//      or why it failed; the others map it through /proc
+//      rank turned the path off or settings differ; ranks on several hosts
+//      end the set-up here with every rank's host
+//   2. rank 0 creates the region (memfd) and sends its pid, descriptor and
+//      nonce, or why it failed; the others map it through /proc and check
+//      the nonce
 //   3. whether every rank mapped it
 // A rank that fails a step still takes part in every later round.
 
@@ -19,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -34,15 +37,22 @@ struct CpuShmConfig {
   int64_t spinUs = -1;             // -1: spinPolicy's choice
   std::string reduceIsa = "auto";  // TPCOMM_CPU_REDUCE_ISA
   int64_t threads = 0;             // TPCOMM_CPU_SHM_THREADS (0: threadsFor's choice)
+  int64_t hierSliceBytes = 64 << 10;  // TPCOMM_CPU_HIER_SLICE_BYTES
   static CpuShmConfig fromSettings();
 };
 
 struct CpuShmSetup {
   std::unique_ptr<mq::ShmGroup> group;  // null when the group does not use the path
   std::string reason;                   // why not (empty when it does)
+  // Where the ranks sit on several hosts (and nothing else refused the
+  // path): every rank's host identity, for hierarchical collectives
+  // (cpu_hier_path.hpp); `required`: TPCOMM_CPU_SHM=1 on some rank.
+  std::vector<std::string> hosts;
+  bool required = false;
 };
 
-// Throws InvalidUsage on every rank when mode is "1" and the set-up failed.
+// Throws InvalidUsage on every rank when mode is "1" and the set-up failed
+// (ranks on several hosts excepted: see CpuShmSetup::hosts).
 CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::string& hostId,
                         const CpuShmConfig& config, std::chrono::milliseconds timeout);
 

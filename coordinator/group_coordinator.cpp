@@ -41,6 +41,8 @@ GroupCoordinator::~GroupCoordinator() {
   withoutInterpreterLock([this] {
     shmFast_.store(nullptr);
     shm_.reset();
+    hierFast_.store(nullptr);
+    hier_.reset();
     custom_.reset();
     device_.reset();
     cpu_.reset();
@@ -204,7 +206,7 @@ Pending GroupCoordinator::allreduceCoalesced(std::vector<at::Tensor>& tensors,
   });
   const Route route = routeFor(tensors[0]);
   if (route == Route::kCpu) checkCpuReduces("allreduce_coalesced", tensors[0].scalar_type());
-  if (route == Route::kCpu && cpuShm() != nullptr &&
+  if (route == Route::kCpu && cpuShmReady() &&
       shmReduces(opts.reduceOp, tensors[0].scalar_type(), nullptr)) {
     for (size_t i = 0; i < tensors.size(); ++i)
       shmAllreduce(tensors[i], tensors[i], opts.reduceOp, false, partOf(i, tensors.size()));
@@ -295,7 +297,7 @@ Pending GroupCoordinator::allgatherCoalesced(std::vector<std::vector<at::Tensor>
   const auto turn =
       debugCheck([&] { return std::string("allgather_coalesced " + describeTensors(inputs)); });
   const Route route = routeFor(inputs[0]);
-  if (route == Route::kCpu && cpuShm() != nullptr) {
+  if (route == Route::kCpu && cpuShmReady()) {
     for (size_t i = 0; i < inputs.size(); ++i) {
       std::vector<void*> outs;
       for (auto& list : outputs) outs.push_back(list[i].data_ptr());
@@ -317,7 +319,7 @@ Pending GroupCoordinator::allgatherIntoTensorCoalesced(std::vector<at::Tensor>& 
                        describeTensors(outputs));
   });
   const Route route = routeFor(inputs[0]);
-  if (route == Route::kCpu && cpuShm() != nullptr) {
+  if (route == Route::kCpu && cpuShmReady()) {
     for (size_t i = 0; i < inputs.size(); ++i)
       shmAllgather(inputs[i], slicesOf(outputs[i], size()), {}, false, partOf(i, inputs.size()));
     return completedCall(outputs, opts.asyncOp);
@@ -443,7 +445,7 @@ Pending GroupCoordinator::reduceScatterTensorCoalesced(std::vector<at::Tensor>& 
   const bool everyDtype = std::all_of(inputs.begin(), inputs.end(), [&](const at::Tensor& t) {
     return shmReduces(opts.reduceOp, t.scalar_type(), nullptr);
   });
-  if (route == Route::kCpu && everyDtype && cpuShm() != nullptr) {
+  if (route == Route::kCpu && everyDtype && cpuShmReady()) {
     for (size_t i = 0; i < inputs.size(); ++i)
       shmReduceScatter(constSlicesOf(inputs[i], size()), outputs[i], opts.reduceOp, false,
                        partOf(i, inputs.size()));
@@ -549,12 +551,14 @@ void GroupCoordinator::setTimeout(std::chrono::milliseconds timeout) {
   cpu_->setTimeout(timeout);
   if (p2p_) p2p_->setTimeout(timeout);
   if (auto* shm = shmFast_.load()) shm->setTimeout(timeout);
+  if (auto* hier = hierFast_.load()) hier->setTimeout(timeout);
   if (auto device = deviceBackendIfCreated()) device->setTimeout(timeout);
   if (auto custom = customPath()) custom->setTimeout(customTimeout());
 }
 
 void GroupCoordinator::abort() {
   if (auto* shm = shmFast_.load()) shm->abort("the group was aborted");
+  if (auto* hier = hierFast_.load()) hier->abort("the group was aborted");
   if (auto device = deviceBackendIfCreated()) device->abort();
   cpu_->abort();
 }

@@ -20,7 +20,11 @@
 // group whose ranks share a host go through shared memory (cpu_shm_path.hpp)
 // once the group's first such call set it up (collectively, over the CPU
 // backend); they run to completion in the calling thread and return a
-// completed Work. Everything else on CPU goes to Gloo.
+// completed Work. Those of a group whose ranks sit on several hosts go
+// through shared memory inside each host and Gloo sub-groups between them
+// (cpu_hier_path.hpp), set up at the same point, where a CPU backend
+// factory was given (setCpuBackendFactory). Everything else on CPU goes to
+// Gloo.
 //
 // Where the routed backend lacks an operation the coordinator composes it
 // (AVG and PREMUL_SUM on Gloo, list all-to-all through alltoall_base).
@@ -48,6 +52,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include "coordinator/cpu_hier_path.hpp"
 #include "coordinator/cpu_shm_path.hpp"
 #include "coordinator/custom_path.hpp"
 #include "coordinator/debug_p2p.hpp"
@@ -61,11 +66,9 @@ namespace tpcomm::coord {
 // the product; a fake in tests).
 using CustomDeviceFactory = std::function<std::unique_ptr<CustomDevice>(int deviceIndex)>;
 
-// Makes a backend for (store, rank, size, timeout). The device backend is
-// made through one of these so that a CPU-only job never touches CUDA/NCCL.
-using BackendFactory = std::function<c10::intrusive_ptr<c10d::Backend>(
-    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
-    std::chrono::milliseconds timeout)>;
+// BackendFactory (cpu_hier_path.hpp): the device backend is made through
+// one so that a CPU-only job never touches CUDA/NCCL; a group across hosts
+// makes its Gloo sub-groups through another.
 
 struct GroupOptions {
   int rank = 0;
@@ -190,6 +193,12 @@ class GroupCoordinator {
   // The shared-memory path for CPU collectives: set up (collectively) on the
   // first call, then null when the group does not use it; `reason` says why.
   mq::ShmGroup* cpuShm();
+  // The hierarchical path of a group across hosts: set up with cpuShm() (the
+  // same first call), null where the group does not use it.
+  HierGroup* cpuHier();
+  // Makes the Gloo sub-groups of a group across hosts (before the group's
+  // first CPU collective); without one such a group uses Gloo alone.
+  void setCpuBackendFactory(BackendFactory factory) { cpuFactory_ = std::move(factory); }
   struct CpuShmState {
     bool setUp = false;
     bool available = false;
@@ -200,6 +209,12 @@ class GroupCoordinator {
     int64_t spinUs = -1;    // the waits' polling window (set up only)
     bool yields = true;     // whether they yield the core while polling
     int threads = 1;        // threads per rank for large calls (set up only)
+    // A group across hosts (set up only): the hosts, and why the
+    // hierarchical path is or is not used.
+    bool hierarchical = false;
+    std::string layout;
+    std::string hierReason;
+    uint64_t hierSliceBytes = 0;
   };
   CpuShmState cpuShmState() const;
   // Benchmarks and tests: this group's TPCOMM_CPU_SHM mode (auto, 0, 1)
@@ -282,7 +297,17 @@ class GroupCoordinator {
   // The group's shared-memory path when it takes this call (`reduceOp`
   // null: a call that only moves bytes), else null; logs the decision
   // under TPCOMM_LOG=routes.
-  mq::ShmGroup* shmFor(const char* op, const at::Tensor& tensor, const c10d::ReduceOp* reduceOp);
+  struct CpuPath {
+    mq::ShmGroup* shm = nullptr;
+    HierGroup* hier = nullptr;
+    explicit operator bool() const { return shm != nullptr || hier != nullptr; }
+  };
+  // With shmMutex_ held: the hierarchical set-up after setUpCpuShm found
+  // the ranks on several hosts.
+  void setUpHierLocked(const CpuShmSetup& setup, const CpuShmConfig& config);
+  CpuPath shmFor(const char* op, const at::Tensor& tensor, const c10d::ReduceOp* reduceOp);
+  // Whether the group has a shared-memory path (one host or hierarchical).
+  bool cpuShmReady() { return cpuShm() != nullptr || cpuHier() != nullptr; }
 
   GroupOptions options_;
   c10::intrusive_ptr<c10d::Store> store_;
@@ -298,6 +323,11 @@ class GroupCoordinator {
   bool shmTried_ = false;                        // guarded by shmMutex_
   std::atomic<mq::ShmGroup*> shmFast_{nullptr};  // shm_.get() once set up: the per-call read
   std::unique_ptr<mq::ShmGroup> shm_;            // guarded by shmMutex_
+  std::atomic<HierGroup*> hierFast_{nullptr};    // hier_.get() once set up
+  std::unique_ptr<HierGroup> hier_;              // guarded by shmMutex_
+  std::string hierReason_;                       // guarded by shmMutex_
+  std::string hierLayout_;                       // guarded by shmMutex_
+  BackendFactory cpuFactory_;
   std::string shmReason_ = "not set up yet (at the group's first CPU collective)";
   std::string shmMode_;                // setCpuShmMode's override; guarded by shmMutex_
   std::string shmIsa_;                 // setCpuReduceIsa's override; guarded by shmMutex_

@@ -73,7 +73,8 @@ std::string GroupCoordinator::allreduceAddRmsNorm(const at::Tensor& input,
     }
   } else {
     const c10d::ReduceOp sum(c10d::ReduceOp::SUM);
-    mq::ShmGroup* shm = shmFor("allreduce_add_rms_norm", input, &sum);
+    // Across hosts: composed (the hierarchical allreduce, then the norm).
+    mq::ShmGroup* shm = shmFor("allreduce_add_rms_norm", input, &sum).shm;
     // Chunks hold whole rows: a row longer than a chunk is composed (the
     // same decision on every rank, as the hidden size is).
     if (shm != nullptr && hidden * input.element_size() <= shm->options().bufferBytes) {

@@ -1,4 +1,6 @@
 // GroupCoordinator: CPU collectives through shared memory (cpu_shm_path.hpp).
+#include <cstring>
+
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
 #include "coordinator/debug_check.hpp"
@@ -42,8 +44,36 @@ mq::ShmGroup* GroupCoordinator::cpuShm() {
   }
   shmReason_ = setup.reason;
   shm_ = std::move(setup.group);
+  if (!shm_ && !setup.hosts.empty()) setUpHierLocked(setup, config);
   shmFast_.store(shm_.get(), std::memory_order_release);
   return shm_.get();
+}
+
+void GroupCoordinator::setUpHierLocked(const CpuShmSetup& setup, const CpuShmConfig& config) {
+  const HostLayout layout = HostLayout::of(setup.hosts, rank());
+  hierLayout_ = layout.describe();
+  HierSetup hier;
+  try {
+    hier = setUpHier(*cpu_, cpuFactory_, store_, rank(), size(), setup.hosts, config,
+                     options_.timeout, setup.required);
+  } catch (const Error& e) {
+    if (e.code() == ErrorCode::kInvalidUsage) shmError_ = shmReason_ = e.what();
+    throw;
+  } catch (const std::exception& e) {
+    shmReason_ = std::string("set-up across hosts failed: ") + e.what();
+    TPCOMM_THROW(kPeerLost, "setting up the CPU collectives across hosts: ", e.what());
+  }
+  hierReason_ = hier.group ? detail::concat(layout.hosts(), " hosts: shared memory inside each, "
+                                                            "Gloo between them")
+                           : hier.reason;
+  hier_ = std::move(hier.group);
+  hierFast_.store(hier_.get(), std::memory_order_release);
+}
+
+HierGroup* GroupCoordinator::cpuHier() {
+  if (HierGroup* ready = hierFast_.load(std::memory_order_acquire)) return ready;
+  cpuShm();  // sets up both
+  return hierFast_.load(std::memory_order_acquire);
 }
 
 void GroupCoordinator::setCpuShmMode(const std::string& mode) {
@@ -100,40 +130,69 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
                       : "not sealed against execution (the kernel refused MFD_NOEXEC_SEAL: "
                         "before Linux 6.3)";
   }
+  state.hierarchical = hier_ != nullptr;
+  state.layout = hierLayout_;
+  state.hierReason = hierReason_;
+  if (hier_) {
+    state.hierSliceBytes = hier_->sliceMinBytes();
+    if (hier_->local()) {
+      state.spinUs = hier_->local()->spin().count();
+      state.yields = hier_->local()->yields();
+      state.threads = hier_->local()->threads();
+    }
+    if (!hier_->failure().empty()) state.reason = hier_->failure();
+  }
   state.reduceIsa = mq::reduceIsaName(
       shm_ ? shm_->reduceIsa() : reduceIsaOf(shmIsa_.empty() ? settings().cpuReduceIsa : shmIsa_));
   return state;
 }
 
-mq::ShmGroup* GroupCoordinator::shmFor(const char* op, const at::Tensor& tensor,
-                                       const c10d::ReduceOp* reduceOp) {
-  mq::ShmGroup* shm = cpuShm();
+GroupCoordinator::CpuPath GroupCoordinator::shmFor(const char* op, const at::Tensor& tensor,
+                                                   const c10d::ReduceOp* reduceOp) {
+  CpuPath path;
+  path.shm = cpuShm();
+  if (path.shm == nullptr) path.hier = hierFast_.load(std::memory_order_acquire);
   const char* why = "shared memory unavailable for this group";
-  const bool taken =
-      shm != nullptr && (reduceOp == nullptr || shmReduces(*reduceOp, tensor.scalar_type(), &why));
+  const bool taken = static_cast<bool>(path) && (reduceOp == nullptr ||
+                                                 shmReduces(*reduceOp, tensor.scalar_type(), &why));
   if (logRoutes_) {
     // TPCOMM_LOG=routes: "allreduce SUM float32 16 B -> cpu_shm (one host)", once per kind.
     const std::string what = std::string(op) +
                              (reduceOp ? " " + describeReduceOp(*reduceOp) : std::string()) + " " +
                              dtypeName(tensor.scalar_type());
-    const char* route = taken ? "cpu_shm" : "gloo";
-    const char* reason = taken ? "one host" : why;
+    std::string route = taken ? (path.shm ? "cpu_shm" : "cpu_hier") : "gloo";
+    std::string reason = taken ? (path.shm ? "one host" : hierLayout_) : why;
+    if (taken && path.hier && std::string(op) == "allreduce") {
+      const char* how = path.hier->allreducePath(static_cast<size_t>(tensor.numel()),
+                                                 *shmDtype(tensor.scalar_type()));
+      route += std::string(":") + how;
+      reason += std::strcmp(how, "slices") == 0
+                    ? "; each rank of a host crosses hosts with a slice"
+                    : "; the hosts' leaders cross hosts";
+    }
+    if (!taken && !path && !hierReason_.empty()) reason = hierReason_;
     routeLog_.once(std::string("cpu|") + route + "|" + reason + "|" + what,
                    "tpcomm route: group '" + options_.groupName + "' rank " +
                        std::to_string(rank()) + ": " + what + " " +
                        std::to_string(bytesOf(tensor)) + " B -> " + route + " (" + reason + ")");
   }
-  return taken ? shm : nullptr;
+  return taken ? path : CpuPath{};
 }
 
 std::optional<Pending> GroupCoordinator::shmAllreduce(const at::Tensor& input, at::Tensor& output,
                                                       const c10d::ReduceOp& op, bool asyncOp,
                                                       const mq::ShmPart& part) {
-  mq::ShmGroup* shm = shmFor("allreduce", input, &op);
-  if (shm == nullptr) return std::nullopt;
-  stats_.record(StatsRoute::kCpuShm, bytesOf(input));
-  shm->allreduce(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
-                 *shmDtype(input.scalar_type()), shmReduction(op, size()), part);
+  const CpuPath path = shmFor("allreduce", input, &op);
+  if (!path) return std::nullopt;
+  if (path.shm) {
+    stats_.record(StatsRoute::kCpuShm, bytesOf(input));
+    path.shm->allreduce(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
+                        *shmDtype(input.scalar_type()), shmReduction(op, size()), part);
+  } else {
+    stats_.record(StatsRoute::kCpuHier, bytesOf(input));
+    path.hier->allreduce(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()),
+                         *shmDtype(input.scalar_type()), shmReduction(op, size()), part);
+  }
   return completedCall({output}, asyncOp);
 }
 
@@ -141,10 +200,14 @@ std::optional<Pending> GroupCoordinator::shmAllgather(const at::Tensor& input,
                                                       const std::vector<void*>& outs,
                                                       std::vector<at::Tensor> results, bool asyncOp,
                                                       const mq::ShmPart& part) {
-  mq::ShmGroup* shm = shmFor("all_gather", input, nullptr);
-  if (shm == nullptr) return std::nullopt;
-  stats_.record(StatsRoute::kCpuShm, bytesOf(input));
-  shm->allgather(input.data_ptr(), bytesOf(input), outs, part);
+  const CpuPath path = shmFor("all_gather", input, nullptr);
+  if (!path) return std::nullopt;
+  stats_.record(path.shm ? StatsRoute::kCpuShm : StatsRoute::kCpuHier, bytesOf(input));
+  if (path.shm) {
+    path.shm->allgather(input.data_ptr(), bytesOf(input), outs, part);
+  } else {
+    path.hier->allgather(input.data_ptr(), bytesOf(input), outs, part);
+  }
   return completedCall(std::move(results), asyncOp);
 }
 
@@ -152,27 +215,41 @@ std::optional<Pending> GroupCoordinator::shmReduceScatter(const std::vector<cons
                                                           at::Tensor& output,
                                                           const c10d::ReduceOp& op, bool asyncOp,
                                                           const mq::ShmPart& part) {
-  mq::ShmGroup* shm = shmFor("reduce_scatter", output, &op);
-  if (shm == nullptr) return std::nullopt;
-  stats_.record(StatsRoute::kCpuShm, bytesOf(output) * size());
-  shm->reduceScatter(ins, output.data_ptr(), static_cast<size_t>(output.numel()),
-                     *shmDtype(output.scalar_type()), shmReduction(op, size()), part);
+  const CpuPath path = shmFor("reduce_scatter", output, &op);
+  if (!path) return std::nullopt;
+  stats_.record(path.shm ? StatsRoute::kCpuShm : StatsRoute::kCpuHier, bytesOf(output) * size());
+  const auto count = static_cast<size_t>(output.numel());
+  const mq::DType dtype = *shmDtype(output.scalar_type());
+  if (path.shm) {
+    path.shm->reduceScatter(ins, output.data_ptr(), count, dtype, shmReduction(op, size()), part);
+  } else {
+    path.hier->reduceScatter(ins, output.data_ptr(), count, dtype, shmReduction(op, size()), part);
+  }
   return completedCall({output}, asyncOp);
 }
 
 std::optional<Pending> GroupCoordinator::shmBroadcast(at::Tensor& tensor, int root, bool asyncOp) {
-  mq::ShmGroup* shm = shmFor("broadcast", tensor, nullptr);
-  if (shm == nullptr) return std::nullopt;
-  stats_.record(StatsRoute::kCpuShm, bytesOf(tensor));
-  shm->broadcast(tensor.data_ptr(), bytesOf(tensor), root);
+  const CpuPath path = shmFor("broadcast", tensor, nullptr);
+  if (!path) return std::nullopt;
+  stats_.record(path.shm ? StatsRoute::kCpuShm : StatsRoute::kCpuHier, bytesOf(tensor));
+  if (path.shm) {
+    path.shm->broadcast(tensor.data_ptr(), bytesOf(tensor), root);
+  } else {
+    path.hier->broadcast(tensor.data_ptr(), bytesOf(tensor), root);
+  }
   return completedCall({tensor}, asyncOp);
 }
 
 std::optional<Pending> GroupCoordinator::shmBarrier(bool asyncOp) {
   mq::ShmGroup* shm = cpuShm();
-  if (shm == nullptr) return std::nullopt;
-  stats_.record(StatsRoute::kCpuShm, 0);
-  shm->barrier();
+  HierGroup* hier = shm ? nullptr : hierFast_.load(std::memory_order_acquire);
+  if (shm == nullptr && hier == nullptr) return std::nullopt;
+  stats_.record(shm ? StatsRoute::kCpuShm : StatsRoute::kCpuHier, 0);
+  if (shm) {
+    shm->barrier();
+  } else {
+    hier->barrier();
+  }
   return completedCall({}, asyncOp);
 }
 

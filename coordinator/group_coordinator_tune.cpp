@@ -52,7 +52,7 @@ void GroupCoordinator::tuneRouting(CustomPath& custom) {
   cudaDeviceProp prop;
   TPCOMM_CUDA_CHECK(cudaGetDeviceProperties(&prop, device.index()));
   const std::string path =
-      autotunePath(autotuneKey(hostIdentity(), prop.name, options_.size, maxBytes));
+      autotunePath(autotuneKey(hostName(), prop.name, options_.size, maxBytes));
 
   // Rank 0's cache decides for every rank, so the table is the same on all.
   std::string mine(32, '\0');

@@ -8,6 +8,8 @@ const char* statsRouteName(StatsRoute route) {
       return "gloo";
     case StatsRoute::kCpuShm:
       return "cpu_shm";
+    case StatsRoute::kCpuHier:
+      return "cpu_hier";
     case StatsRoute::kCustomOneShot:
       return "custom_oneshot";
     case StatsRoute::kCustomTwoShot:

@@ -19,8 +19,8 @@ namespace tpcomm::coord {
 
 // Where a call went. The custom-kernel routes are counted once the routing
 // sends calls there.
-enum class StatsRoute { kGloo, kCpuShm, kCustomOneShot, kCustomTwoShot, kNccl };
-inline constexpr int kNumStatsRoutes = 5;
+enum class StatsRoute { kGloo, kCpuShm, kCpuHier, kCustomOneShot, kCustomTwoShot, kNccl };
+inline constexpr int kNumStatsRoutes = 6;
 const char* statsRouteName(StatsRoute route);
 
 struct RouteCount {

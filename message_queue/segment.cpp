@@ -33,18 +33,13 @@ size_t payloadOffset(const Geometry& g) {
   return alignUp(chunkHeadersOffset(g.numReaders) + g.numChunks * sizeof(ChunkHeader));
 }
 
-// "memfd:<pid>:<fd>:<bytes>:<token>": where a reader finds the creator's
-// descriptor, and the ring's random token (the descriptor number of a closed
-// ring is reused by the next one).
-std::string nameOf(const SharedRegion& region, uint64_t token) {
-  return detail::concat("memfd:", ::getpid(), ":", region.fd(), ":", region.bytes(), ":", token);
-}
-
-uint64_t randomToken() {
-  uint64_t token = 0;
-  TPCOMM_CHECK(::getrandom(&token, sizeof(token), 0) == static_cast<ssize_t>(sizeof(token)),
-               kSystem, "getrandom: ", std::strerror(errno));
-  return token;
+// "memfd:<pid>:<fd>:<bytes>:<nonce>": where a reader finds the creator's
+// descriptor, and the region's random 128-bit nonce (the descriptor number of
+// a closed ring is reused by the next one; a pid may belong to another pid
+// namespace), checked at attach.
+std::string nameOf(const SharedRegion& region) {
+  return detail::concat("memfd:", ::getpid(), ":", region.fd(), ":", region.bytes(), ":",
+                        region.nonce().hex());
 }
 
 }  // namespace
@@ -72,8 +67,8 @@ void Segment::closeForAttach() { region_->closeDescriptor(); }
 std::unique_ptr<Segment> Segment::create(const Geometry& g) {
   const uint64_t bytes = segmentBytes(g);
   std::unique_ptr<SharedRegion> region = SharedRegion::create(bytes);  // zeroed, 0600
-  const uint64_t token = randomToken();
-  const std::string name = nameOf(*region, token);
+  const uint64_t token = region->nonce().words[0];
+  const std::string name = nameOf(*region);
   auto segment = std::unique_ptr<Segment>(new Segment(name, std::move(region), g));
   Header* h = new (segment->region_->base()) Header();
   h->magic = kMagic;
@@ -90,15 +85,19 @@ std::unique_ptr<Segment> Segment::create(const Geometry& g) {
 
 std::unique_ptr<Segment> Segment::attach(const std::string& name) {
   int pid = 0, fd = 0;
-  unsigned long long bytes = 0, token = 0;
+  unsigned long long bytes = 0;
+  char nonceText[33] = {};
   int used = 0;
   const bool parsed =
-      std::sscanf(name.c_str(), "memfd:%d:%d:%llu:%llu%n", &pid, &fd, &bytes, &token, &used) == 4 &&
-      used == static_cast<int>(name.size()) && pid > 0 && fd >= 0 && bytes >= kHeaderBytes;
+      std::sscanf(name.c_str(), "memfd:%d:%d:%llu:%32[0-9a-f]%n", &pid, &fd, &bytes, nonceText,
+                  &used) == 4 &&
+      used == static_cast<int>(name.size()) && pid > 0 && fd >= 0 && bytes >= kHeaderBytes &&
+      std::strlen(nonceText) == 32;
   TPCOMM_CHECK(parsed, kInvalidUsage, "'", name, "' is not the name of a tpcomm message queue");
+  const RegionNonce nonce = RegionNonce::parse(nonceText);
   std::unique_ptr<SharedRegion> region;
   try {
-    region = SharedRegion::attach(pid, fd, static_cast<size_t>(bytes));
+    region = SharedRegion::attach(pid, fd, static_cast<size_t>(bytes), nonce);
   } catch (const Error& e) {
     TPCOMM_THROW(kSystem, "message queue ", name, ": ", e.what(),
                  " (the writer closes its descriptor once every reader attached, and it is gone "
@@ -107,7 +106,7 @@ std::unique_ptr<Segment> Segment::attach(const std::string& name) {
   const Header& h = *reinterpret_cast<const Header*>(region->base());
   TPCOMM_CHECK(h.magic == kMagic && h.version == kVersion && h.writerPid == pid, kSystem,
                "message queue ", name, " is not a tpcomm message queue (version ", kVersion, ")");
-  TPCOMM_CHECK(h.token == token, kSystem, "message queue ", name,
+  TPCOMM_CHECK(h.token == nonce.words[0], kSystem, "message queue ", name,
                " is gone (its descriptor now holds another ring)");
   Geometry g;
   g.numReaders = h.numReaders;

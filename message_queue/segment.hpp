@@ -16,7 +16,7 @@
 namespace tpcomm::mq {
 
 constexpr uint64_t kMagic = 0x7470636f6d6d7132ULL;  // "tpcommq2"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kHeaderBytes = 256;
 constexpr uint32_t kMaxReaders = 64;
@@ -34,7 +34,7 @@ struct Header {
   uint64_t chunkBytes;
   uint64_t totalBytes;
   int32_t writerPid;
-  uint64_t token;  // random, also in the name: a stale name never attaches to another ring
+  uint64_t token;  // the region nonce's first word, also in the name
   alignas(kCacheLine) std::atomic<uint64_t> published;
   std::atomic<uint32_t> publishedWord;      // futex: bumped after each publish
   std::atomic<uint32_t> publishedSleepers;  // readers asleep on publishedWord

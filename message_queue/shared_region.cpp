@@ -1,6 +1,7 @@
 #include "message_queue/shared_region.hpp"
 
 #include <fcntl.h>
+#include <sys/random.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -41,10 +42,36 @@ bool sealedAgainstExec(int fd) {
   return seals >= 0 && (seals & F_SEAL_EXEC) != 0;
 }
 
+RegionNonce randomNonce() {
+  RegionNonce nonce;
+  TPCOMM_CHECK(::getrandom(nonce.words, sizeof(nonce.words), 0) ==
+                   static_cast<ssize_t>(sizeof(nonce.words)),
+               kSystem, "getrandom: ", std::strerror(errno));
+  return nonce;
+}
+
 }  // namespace
 
-std::unique_ptr<SharedRegion> SharedRegion::create(size_t bytes) {
-  TPCOMM_CHECK(bytes > 0, kInvalidUsage, "shared region of 0 bytes");
+std::string RegionNonce::hex() const {
+  char text[33];
+  std::snprintf(text, sizeof(text), "%016llx%016llx", static_cast<unsigned long long>(words[0]),
+                static_cast<unsigned long long>(words[1]));
+  return text;
+}
+
+RegionNonce RegionNonce::parse(const std::string& text) {
+  RegionNonce nonce;
+  const bool hex = text.size() == 32 && text.find_first_not_of("0123456789abcdef") == std::string::npos;
+  TPCOMM_CHECK(hex, kInvalidUsage, "'", text, "' is not a shared region's nonce (32 hex digits)");
+  nonce.words[0] = std::stoull(text.substr(0, 16), nullptr, 16);
+  nonce.words[1] = std::stoull(text.substr(16), nullptr, 16);
+  return nonce;
+}
+
+std::unique_ptr<SharedRegion> SharedRegion::create(size_t userBytes) {
+  TPCOMM_CHECK(userBytes > 0, kInvalidUsage, "shared region of 0 bytes");
+  const RegionNonce nonce = randomNonce();
+  const size_t bytes = userBytes + kPreambleBytes;
   int fd = ::memfd_create(kMemfdName, MFD_CLOEXEC | MFD_NOEXEC_SEAL);
   if (fd < 0 && errno == EINVAL) fd = ::memfd_create(kMemfdName, MFD_CLOEXEC);
   TPCOMM_CHECK(fd >= 0, kSystem, "memfd_create: ", std::strerror(errno));
@@ -60,10 +87,14 @@ std::unique_ptr<SharedRegion> SharedRegion::create(size_t bytes) {
   ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
   void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, kMapFlags, fd, 0);
   if (base == MAP_FAILED) fail("mmap(memfd)");
-  return std::unique_ptr<SharedRegion>(new SharedRegion(base, bytes, fd, sealedAgainstExec(fd)));
+  std::memcpy(base, nonce.words, sizeof(nonce.words));
+  return std::unique_ptr<SharedRegion>(
+      new SharedRegion(base, userBytes, fd, sealedAgainstExec(fd), nonce));
 }
 
-std::unique_ptr<SharedRegion> SharedRegion::attach(int32_t pid, int32_t fd, size_t bytes) {
+std::unique_ptr<SharedRegion> SharedRegion::attach(int32_t pid, int32_t fd, size_t userBytes,
+                                                   const RegionNonce& nonce) {
+  const size_t bytes = userBytes + kPreambleBytes;
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%d/fd/%d", static_cast<int>(pid), static_cast<int>(fd));
   // Only a region this code created: the descriptor may have been closed and
@@ -78,19 +109,26 @@ std::unique_ptr<SharedRegion> SharedRegion::attach(int32_t pid, int32_t fd, size
   struct stat st;
   if (::fstat(own, &st) != 0 || static_cast<size_t>(st.st_size) != bytes) {
     ::close(own);
-    TPCOMM_THROW(kSystem, path, " is not the expected shared region of ", bytes, " bytes");
+    TPCOMM_THROW(kSystem, path, " is not the expected shared region of ", userBytes, " bytes");
   }
   void* base = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, kMapFlags, own, 0);
   const int err = errno;
   const bool sealed = sealedAgainstExec(own);
   ::close(own);
   TPCOMM_CHECK(base != MAP_FAILED, kSystem, "mmap(", path, "): ", std::strerror(err));
-  return std::unique_ptr<SharedRegion>(new SharedRegion(base, bytes, -1, sealed));
+  RegionNonce found;
+  std::memcpy(found.words, base, sizeof(found.words));
+  if (!(found == nonce)) {
+    ::munmap(base, bytes);
+    TPCOMM_THROW(kSystem, path, " is another shared region than the one announced (nonce ",
+                 found.hex(), ", expected ", nonce.hex(), ")");
+  }
+  return std::unique_ptr<SharedRegion>(new SharedRegion(base, userBytes, -1, sealed, nonce));
 }
 
 SharedRegion::~SharedRegion() {
   closeDescriptor();
-  ::munmap(base_, bytes_);
+  ::munmap(base_, bytes_ + kPreambleBytes);
 }
 
 void SharedRegion::prefault(size_t offset, size_t length, bool write) {

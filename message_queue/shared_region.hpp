@@ -5,12 +5,30 @@
 // descriptor open. The kernel frees the memory when the last process that
 // mapped it unmaps it or dies, so no exit (SIGKILL at any moment included)
 // can leave anything behind. Internal to message_queue/.
+//
+// Every region starts with a preamble holding a random 128-bit nonce that the
+// creator announces beside its pid and descriptor; attach checks it, so a
+// reused descriptor number, a pid of another pid namespace or any other
+// region never passes for the announced one. base() and bytes() are the
+// caller's part after the preamble.
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 namespace tpcomm::mq {
+
+// A region's nonce; hex() is how it travels (32 lowercase hex digits).
+struct RegionNonce {
+  uint64_t words[2] = {0, 0};
+  std::string hex() const;
+  // InvalidUsage unless `text` is 32 hex digits.
+  static RegionNonce parse(const std::string& text);
+  bool operator==(const RegionNonce& other) const {
+    return words[0] == other.words[0] && words[1] == other.words[1];
+  }
+};
 
 class SharedRegion {
  public:
@@ -19,14 +37,16 @@ class SharedRegion {
   // on; older kernels refuse the flag and get a plain memfd). Throws System.
   static std::unique_ptr<SharedRegion> create(size_t bytes);
   // Maps the region another process of this host created and still holds
-  // open as descriptor `fd`. Throws System naming the path when it cannot
-  // (the creator exited, another user's process, a different /proc).
-  static std::unique_ptr<SharedRegion> attach(int32_t pid, int32_t fd, size_t bytes);
+  // open as descriptor `fd`, whose nonce is `nonce`. Throws System naming the
+  // path when it cannot (the creator exited, another user's process, a
+  // different /proc, another region behind that path).
+  static std::unique_ptr<SharedRegion> attach(int32_t pid, int32_t fd, size_t bytes,
+                                              const RegionNonce& nonce);
   ~SharedRegion();
   SharedRegion(const SharedRegion&) = delete;
   SharedRegion& operator=(const SharedRegion&) = delete;
 
-  char* base() const { return static_cast<char*>(base_); }
+  char* base() const { return static_cast<char*>(base_) + kPreambleBytes; }
   size_t bytes() const { return bytes_; }
   // The creator's descriptor that peers attach through (-1 once closed).
   int32_t fd() const { return fd_; }
@@ -38,14 +58,18 @@ class SharedRegion {
   void prefault(size_t offset, size_t length, bool write);
   // Whether the memfd is sealed against execution (MFD_NOEXEC_SEAL).
   bool execSealed() const { return execSealed_; }
+  const RegionNonce& nonce() const { return nonce_; }
+  // Bytes before base(): the nonce, padded to a cache line.
+  static constexpr size_t kPreambleBytes = 64;
 
  private:
-  SharedRegion(void* base, size_t bytes, int fd, bool execSealed)
-      : base_(base), bytes_(bytes), fd_(fd), execSealed_(execSealed) {}
-  void* base_;
+  SharedRegion(void* base, size_t bytes, int fd, bool execSealed, RegionNonce nonce)
+      : base_(base), bytes_(bytes), fd_(fd), execSealed_(execSealed), nonce_(nonce) {}
+  void* base_;  // the mapping, preamble included
   size_t bytes_;
   int fd_;
   bool execSealed_;
+  RegionNonce nonce_;
 };
 
 }  // namespace tpcomm::mq

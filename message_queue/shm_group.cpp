@@ -18,7 +18,7 @@ namespace tpcomm::mq {
 namespace {
 
 constexpr uint64_t kMagic = 0x7470636f6d6d7332ULL;  // "tpcomms2"
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr int kMaxRanks = 1024;
 constexpr auto kSleepSlice = std::chrono::milliseconds(10);
 constexpr int kPausePolls = 8;  // rounds of 16 polls before the first sched_yield
@@ -118,6 +118,11 @@ struct ShmGroup::Header {
   alignas(kLine) std::atomic<uint64_t> failure;  // packFailure() of the first failure; 0: none
   alignas(kLine) std::atomic<uint32_t> wake;     // futex word: bumped to wake sleepers
   std::atomic<uint32_t> sleepers;
+  // abort(why)'s text, for the peers' messages: claimed once (reasonOwner
+  // 0 -> 1), written, then its length published (release).
+  alignas(kLine) std::atomic<uint32_t> reasonOwner;
+  std::atomic<uint32_t> reasonLength;
+  char reason[kReasonBytes];
 };
 
 struct alignas(kLine) ShmGroup::Control {
@@ -243,8 +248,9 @@ void ShmGroup::throwIfFailed() {
   // whose peers had all arrived already.
   const uint64_t word = header().failure.load(std::memory_order_acquire);
   if (word == 0) return;
-  setFailure(describeFailure(word));
-  TPCOMM_THROW(kPeerLost, "the group's shared-memory collectives stopped: ", describeFailure(word));
+  setFailure(describePublished(word));
+  TPCOMM_THROW(kPeerLost, "the group's shared-memory collectives stopped: ",
+               describePublished(word));
 }
 
 void ShmGroup::publishFailure(uint64_t code, int culprit) {
@@ -256,8 +262,26 @@ void ShmGroup::publishFailure(uint64_t code, int culprit) {
 }
 
 void ShmGroup::abort(const std::string& why) {
-  if (!forked()) publishFailure(kAborted, -1);
+  if (!forked()) {
+    Header& h = header();
+    uint32_t none = 0;
+    if (!why.empty() && h.reasonOwner.compare_exchange_strong(none, 1)) {
+      const size_t n = std::min(why.size(), kReasonBytes);
+      std::memcpy(h.reason, why.data(), n);
+      h.reasonLength.store(static_cast<uint32_t>(n), std::memory_order_release);
+    }
+    publishFailure(kAborted, -1);
+  }
   setFailure(why);
+}
+
+std::string ShmGroup::describePublished(uint64_t word) const {
+  std::string text = describeFailure(word);
+  const Header& h = header();
+  const uint32_t n = h.reasonLength.load(std::memory_order_acquire);
+  if ((word >> 48) == kAborted && n > 0 && n <= kReasonBytes)
+    text += ": " + std::string(h.reason, n);
+  return text;
 }
 
 void ShmGroup::fail(int code, int culprit, const std::string& message) {
@@ -315,7 +339,7 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
   const auto failed = [&] { return h.failure.load(std::memory_order_acquire) != 0; };
   const auto joinFailure = [&] {
     fail(kAborted, -1,
-         detail::concat(describeFailure(h.failure.load()), " during ", signature.describe()));
+         detail::concat(describePublished(h.failure.load()), " during ", signature.describe()));
   };
   // A rank that arrived, finished the call and then failed or left the
   // group published the failure after its arrival: all arrived wins.

@@ -161,7 +161,8 @@ class ShmGroup {
   const ShmGroupOptions& options() const { return options_; }
   // Empty while the group works; else why it stopped.
   std::string failure() const;
-  // Marks the group failed on every rank (their waits end with PeerLost).
+  // Marks the group failed on every rank (their waits end with PeerLost
+  // naming this rank and, from the first rank to abort, `why`).
   void abort(const std::string& why);
   // Whether the region's memfd is sealed against execution.
   bool execSealed() const { return region_->execSealed(); }
@@ -194,6 +195,9 @@ class ShmGroup {
   // blamed or -1) and wakes every sleeper.
   void publishFailure(uint64_t code, int culprit);
   [[noreturn]] void fail(int code, int culprit, const std::string& message);
+  // A published failure word as this rank tells it: who, what, and an
+  // abort's reason when its rank wrote one.
+  std::string describePublished(uint64_t word) const;
   void setFailure(const std::string& message);
   void throwIfFailed();
   // InvalidUsage in a process forked after the group was set up.

@@ -13,7 +13,8 @@
 namespace tpcomm::mq {
 
 constexpr size_t kLine = 64;
-constexpr size_t kControlOffset = 256;
+constexpr size_t kControlOffset = 1024;
+constexpr size_t kReasonBytes = 512;  // an abort's text, as peers read it
 constexpr size_t kPage = 4096;
 // The least a worker thread is given of a copy or reduction (a smaller part
 // costs more to hand over than it saves).

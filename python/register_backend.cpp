@@ -43,7 +43,8 @@ coord::BackendFactory wrapFactory(py::object factory) {
 c10::intrusive_ptr<backend::ProcessGroupTpcomm> makeBackend(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     std::chrono::milliseconds timeout, const std::string& groupName,
-    const c10::intrusive_ptr<c10d::Backend>& cpuBackend, py::object deviceFactory) {
+    const c10::intrusive_ptr<c10d::Backend>& cpuBackend, py::object deviceFactory,
+    py::object cpuFactory) {
   coord::GroupOptions options;
   options.rank = rank;
   options.size = size;
@@ -52,6 +53,7 @@ c10::intrusive_ptr<backend::ProcessGroupTpcomm> makeBackend(
   options.debugChecks = settings().debug;
   auto coordinator = std::make_shared<coord::GroupCoordinator>(
       options, store, cpuBackend, wrapFactory(std::move(deviceFactory)));
+  coordinator->setCpuBackendFactory(wrapFactory(std::move(cpuFactory)));
   return c10::make_intrusive<backend::ProcessGroupTpcomm>(std::move(coordinator));
 }
 
@@ -76,7 +78,7 @@ tensors through the device backend (NCCL), created on first use.)")
                              "This backend's options (copied by torch's split_group).")
       .def(py::init(&makeBackend), py::arg("store"), py::arg("rank"), py::arg("size"),
            py::arg("timeout"), py::arg("group_name"), py::arg("cpu_backend"),
-           py::arg("device_factory"))
+           py::arg("device_factory"), py::arg("cpu_factory") = py::none())
       .def_property_readonly(
           "device_backend_created",
           [](backend::ProcessGroupTpcomm& self) {
@@ -149,6 +151,12 @@ tensors through the device backend (NCCL), created on first use.)")
             shm["threads"] = shmState.threads;
             shm["reduce_isa"] = shmState.reduceIsa;
             shm["memfd"] = shmState.memfd;
+            py::dict hier;
+            hier["used"] = shmState.hierarchical;
+            hier["hosts"] = shmState.layout;
+            hier["reason"] = shmState.hierReason;
+            hier["slice_bytes"] = shmState.hierSliceBytes;
+            shm["across_hosts"] = hier;
             out["cpu_shm"] = shm;
             out["route_mode"] = routing.config().mode;
             out["autotune"] = routing.tuneSource();

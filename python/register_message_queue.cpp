@@ -208,7 +208,10 @@ void registerMessageQueue(py::module_& m) {
       "mq_default_spin_us", [] { return static_cast<int64_t>(mq::defaultSpin().count()); },
       "How long message-queue waits poll before sleeping (TPCOMM_MQ_SPIN_US).");
   m.def("host_id", &hostIdentity,
-        "This process's host identity (TPCOMM_HOST_ID or the host name).");
+        "This process's host identity: TPCOMM_HOST_ID, else the host name with a hash of the "
+        "boot id and the pid- and mount-namespace inodes (equal only where memory can be "
+        "shared).");
+  m.def("host_name", &hostName, "This process's host name (or TPCOMM_HOST_ID).");
 }
 
 }  // namespace tpcomm::python

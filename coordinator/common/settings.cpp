@@ -1,10 +1,12 @@
 #include "coordinator/common/settings.hpp"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 
 #include "coordinator/common/error.hpp"
@@ -55,6 +57,10 @@ const std::vector<SettingInfo> kSettingTable = {
      "CPU allreduces from this size on reduce-scatter then all-gather inside shared memory "
      "(each rank reduces a slice); smaller ones are reduced whole by every rank. Must be equal "
      "on every rank."},
+    {"TPCOMM_CPU_HIER_SLICE_BYTES", "int", "65536",
+     "Groups whose ranks sit on several hosts, each with the same number of ranks: CPU "
+     "allreduces from this size on cross hosts in slices, one per rank of a host, all at once "
+     "(smaller ones: the hosts' leaders alone). Set-up takes the smallest value of any rank."},
     {"TPCOMM_CPU_SHM_SPIN_US", "int", "-1",
      "How long a shared-memory CPU collective polls for its peers before it sleeps on a futex. "
      "-1: 1000 us without yielding the core when the group's ranks do not outnumber the CPUs "
@@ -149,6 +155,9 @@ Settings Settings::parse(const Lookup& lookup) {
     TPCOMM_CHECK(s.cpuShmBufferBytes % 64 == 0, kInvalidUsage,
                  "setting TPCOMM_CPU_SHM_BUFFER_BYTES=", *v, " is not a multiple of 64");
   }
+  if (auto v = lookup("TPCOMM_CPU_HIER_SLICE_BYTES")) {
+    s.cpuHierSliceBytes = parseInt("TPCOMM_CPU_HIER_SLICE_BYTES", *v, 0, int64_t{1} << 62);
+  }
   if (auto v = lookup("TPCOMM_CPU_SHM_TWO_PHASE_BYTES")) {
     s.cpuShmTwoPhaseBytes = parseInt("TPCOMM_CPU_SHM_TWO_PHASE_BYTES", *v, 0, int64_t{1} << 62);
   }
@@ -191,11 +200,55 @@ Settings Settings::parse(const Lookup& lookup) {
 
 const std::vector<SettingInfo>& settingTable() { return kSettingTable; }
 
-std::string hostIdentity() {
+std::string hostName() {
   if (!settings().hostId.empty()) return settings().hostId;
   char name[256] = {};
   ::gethostname(name, sizeof(name) - 1);
   return name;
+}
+
+namespace {
+
+// A namespace's inode ("0" where /proc cannot say).
+std::string namespaceInode(const char* which) {
+  struct stat st;
+  const std::string path = std::string("/proc/self/ns/") + which;
+  return ::stat(path.c_str(), &st) == 0 ? std::to_string(st.st_ino) : "0";
+}
+
+std::string bootId() {
+  std::string id;
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char line[64] = {};
+    if (std::fgets(line, sizeof(line), f) != nullptr) id = line;
+    std::fclose(f);
+  }
+  while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
+  return id;
+}
+
+// FNV-1a, 64 bits: stable across builds and processes.
+uint64_t fnv1a(const std::string& text) {
+  uint64_t h = 14695981039346656037ull;
+  for (unsigned char c : text) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+std::string hostIdentity() {
+  if (!settings().hostId.empty()) return settings().hostId;
+  // Processes share memory only where they share the kernel (boot id), see
+  // each other's pids (pid namespace) and reach each other's /proc (mount
+  // namespace); equal host names say none of that (containers).
+  const std::string machine =
+      bootId() + "/pid:" + namespaceInode("pid") + "/mnt:" + namespaceInode("mnt");
+  char hash[17];
+  std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(fnv1a(machine)));
+  return hostName().substr(0, 64) + "#" + hash;
 }
 
 const Settings& settings() {

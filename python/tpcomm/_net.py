@@ -1,9 +1,57 @@
-"""Locally started ranks: a free TCP port for their rendezvous, and a run of
-one process per rank (the benchmarks)."""
+"""Networking: the interface the CPU group's Gloo traffic uses; locally
+started ranks (a free TCP port for their rendezvous, a run of one process
+per rank: the benchmarks)."""
 
+import ipaddress
+import os
 import socket
 
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def _store_host(store):
+    """The address of the TCPStore under `store` (through PrefixStores), or
+    None for another kind of store."""
+    seen = 0
+    while isinstance(store, dist.PrefixStore) and seen < 64:
+        store = store.underlying_store
+        seen += 1
+    return store.host if isinstance(store, dist.TCPStore) else None
+
+
+def _route_source(host):
+    """This host's address on the route to `host` (no packet is sent), or None."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        infos = socket.getaddrinfo(host, 9, family, socket.SOCK_DGRAM)
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(infos[0][4])
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def gloo_devices(store):
+    """The network devices of a tpcomm group's Gloo traffic (its CPU group,
+    and the sub-groups between hosts):
+    - GLOO_SOCKET_IFNAME (comma-separated interface names), as torch's gloo;
+    - else, when the group's store is a TCPStore at an address other than
+      loopback, this host's address on the route to that store: the address
+      the other hosts reach this one by, whatever the host name resolves to
+      (in a container or network namespace it often resolves to nothing,
+      and torch's default then falls back to loopback, which no other host
+      can reach);
+    - else torch's default (the host name's address, else loopback)."""
+    names = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if names:
+        return [dist.ProcessGroupGloo.create_device(interface=n) for n in names.split(",") if n]
+    host = _store_host(store)
+    if host:
+        source = _route_source(host)
+        if source and not ipaddress.ip_address(source.split("%")[0]).is_loopback:
+            return [dist.ProcessGroupGloo.create_device(hostname=source)]
+    return [dist.ProcessGroupGloo.create_default_device()]
 
 
 def free_port():

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from tpcomm import _C
+from tpcomm._net import gloo_devices
 
 BACKEND_NAME = "tpcomm"
 
@@ -20,15 +21,31 @@ def _make_device_backend(store, rank, size, timeout):
     return dist.ProcessGroupNCCL(store, rank, size, opts)
 
 
+def _gloo_factory(devices):
+    """Makes Gloo groups (store, rank, size, timeout) on `devices`: the Gloo
+    sub-groups of a group whose ranks sit on several hosts, on the network
+    interface of the group's own Gloo group."""
+    def make(store, rank, size, timeout):
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timeout
+        opts._devices = devices
+        return dist.ProcessGroupGloo(store, rank, size, opts)
+    return make
+
+
 def _create_backend(dist_opts, backend_options):
     """Creator called by init_process_group / new_group (extended API)."""
     store = dist_opts.store
     rank, size = dist_opts.group_rank, dist_opts.group_size
     timeout = dist_opts.timeout
-    cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), rank, size, timeout)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = gloo_devices(store)
+    cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), rank, size, opts)
     device_factory = _make_device_backend if dist.is_nccl_available() else None
     return _C.ProcessGroupTpcomm(
-        store, rank, size, timeout, dist_opts.group_id or "", cpu, device_factory
+        store, rank, size, timeout, dist_opts.group_id or "", cpu, device_factory,
+        _gloo_factory(opts._devices),
     )
 
 

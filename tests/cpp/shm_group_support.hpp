@@ -36,7 +36,7 @@ inline std::vector<int> runRanks(int size, const ShmGroupOptions& base,
         ShmGroupOptions options = base;
         options.rank = r;
         options.size = size;
-        auto mine = SharedRegion::attach(parent, region->fd(), bytes);  // through /proc
+        auto mine = SharedRegion::attach(parent, region->fd(), bytes, region->nonce());  // /proc
         std::vector<int32_t> ids;
         // A child knows the pids forked before it; later ones count as alive.
         for (int k = 0; k < size; ++k) ids.push_back(k < r ? pids[k] : 0);

@@ -171,8 +171,9 @@ TEST_P(CoordinatorSizes, StatsCountCallsAndBytesPerRoute) {
   });
   for (int r = 0; r < n; ++r) {
     auto rows = group.coordinators[r]->stats();
-    ASSERT_EQ(rows.size(), 5u);
+    ASSERT_EQ(rows.size(), 6u);
     EXPECT_EQ(rows[1].route, "cpu_shm");
+    EXPECT_EQ(rows[2].route, "cpu_hier");
     EXPECT_EQ(rows[0].route, "gloo");
     EXPECT_EQ(rows[0].calls, 4u) << "rank " << r;
     EXPECT_EQ(rows[0].bytes, 20u + 24u + 16u) << "rank " << r;
@@ -180,7 +181,7 @@ TEST_P(CoordinatorSizes, StatsCountCallsAndBytesPerRoute) {
       EXPECT_EQ(rows[i].calls, 0u) << rows[i].route;
       EXPECT_EQ(rows[i].bytes, 0u) << rows[i].route;
     }
-    EXPECT_EQ(rows[4].route, "nccl");
+    EXPECT_EQ(rows[5].route, "nccl");
     group.coordinators[r]->resetStats();
     EXPECT_EQ(group.coordinators[r]->stats()[0].calls, 0u);
   }

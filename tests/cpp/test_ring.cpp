@@ -179,7 +179,8 @@ TEST(Ring, AStaleNameNeverAttachesToAnotherRing) {
   const int fd = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
   ASSERT_GE(fd, 0);
   const std::string notARing = "memfd:" + std::to_string(::getpid()) + ":" + std::to_string(fd) +
-                               ":" + std::to_string(segmentBytes(small(1))) + ":1";
+                               ":" + std::to_string(segmentBytes(small(1))) + ":" +
+                               std::string(32, '0');
   try {
     Reader bad(notARing, 0);
     FAIL() << "attached to /dev/null";

@@ -12,7 +12,9 @@
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
+#include <string>
 
+#include "coordinator/common/error.hpp"
 #include "message_queue/shared_region.hpp"
 
 #if defined(__x86_64__)
@@ -64,7 +66,7 @@ int createInChild(bool filtered, bool refuseSeal, int error, bool wantSealed) {
 #endif
       auto region = SharedRegion::create(8192);
       std::memcpy(region->base(), "tpcomm", 7);
-      auto peer = SharedRegion::attach(::getpid(), region->fd(), 8192);
+      auto peer = SharedRegion::attach(::getpid(), region->fd(), 8192, region->nonce());
       if (std::strcmp(peer->base(), "tpcomm") != 0) status = 81;
       if (region->execSealed() != wantSealed || peer->execSealed() != wantSealed) status = 82;
     } catch (const std::exception& e) {
@@ -100,6 +102,31 @@ TEST(SharedRegion, AKernelThatRefusesAnUnsealedMemfdGetsASealedOne) {
 
 TEST(SharedRegion, IsSealedWhereTheKernelCanSealIt) {
   EXPECT_EQ(createInChild(false, false, 0, kernelAtLeast(6, 3)), 0);
+}
+
+// Every region has its own random nonce; attaching with any other nonce (a
+// reused descriptor number, a pid of another namespace) is refused and maps
+// nothing, while the announced one attaches.
+TEST(SharedRegion, AttachChecksTheCreatorsNonce) {
+  auto region = SharedRegion::create(4096);
+  auto other = SharedRegion::create(4096);
+  EXPECT_FALSE(region->nonce() == other->nonce());
+  EXPECT_FALSE(region->nonce() == RegionNonce{});
+  EXPECT_EQ(RegionNonce::parse(region->nonce().hex()), region->nonce());
+  std::memcpy(region->base(), "mine", 5);
+  try {
+    SharedRegion::attach(::getpid(), region->fd(), 4096, other->nonce());
+    FAIL() << "attached with another region's nonce";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kSystem);
+    EXPECT_NE(std::string(e.what()).find("another shared region than the one announced"),
+              std::string::npos)
+        << e.what();
+  }
+  auto peer = SharedRegion::attach(::getpid(), region->fd(), 4096, region->nonce());
+  EXPECT_STREQ(peer->base(), "mine");
+  EXPECT_THROW(RegionNonce::parse("0123"), Error);
+  EXPECT_THROW(RegionNonce::parse(std::string(31, '0') + "g"), Error);
 }
 
 }  // namespace

@@ -15,10 +15,12 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <vector>
 
 #include "coordinator/common/error.hpp"
 #include "message_queue/ring.hpp"
 #include "message_queue/segment.hpp"
+#include "message_queue/shared_region.hpp"
 
 using namespace tpcomm;
 using namespace tpcomm::mq;
@@ -80,17 +82,26 @@ void decodeChunks(const uint8_t* data, size_t size, bool inPlace) {
 }
 
 void attachSegment(const uint8_t* data, size_t size) {
+  // A region as a writer makes it: the preamble with the nonce, then the
+  // segment. The header's token is set to the nonce's first word (as a
+  // writer does) so that the checks past it run too.
+  constexpr size_t kPreamble = SharedRegion::kPreambleBytes;
+  if (size < kPreamble) return;
+  std::vector<uint8_t> bytes(data, data + size);
+  RegionNonce nonce;
+  std::memcpy(nonce.words, bytes.data(), sizeof(nonce.words));
+  if (size >= kPreamble + offsetof(Header, token) + sizeof(uint64_t)) {
+    std::memcpy(bytes.data() + kPreamble + offsetof(Header, token), &nonce.words[0],
+                sizeof(uint64_t));
+  }
   const int fd = ::memfd_create("tpcomm-shm", MFD_CLOEXEC);
   if (fd < 0) return;
-  if (size > 0 && ::write(fd, data, size) != static_cast<ssize_t>(size)) size = 0;
-  // The name a writer would give it, with the token the bytes carry (so
-  // that the checks past the token run too).
-  uint64_t token = 0;
-  if (size >= offsetof(Header, token) + sizeof(token)) {
-    std::memcpy(&token, data + offsetof(Header, token), sizeof(token));
+  if (::write(fd, bytes.data(), size) != static_cast<ssize_t>(size)) {
+    ::close(fd);
+    return;
   }
   const std::string name = "memfd:" + std::to_string(::getpid()) + ":" + std::to_string(fd) + ":" +
-                           std::to_string(size) + ":" + std::to_string(token);
+                           std::to_string(size - kPreamble) + ":" + nonce.hex();
   try {
     auto segment = Segment::attach(name);
     (void)segment->geometry();

@@ -405,7 +405,7 @@ def _buffers_and_stats(ctx):
     c.all_reduce(torch.ones(10))
     c.barrier()
     s = tpcomm.stats(c)
-    assert set(s) == {"gloo", "cpu_shm", "custom_oneshot", "custom_twoshot", "nccl"}
+    assert set(s) == {"gloo", "cpu_shm", "cpu_hier", "custom_oneshot", "custom_twoshot", "nccl"}
     assert s["nccl"] == {"calls": 0, "bytes": 0}
     # The all_reduce (and the barrier, on a tpcomm CPU group) take the
     # shared-memory path on one host.

@@ -1,0 +1,507 @@
+#include "coordinator/cpu_hier_path.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "coordinator/common/error.hpp"
+#include "coordinator/custom_setup.hpp"  // the set-up exchange helpers
+#include "message_queue/shm_reduce.hpp"
+
+namespace tpcomm::coord {
+
+// ---- HostLayout ------------------------------------------------------------
+
+HostLayout HostLayout::of(const std::vector<std::string>& identities, int rank) {
+  HostLayout layout;
+  layout.rank = rank;
+  std::map<std::string, int> index;
+  for (const auto& id : identities) {
+    auto [it, added] = index.emplace(id, static_cast<int>(layout.ranksOn.size()));
+    if (added) {
+      layout.ranksOn.emplace_back();
+      layout.names.push_back(id.substr(0, id.find('#')));
+    }
+    layout.ranksOn[it->second].push_back(static_cast<int>(layout.hostOf.size()));
+    layout.hostOf.push_back(it->second);
+  }
+  return layout;
+}
+
+int HostLayout::localRank() const {
+  const auto& mine = ranksOn[host()];
+  return static_cast<int>(std::find(mine.begin(), mine.end(), rank) - mine.begin());
+}
+
+bool HostLayout::even() const {
+  return std::all_of(ranksOn.begin(), ranksOn.end(),
+                     [&](const std::vector<int>& r) { return r.size() == ranksOn[0].size(); });
+}
+
+std::string HostLayout::describeHost(int h) const {
+  std::string ranks;
+  for (int r : ranksOn[h]) ranks += detail::concat(ranks.empty() ? "" : ", ", r);
+  return detail::concat("host '", names[h], "' (rank", ranksOn[h].size() > 1 ? "s " : " ", ranks,
+                        ")");
+}
+
+std::string HostLayout::describe() const {
+  std::string out = detail::concat(hosts(), " hosts: ");
+  for (int h = 0; h < hosts(); ++h) out += (h ? ", " : "") + describeHost(h).substr(5);
+  return out;
+}
+
+// ---- the call's description --------------------------------------------------
+
+namespace {
+
+constexpr uint64_t kCallMagic = 0x7470636f6d6d6831ULL;  // "tpcommh1"
+constexpr size_t kCallBytes = 64;
+// Payload bytes that travel with a call's description between hosts (one
+// round); larger ones follow in a second round.
+constexpr size_t kInlineBytes = 4096;
+
+enum class HierOp : uint32_t { kAllreduce = 1, kAllgather, kReduceScatter, kBroadcast, kBarrier };
+
+const char* hierOpName(uint32_t op) {
+  switch (static_cast<HierOp>(op)) {
+    case HierOp::kAllreduce:
+      return "allreduce";
+    case HierOp::kAllgather:
+      return "all_gather";
+    case HierOp::kReduceScatter:
+      return "reduce_scatter";
+    case HierOp::kBroadcast:
+      return "broadcast";
+    case HierOp::kBarrier:
+      return "barrier";
+  }
+  return "unknown call";
+}
+
+
+// The reduction's code in a description: kind, AVG, PREMUL_SUM.
+uint32_t reductionCode(const mq::ReduceSpec& spec) {
+  return static_cast<uint32_t>(spec.kind) | (spec.divisor != 1 ? 16u : 0u) |
+         (spec.premultiply ? 32u : 0u);
+}
+
+}  // namespace
+
+struct HierGroup::Call {
+  uint64_t magic = kCallMagic;
+  uint64_t number = 0;
+  uint32_t op = 0;
+  uint32_t dtype = 0xff;  // none
+  uint64_t count = 0;     // elements (bytes for all-gather and broadcast)
+  int64_t root = -1;
+  uint32_t reduction = 0xff;  // none
+  uint32_t partIndex = 0;
+  uint32_t partOf = 1;
+  uint32_t pad[3] = {0, 0, 0};
+
+  std::string describe() const {
+    if (magic != kCallMagic) return "something that is not a tpcomm call";
+    std::string out = hierOpName(op);
+    if (reduction != 0xff) {
+      std::string how = mq::reduceKindName(static_cast<mq::ReduceKind>(reduction & 15));
+      if (reduction & 16) how = "avg";
+      if (reduction & 32) how = "premul_sum";
+      out += " " + how;
+    }
+    if (dtype != 0xff) {
+      out += detail::concat(" ", mq::dtypeName(static_cast<mq::DType>(dtype)), "[", count, "]");
+    } else if (static_cast<HierOp>(op) != HierOp::kBarrier) {
+      out += detail::concat(" of ", count, " B");
+    }
+    if (root >= 0) out += detail::concat(" root=", root);
+    if (partOf > 1) out += detail::concat(" (tensor ", partIndex + 1, " of ", partOf, ")");
+    return out + detail::concat(" (call #", number, ")");
+  }
+  bool operator==(const Call& o) const { return std::memcmp(this, &o, sizeof(Call)) == 0; }
+};
+static_assert(sizeof(HierGroup::Call) == kCallBytes, "a call's description is one cache line");
+
+// ---- HierGroup ---------------------------------------------------------------
+
+HierGroup::HierGroup(Parts parts) : parts_(std::move(parts)) {
+  if (parts_.local) parts_.local->setTimeout(2 * parts_.timeout);
+}
+
+HierGroup::~HierGroup() = default;
+
+void HierGroup::setTimeout(std::chrono::milliseconds timeout) {
+  parts_.timeout = timeout;
+  if (parts_.local) parts_.local->setTimeout(2 * timeout);
+  if (parts_.leaders) parts_.leaders->setTimeout(timeout);
+  if (parts_.slices && parts_.slices != parts_.leaders) parts_.slices->setTimeout(timeout);
+}
+
+std::string HierGroup::failure() const {
+  std::lock_guard<std::mutex> lock(failureMutex_);
+  return failure_;
+}
+
+void HierGroup::abort(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(failureMutex_);
+    if (failure_.empty()) failure_ = why;
+  }
+  if (parts_.local) parts_.local->abort(why);
+}
+
+void HierGroup::throwIfFailed() const {
+  const std::string earlier = failure();
+  TPCOMM_CHECK(earlier.empty(), kPeerLost,
+               "the group's collectives across hosts stopped after an earlier failure: ", earlier);
+}
+
+template <typename Fn>
+void HierGroup::onHost(const Fn& fn) {
+  if (!parts_.local) return;
+  try {
+    fn(*parts_.local);
+  } catch (const Error& e) {
+    const std::string what = detail::concat("on ", layout().describeHost(layout().host()),
+                                            ", the shared-memory step failed: ", e.what());
+    {
+      std::lock_guard<std::mutex> lock(failureMutex_);
+      if (failure_.empty()) failure_ = what;
+    }
+    throw Error(e.code(), what);
+  }
+}
+
+void HierGroup::failBetweenHosts(const Call& call, const std::exception& e) {
+  const HostLayout& l = layout();
+  std::string others;
+  for (int h = 0; h < l.hosts(); ++h) {
+    if (h != l.host()) others += (others.empty() ? "" : ", ") + l.describeHost(h);
+  }
+  const std::string what =
+      detail::concat(l.hosts() == 2 ? "" : "one of ", others,
+                     l.hosts() == 2 ? " went away or failed" : " went away or failed",
+                     " during ", call.describe(), " (group rank ", l.rank, " on ",
+                     l.describeHost(l.host()), "): ", e.what());
+  abort(what);
+  const std::string text = e.what();
+  if (text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos)
+    TPCOMM_THROW(kTimeout, what);
+  TPCOMM_THROW(kPeerLost, what);
+}
+
+void HierGroup::checkCalls(const Call& mine, const std::vector<Call>& theirs) {
+  const HostLayout& l = layout();
+  for (int h = 0; h < static_cast<int>(theirs.size()); ++h) {
+    if (theirs[h] == mine) continue;
+    const std::string what = detail::concat(
+        "mismatched collectives across hosts: ", l.describeHost(l.host()), " calls ",
+        mine.describe(), " but ", l.describeHost(h), " calls ", theirs[h].describe(),
+        " (every rank must issue the same collectives in the same order)");
+    abort(what);
+    TPCOMM_THROW(kInvalidUsage, what);
+  }
+}
+
+HierGroup::Received HierGroup::allgatherBetweenHosts(c10d::Backend& backend, const Call& call,
+                                                    const void* payload, size_t bytes) {
+  // Round 1, the same size on every rank whatever the call (Gloo ends the
+  // process on a size mismatch): the description, and the payload if it
+  // fits. Round 2, once every host described the same call: the payload.
+  const int hosts = layout().hosts();
+  const size_t fixed = kCallBytes + kInlineBytes;
+  const auto options = at::TensorOptions().dtype(at::kByte);
+  at::Tensor send = at::zeros({static_cast<int64_t>(fixed)}, options);
+  Received out;
+  out.buffer = at::empty({static_cast<int64_t>(fixed) * hosts}, options);
+  auto* s = static_cast<char*>(send.data_ptr());
+  std::memcpy(s, &call, kCallBytes);
+  const bool inlined = bytes <= kInlineBytes;
+  if (inlined && bytes > 0) std::memcpy(s + kCallBytes, payload, bytes);
+  try {
+    backend._allgather_base(out.buffer, send)->wait();
+  } catch (const std::exception& e) {
+    failBetweenHosts(call, e);
+  }
+  std::vector<Call> theirs(hosts);
+  const auto* r = static_cast<const char*>(out.buffer.data_ptr());
+  for (int h = 0; h < hosts; ++h) std::memcpy(&theirs[h], r + h * fixed, kCallBytes);
+  checkCalls(call, theirs);
+  if (inlined) {
+    out.stride = fixed;
+    out.offset = kCallBytes;
+    return out;
+  }
+  at::Tensor mine =
+      at::from_blob(const_cast<void*>(payload), {static_cast<int64_t>(bytes)}, options);
+  out.buffer = at::empty({static_cast<int64_t>(bytes) * hosts}, options);
+  out.stride = bytes;
+  out.offset = 0;
+  try {
+    backend._allgather_base(out.buffer, mine)->wait();
+  } catch (const std::exception& e) {
+    failBetweenHosts(call, e);
+  }
+  return out;
+}
+
+void HierGroup::broadcastBetweenHosts(const Call& call, void* data, size_t bytes, int rootHost) {
+  // Round 1 as in allgatherBetweenHosts (every leader's description; the
+  // root's data when it fits), round 2 a broadcast of the rest.
+  const bool root = layout().host() == rootHost;
+  const Received first = allgatherBetweenHosts(*parts_.leaders, call, data,
+                                               root && bytes <= kInlineBytes ? bytes : 0);
+  if (bytes == 0) return;
+  if (bytes <= kInlineBytes) {
+    if (!root) std::memcpy(data, first.source(rootHost), bytes);
+    return;
+  }
+  std::vector<at::Tensor> message{at::from_blob(data, {static_cast<int64_t>(bytes)},
+                                                at::TensorOptions().dtype(at::kByte))};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = rootHost;
+  try {
+    parts_.leaders->broadcast(message, opts)->wait();
+  } catch (const std::exception& e) {
+    failBetweenHosts(call, e);
+  }
+}
+
+void HierGroup::reduceHosts(const Received& received, void* out, size_t count, mq::DType dtype,
+                            const mq::ReduceSpec& spec) {
+  const int hosts = layout().hosts();
+  std::vector<const void*> sources(hosts);
+  for (int h = 0; h < hosts; ++h) sources[h] = received.source(h);
+  mq::ReduceSpec between;
+  between.kind = spec.kind;
+  between.divisor = spec.divisor;
+  const mq::ReduceIsa isa = parts_.local ? parts_.local->reduceIsa() : mq::bestReduceIsa();
+  mq::reduceIntoWith(isa, out, sources.data(), hosts, count, dtype, between);
+}
+
+const char* HierGroup::allreducePath(size_t count, mq::DType dtype) const {
+  const HostLayout& l = layout();
+  const int local = l.localSize();
+  const bool slices = l.even() && local >= 2 && count % local == 0 &&
+                      count * mq::dtypeBytes(dtype) >= parts_.sliceMinBytes;
+  return slices ? "slices" : "leaders";
+}
+
+void HierGroup::allreduce(const void* in, void* out, size_t count, mq::DType dtype,
+                          const mq::ReduceSpec& spec, const mq::ShmPart& part) {
+  reduceAll(static_cast<uint32_t>(HierOp::kAllreduce), in, out, count, dtype, spec, part);
+}
+
+void HierGroup::reduceAll(uint32_t op, const void* in, void* out, size_t count, mq::DType dtype,
+                          const mq::ReduceSpec& spec, const mq::ShmPart& part) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throwIfFailed();
+  Call call;
+  call.number = ++calls_;
+  call.op = op;
+  call.dtype = static_cast<uint32_t>(dtype);
+  call.count = count;
+  call.reduction = reductionCode(spec);
+  call.partIndex = part.index;
+  call.partOf = part.of;
+  const size_t esize = mq::dtypeBytes(dtype);
+
+  // 1. The host's partial, with the ranks' factors applied (PREMUL_SUM).
+  mq::ReduceSpec onHostSpec = spec;
+  onHostSpec.divisor = 1;
+  if (parts_.local) {
+    onHost([&](mq::ShmGroup& g) { g.allreduce(in, out, count, dtype, onHostSpec, part); });
+  } else if (onHostSpec.premultiply) {
+    mq::copyScaled(out, in, count, dtype, onHostSpec);
+  } else if (out != in && count > 0) {
+    std::memmove(out, in, count * esize);
+  }
+
+  const HostLayout& l = layout();
+  if (std::strcmp(allreducePath(count, dtype), "slices") == 0) {
+    // 2. This local rank's slice across hosts, 3. the slices inside the host.
+    const size_t each = count / l.localSize();
+    char* slice = static_cast<char*>(out) + l.localRank() * each * esize;
+    const Received received = allgatherBetweenHosts(*parts_.slices, call, slice, each * esize);
+    reduceHosts(received, slice, each, dtype, spec);
+    std::vector<void*> slices(l.localSize());
+    for (int i = 0; i < l.localSize(); ++i)
+      slices[i] = static_cast<char*>(out) + i * each * esize;
+    onHost([&](mq::ShmGroup& g) { g.allgather(slice, each * esize, slices, part); });
+    return;
+  }
+  // 2. The hosts' partials reduced by each leader, 3. sent inside the host.
+  if (parts_.leaders) {
+    const Received received = allgatherBetweenHosts(*parts_.leaders, call, out, count * esize);
+    reduceHosts(received, out, count, dtype, spec);
+  }
+  onHost([&](mq::ShmGroup& g) { g.broadcast(out, count * esize, 0); });
+}
+
+void HierGroup::reduceScatter(const std::vector<const void*>& ins, void* out, size_t count,
+                              mq::DType dtype, const mq::ReduceSpec& spec,
+                              const mq::ShmPart& part) {
+  // The whole input reduced (its parts in rank order, one buffer), this
+  // rank's part kept.
+  const size_t bytes = count * mq::dtypeBytes(dtype);
+  const int size = static_cast<int>(layout().hostOf.size());
+  std::vector<char> whole(bytes * size);
+  for (int r = 0; r < size; ++r) {
+    if (bytes > 0) std::memcpy(whole.data() + r * bytes, ins[r], bytes);
+  }
+  reduceAll(static_cast<uint32_t>(HierOp::kReduceScatter), whole.data(), whole.data(),
+            count * size, dtype, spec, part);
+  if (bytes > 0) std::memcpy(out, whole.data() + layout().rank * bytes, bytes);
+}
+
+void HierGroup::allgather(const void* in, size_t bytes, const std::vector<void*>& outs,
+                          const mq::ShmPart& part) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throwIfFailed();
+  Call call;
+  call.number = ++calls_;
+  call.op = static_cast<uint32_t>(HierOp::kAllgather);
+  call.count = bytes;
+  call.partIndex = part.index;
+  call.partOf = part.of;
+  const HostLayout& l = layout();
+  const std::vector<int>& mine = l.ranksOn[l.host()];
+  // 1. This host's parts, straight into their outputs.
+  std::vector<void*> hostOuts;
+  for (int r : mine) hostOuts.push_back(outs[r]);
+  if (parts_.local) {
+    onHost([&](mq::ShmGroup& g) { g.allgather(in, bytes, hostOuts, part); });
+  } else if (outs[l.rank] != in && bytes > 0) {
+    std::memmove(outs[l.rank], in, bytes);
+  }
+  // 2. The leaders exchange their hosts' parts (padded to the largest host).
+  size_t widest = 0;
+  for (const auto& ranks : l.ranksOn) widest = std::max(widest, ranks.size());
+  const size_t block = widest * bytes;
+  at::Tensor received = at::empty({static_cast<int64_t>(block * l.hosts())},
+                                  at::TensorOptions().dtype(at::kByte));
+  auto* all = static_cast<char*>(received.data_ptr());
+  if (parts_.leaders) {
+    std::vector<char> ours(block);
+    for (size_t i = 0; i < mine.size(); ++i) {
+      if (bytes > 0) std::memcpy(ours.data() + i * bytes, outs[mine[i]], bytes);
+    }
+    const Received got = allgatherBetweenHosts(*parts_.leaders, call, ours.data(), block);
+    for (int h = 0; h < l.hosts(); ++h) {
+      if (block > 0) std::memcpy(all + h * block, got.source(h), block);
+    }
+  }
+  // 3. The other hosts' parts to this host's ranks.
+  onHost([&](mq::ShmGroup& g) { g.broadcast(all, block * l.hosts(), 0); });
+  for (int h = 0; h < l.hosts(); ++h) {
+    if (h == l.host()) continue;
+    for (size_t i = 0; i < l.ranksOn[h].size(); ++i) {
+      if (bytes > 0) std::memcpy(outs[l.ranksOn[h][i]], all + h * block + i * bytes, bytes);
+    }
+  }
+}
+
+void HierGroup::broadcast(void* data, size_t bytes, int root) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throwIfFailed();
+  Call call;
+  call.number = ++calls_;
+  call.op = static_cast<uint32_t>(HierOp::kBroadcast);
+  call.count = bytes;
+  call.root = root;
+  const HostLayout& l = layout();
+  const int rootHost = l.hostOf[root];
+  const auto& rootRanks = l.ranksOn[rootHost];
+  const int localRoot =
+      static_cast<int>(std::find(rootRanks.begin(), rootRanks.end(), root) - rootRanks.begin());
+  if (l.host() == rootHost) onHost([&](mq::ShmGroup& g) { g.broadcast(data, bytes, localRoot); });
+  if (parts_.leaders) broadcastBetweenHosts(call, data, bytes, rootHost);
+  if (l.host() != rootHost) onHost([&](mq::ShmGroup& g) { g.broadcast(data, bytes, 0); });
+}
+
+void HierGroup::barrier() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throwIfFailed();
+  Call call;
+  call.number = ++calls_;
+  call.op = static_cast<uint32_t>(HierOp::kBarrier);
+  onHost([](mq::ShmGroup& g) { g.barrier(); });
+  if (parts_.leaders) allgatherBetweenHosts(*parts_.leaders, call, nullptr, 0);
+  onHost([](mq::ShmGroup& g) { g.barrier(); });
+}
+
+// ---- set-up ------------------------------------------------------------------
+
+HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
+                    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                    const std::vector<std::string>& identities, const CpuShmConfig& config,
+                    std::chrono::milliseconds timeout, bool required) {
+  HierSetup result;
+  const HostLayout layout = HostLayout::of(identities, rank);
+  const auto refuse = [&](std::string reason) -> HierSetup {
+    TPCOMM_CHECK(!required, kInvalidUsage,
+                 "TPCOMM_CPU_SHM=1 but the group cannot use shared memory across hosts: ", reason);
+    result.reason = std::move(reason);
+    return std::move(result);
+  };
+  // Decided alike on every rank, without an exchange.
+  if (layout.hosts() == size)
+    return refuse(detail::concat("every rank is alone on its host (", layout.describe(),
+                                 "): nothing to share in memory"));
+  if (!factory) return refuse("no factory for Gloo sub-groups (unit-test group)");
+
+  HierGroup::Parts parts;
+  parts.layout = layout;
+  parts.timeout = timeout;
+  parts.sliceMinBytes = static_cast<uint64_t>(config.hierSliceBytes);
+  std::string failure;
+  const int host = layout.host();
+  const int local = layout.localRank();
+  const int hosts = layout.hosts();
+  const auto subStore = [&](const std::string& name) {
+    return c10::make_intrusive<c10d::PrefixStore>("tpcomm-hier/" + name + "/", store);
+  };
+  try {
+    if (layout.localSize() >= 2) {
+      auto onHost = factory(subStore(detail::concat("host", host)), local, layout.localSize(),
+                            timeout);
+      CpuShmConfig onHostConfig = config;
+      onHostConfig.mode = "auto";
+      CpuShmSetup shm = setUpCpuShm(*onHost, local, layout.localSize(), identities[rank],
+                                    onHostConfig, 2 * timeout);
+      if (!shm.group) {
+        failure = detail::concat("shared memory on ", layout.describeHost(host), ": ", shm.reason);
+      }
+      parts.local = std::move(shm.group);
+    }
+    if (local == 0) parts.leaders = factory(subStore("leaders"), host, hosts, timeout);
+    if (layout.even() && layout.localSize() >= 2) {
+      parts.slices = local == 0 ? parts.leaders
+                                : factory(subStore(detail::concat("slices", local)), host, hosts,
+                                          timeout);
+    }
+  } catch (const std::exception& e) {
+    failure = failureOf(e);
+  }
+  // Every rank's failure, and its slice crossover (the smallest counts, so
+  // that every host takes the same path for a call).
+  constexpr size_t kFailureWidth = 384;
+  const auto statuses = allgatherBytes(
+      cpu, size,
+      fixedWidth(failure, kFailureWidth) + fixedWidth(std::to_string(config.hierSliceBytes), 24));
+  std::vector<std::string> failures;
+  for (const auto& s : statuses) {
+    failures.push_back(trimmed(s.substr(0, kFailureWidth)));
+    const std::string slice = trimmed(s.substr(kFailureWidth));
+    if (!slice.empty())
+      parts.sliceMinBytes = std::min<uint64_t>(parts.sliceMinBytes, std::stoull(slice));
+  }
+  const std::string reason = firstFailure(failures);
+  if (!reason.empty()) return refuse(reason);
+  result.group = std::make_unique<HierGroup>(std::move(parts));
+  return result;
+}
+
+}  // namespace tpcomm::coord

@@ -1,0 +1,187 @@
+"""One rank of a test on simulated hosts (tpcomm.simhosts): `python
+hosts_worker.py CASE OUTDIR`. The rank runs CASE and writes what it found to
+OUTDIR/rank<R>.pt (torch.save of a dict), or its traceback to
+OUTDIR/rank<R>.err; the test process compares them."""
+
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import tpcomm  # noqa: F401  (registers the backend)
+
+RANK = int(os.environ.get("RANK", "0"))
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64]
+
+
+def inputs(rank, n, dtype, seed=0):
+    g = torch.Generator().manual_seed(1000 * seed + rank)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    return torch.randint(-1000, 1000, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def case_identity(out):
+    """Host identity and the route every collective takes."""
+    out["host_id"] = tpcomm._C.host_id()
+    out["hostname"] = tpcomm._C.host_name()
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    out["sum"] = x
+    out["describe"] = tpcomm.describe()["cpu_shm"]
+    out["stats"] = tpcomm.stats()
+
+
+def case_collectives(out):
+    """Every hierarchical collective, dtype, reduction and size that tests
+    compare with float64 references and across ranks."""
+    results = {}
+    sizes = [1, 7, 1000, 65536, 300000]
+    for dtype in DTYPES:
+        for n in sizes:
+            if n == 300000 and dtype not in (torch.float32, torch.bfloat16):
+                continue
+            for op in ("sum", "avg", "max", "min", "premul"):
+                if op == "avg" and not dtype.is_floating_point:
+                    continue
+                if op == "premul" and not dtype.is_floating_point:
+                    continue
+                x = inputs(RANK, n, dtype, seed=n)
+                if op == "sum":
+                    dist.all_reduce(x)
+                elif op == "avg":
+                    dist.all_reduce(x, op=dist.ReduceOp.AVG)
+                elif op == "max":
+                    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+                elif op == "min":
+                    dist.all_reduce(x, op=dist.ReduceOp.MIN)
+                else:
+                    dist.all_reduce(x, op=dist._make_nccl_premul_sum(0.5))
+                results[("allreduce", op, str(dtype), n)] = x
+    # allreduce into another tensor, coalesced, all-gather, reduce-scatter,
+    # broadcast from every root, barrier.
+    for n in (5, 4096, 70000):
+        x = inputs(RANK, n, torch.float32, seed=7)
+        outs = [torch.empty(n) for _ in range(WORLD)]
+        dist.all_gather(outs, x)
+        results[("all_gather", n)] = torch.stack(outs)
+        flat = torch.empty(WORLD * n)
+        dist.all_gather_into_tensor(flat, x)
+        results[("all_gather_into_tensor", n)] = flat
+        big = inputs(RANK, WORLD * n, torch.float32, seed=9)
+        part = torch.empty(n)
+        dist.reduce_scatter_tensor(part, big)
+        results[("reduce_scatter_tensor", n)] = part
+        parts = list(inputs(RANK, WORLD * n, torch.bfloat16, seed=11).chunk(WORLD))
+        mine = torch.empty(n, dtype=torch.bfloat16)
+        dist.reduce_scatter(mine, parts, op=dist.ReduceOp.AVG)
+        results[("reduce_scatter_avg_bf16", n)] = mine
+        for root in range(WORLD):
+            b = inputs(RANK, n, torch.int64, seed=13)
+            dist.broadcast(b, src=root)
+            results[("broadcast", root, n)] = b
+    coalesced = [inputs(RANK, n, torch.float32, seed=17) for n in (3, 100, 5000)]
+    dist.all_reduce_coalesced(coalesced)
+    results[("coalesced",)] = torch.cat(coalesced)
+    for _ in range(3):
+        dist.barrier()
+    out["results"] = results
+    out["stats"] = tpcomm.stats()
+    out["describe"] = tpcomm.describe()["cpu_shm"]
+
+
+def case_mismatch(out):
+    """Ranks on the last host call another collective: every rank raises."""
+    last_host_ranks = [int(r) for r in os.environ["TEST_LAST_HOST"].split(",")]
+    x = torch.ones(256)
+    dist.all_reduce(x)  # the path is set up
+    try:
+        if RANK in last_host_ranks:
+            outs = [torch.empty(256) for _ in range(WORLD)]
+            dist.all_gather(outs, x)
+        else:
+            dist.all_reduce(x)
+        out["raised"] = None
+    except Exception as e:  # noqa: BLE001  (the test reads the message)
+        out["raised"] = f"{type(e).__name__}: {e}"
+
+
+def case_host_lost(out):
+    """The last host is killed by the test while the others wait in an
+    allreduce: the others must raise, naming it."""
+    last_host_ranks = [int(r) for r in os.environ["TEST_LAST_HOST"].split(",")]
+    x = torch.ones(1024)
+    dist.all_reduce(x)
+    if RANK in last_host_ranks:
+        open(os.path.join(os.environ["TEST_OUT"], f"ready{RANK}"), "w").close()
+        time.sleep(600)  # killed
+    start = time.monotonic()
+    try:
+        for _ in range(1000):
+            dist.all_reduce(x)
+            time.sleep(0.01)
+        out["raised"] = None
+    except Exception as e:  # noqa: BLE001
+        out["raised"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - start
+
+
+def case_message_queue(out):
+    """The message queue with the writer on host 0 and readers everywhere:
+    same-host readers read the ring, the others receive over Gloo."""
+    from tpcomm.message_queue import MessageQueue
+    mq = MessageQueue.create_from_process_group(dist.group.WORLD, writer_rank=0)
+    got = []
+    for i in range(5):
+        obj = {"step": i, "tokens": list(range(i * 3)), "blob": b"x" * (1 << (10 + 2 * i))}
+        got.append(mq.broadcast_object(obj if RANK == 0 else None))
+    out["objects"] = got
+    out["local"] = list(mq.local_readers)
+    out["remote"] = list(mq.remote_readers)
+    mq.shutdown()
+
+
+def case_ddp(out):
+    """DDP over the hierarchical path: a few steps of a small model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(5):
+        g = torch.Generator().manual_seed(100 * step + RANK)
+        x = torch.randn(8, 16, generator=g)
+        y = torch.randn(8, 4, generator=g)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    out["stats"] = tpcomm.stats()
+
+
+CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def main():
+    case, outdir = sys.argv[1], sys.argv[2]
+    out = {"rank": RANK}
+    try:
+        timeout = timedelta(seconds=float(os.environ.get("TEST_TIMEOUT_S", "60")))
+        dist.init_process_group("tpcomm", init_method="env://", timeout=timeout)
+        CASES[case](out)
+        torch.save(out, os.path.join(outdir, f"rank{RANK}.pt"))
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(outdir, f"rank{RANK}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        sys.stdout.flush()
+        os._exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Groups whose ranks sit on several hosts, on real separate hosts made on
+this machine (tpcomm.simhosts: network, UTS, mount and pid namespaces, one
+address each on a private bridge). Each rank runs hosts_worker.py; results
+are compared across ranks (bitwise) and with float64 references."""
+
+import glob
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+import hosts_worker as worker
+from tpcomm import simhosts
+
+REASON = simhosts.unavailable_reason()
+if REASON is not None:
+    print(f"\nSKIP test_hosts: {REASON}")
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"simulated hosts: {REASON}")
+
+WORKER = os.path.join(os.path.dirname(__file__), "hosts_worker.py")
+
+LAYOUTS = {
+    "2x2": [[0, 1], [2, 3]],
+    "2x1": [[0], [1]],
+    "3+1": [[0, 1, 2], [3]],
+    "2x3": [[0, 2, 4], [1, 3, 5]],  # ranks interleaved across the hosts
+}
+
+
+def run_case(layout, case, tmp_path, env=None, timeout=240, during=None):
+    """Runs `case` on simulated hosts with `layout`; returns every rank's
+    dict (asserting none failed). `during(hosts, procs, outdir)` runs while
+    they do (e.g. kills a host)."""
+    outdir = str(tmp_path)
+    os.makedirs(outdir, exist_ok=True)
+    full = dict(os.environ, TEST_OUT=outdir, TEST_TIMEOUT_S="60",
+                TEST_LAST_HOST=",".join(str(r) for r in layout[-1]))
+    full.update(env or {})
+    world = sum(len(r) for r in layout)
+    with simhosts.SimulatedHosts(len(layout)) as hosts:
+        port = 20000 + (os.getpid() * 7 + int(time.monotonic() * 1000)) % 20000
+        procs = hosts.launch_ranks(layout, [sys.executable, WORKER, case, outdir], env=full,
+                                   port=port)
+        if during is not None:
+            during(hosts, procs, outdir)
+        codes = hosts.wait(procs, timeout)
+    errors = {p: open(p).read() for p in glob.glob(os.path.join(outdir, "*.err"))}
+    results = {}
+    for r in range(world):
+        path = os.path.join(outdir, f"rank{r}.pt")
+        if os.path.exists(path):
+            results[r] = torch.load(path, weights_only=False)
+    return results, codes, errors
+
+
+def completed(layout, case, tmp_path, env=None):
+    results, codes, errors = run_case(layout, case, tmp_path, env)
+    assert not errors, "\n".join(errors.values())
+    assert codes == [0] * len(layout), codes
+    world = sum(len(r) for r in layout)
+    assert sorted(results) == list(range(world))
+    return [results[r] for r in range(world)]
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 3e-2,
+             torch.float16: 3e-3}
+
+
+def reference(key, world):
+    """The float64 result of one call of case_collectives."""
+    if key[0] == "allreduce":
+        _, op, dtype_name, n = key
+        dtype = getattr(torch, dtype_name.split(".")[1])
+        xs = torch.stack([worker.inputs(r, n, dtype, seed=n).double() for r in range(world)])
+        if op == "sum":
+            return xs.sum(0), dtype
+        if op == "avg":
+            return xs.sum(0) / world, dtype
+        if op == "max":
+            return xs.max(0).values, dtype
+        if op == "min":
+            return xs.min(0).values, dtype
+        return (0.5 * xs).sum(0), dtype
+    n = key[-1]
+    if key[0] == "all_gather":
+        return torch.stack([worker.inputs(r, n, torch.float32, seed=7).double()
+                            for r in range(world)]), torch.float32
+    if key[0] == "all_gather_into_tensor":
+        return torch.cat([worker.inputs(r, n, torch.float32, seed=7).double()
+                          for r in range(world)]), torch.float32
+    return None, None
+
+
+def check_collectives(outs, world):
+    keys = outs[0]["results"].keys()
+    for key in keys:
+        mine = [o["results"][key] for o in outs]
+        for r in range(1, world if not key[0].startswith("reduce_scatter") else 1):
+            assert torch.equal(mine[r], mine[0]), f"{key}: rank {r} differs from rank 0"
+        expected, dtype = reference(key, world)
+        if expected is not None:
+            got = mine[0].double()
+            if dtype.is_floating_point:
+                tol = TOLERANCE[dtype] * max(1.0, float(expected.abs().max()))
+                assert torch.allclose(got, expected, rtol=TOLERANCE[dtype], atol=tol), key
+            else:
+                # Integer sums wrap as the dtype does.
+                assert torch.equal(mine[0], expected.to(torch.int64).to(dtype)), key
+    for n in (5, 4096, 70000):
+        for root in range(world):
+            want = worker.inputs(root, n, torch.int64, seed=13)
+            assert torch.equal(outs[0]["results"][("broadcast", root, n)], want)
+        big = torch.stack([worker.inputs(r, world * n, torch.float32, seed=9).double()
+                           for r in range(world)]).sum(0)
+        for r in range(world):
+            part = outs[r]["results"][("reduce_scatter_tensor", n)].double()
+            assert torch.allclose(part, big[r * n:(r + 1) * n], rtol=1e-5, atol=1e-4)
+        bf = torch.stack([worker.inputs(r, world * n, torch.bfloat16, seed=11).double()
+                          for r in range(world)]).sum(0) / world
+        for r in range(world):
+            part = outs[r]["results"][("reduce_scatter_avg_bf16", n)].double()
+            assert torch.allclose(part, bf[r * n:(r + 1) * n], rtol=3e-2, atol=3e-2)
+    want = torch.cat([torch.stack([worker.inputs(r, n, torch.float32, seed=17).double()
+                                   for r in range(world)]).sum(0) for n in (3, 100, 5000)])
+    assert torch.allclose(outs[0]["results"][("coalesced",)].double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["2x2", "3+1", "2x3"])
+def test_every_collective_across_hosts_matches_float64_and_is_bitwise_equal(name, tmp_path):
+    layout = LAYOUTS[name]
+    world = sum(len(r) for r in layout)
+    outs = completed(layout, "collectives", tmp_path)
+    check_collectives(outs, world)
+    for o in outs:
+        across = o["describe"]["across_hosts"]
+        assert across["used"], across
+        assert "simhost0" in across["hosts"] and "simhost1" in across["hosts"]
+        assert o["stats"]["cpu_hier"]["calls"] > 0
+        assert o["stats"]["gloo"]["calls"] == 0, o["stats"]
+
+
+def test_both_allreduce_paths_give_the_same_bits(tmp_path):
+    """The slices path (every size) and the leaders path (slices off) give
+    identical results on an even layout."""
+    layout = LAYOUTS["2x2"]
+    sliced = completed(layout, "collectives", tmp_path / "sliced",
+                       {"TPCOMM_CPU_HIER_SLICE_BYTES": "0"})
+    leaders = completed(layout, "collectives", tmp_path / "leaders",
+                        {"TPCOMM_CPU_HIER_SLICE_BYTES": str(1 << 40)})
+    for key, value in sliced[0]["results"].items():
+        assert torch.equal(value, leaders[0]["results"][key]), key
+
+
+def test_ranks_alone_on_their_hosts_use_gloo_and_say_why(tmp_path):
+    outs = completed(LAYOUTS["2x1"], "identity", tmp_path)
+    for o in outs:
+        assert torch.equal(o["sum"], torch.full((4,), 2.0))
+        across = o["describe"]["across_hosts"]
+        assert not across["used"]
+        assert "alone on its host" in across["reason"], across
+        assert o["stats"]["gloo"]["calls"] == 1
+
+
+def test_host_identity_differs_between_namespaced_hosts_with_equal_names(tmp_path):
+    """Two hosts whose host names are equal (containers) are still two hosts:
+    shared memory is never used between them."""
+    outs = completed(LAYOUTS["2x2"], "identity", tmp_path)
+    ids = [o["host_id"] for o in outs]
+    assert ids[0] == ids[1] and ids[2] == ids[3] and ids[0] != ids[2]
+    assert all(o["stats"]["cpu_hier"]["calls"] == 1 for o in outs)
+
+
+def test_mismatched_calls_across_hosts_raise_on_every_rank(tmp_path):
+    layout = LAYOUTS["2x2"]
+    outs = completed(layout, "mismatch", tmp_path)
+    for o in outs:
+        assert o["raised"] is not None, f"rank {o['rank']} did not raise"
+    leaders = [outs[0]["raised"], outs[2]["raised"]]
+    assert any("mismatched collectives across hosts" in m or "went away or failed" in m
+               for m in leaders), leaders
+
+
+def test_a_host_that_goes_away_is_named_by_every_other_rank(tmp_path):
+    layout = LAYOUTS["3+1"]
+
+    def kill_last_host(hosts, procs, outdir):
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(outdir, "ready3")):
+            assert time.monotonic() < deadline, "the last host never got ready"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        hosts.kill(procs[-1])
+
+    results, codes, errors = run_case(layout, "host_lost", tmp_path, {"TEST_TIMEOUT_S": "20"},
+                                      during=kill_last_host)
+    assert not errors, "\n".join(errors.values())
+    for r in (0, 1, 2):
+        raised = results[r]["raised"]
+        assert raised is not None, f"rank {r} did not raise"
+        assert "simhost1" in raised and "rank 3" in raised, raised
+        assert results[r]["seconds"] < 2 * 20, results[r]["seconds"]
+
+
+def test_message_queue_with_readers_on_several_hosts(tmp_path):
+    outs = completed(LAYOUTS["2x2"], "message_queue", tmp_path)
+    for o in outs:
+        for i, obj in enumerate(o["objects"]):
+            assert obj == {"step": i, "tokens": list(range(i * 3)),
+                           "blob": b"x" * (1 << (10 + 2 * i))}
+    assert outs[0]["local"] == [1] and outs[0]["remote"] == [2, 3]
+
+
+def test_ddp_across_hosts_matches_a_single_process_float64_run(tmp_path):
+    layout = LAYOUTS["2x2"]
+    world = 4
+    outs = completed(layout, "ddp", tmp_path)
+    for o in outs[1:]:
+        for a, b in zip(o["params"], outs[0]["params"]):
+            assert torch.equal(a, b), "replicas differ"
+    assert outs[0]["stats"]["cpu_hier"]["calls"] > 0
+    # The same training in one process, float64, on every rank's batch.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model = model.double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(5):
+        opt.zero_grad()
+        loss = 0
+        for r in range(world):
+            g = torch.Generator().manual_seed(100 * step + r)
+            x = torch.randn(8, 16, generator=g).double()
+            y = torch.randn(8, 4, generator=g).double()
+            loss = loss + torch.nn.functional.mse_loss(model(x), y) / world
+        loss.backward()
+        opt.step()
+    for got, want in zip(outs[0]["params"], model.parameters()):
+        assert torch.allclose(got.double(), want.detach(), atol=1e-5), (got - want).abs().max()
