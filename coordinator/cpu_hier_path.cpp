@@ -132,6 +132,15 @@ HierGroup::HierGroup(Parts parts) : parts_(std::move(parts)) {
 
 HierGroup::~HierGroup() = default;
 
+at::Tensor HierGroup::scratch(int slot, size_t bytes) {
+  at::Tensor& t = scratch_[slot];
+  if (!t.defined() || static_cast<size_t>(t.numel()) < bytes) {
+    t = at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 64))},
+                  at::TensorOptions().dtype(at::kByte));
+  }
+  return t.narrow(0, 0, static_cast<int64_t>(bytes));
+}
+
 void HierGroup::setTimeout(std::chrono::milliseconds timeout) {
   parts_.timeout = timeout;
   if (parts_.local) parts_.local->setTimeout(2 * timeout);
@@ -205,23 +214,57 @@ void HierGroup::checkCalls(const Call& mine, const std::vector<Call>& theirs) {
   }
 }
 
+namespace {
+
+// Every member of `backend` (one rank per host) sends `mine` to every other
+// and receives theirs into slice h of `all` (bytes each; mine is copied to
+// its own slice): point-to-point sends and receives, which Gloo runs in the
+// calling thread (its collectives hop to a worker thread and back, which
+// costs more than the message between two hosts of a fast network).
+void exchange(c10d::Backend& backend, int me, int hosts, const at::Tensor& mine, at::Tensor& all,
+              int tag) {
+  const int64_t bytes = mine.numel();
+  if (bytes > 0) std::memcpy(static_cast<char*>(all.data_ptr()) + me * bytes, mine.data_ptr(), bytes);
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<std::vector<at::Tensor>> buffers;
+  buffers.reserve(2 * hosts);
+  for (int step = 1; step < hosts; ++step) {
+    const int from = (me - step + hosts) % hosts;
+    buffers.push_back({all.narrow(0, from * bytes, bytes)});
+    works.push_back(backend.recv(buffers.back(), from, tag));
+  }
+  for (int step = 1; step < hosts; ++step) {
+    const int to = (me + step) % hosts;
+    buffers.push_back({mine});
+    works.push_back(backend.send(buffers.back(), to, tag));
+  }
+  for (auto& w : works) w->wait();
+}
+
+constexpr int kDescriptionTag = 0x7470;
+constexpr int kPayloadTag = 0x7471;
+
+}  // namespace
+
 HierGroup::Received HierGroup::allgatherBetweenHosts(c10d::Backend& backend, const Call& call,
                                                     const void* payload, size_t bytes) {
   // Round 1, the same size on every rank whatever the call (Gloo ends the
   // process on a size mismatch): the description, and the payload if it
   // fits. Round 2, once every host described the same call: the payload.
   const int hosts = layout().hosts();
+  const int me = layout().host();
   const size_t fixed = kCallBytes + kInlineBytes;
   const auto options = at::TensorOptions().dtype(at::kByte);
-  at::Tensor send = at::zeros({static_cast<int64_t>(fixed)}, options);
+  const bool inlined = bytes <= kInlineBytes;
+  at::Tensor send = scratch(kSendSlot, fixed);
+  std::memset(send.data_ptr(), 0, fixed);
   Received out;
-  out.buffer = at::empty({static_cast<int64_t>(fixed) * hosts}, options);
+  out.buffer = scratch(kDescriptionsSlot, fixed * hosts);
   auto* s = static_cast<char*>(send.data_ptr());
   std::memcpy(s, &call, kCallBytes);
-  const bool inlined = bytes <= kInlineBytes;
   if (inlined && bytes > 0) std::memcpy(s + kCallBytes, payload, bytes);
   try {
-    backend._allgather_base(out.buffer, send)->wait();
+    exchange(backend, me, hosts, send, out.buffer, kDescriptionTag);
   } catch (const std::exception& e) {
     failBetweenHosts(call, e);
   }
@@ -236,11 +279,11 @@ HierGroup::Received HierGroup::allgatherBetweenHosts(c10d::Backend& backend, con
   }
   at::Tensor mine =
       at::from_blob(const_cast<void*>(payload), {static_cast<int64_t>(bytes)}, options);
-  out.buffer = at::empty({static_cast<int64_t>(bytes) * hosts}, options);
+  out.buffer = scratch(kPayloadsSlot, bytes * hosts);
   out.stride = bytes;
   out.offset = 0;
   try {
-    backend._allgather_base(out.buffer, mine)->wait();
+    exchange(backend, me, hosts, mine, out.buffer, kPayloadTag);
   } catch (const std::exception& e) {
     failBetweenHosts(call, e);
   }
@@ -249,7 +292,7 @@ HierGroup::Received HierGroup::allgatherBetweenHosts(c10d::Backend& backend, con
 
 void HierGroup::broadcastBetweenHosts(const Call& call, void* data, size_t bytes, int rootHost) {
   // Round 1 as in allgatherBetweenHosts (every leader's description; the
-  // root's data when it fits), round 2 a broadcast of the rest.
+  // root's data when it fits), round 2 the rest from the root's leader.
   const bool root = layout().host() == rootHost;
   const Received first = allgatherBetweenHosts(*parts_.leaders, call, data,
                                                root && bytes <= kInlineBytes ? bytes : 0);
@@ -258,12 +301,19 @@ void HierGroup::broadcastBetweenHosts(const Call& call, void* data, size_t bytes
     if (!root) std::memcpy(data, first.source(rootHost), bytes);
     return;
   }
-  std::vector<at::Tensor> message{at::from_blob(data, {static_cast<int64_t>(bytes)},
-                                                at::TensorOptions().dtype(at::kByte))};
-  c10d::BroadcastOptions opts;
-  opts.rootRank = rootHost;
+  const at::Tensor message =
+      at::from_blob(data, {static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
   try {
-    parts_.leaders->broadcast(message, opts)->wait();
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    std::vector<std::vector<at::Tensor>> buffers(layout().hosts(), {message});
+    if (root) {
+      for (int h = 0; h < layout().hosts(); ++h) {
+        if (h != rootHost) works.push_back(parts_.leaders->send(buffers[h], h, kPayloadTag));
+      }
+    } else {
+      works.push_back(parts_.leaders->recv(buffers[0], rootHost, kPayloadTag));
+    }
+    for (auto& w : works) w->wait();
   } catch (const std::exception& e) {
     failBetweenHosts(call, e);
   }
@@ -291,13 +341,13 @@ const char* HierGroup::allreducePath(size_t count, mq::DType dtype) const {
 
 void HierGroup::allreduce(const void* in, void* out, size_t count, mq::DType dtype,
                           const mq::ReduceSpec& spec, const mq::ShmPart& part) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  throwIfFailed();
   reduceAll(static_cast<uint32_t>(HierOp::kAllreduce), in, out, count, dtype, spec, part);
 }
 
 void HierGroup::reduceAll(uint32_t op, const void* in, void* out, size_t count, mq::DType dtype,
                           const mq::ReduceSpec& spec, const mq::ShmPart& part) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  throwIfFailed();
   Call call;
   call.number = ++calls_;
   call.op = op;
@@ -345,9 +395,12 @@ void HierGroup::reduceScatter(const std::vector<const void*>& ins, void* out, si
                               const mq::ShmPart& part) {
   // The whole input reduced (its parts in rank order, one buffer), this
   // rank's part kept.
+  std::lock_guard<std::mutex> lock(mutex_);
+  throwIfFailed();
   const size_t bytes = count * mq::dtypeBytes(dtype);
   const int size = static_cast<int>(layout().hostOf.size());
-  std::vector<char> whole(bytes * size);
+  std::vector<char>& whole = wholeInput_;
+  whole.resize(bytes * size);
   for (int r = 0; r < size; ++r) {
     if (bytes > 0) std::memcpy(whole.data() + r * bytes, ins[r], bytes);
   }
@@ -380,15 +433,15 @@ void HierGroup::allgather(const void* in, size_t bytes, const std::vector<void*>
   size_t widest = 0;
   for (const auto& ranks : l.ranksOn) widest = std::max(widest, ranks.size());
   const size_t block = widest * bytes;
-  at::Tensor received = at::empty({static_cast<int64_t>(block * l.hosts())},
-                                  at::TensorOptions().dtype(at::kByte));
+  at::Tensor received = scratch(kGatheredSlot, block * l.hosts());
   auto* all = static_cast<char*>(received.data_ptr());
   if (parts_.leaders) {
-    std::vector<char> ours(block);
+    at::Tensor oursTensor = scratch(kBlockSlot, block);
+    char* ours = static_cast<char*>(oursTensor.data_ptr());
     for (size_t i = 0; i < mine.size(); ++i) {
-      if (bytes > 0) std::memcpy(ours.data() + i * bytes, outs[mine[i]], bytes);
+      if (bytes > 0) std::memcpy(ours + i * bytes, outs[mine[i]], bytes);
     }
-    const Received got = allgatherBetweenHosts(*parts_.leaders, call, ours.data(), block);
+    const Received got = allgatherBetweenHosts(*parts_.leaders, call, ours, block);
     for (int h = 0; h < l.hosts(); ++h) {
       if (block > 0) std::memcpy(all + h * block, got.source(h), block);
     }
@@ -434,6 +487,19 @@ void HierGroup::barrier() {
 
 // ---- set-up ------------------------------------------------------------------
 
+namespace {
+
+// The machine part of a host identity (hostIdentity(): after '@'), empty
+// for one given by TPCOMM_HOST_ID.
+std::string machineOf(const std::string& identity) {
+  const size_t at = identity.rfind('@');
+  return identity.find('#') == std::string::npos || at == std::string::npos
+             ? std::string()
+             : identity.substr(at + 1);
+}
+
+}  // namespace
+
 HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
                     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                     const std::vector<std::string>& identities, const CpuShmConfig& config,
@@ -452,7 +518,12 @@ HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
                                  "): nothing to share in memory"));
   if (!factory) return refuse("no factory for Gloo sub-groups (unit-test group)");
 
+  // Ranks on this machine (one kernel: namespaced hosts share its cores).
+  const std::string machine = machineOf(identities[rank]);
+  int machineRanks = 0;
+  for (const auto& id : identities) machineRanks += !machine.empty() && machineOf(id) == machine;
   HierGroup::Parts parts;
+  parts.machineRanks = std::max(machineRanks, layout.localSize());
   parts.layout = layout;
   parts.timeout = timeout;
   parts.sliceMinBytes = static_cast<uint64_t>(config.hierSliceBytes);
@@ -469,6 +540,12 @@ HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
                             timeout);
       CpuShmConfig onHostConfig = config;
       onHostConfig.mode = "auto";
+      onHostConfig.machineRanks = machineRanks;
+      // A host's ranks mostly wait for the leader's step between hosts:
+      // where the machine's cores are oversubscribed (namespaced hosts of
+      // one kernel), polling would take the core that step needs, so they
+      // sleep at once.
+      if (config.spinUs < 0 && machineRanks > usableCpus()) onHostConfig.spinUs = 0;
       CpuShmSetup shm = setUpCpuShm(*onHost, local, layout.localSize(), identities[rank],
                                     onHostConfig, 2 * timeout);
       if (!shm.group) {

@@ -25,8 +25,10 @@
 //               memory on the other hosts
 //   barrier     shared memory, Gloo among leaders, shared memory
 //
-// Every step between hosts starts with an all-gather of one size whatever
-// the call (the call's description, with a payload of up to 4 KiB), so that
+// Steps between hosts are Gloo sends and receives (which run in the calling
+// thread; Gloo's collectives hop to a worker thread and back, several times
+// the cost of a small message between two hosts). Every step starts with an
+// all-to-all exchange of one size whatever the call (the call's description, with a payload of up to 4 KiB), so that
 // mismatched calls are found before Gloo sees messages of different sizes
 // (which it answers by ending the process); larger payloads follow in a
 // second round.
@@ -44,6 +46,7 @@
 // timeout, so that a step between hosts (bounded by the timeout) reports
 // first. After a failure every call raises the first failure.
 
+#include <array>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -96,6 +99,9 @@ class HierGroup {
     // with two or more ranks per host; the leaders' group for local rank 0.
     c10::intrusive_ptr<c10d::Backend> slices;
     uint64_t sliceMinBytes = 256 << 10;
+    // Ranks of the group on this machine's cores (hosts that are namespaces
+    // of one kernel share them): the local group's waiting policy.
+    int machineRanks = 1;
     std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   };
   explicit HierGroup(Parts parts);
@@ -121,6 +127,7 @@ class HierGroup {
   // "leaders" or "slices".
   const char* allreducePath(size_t count, mq::DType dtype) const;
   uint64_t sliceMinBytes() const { return parts_.sliceMinBytes; }
+  int machineRanks() const { return parts_.machineRanks; }
   void setSliceMinBytes(uint64_t bytes) { parts_.sliceMinBytes = bytes; }
   void setTimeout(std::chrono::milliseconds timeout);
   // Empty while the group works; else its first failure.
@@ -131,7 +138,8 @@ class HierGroup {
   struct Call;  // a call's description, as it travels between hosts
 
  private:
-  // The allreduce, described as `op` (allreduce or reduce-scatter).
+  // The allreduce, described as `op` (allreduce or reduce-scatter); the
+  // caller holds mutex_.
   void reduceAll(uint32_t op, const void* in, void* out, size_t count, mq::DType dtype,
                  const mq::ReduceSpec& spec, const mq::ShmPart& part);
   void throwIfFailed() const;
@@ -149,9 +157,10 @@ class HierGroup {
     }
   };
   // Gloo steps between hosts over `backend` (one rank per host, in host
-  // order): each first all-gathers every host's description of the call (a
-  // message of one size whatever the call) and checks it against this
-  // rank's, then moves the payload.
+  // order), through Gloo's point-to-point sends and receives: each first
+  // exchanges every host's description of the call (a message of one size
+  // whatever the call) and checks it against this rank's, then moves the
+  // payload (to every other host: latency over bandwidth, for a few hosts).
   Received allgatherBetweenHosts(c10d::Backend& backend, const Call& call, const void* payload,
                                  size_t bytes);
   void broadcastBetweenHosts(const Call& call, void* data, size_t bytes, int rootHost);
@@ -160,7 +169,15 @@ class HierGroup {
   void reduceHosts(const Received& received, void* out, size_t count, mq::DType dtype,
                    const mq::ReduceSpec& spec);
 
+  // A buffer of at least `bytes` kept for the next calls (a fresh large
+  // allocation is mapped anew and faulted in on every call). Calls hold
+  // mutex_; each slot has one use per call.
+  enum Slot { kSendSlot, kDescriptionsSlot, kPayloadsSlot, kGatheredSlot, kBlockSlot, kSlots };
+  at::Tensor scratch(int slot, size_t bytes);
+
   Parts parts_;
+  std::array<at::Tensor, kSlots> scratch_;
+  std::vector<char> wholeInput_;  // reduceScatter's input, in rank order
   uint64_t calls_ = 0;  // calls so far (the description's call number)
   std::mutex mutex_;    // one call at a time
   mutable std::mutex failureMutex_;

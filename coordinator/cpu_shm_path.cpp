@@ -183,11 +183,14 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   options.size = size;
   options.bufferBytes = static_cast<uint64_t>(config.bufferBytes);
   options.twoPhaseMinBytes = static_cast<uint64_t>(config.twoPhaseBytes);
-  const SpinPolicy policy = spinPolicy(config.spinUs, size);
+  // The ranks that share this machine's cores: this group's, or more (a
+  // group across namespaced hosts of one machine).
+  const int sharing = std::max(size, config.machineRanks);
+  const SpinPolicy policy = spinPolicy(config.spinUs, sharing);
   options.spin = policy.spin;
   options.yield = policy.yield;
   options.reduceIsa = static_cast<mq::ReduceIsa>(std::max<int64_t>(0, isaLevel));
-  options.threads = threadsFor(config.threads, size);
+  options.threads = threadsFor(config.threads, sharing);
   options.timeout = timeout;
 
   // Round 2: rank 0 creates the region; the others map it.

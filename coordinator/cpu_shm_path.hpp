@@ -37,7 +37,11 @@ struct CpuShmConfig {
   int64_t spinUs = -1;             // -1: spinPolicy's choice
   std::string reduceIsa = "auto";  // TPCOMM_CPU_REDUCE_ISA
   int64_t threads = 0;             // TPCOMM_CPU_SHM_THREADS (0: threadsFor's choice)
-  int64_t hierSliceBytes = 64 << 10;  // TPCOMM_CPU_HIER_SLICE_BYTES
+  int64_t hierSliceBytes = 4 << 20;  // TPCOMM_CPU_HIER_SLICE_BYTES
+  // Ranks of a larger group on this machine's cores (a group across hosts
+  // that are namespaces of one kernel): the waiting policy and the threads
+  // count them (0: the group's size alone).
+  int machineRanks = 0;
   static CpuShmConfig fromSettings();
 };
 

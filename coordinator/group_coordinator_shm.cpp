@@ -103,6 +103,10 @@ void GroupCoordinator::setCpuShmSpinUs(int64_t spinUs) {
     const SpinPolicy policy = spinPolicy(spinUs, size());
     shm_->setSpin(policy.spin, policy.yield);
   }
+  if (hier_ && hier_->local()) {
+    const SpinPolicy policy = spinPolicy(spinUs, hier_->machineRanks());
+    hier_->local()->setSpin(policy.spin, policy.yield);
+  }
 }
 
 void GroupCoordinator::setCpuShmThreads(int64_t threads) {

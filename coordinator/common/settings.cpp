@@ -57,7 +57,7 @@ const std::vector<SettingInfo> kSettingTable = {
      "CPU allreduces from this size on reduce-scatter then all-gather inside shared memory "
      "(each rank reduces a slice); smaller ones are reduced whole by every rank. Must be equal "
      "on every rank."},
-    {"TPCOMM_CPU_HIER_SLICE_BYTES", "int", "65536",
+    {"TPCOMM_CPU_HIER_SLICE_BYTES", "int", "4194304",
      "Groups whose ranks sit on several hosts, each with the same number of ranks: CPU "
      "allreduces from this size on cross hosts in slices, one per rank of a host, all at once "
      "(smaller ones: the hosts' leaders alone). Set-up takes the smallest value of any rank."},
@@ -246,8 +246,10 @@ std::string hostIdentity() {
   // namespace); equal host names say none of that (containers).
   const std::string machine =
       bootId() + "/pid:" + namespaceInode("pid") + "/mnt:" + namespaceInode("mnt");
-  char hash[17];
-  std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(fnv1a(machine)));
+  char hash[34];
+  std::snprintf(hash, sizeof(hash), "%016llx@%08llx",
+                static_cast<unsigned long long>(fnv1a(machine)),
+                static_cast<unsigned long long>(fnv1a(bootId()) & 0xffffffffull));
   return hostName().substr(0, 64) + "#" + hash;
 }
 

@@ -59,7 +59,7 @@ struct Settings {
   int64_t cpuShmTwoPhaseBytes = 16 << 10;
   // TPCOMM_CPU_HIER_SLICE_BYTES: allreduces of groups across hosts (the
   // same number of ranks on each) from this size on cross hosts in slices.
-  int64_t cpuHierSliceBytes = 64 << 10;
+  int64_t cpuHierSliceBytes = 4 << 20;
   // TPCOMM_CPU_SHM_SPIN_US: how long a shared-memory wait polls before it
   // sleeps on a futex (-1: by the group, see cpu_shm_path.hpp's spinPolicy).
   int64_t cpuShmSpinUs = -1;
@@ -99,9 +99,11 @@ const std::vector<SettingInfo>& settingTable();
 // The process-wide settings, parsed from the environment once.
 const Settings& settings();
 
-// This process's host identity: TPCOMM_HOST_ID, else "<host name>#<hash>",
-// the hash (64-bit FNV-1a, hex) over the kernel's boot id and this process's
-// pid- and mount-namespace inodes. Two processes may share memory only when
+// This process's host identity: TPCOMM_HOST_ID, else
+// "<host name>#<hash>@<machine>", the hash (64-bit FNV-1a, hex) over the
+// kernel's boot id and this process's pid- and mount-namespace inodes, the
+// machine a 32-bit hash of the boot id alone (hosts that are namespaces of
+// one kernel share its cores). Two processes may share memory only when
 // their identities are equal: same kernel, each other's pids and /proc in
 // view. Two containers with equal host names thus differ.
 std::string hostIdentity();

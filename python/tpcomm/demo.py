@@ -1,6 +1,7 @@
 """The main job: tensor-parallel decoding over tpcomm.
 
     python -m tpcomm.demo [--tp 2] [--steps 32] [--device auto|cpu|cuda] [--compare-tp1]
+    python -m tpcomm.demo --hosts 2 [--tp 2]   (a replica per simulated host; tpcomm.demo_hosts)
 
 Starts --tp local processes (on GPUs when there are at least that many, else
 on CPU), builds a small transformer with column- and row-parallel layers from
@@ -189,6 +190,10 @@ def main(argv=None):
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--compare-tp1", action="store_true",
                         help="first run the same job at TP=1 and print both speeds")
+    parser.add_argument("--hosts", type=int, default=0,
+                        help="a TP=--tp replica on each of this many simulated hosts, data "
+                             "parallel across them (root: Linux namespaces; see "
+                             "tpcomm.demo_hosts)")
     args = parser.parse_args(argv)
     cfg = Config()
     if args.tp < 1 or not 1 <= args.steps <= 4096:
@@ -197,6 +202,12 @@ def main(argv=None):
         cfg.check_tp(args.tp)
     except ValueError as e:
         parser.error(str(e))
+    if args.hosts:
+        if args.hosts < 2 or args.device == "cuda":
+            parser.error("--hosts needs 2 or more hosts and runs on CPU")
+        from tpcomm.demo_hosts import run as run_across_hosts
+
+        return run_across_hosts(args.hosts, args.tp, args.steps)
     device = _choose_device(args.device, args.tp)
     print(f"tpcomm demo: tensor-parallel decoding, TP={args.tp} on {device.upper()}, "
           f"{cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, vocab {cfg.vocab}, "

@@ -24,6 +24,7 @@ the store) unless the caller sets GLOO_SOCKET_IFNAME=eth0.
 `python -m tpcomm.simhosts --ranks 0,1 -- ARGV...` is the launcher a host
 runs (internal)."""
 
+import ctypes
 import os
 import random
 import shutil
@@ -42,6 +43,13 @@ def _run(*argv):
     done = subprocess.run(argv, capture_output=True, text=True, timeout=30)
     if done.returncode != 0:
         raise Unavailable(f"'{' '.join(argv)}' failed: {done.stderr.strip() or done.returncode}")
+
+
+def _die_with_parent():
+    """In a launched child before exec: SIGKILL when the process that
+    launched it dies (kept across exec), so that no simulated host outlives
+    its test."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _sweep_stale():
@@ -137,12 +145,13 @@ class SimulatedHosts:
         script = ('hostname "$0" && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && '
                   'exec "$@"')
         cmd = ["ip", "netns", "exec", self.namespace(h),
-               "unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc", "--",
+               "unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc",
+               "--kill-child=SIGKILL", "--",
                "sh", "-c", script, self.hostname(h),
                sys.executable, "-m", "tpcomm.simhosts", "--ranks",
                ",".join(str(r) for r in ranks), "--", *argv]
         proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_die_with_parent)
         self._procs.append(proc)
         return proc
 

@@ -237,3 +237,16 @@ def test_ddp_across_hosts_matches_a_single_process_float64_run(tmp_path):
         opt.step()
     for got, want in zip(outs[0]["params"], model.parameters()):
         assert torch.allclose(got.double(), want.detach(), atol=1e-5), (got - want).abs().max()
+
+
+def test_the_demo_runs_a_replica_on_each_of_two_hosts():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "tpcomm.demo", "--hosts", "2", "--tp", "2",
+                           "--steps", "8"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "replica 0 on simhost0" in out and "replica 1 on simhost1" in out, out
+    assert out.count("world group routes: cpu_hier 8 calls") == 2, out
+    assert out.count("TP group routes: cpu_shm") == 2, out
+    assert out.rstrip().endswith("OK"), out

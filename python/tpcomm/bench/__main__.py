@@ -39,6 +39,9 @@ def main(argv=None):
                      help="all_reduce through dist, async_op, functional, the coordinator op")
     cpu.add_argument("--bound", action="store_true",
                      help="a 64 MiB allreduce against the cores' concurrent copy bandwidth")
+    cpu.add_argument("--hosts", type=int, default=0,
+                     help="allreduce across this many simulated hosts (namespaces; root)")
+    cpu.add_argument("--ranks-per-host", type=int, default=2, help="with --hosts (default 2)")
     cpu.add_argument("--late", action="store_true",
                      help="what a late peer costs under each waiting policy (2 ranks)")
     faults = sub.add_parser("faults", help="bad inputs, debug-mode mistakes, killed ranks")
@@ -72,6 +75,11 @@ def main(argv=None):
 
         return run_allreduce(args.max_mib, args.quick)
     if args.what == "cpu":
+        if args.hosts:
+            from tpcomm.bench.cpu_hosts import run
+
+            return run(args.hosts, args.ranks_per_host, min(args.max_mib, 16), args.quick,
+                       args.rounds)
         if args.paths:
             from tpcomm.bench.cpu_paths import run
 
