@@ -21,8 +21,9 @@ const std::vector<SettingInfo> kSettingTable = {
      "refusals across ranks through the CPU group and raise on every rank naming the ranks "
      "that differ (costs one extra CPU round trip per call)."},
     {"TPCOMM_HOST_ID", "string", "",
-     "This process's host identity for the shared-memory message queue (empty: the host name); "
-     "ranks with different ids talk through the CPU group instead."},
+     "This process's host identity (empty: the host name with a hash of the kernel's boot id "
+     "and the pid and mount namespaces): ranks with equal ids share memory (message queue, CPU "
+     "collectives), others talk through Gloo."},
     {"TPCOMM_CAR_MAX_BYTES", "int", "8388608",
      "The largest allreduce the custom peer-to-peer kernel takes (bytes, a multiple of 16); "
      "each rank's staging buffer is twice this."},

@@ -78,6 +78,8 @@ TEST(Settings, CpuSharedMemory) {
   EXPECT_EQ(d.cpuShmTwoPhaseBytes, 16 << 10);
   EXPECT_EQ(d.cpuShmSpinUs, -1);  // the group's policy (coord::spinPolicy)
   EXPECT_EQ(d.cpuReduceIsa, "auto");
+  EXPECT_EQ(d.cpuHierSliceBytes, 4 << 20);
+  EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_CPU_HIER_SLICE_BYTES", "0"}})).cpuHierSliceBytes, 0);
   const std::vector<std::pair<const char*, const char*>> modes = {
       {"", "auto"}, {"AUTO", "auto"}, {"0", "0"}, {"1", "1"}, {"off", "0"}, {"true", "1"}};
   for (const auto& [value, mode] : modes) {
@@ -93,7 +95,7 @@ TEST(Settings, CpuSharedMemory) {
       {"TPCOMM_CPU_SHM", "sometimes"},         {"TPCOMM_CPU_SHM_BUFFER_BYTES", "4100"},
       {"TPCOMM_CPU_SHM_BUFFER_BYTES", "1024"}, {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "-1"},
       {"TPCOMM_CPU_SHM_SPIN_US", "2000000"},   {"TPCOMM_CPU_SHM_SPIN_US", "-2"},
-      {"TPCOMM_CPU_REDUCE_ISA", "sse9"}};
+      {"TPCOMM_CPU_REDUCE_ISA", "sse9"},       {"TPCOMM_CPU_HIER_SLICE_BYTES", "-1"}};
   expectEachRefused(bad);
   for (const char* level : {"avx512", "avx2", "portable", "auto"}) {
     EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_CPU_REDUCE_ISA", level}})).cpuReduceIsa, level);

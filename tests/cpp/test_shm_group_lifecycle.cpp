@@ -173,6 +173,33 @@ TEST(ShmGroup, CoalescedPositionsAndTheFusedEpsArePartOfTheSignature) {
   for (int code : runRanks(2, smallBuffers(1ull << 40), body)) EXPECT_EQ(code, 0);
 }
 
+// An abort's text reaches the peers' errors (a hierarchical group's leader
+// aborts its host's group with what failed between hosts).
+TEST(ShmGroup, APeersAbortReasonIsInTheErrorsOfTheOthers) {
+  ShmGroupOptions o = smallBuffers(1ull << 40);
+  o.timeout = 60s;
+  const auto body = [](ShmGroup& g) {
+    if (g.options().rank == 0) {
+      g.abort("host 'b' (ranks 2, 3) went away");
+      return 0;
+    }
+    float x = 1.0f;
+    try {
+      g.broadcast(&x, sizeof(x), 0);
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      CHILD_CHECK(e.code() == ErrorCode::kPeerLost, "code %d", static_cast<int>(e.code()));
+      CHILD_CHECK(what.find("rank 0 of the group aborted: host 'b' (ranks 2, 3) went away") !=
+                      std::string::npos,
+                  "message: %s", what.c_str());
+      return 0;
+    }
+    CHILD_CHECK(false, "the broadcast returned after the root aborted");
+    return 0;
+  };
+  for (int code : runRanks(2, o, body)) EXPECT_EQ(code, 0);
+}
+
 TEST(ShmGroup, APeerWhoseMainThreadEndedWhileAnotherThreadRunsIsAlive) {
   ShmGroupOptions o = smallBuffers(1ull << 40);
   o.timeout = 60s;
