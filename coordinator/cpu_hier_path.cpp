@@ -127,7 +127,17 @@ static_assert(sizeof(HierGroup::Call) == kCallBytes, "a call's description is on
 // ---- HierGroup ---------------------------------------------------------------
 
 HierGroup::HierGroup(Parts parts) : parts_(std::move(parts)) {
-  if (parts_.local) parts_.local->setTimeout(2 * parts_.timeout);
+  reduceIsa_.store(parts_.reduceIsa);
+  if (parts_.local) {
+    parts_.local->setTimeout(2 * parts_.timeout);
+    parts_.local->setReduceIsa(parts_.reduceIsa);
+  }
+}
+
+void HierGroup::setReduceIsa(mq::ReduceIsa isa) {
+  if (!mq::cpuRunsReduceIsa(isa)) isa = mq::bestReduceIsa();
+  reduceIsa_.store(isa);
+  if (parts_.local) parts_.local->setReduceIsa(isa);
 }
 
 HierGroup::~HierGroup() = default;
@@ -221,8 +231,31 @@ namespace {
 // its own slice): point-to-point sends and receives, which Gloo runs in the
 // calling thread (its collectives hop to a worker thread and back, which
 // costs more than the message between two hosts of a fast network).
+// Waits for every one of `works` within one deadline `timeout` from now.
+// On a failure it still waits for the others (each fails at once when its
+// peer is gone, else by the deadline), so that no send or receive outlives
+// the call whose memory it uses; then rethrows the first failure.
+void waitAll(std::vector<c10::intrusive_ptr<c10d::Work>>& works,
+             std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::exception_ptr first;
+  for (auto& w : works) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
+    try {
+      if (!w->wait(std::max(left, std::chrono::milliseconds(1)))) {
+        TPCOMM_THROW(kTimeout, "timed out after ", timeout.count(), " ms");
+      }
+    } catch (...) {
+      if (!first) first = std::current_exception();
+      w->abort();
+    }
+  }
+  if (first) std::rethrow_exception(first);
+}
+
 void exchange(c10d::Backend& backend, int me, int hosts, const at::Tensor& mine, at::Tensor& all,
-              int tag) {
+              int tag, std::chrono::milliseconds timeout) {
   const int64_t bytes = mine.numel();
   if (bytes > 0) std::memcpy(static_cast<char*>(all.data_ptr()) + me * bytes, mine.data_ptr(), bytes);
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
@@ -238,7 +271,7 @@ void exchange(c10d::Backend& backend, int me, int hosts, const at::Tensor& mine,
     buffers.push_back({mine});
     works.push_back(backend.send(buffers.back(), to, tag));
   }
-  for (auto& w : works) w->wait();
+  waitAll(works, timeout);
 }
 
 constexpr int kDescriptionTag = 0x7470;
@@ -264,7 +297,7 @@ HierGroup::Received HierGroup::allgatherBetweenHosts(c10d::Backend& backend, con
   std::memcpy(s, &call, kCallBytes);
   if (inlined && bytes > 0) std::memcpy(s + kCallBytes, payload, bytes);
   try {
-    exchange(backend, me, hosts, send, out.buffer, kDescriptionTag);
+    exchange(backend, me, hosts, send, out.buffer, kDescriptionTag, parts_.timeout);
   } catch (const std::exception& e) {
     failBetweenHosts(call, e);
   }
@@ -283,7 +316,7 @@ HierGroup::Received HierGroup::allgatherBetweenHosts(c10d::Backend& backend, con
   out.stride = bytes;
   out.offset = 0;
   try {
-    exchange(backend, me, hosts, mine, out.buffer, kPayloadTag);
+    exchange(backend, me, hosts, mine, out.buffer, kPayloadTag, parts_.timeout);
   } catch (const std::exception& e) {
     failBetweenHosts(call, e);
   }
@@ -313,7 +346,7 @@ void HierGroup::broadcastBetweenHosts(const Call& call, void* data, size_t bytes
     } else {
       works.push_back(parts_.leaders->recv(buffers[0], rootHost, kPayloadTag));
     }
-    for (auto& w : works) w->wait();
+    waitAll(works, parts_.timeout);
   } catch (const std::exception& e) {
     failBetweenHosts(call, e);
   }
@@ -327,8 +360,7 @@ void HierGroup::reduceHosts(const Received& received, void* out, size_t count, m
   mq::ReduceSpec between;
   between.kind = spec.kind;
   between.divisor = spec.divisor;
-  const mq::ReduceIsa isa = parts_.local ? parts_.local->reduceIsa() : mq::bestReduceIsa();
-  mq::reduceIntoWith(isa, out, sources.data(), hosts, count, dtype, between);
+  mq::reduceIntoWith(reduceIsa(), out, sources.data(), hosts, count, dtype, between);
 }
 
 const char* HierGroup::allreducePath(size_t count, mq::DType dtype) const {
@@ -503,19 +535,19 @@ std::string machineOf(const std::string& identity) {
 HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
                     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                     const std::vector<std::string>& identities, const CpuShmConfig& config,
-                    std::chrono::milliseconds timeout, bool required) {
+                    std::chrono::milliseconds timeout, const std::string& requiredBy) {
   HierSetup result;
   const HostLayout layout = HostLayout::of(identities, rank);
   const auto refuse = [&](std::string reason) -> HierSetup {
-    TPCOMM_CHECK(!required, kInvalidUsage,
-                 "TPCOMM_CPU_SHM=1 but the group cannot use shared memory across hosts: ", reason);
+    TPCOMM_CHECK(requiredBy.empty(), kInvalidUsage, "TPCOMM_CPU_SHM=1 (on rank(s) ", requiredBy,
+                 ") but the group cannot use shared memory across hosts: ", reason);
     result.reason = std::move(reason);
     return std::move(result);
   };
   // Decided alike on every rank, without an exchange.
   if (layout.hosts() == size)
-    return refuse(detail::concat("every rank is alone on its host (", layout.describe(),
-                                 "): nothing to share in memory"));
+    return refuse(detail::concat("its ranks are on different hosts, each alone on its host (",
+                                 layout.describe(), "): nothing to share in memory"));
   if (!factory) return refuse("no factory for Gloo sub-groups (unit-test group)");
 
   // Ranks on this machine (one kernel: namespaced hosts share its cores).
@@ -527,6 +559,7 @@ HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
   parts.layout = layout;
   parts.timeout = timeout;
   parts.sliceMinBytes = static_cast<uint64_t>(config.hierSliceBytes);
+  parts.reduceIsa = reduceIsaOf(config.reduceIsa);
   std::string failure;
   const int host = layout.host();
   const int local = layout.localRank();
@@ -534,10 +567,19 @@ HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
   const auto subStore = [&](const std::string& name) {
     return c10::make_intrusive<c10d::PrefixStore>("tpcomm-hier/" + name + "/", store);
   };
-  try {
-    if (layout.localSize() >= 2) {
-      auto onHost = factory(subStore(detail::concat("host", host)), local, layout.localSize(),
-                            timeout);
+  // Every sub-group is made whatever failed before it on this rank, so that
+  // no peer waits for this rank in a rendezvous it skipped.
+  const auto attempt = [&](const auto& make) {
+    try {
+      make();
+    } catch (const std::exception& e) {
+      if (failure.empty()) failure = failureOf(e);
+    }
+  };
+  if (layout.localSize() >= 2) {
+    attempt([&] {
+      auto onHost =
+          factory(subStore(detail::concat("host", host)), local, layout.localSize(), timeout);
       CpuShmConfig onHostConfig = config;
       onHostConfig.mode = "auto";
       onHostConfig.machineRanks = machineRanks;
@@ -552,15 +594,18 @@ HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
         failure = detail::concat("shared memory on ", layout.describeHost(host), ": ", shm.reason);
       }
       parts.local = std::move(shm.group);
+    });
+  }
+  if (local == 0) attempt([&] { parts.leaders = factory(subStore("leaders"), host, hosts, timeout); });
+  if (layout.even() && layout.localSize() >= 2) {
+    if (local == 0) {
+      parts.slices = parts.leaders;
+    } else {
+      attempt([&] {
+        parts.slices =
+            factory(subStore(detail::concat("slices", local)), host, hosts, timeout);
+      });
     }
-    if (local == 0) parts.leaders = factory(subStore("leaders"), host, hosts, timeout);
-    if (layout.even() && layout.localSize() >= 2) {
-      parts.slices = local == 0 ? parts.leaders
-                                : factory(subStore(detail::concat("slices", local)), host, hosts,
-                                          timeout);
-    }
-  } catch (const std::exception& e) {
-    failure = failureOf(e);
   }
   // Every rank's failure, and its slice crossover (the smallest counts, so
   // that every host takes the same path for a call).

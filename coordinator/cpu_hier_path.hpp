@@ -47,6 +47,7 @@
 // first. After a failure every call raises the first failure.
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -102,6 +103,8 @@ class HierGroup {
     // Ranks of the group on this machine's cores (hosts that are namespaces
     // of one kernel share them): the local group's waiting policy.
     int machineRanks = 1;
+    // The reductions' kernel level every rank of the group agreed on.
+    mq::ReduceIsa reduceIsa = mq::bestReduceIsa();
     std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   };
   explicit HierGroup(Parts parts);
@@ -128,7 +131,10 @@ class HierGroup {
   const char* allreducePath(size_t count, mq::DType dtype) const;
   uint64_t sliceMinBytes() const { return parts_.sliceMinBytes; }
   int machineRanks() const { return parts_.machineRanks; }
-  void setSliceMinBytes(uint64_t bytes) { parts_.sliceMinBytes = bytes; }
+  // The reductions' kernel level (inside the host and between hosts); every
+  // rank of the group sets the same, as ShmGroup::setReduceIsa.
+  void setReduceIsa(mq::ReduceIsa isa);
+  mq::ReduceIsa reduceIsa() const { return reduceIsa_.load(std::memory_order_relaxed); }
   void setTimeout(std::chrono::milliseconds timeout);
   // Empty while the group works; else its first failure.
   std::string failure() const;
@@ -175,9 +181,11 @@ class HierGroup {
   enum Slot { kSendSlot, kDescriptionsSlot, kPayloadsSlot, kGatheredSlot, kBlockSlot, kSlots };
   at::Tensor scratch(int slot, size_t bytes);
 
-  Parts parts_;
+  // Declared before parts_ so that they outlive the Gloo sub-groups.
   std::array<at::Tensor, kSlots> scratch_;
   std::vector<char> wholeInput_;  // reduceScatter's input, in rank order
+  Parts parts_;
+  std::atomic<mq::ReduceIsa> reduceIsa_{mq::ReduceIsa::kPortable};
   uint64_t calls_ = 0;  // calls so far (the description's call number)
   std::mutex mutex_;    // one call at a time
   mutable std::mutex failureMutex_;
@@ -196,10 +204,11 @@ struct HierSetup {
 // `factory` over `store` (prefixed "tpcomm-hier/"), then an all-gather over
 // `cpu` of every rank's failure, so that all use the path or none does.
 // Not used when every rank is alone on its host (nothing to share).
-// Throws InvalidUsage on every rank when `required` and it failed.
+// Throws InvalidUsage on every rank when `requiredBy` (the ranks with
+// TPCOMM_CPU_SHM=1) is not empty and it failed.
 HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
                     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                     const std::vector<std::string>& identities, const CpuShmConfig& config,
-                    std::chrono::milliseconds timeout, bool required);
+                    std::chrono::milliseconds timeout, const std::string& requiredBy);
 
 }  // namespace tpcomm::coord

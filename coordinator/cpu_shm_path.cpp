@@ -172,7 +172,8 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
     if (hosts[r] == hosts[0]) continue;
     // A group across hosts: the caller decides (hierarchical collectives).
     result.hosts = hosts;
-    result.required = !required.empty();
+    result.requiredBy = required;
+    result.reduceIsa = static_cast<mq::ReduceIsa>(std::max<int64_t>(0, isaLevel));
     result.reason = detail::concat("ranks 0 and ", r, " are on different hosts ('", hosts[0],
                                    "' and '", hosts[r], "')");
     return result;

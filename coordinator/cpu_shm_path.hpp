@@ -50,9 +50,11 @@ struct CpuShmSetup {
   std::string reason;                   // why not (empty when it does)
   // Where the ranks sit on several hosts (and nothing else refused the
   // path): every rank's host identity, for hierarchical collectives
-  // (cpu_hier_path.hpp); `required`: TPCOMM_CPU_SHM=1 on some rank.
+  // (cpu_hier_path.hpp); `requiredBy`: the ranks with TPCOMM_CPU_SHM=1
+  // ("0,2"), empty if none.
   std::vector<std::string> hosts;
-  bool required = false;
+  std::string requiredBy;
+  mq::ReduceIsa reduceIsa = mq::ReduceIsa::kPortable;  // the level every rank runs
 };
 
 // Throws InvalidUsage on every rank when mode is "1" and the set-up failed

@@ -533,17 +533,29 @@ void GroupCoordinator::monitoredBarrier(const c10d::BarrierOptions& opts, bool w
 std::shared_ptr<GroupCoordinator> GroupCoordinator::split(
     const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
     std::chrono::milliseconds timeout, const std::string& groupName) {
-  auto cpuOptions = c10::make_intrusive<c10d::Backend::Options>("gloo", timeout);
-  cpuOptions->group_name = groupName;
   auto cpuStore = c10::make_intrusive<c10d::PrefixStore>("cpu/", store);
-  auto cpu = cpu_->split(cpuStore, ranks, cpuOptions);
+  c10::intrusive_ptr<c10d::Backend> cpu;
+  const auto at = std::find(ranks.begin(), ranks.end(), rank());
+  TPCOMM_CHECK(at != ranks.end(), kInvalidUsage, "rank ", rank(), " is not in the split ranks");
+  if (cpuFactory_) {
+    // A Gloo group on this group's network interface (the CPU backend
+    // factory's), where Gloo's own split would bind its default one.
+    cpu = cpuFactory_(cpuStore, static_cast<int>(at - ranks.begin()),
+                      static_cast<int>(ranks.size()), timeout);
+  } else {
+    auto cpuOptions = c10::make_intrusive<c10d::Backend::Options>("gloo", timeout);
+    cpuOptions->group_name = groupName;
+    cpu = cpu_->split(cpuStore, ranks, cpuOptions);
+  }
   TPCOMM_CHECK(cpu, kInvalidUsage, "rank ", rank(), " is not in the split ranks");
   GroupOptions options = options_;
   options.rank = cpu->getRank();
   options.size = cpu->getSize();
   options.timeout = timeout;
   options.groupName = groupName;
-  return std::make_shared<GroupCoordinator>(options, store, cpu, deviceFactory_);
+  auto child = std::make_shared<GroupCoordinator>(options, store, cpu, deviceFactory_);
+  child->setCpuBackendFactory(cpuFactory_);
+  return child;
 }
 
 void GroupCoordinator::setTimeout(std::chrono::milliseconds timeout) {

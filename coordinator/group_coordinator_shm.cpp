@@ -54,8 +54,11 @@ void GroupCoordinator::setUpHierLocked(const CpuShmSetup& setup, const CpuShmCon
   hierLayout_ = layout.describe();
   HierSetup hier;
   try {
-    hier = setUpHier(*cpu_, cpuFactory_, store_, rank(), size(), setup.hosts, config,
-                     options_.timeout, setup.required);
+    // The kernel level the whole group agreed on, for every host.
+    CpuShmConfig agreed = config;
+    agreed.reduceIsa = mq::reduceIsaName(setup.reduceIsa);
+    hier = setUpHier(*cpu_, cpuFactory_, store_, rank(), size(), setup.hosts, agreed,
+                     options_.timeout, setup.requiredBy);
   } catch (const Error& e) {
     if (e.code() == ErrorCode::kInvalidUsage) shmError_ = shmReason_ = e.what();
     throw;
@@ -72,6 +75,7 @@ void GroupCoordinator::setUpHierLocked(const CpuShmSetup& setup, const CpuShmCon
 
 HierGroup* GroupCoordinator::cpuHier() {
   if (HierGroup* ready = hierFast_.load(std::memory_order_acquire)) return ready;
+  if (shmFast_.load(std::memory_order_acquire) != nullptr) return nullptr;
   cpuShm();  // sets up both
   return hierFast_.load(std::memory_order_acquire);
 }
@@ -92,6 +96,7 @@ void GroupCoordinator::setCpuReduceIsa(const std::string& level) {
   std::lock_guard<std::mutex> lock(shmMutex_);
   shmIsa_ = level;
   if (shm_) shm_->setReduceIsa(reduceIsaOf(level));
+  if (hier_) hier_->setReduceIsa(reduceIsaOf(level));
 }
 
 void GroupCoordinator::setCpuShmSpinUs(int64_t spinUs) {
@@ -154,8 +159,11 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
 GroupCoordinator::CpuPath GroupCoordinator::shmFor(const char* op, const at::Tensor& tensor,
                                                    const c10d::ReduceOp* reduceOp) {
   CpuPath path;
-  path.shm = cpuShm();
-  if (path.shm == nullptr) path.hier = hierFast_.load(std::memory_order_acquire);
+  path.hier = hierFast_.load(std::memory_order_acquire);
+  if (path.hier == nullptr) {
+    path.shm = cpuShm();
+    if (path.shm == nullptr) path.hier = hierFast_.load(std::memory_order_acquire);
+  }
   const char* why = "shared memory unavailable for this group";
   const bool taken = static_cast<bool>(path) && (reduceOp == nullptr ||
                                                  shmReduces(*reduceOp, tensor.scalar_type(), &why));
@@ -245,8 +253,8 @@ std::optional<Pending> GroupCoordinator::shmBroadcast(at::Tensor& tensor, int ro
 }
 
 std::optional<Pending> GroupCoordinator::shmBarrier(bool asyncOp) {
-  mq::ShmGroup* shm = cpuShm();
-  HierGroup* hier = shm ? nullptr : hierFast_.load(std::memory_order_acquire);
+  HierGroup* hier = cpuHier();
+  mq::ShmGroup* shm = hier ? nullptr : shmFast_.load(std::memory_order_acquire);
   if (shm == nullptr && hier == nullptr) return std::nullopt;
   stats_.record(shm ? StatsRoute::kCpuShm : StatsRoute::kCpuHier, 0);
   if (shm) {

@@ -59,8 +59,9 @@ class SharedRegion {
   // Whether the memfd is sealed against execution (MFD_NOEXEC_SEAL).
   bool execSealed() const { return execSealed_; }
   const RegionNonce& nonce() const { return nonce_; }
-  // Bytes before base(): the nonce, padded to a cache line.
-  static constexpr size_t kPreambleBytes = 64;
+  // Bytes before base(): the nonce, padded to a page, so that base() stays
+  // page-aligned (callers lay pages out from it; madvise needs them).
+  static constexpr size_t kPreambleBytes = 4096;
 
  private:
   SharedRegion(void* base, size_t bytes, int fd, bool execSealed, RegionNonce nonce)

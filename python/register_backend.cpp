@@ -137,7 +137,13 @@ tensors through the device backend (NCCL), created on first use.)")
             }
             custom["zero_copy"] = zeroCopy;
             out["custom_allreduce"] = custom;
-            const auto shmState = c.cpuShmState();
+            // shmMutex_ without the GIL: a set-up that holds it makes Gloo
+            // sub-groups through Python (the GIL) for a group across hosts.
+            coord::GroupCoordinator::CpuShmState shmState;
+            {
+              py::gil_scoped_release released;
+              shmState = c.cpuShmState();
+            }
             const auto shmConfig = coord::CpuShmConfig::fromSettings();
             py::dict shm;
             shm["mode"] = shmState.mode;
@@ -211,6 +217,7 @@ tensors through the device backend (NCCL), created on first use.)")
       .def(
           "set_cpu_shm_mode",
           [](backend::ProcessGroupTpcomm& self, const std::string& mode) {
+            py::gil_scoped_release released;  // shmMutex_ before the GIL, never after
             self.coordinator().setCpuShmMode(mode);
           },
           py::arg("mode"),
@@ -219,6 +226,7 @@ tensors through the device backend (NCCL), created on first use.)")
       .def(
           "set_cpu_reduce_isa",
           [](backend::ProcessGroupTpcomm& self, const std::string& level) {
+            py::gil_scoped_release released;  // shmMutex_ before the GIL, never after
             self.coordinator().setCpuReduceIsa(level);
           },
           py::arg("level"),
@@ -228,6 +236,7 @@ tensors through the device backend (NCCL), created on first use.)")
       .def(
           "set_cpu_shm_spin_us",
           [](backend::ProcessGroupTpcomm& self, int64_t spinUs) {
+            py::gil_scoped_release released;  // shmMutex_ before the GIL, never after
             self.coordinator().setCpuShmSpinUs(spinUs);
           },
           py::arg("spin_us"),
@@ -236,6 +245,7 @@ tensors through the device backend (NCCL), created on first use.)")
       .def(
           "set_cpu_shm_threads",
           [](backend::ProcessGroupTpcomm& self, int64_t threads) {
+            py::gil_scoped_release released;  // shmMutex_ before the GIL, never after
             self.coordinator().setCpuShmThreads(threads);
           },
           py::arg("threads"),

@@ -82,26 +82,31 @@ void decodeChunks(const uint8_t* data, size_t size, bool inPlace) {
 }
 
 void attachSegment(const uint8_t* data, size_t size) {
-  // A region as a writer makes it: the preamble with the nonce, then the
-  // segment. The header's token is set to the nonce's first word (as a
-  // writer does) so that the checks past it run too.
+  // A region as a writer makes it: the preamble with the nonce (the input's
+  // first 16 bytes), then the segment (the rest). The header's token is set
+  // to the nonce's first word (as a writer does) so that the checks past it
+  // run too.
   constexpr size_t kPreamble = SharedRegion::kPreambleBytes;
-  if (size < kPreamble) return;
-  std::vector<uint8_t> bytes(data, data + size);
   RegionNonce nonce;
-  std::memcpy(nonce.words, bytes.data(), sizeof(nonce.words));
-  if (size >= kPreamble + offsetof(Header, token) + sizeof(uint64_t)) {
+  if (size < sizeof(nonce.words)) return;
+  std::memcpy(nonce.words, data, sizeof(nonce.words));
+  data += sizeof(nonce.words);
+  size -= sizeof(nonce.words);
+  std::vector<uint8_t> bytes(kPreamble + size, 0);
+  std::memcpy(bytes.data(), nonce.words, sizeof(nonce.words));
+  if (size > 0) std::memcpy(bytes.data() + kPreamble, data, size);
+  if (size >= offsetof(Header, token) + sizeof(uint64_t)) {
     std::memcpy(bytes.data() + kPreamble + offsetof(Header, token), &nonce.words[0],
                 sizeof(uint64_t));
   }
   const int fd = ::memfd_create("tpcomm-shm", MFD_CLOEXEC);
   if (fd < 0) return;
-  if (::write(fd, bytes.data(), size) != static_cast<ssize_t>(size)) {
+  if (::write(fd, bytes.data(), bytes.size()) != static_cast<ssize_t>(bytes.size())) {
     ::close(fd);
     return;
   }
   const std::string name = "memfd:" + std::to_string(::getpid()) + ":" + std::to_string(fd) + ":" +
-                           std::to_string(size - kPreamble) + ":" + nonce.hex();
+                           std::to_string(size) + ":" + nonce.hex();
   try {
     auto segment = Segment::attach(name);
     (void)segment->geometry();

@@ -29,10 +29,10 @@ LAYOUTS = {
 }
 
 
-def run_case(layout, case, tmp_path, env=None, timeout=240, during=None):
+def run_case(layout, case, tmp_path, env=None, timeout=240, during=None, stderr=None):
     """Runs `case` on simulated hosts with `layout`; returns every rank's
     dict (asserting none failed). `during(hosts, procs, outdir)` runs while
-    they do (e.g. kills a host)."""
+    they do (e.g. kills a host); `stderr`: a file for the ranks' stderr."""
     outdir = str(tmp_path)
     os.makedirs(outdir, exist_ok=True)
     full = dict(os.environ, TEST_OUT=outdir, TEST_TIMEOUT_S="60",
@@ -42,7 +42,7 @@ def run_case(layout, case, tmp_path, env=None, timeout=240, during=None):
     with simhosts.SimulatedHosts(len(layout)) as hosts:
         port = 20000 + (os.getpid() * 7 + int(time.monotonic() * 1000)) % 20000
         procs = hosts.launch_ranks(layout, [sys.executable, WORKER, case, outdir], env=full,
-                                   port=port)
+                                   port=port, stderr=stderr)
         if during is not None:
             during(hosts, procs, outdir)
         codes = hosts.wait(procs, timeout)
@@ -159,8 +159,20 @@ def test_ranks_alone_on_their_hosts_use_gloo_and_say_why(tmp_path):
         assert torch.equal(o["sum"], torch.full((4,), 2.0))
         across = o["describe"]["across_hosts"]
         assert not across["used"]
-        assert "alone on its host" in across["reason"], across
+        assert "each alone on its host" in across["reason"], across
         assert o["stats"]["gloo"]["calls"] == 1
+
+
+def test_routes_log_names_the_hierarchical_route_and_why(tmp_path):
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as f:
+        results, codes, errors = run_case(LAYOUTS["2x2"], "identity", tmp_path / "out",
+                                          {"TPCOMM_LOG": "routes"}, stderr=f)
+    assert not errors and codes == [0, 0], (codes, errors)
+    text = log.read_text()
+    want = ("allreduce SUM float32 16 B -> cpu_hier:leaders (2 hosts: 'simhost0' (ranks 0, 1), "
+            "'simhost1' (ranks 2, 3); the hosts' leaders cross hosts)")
+    assert text.count(want) == 4, text
 
 
 def test_host_identity_differs_between_namespaced_hosts_with_equal_names(tmp_path):
@@ -182,12 +194,15 @@ def test_mismatched_calls_across_hosts_raise_on_every_rank(tmp_path):
                for m in leaders), leaders
 
 
-def test_a_host_that_goes_away_is_named_by_every_other_rank(tmp_path):
-    layout = LAYOUTS["3+1"]
+@pytest.mark.parametrize("name,named", [("3+1", "host 'simhost1' (rank 3)"),
+                                        ("2x2", "host 'simhost1' (ranks 2, 3)")])
+def test_a_host_that_goes_away_is_named_by_every_other_rank(name, named, tmp_path):
+    layout = LAYOUTS[name]
+    survivors = [r for ranks in layout[:-1] for r in ranks]
 
     def kill_last_host(hosts, procs, outdir):
         deadline = time.monotonic() + 120
-        while not os.path.exists(os.path.join(outdir, "ready3")):
+        while not all(os.path.exists(os.path.join(outdir, f"ready{r}")) for r in layout[-1]):
             assert time.monotonic() < deadline, "the last host never got ready"
             time.sleep(0.1)
         time.sleep(0.5)
@@ -196,10 +211,10 @@ def test_a_host_that_goes_away_is_named_by_every_other_rank(tmp_path):
     results, codes, errors = run_case(layout, "host_lost", tmp_path, {"TEST_TIMEOUT_S": "20"},
                                       during=kill_last_host)
     assert not errors, "\n".join(errors.values())
-    for r in (0, 1, 2):
+    for r in survivors:
         raised = results[r]["raised"]
         assert raised is not None, f"rank {r} did not raise"
-        assert "simhost1" in raised and "rank 3" in raised, raised
+        assert named in raised and "went away or failed" in raised, raised
         assert results[r]["seconds"] < 2 * 20, results[r]["seconds"]
 
 
