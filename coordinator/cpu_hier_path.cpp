@@ -81,7 +81,6 @@ const char* hierOpName(uint32_t op) {
   return "unknown call";
 }
 
-
 // The reduction's code in a description: kind, AVG, PREMUL_SUM.
 uint32_t reductionCode(const mq::ReduceSpec& spec) {
   return static_cast<uint32_t>(spec.kind) | (spec.divisor != 1 ? 16u : 0u) |
@@ -199,11 +198,10 @@ void HierGroup::failBetweenHosts(const Call& call, const std::exception& e) {
   for (int h = 0; h < l.hosts(); ++h) {
     if (h != l.host()) others += (others.empty() ? "" : ", ") + l.describeHost(h);
   }
-  const std::string what =
-      detail::concat(l.hosts() == 2 ? "" : "one of ", others,
-                     l.hosts() == 2 ? " went away or failed" : " went away or failed",
-                     " during ", call.describe(), " (group rank ", l.rank, " on ",
-                     l.describeHost(l.host()), "): ", e.what());
+  const std::string what = detail::concat(
+      l.hosts() == 2 ? "" : "one of ", others,
+      l.hosts() == 2 ? " went away or failed" : " went away or failed", " during ", call.describe(),
+      " (group rank ", l.rank, " on ", l.describeHost(l.host()), "): ", e.what());
   abort(what);
   const std::string text = e.what();
   if (text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos)
@@ -215,10 +213,10 @@ void HierGroup::checkCalls(const Call& mine, const std::vector<Call>& theirs) {
   const HostLayout& l = layout();
   for (int h = 0; h < static_cast<int>(theirs.size()); ++h) {
     if (theirs[h] == mine) continue;
-    const std::string what = detail::concat(
-        "mismatched collectives across hosts: ", l.describeHost(l.host()), " calls ",
-        mine.describe(), " but ", l.describeHost(h), " calls ", theirs[h].describe(),
-        " (every rank must issue the same collectives in the same order)");
+    const std::string what =
+        detail::concat("mismatched collectives across hosts: ", l.describeHost(l.host()), " calls ",
+                       mine.describe(), " but ", l.describeHost(h), " calls ", theirs[h].describe(),
+                       " (every rank must issue the same collectives in the same order)");
     abort(what);
     TPCOMM_THROW(kInvalidUsage, what);
   }
@@ -257,7 +255,8 @@ void waitAll(std::vector<c10::intrusive_ptr<c10d::Work>>& works,
 void exchange(c10d::Backend& backend, int me, int hosts, const at::Tensor& mine, at::Tensor& all,
               int tag, std::chrono::milliseconds timeout) {
   const int64_t bytes = mine.numel();
-  if (bytes > 0) std::memcpy(static_cast<char*>(all.data_ptr()) + me * bytes, mine.data_ptr(), bytes);
+  if (bytes > 0)
+    std::memcpy(static_cast<char*>(all.data_ptr()) + me * bytes, mine.data_ptr(), bytes);
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<std::vector<at::Tensor>> buffers;
   buffers.reserve(2 * hosts);
@@ -280,7 +279,7 @@ constexpr int kPayloadTag = 0x7471;
 }  // namespace
 
 HierGroup::Received HierGroup::allgatherBetweenHosts(c10d::Backend& backend, const Call& call,
-                                                    const void* payload, size_t bytes) {
+                                                     const void* payload, size_t bytes) {
   // Round 1, the same size on every rank whatever the call (Gloo ends the
   // process on a size mismatch): the description, and the payload if it
   // fits. Round 2, once every host described the same call: the payload.
@@ -327,8 +326,8 @@ void HierGroup::broadcastBetweenHosts(const Call& call, void* data, size_t bytes
   // Round 1 as in allgatherBetweenHosts (every leader's description; the
   // root's data when it fits), round 2 the rest from the root's leader.
   const bool root = layout().host() == rootHost;
-  const Received first = allgatherBetweenHosts(*parts_.leaders, call, data,
-                                               root && bytes <= kInlineBytes ? bytes : 0);
+  const Received first =
+      allgatherBetweenHosts(*parts_.leaders, call, data, root && bytes <= kInlineBytes ? bytes : 0);
   if (bytes == 0) return;
   if (bytes <= kInlineBytes) {
     if (!root) std::memcpy(data, first.source(rootHost), bytes);
@@ -409,8 +408,7 @@ void HierGroup::reduceAll(uint32_t op, const void* in, void* out, size_t count, 
     const Received received = allgatherBetweenHosts(*parts_.slices, call, slice, each * esize);
     reduceHosts(received, slice, each, dtype, spec);
     std::vector<void*> slices(l.localSize());
-    for (int i = 0; i < l.localSize(); ++i)
-      slices[i] = static_cast<char*>(out) + i * each * esize;
+    for (int i = 0; i < l.localSize(); ++i) slices[i] = static_cast<char*>(out) + i * each * esize;
     onHost([&](mq::ShmGroup& g) { g.allgather(slice, each * esize, slices, part); });
     return;
   }
@@ -436,8 +434,8 @@ void HierGroup::reduceScatter(const std::vector<const void*>& ins, void* out, si
   for (int r = 0; r < size; ++r) {
     if (bytes > 0) std::memcpy(whole.data() + r * bytes, ins[r], bytes);
   }
-  reduceAll(static_cast<uint32_t>(HierOp::kReduceScatter), whole.data(), whole.data(),
-            count * size, dtype, spec, part);
+  reduceAll(static_cast<uint32_t>(HierOp::kReduceScatter), whole.data(), whole.data(), count * size,
+            dtype, spec, part);
   if (bytes > 0) std::memcpy(out, whole.data() + layout().rank * bytes, bytes);
 }
 
@@ -596,14 +594,14 @@ HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
       parts.local = std::move(shm.group);
     });
   }
-  if (local == 0) attempt([&] { parts.leaders = factory(subStore("leaders"), host, hosts, timeout); });
+  if (local == 0)
+    attempt([&] { parts.leaders = factory(subStore("leaders"), host, hosts, timeout); });
   if (layout.even() && layout.localSize() >= 2) {
     if (local == 0) {
       parts.slices = parts.leaders;
     } else {
       attempt([&] {
-        parts.slices =
-            factory(subStore(detail::concat("slices", local)), host, hosts, timeout);
+        parts.slices = factory(subStore(detail::concat("slices", local)), host, hosts, timeout);
       });
     }
   }

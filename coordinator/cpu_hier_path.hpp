@@ -28,10 +28,9 @@
 // Steps between hosts are Gloo sends and receives (which run in the calling
 // thread; Gloo's collectives hop to a worker thread and back, several times
 // the cost of a small message between two hosts). Every step starts with an
-// all-to-all exchange of one size whatever the call (the call's description, with a payload of up to 4 KiB), so that
-// mismatched calls are found before Gloo sees messages of different sizes
-// (which it answers by ending the process); larger payloads follow in a
-// second round.
+// all-to-all exchange of one size whatever the call (the call's description, with a payload of up
+// to 4 KiB), so that mismatched calls are found before Gloo sees messages of different sizes (which
+// it answers by ending the process); larger payloads follow in a second round.
 //
 // Results are bitwise identical on every rank and on both allreduce paths:
 // each element is reduced in rank order within a host (shm_reduce.hpp's
@@ -121,8 +120,8 @@ class HierGroup {
                  const mq::ReduceSpec& spec, const mq::ShmPart& part = {});
   void allgather(const void* in, size_t bytes, const std::vector<void*>& outs,
                  const mq::ShmPart& part = {});
-  void reduceScatter(const std::vector<const void*>& ins, void* out, size_t count,
-                     mq::DType dtype, const mq::ReduceSpec& spec, const mq::ShmPart& part = {});
+  void reduceScatter(const std::vector<const void*>& ins, void* out, size_t count, mq::DType dtype,
+                     const mq::ReduceSpec& spec, const mq::ShmPart& part = {});
   void broadcast(void* data, size_t bytes, int root);
   void barrier();
 

@@ -66,8 +66,9 @@ void GroupCoordinator::setUpHierLocked(const CpuShmSetup& setup, const CpuShmCon
     shmReason_ = std::string("set-up across hosts failed: ") + e.what();
     TPCOMM_THROW(kPeerLost, "setting up the CPU collectives across hosts: ", e.what());
   }
-  hierReason_ = hier.group ? detail::concat(layout.hosts(), " hosts: shared memory inside each, "
-                                                            "Gloo between them")
+  hierReason_ = hier.group ? detail::concat(layout.hosts(),
+                                            " hosts: shared memory inside each, "
+                                            "Gloo between them")
                            : hier.reason;
   hier_ = std::move(hier.group);
   hierFast_.store(hier_.get(), std::memory_order_release);
@@ -115,8 +116,8 @@ void GroupCoordinator::setCpuShmSpinUs(int64_t spinUs) {
 }
 
 void GroupCoordinator::setCpuShmThreads(int64_t threads) {
-  TPCOMM_CHECK(threads >= 0 && threads <= 64, kInvalidUsage, "CPU shared-memory threads ",
-               threads, " (0..64)");
+  TPCOMM_CHECK(threads >= 0 && threads <= 64, kInvalidUsage, "CPU shared-memory threads ", threads,
+               " (0..64)");
   std::lock_guard<std::mutex> lock(shmMutex_);
   TPCOMM_CHECK(!shmTried_, kInvalidUsage,
                "set_cpu_shm_threads: the group's CPU shared-memory path is already set up");
@@ -165,8 +166,8 @@ GroupCoordinator::CpuPath GroupCoordinator::shmFor(const char* op, const at::Ten
     if (path.shm == nullptr) path.hier = hierFast_.load(std::memory_order_acquire);
   }
   const char* why = "shared memory unavailable for this group";
-  const bool taken = static_cast<bool>(path) && (reduceOp == nullptr ||
-                                                 shmReduces(*reduceOp, tensor.scalar_type(), &why));
+  const bool taken = static_cast<bool>(path) &&
+                     (reduceOp == nullptr || shmReduces(*reduceOp, tensor.scalar_type(), &why));
   if (logRoutes_) {
     // TPCOMM_LOG=routes: "allreduce SUM float32 16 B -> cpu_shm (one host)", once per kind.
     const std::string what = std::string(op) +
@@ -178,9 +179,8 @@ GroupCoordinator::CpuPath GroupCoordinator::shmFor(const char* op, const at::Ten
       const char* how = path.hier->allreducePath(static_cast<size_t>(tensor.numel()),
                                                  *shmDtype(tensor.scalar_type()));
       route += std::string(":") + how;
-      reason += std::strcmp(how, "slices") == 0
-                    ? "; each rank of a host crosses hosts with a slice"
-                    : "; the hosts' leaders cross hosts";
+      reason += std::strcmp(how, "slices") == 0 ? "; each rank of a host crosses hosts with a slice"
+                                                : "; the hosts' leaders cross hosts";
     }
     if (!taken && !path && !hierReason_.empty()) reason = hierReason_;
     routeLog_.once(std::string("cpu|") + route + "|" + reason + "|" + what,

@@ -88,11 +88,10 @@ std::unique_ptr<Segment> Segment::attach(const std::string& name) {
   unsigned long long bytes = 0;
   char nonceText[33] = {};
   int used = 0;
-  const bool parsed =
-      std::sscanf(name.c_str(), "memfd:%d:%d:%llu:%32[0-9a-f]%n", &pid, &fd, &bytes, nonceText,
-                  &used) == 4 &&
-      used == static_cast<int>(name.size()) && pid > 0 && fd >= 0 && bytes >= kHeaderBytes &&
-      std::strlen(nonceText) == 32;
+  const bool parsed = std::sscanf(name.c_str(), "memfd:%d:%d:%llu:%32[0-9a-f]%n", &pid, &fd, &bytes,
+                                  nonceText, &used) == 4 &&
+                      used == static_cast<int>(name.size()) && pid > 0 && fd >= 0 &&
+                      bytes >= kHeaderBytes && std::strlen(nonceText) == 32;
   TPCOMM_CHECK(parsed, kInvalidUsage, "'", name, "' is not the name of a tpcomm message queue");
   const RegionNonce nonce = RegionNonce::parse(nonceText);
   std::unique_ptr<SharedRegion> region;

@@ -1,8 +1,8 @@
 #include "message_queue/shared_region.hpp"
 
 #include <fcntl.h>
-#include <sys/random.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -44,9 +44,9 @@ bool sealedAgainstExec(int fd) {
 
 RegionNonce randomNonce() {
   RegionNonce nonce;
-  TPCOMM_CHECK(::getrandom(nonce.words, sizeof(nonce.words), 0) ==
-                   static_cast<ssize_t>(sizeof(nonce.words)),
-               kSystem, "getrandom: ", std::strerror(errno));
+  TPCOMM_CHECK(
+      ::getrandom(nonce.words, sizeof(nonce.words), 0) == static_cast<ssize_t>(sizeof(nonce.words)),
+      kSystem, "getrandom: ", std::strerror(errno));
   return nonce;
 }
 
@@ -61,7 +61,8 @@ std::string RegionNonce::hex() const {
 
 RegionNonce RegionNonce::parse(const std::string& text) {
   RegionNonce nonce;
-  const bool hex = text.size() == 32 && text.find_first_not_of("0123456789abcdef") == std::string::npos;
+  const bool hex =
+      text.size() == 32 && text.find_first_not_of("0123456789abcdef") == std::string::npos;
   TPCOMM_CHECK(hex, kInvalidUsage, "'", text, "' is not a shared region's nonce (32 hex digits)");
   nonce.words[0] = std::stoull(text.substr(0, 16), nullptr, 16);
   nonce.words[1] = std::stoull(text.substr(16), nullptr, 16);

@@ -249,8 +249,8 @@ void ShmGroup::throwIfFailed() {
   const uint64_t word = header().failure.load(std::memory_order_acquire);
   if (word == 0) return;
   setFailure(describePublished(word));
-  TPCOMM_THROW(kPeerLost, "the group's shared-memory collectives stopped: ",
-               describePublished(word));
+  TPCOMM_THROW(kPeerLost,
+               "the group's shared-memory collectives stopped: ", describePublished(word));
 }
 
 void ShmGroup::publishFailure(uint64_t code, int culprit) {

@@ -242,8 +242,9 @@ TEST(ShmGroup, ARankThatDestroysItsGroupIsNamedByItsPeersAtOnce) {
         ShmGroupOptions options = o;
         options.rank = r;
         options.size = 3;
-        auto group = std::make_unique<ShmGroup>(SharedRegion::attach(parent, region->fd(), bytes, region->nonce()),
-                                                options, std::vector<int32_t>(3, 0));
+        auto group = std::make_unique<ShmGroup>(
+            SharedRegion::attach(parent, region->fd(), bytes, region->nonce()), options,
+            std::vector<int32_t>(3, 0));
         float x = 1.0f;
         group->allreduce(&x, &x, 1, DType::kFloat32, ReduceSpec{});
         if (r == 2) {
