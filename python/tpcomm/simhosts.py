@@ -87,8 +87,11 @@ class SimulatedHosts:
     """`count` hosts (see the module's text); a context manager that removes
     every namespace it made, and kills what still runs in them, on exit."""
 
-    def __init__(self, count):
+    def __init__(self, count, hostnames=None):
+        """`hostnames`: each host's name (default simhost0, simhost1, ...);
+        equal names make hosts as containers with one name are."""
         self.count = count
+        self._names = list(hostnames) if hostnames else None
         self.tag = f"tpsim{os.getpid()}-{random.randrange(1 << 20):05x}"
         # A /24 in 10.0.0.0/8 picked at random (collisions with a real
         # network are harmless: the namespaces have no route outside).
@@ -103,7 +106,7 @@ class SimulatedHosts:
         return f"{self.subnet}.{h + 1}"
 
     def hostname(self, h):
-        return f"simhost{h}"
+        return self._names[h] if self._names else f"simhost{h}"
 
     def __enter__(self):
         _sweep_stale()

@@ -29,7 +29,8 @@ LAYOUTS = {
 }
 
 
-def run_case(layout, case, tmp_path, env=None, timeout=240, during=None, stderr=None):
+def run_case(layout, case, tmp_path, env=None, timeout=240, during=None, stderr=None,
+             hostnames=None):
     """Runs `case` on simulated hosts with `layout`; returns every rank's
     dict (asserting none failed). `during(hosts, procs, outdir)` runs while
     they do (e.g. kills a host); `stderr`: a file for the ranks' stderr."""
@@ -39,7 +40,7 @@ def run_case(layout, case, tmp_path, env=None, timeout=240, during=None, stderr=
                 TEST_LAST_HOST=",".join(str(r) for r in layout[-1]))
     full.update(env or {})
     world = sum(len(r) for r in layout)
-    with simhosts.SimulatedHosts(len(layout)) as hosts:
+    with simhosts.SimulatedHosts(len(layout), hostnames) as hosts:
         port = 20000 + (os.getpid() * 7 + int(time.monotonic() * 1000)) % 20000
         procs = hosts.launch_ranks(layout, [sys.executable, WORKER, case, outdir], env=full,
                                    port=port, stderr=stderr)
@@ -55,8 +56,8 @@ def run_case(layout, case, tmp_path, env=None, timeout=240, during=None, stderr=
     return results, codes, errors
 
 
-def completed(layout, case, tmp_path, env=None):
-    results, codes, errors = run_case(layout, case, tmp_path, env)
+def completed(layout, case, tmp_path, env=None, hostnames=None):
+    results, codes, errors = run_case(layout, case, tmp_path, env, hostnames=hostnames)
     assert not errors, "\n".join(errors.values())
     assert codes == [0] * len(layout), codes
     world = sum(len(r) for r in layout)
@@ -178,10 +179,17 @@ def test_routes_log_names_the_hierarchical_route_and_why(tmp_path):
 def test_host_identity_differs_between_namespaced_hosts_with_equal_names(tmp_path):
     """Two hosts whose host names are equal (containers) are still two hosts:
     shared memory is never used between them."""
-    outs = completed(LAYOUTS["2x2"], "identity", tmp_path)
+    outs = completed(LAYOUTS["2x2"], "identity", tmp_path, hostnames=["node", "node"])
+    assert [o["hostname"] for o in outs] == ["node"] * 4
     ids = [o["host_id"] for o in outs]
     assert ids[0] == ids[1] and ids[2] == ids[3] and ids[0] != ids[2]
-    assert all(o["stats"]["cpu_hier"]["calls"] == 1 for o in outs)
+    for o in outs:
+        assert torch.equal(o["sum"], torch.full((4,), 4.0))
+        # Two hosts of two ranks: memory shared inside each, never between.
+        assert o["describe"]["across_hosts"]["used"]
+        assert "2 hosts: 'node' (ranks 0, 1), 'node' (ranks 2, 3)" in \
+            o["describe"]["across_hosts"]["hosts"]
+        assert o["stats"]["cpu_hier"]["calls"] == 1
 
 
 def test_mismatched_calls_across_hosts_raise_on_every_rank(tmp_path):
