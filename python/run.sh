@@ -78,6 +78,18 @@ ensure_googletest() {
   fi
 }
 
+# The tools that make the simulated hosts of tests/python/test_hosts.py
+# (network, UTS, mount and pid namespaces: iproute2's ip, util-linux's
+# unshare). Without them (or without root) those tests skip, saying why.
+ensure_namespace_tools() {
+  if command -v ip > /dev/null && command -v unshare > /dev/null; then return; fi
+  if [[ "$(id -u)" == 0 ]] && command -v apt-get > /dev/null; then
+    log "installing iproute2 and util-linux (simulated hosts)"
+    apt-get update -qq && apt-get install -y -qq iproute2 util-linux > /dev/null \
+      || log "could not install them: the tests across simulated hosts will skip"
+  fi
+}
+
 # Rebuilds and reinstalls the package only when a source file changed.
 ensure_build() {
   local build_tests="$1"
@@ -111,6 +123,7 @@ if [[ "$mode" == demo ]]; then
 fi
 
 ensure_googletest
+ensure_namespace_tools
 ensure_build ON
 log "C++ tests (ctest)"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
