@@ -13,6 +13,8 @@
 
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
+#include "coordinator/cpu_shm_path.hpp"
+#include "message_queue/shm_reduce.hpp"
 #include "message_queue/ring.hpp"
 
 namespace py = pybind11;
@@ -212,6 +214,11 @@ void registerMessageQueue(py::module_& m) {
         "boot id and the pid- and mount-namespace inodes (equal only where memory can be "
         "shared).");
   m.def("host_name", &hostName, "This process's host name (or TPCOMM_HOST_ID).");
+  m.def(
+      "cpu_reduce_isa", [] { return std::string(mq::reduceIsaName(mq::bestReduceIsa())); },
+      "The widest reduction kernels this CPU runs (avx512, avx2, portable).");
+  m.def("usable_cpus", &coord::usableCpus,
+        "The CPUs this process may use (its affinity, capped by a cgroup v2 quota).");
 }
 
 }  // namespace tpcomm::python

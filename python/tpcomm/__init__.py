@@ -15,8 +15,28 @@ group API over it.
 import torch
 import torch.distributed  # registers c10d's Python types before our extension loads
 
-from tpcomm import _C, _ops
-from tpcomm._registration import BACKEND_NAME, register
+from tpcomm._version import __version__
+
+
+def _check_build_torch(built, running):
+    """Refuses a torch other than the one the extension was compiled
+    against: its C++ ABI is that version's alone (loading it elsewhere fails
+    with an undefined symbol at best)."""
+    if built is not None and built != running:
+        raise ImportError(
+            f"tpcomm {__version__} was compiled against torch {built}, but this environment has "
+            f"torch {running}: rebuild tpcomm against it (pip install --no-build-isolation "
+            f"--force-reinstall <tpcomm source or sdist>)")
+
+
+try:
+    from tpcomm._build_torch import TORCH_VERSION as _BUILD_TORCH
+except ImportError:  # a source tree that was never built
+    _BUILD_TORCH = None
+_check_build_torch(_BUILD_TORCH, torch.__version__)
+
+from tpcomm import _C, _ops  # noqa: E402
+from tpcomm._registration import BACKEND_NAME, register  # noqa: E402
 from tpcomm.message_queue import MessageQueue, PeerLostError
 
 register()
