@@ -146,3 +146,32 @@ def test_torchrun_runs_a_gloo_script_on_tpcomm_by_the_backend_string_alone():
         want = "all_reduce [1.0, 3.0, 5.0, 7.0], all_gather [0, 1], broadcast [7, 11]"
         assert f"rank {rank}/2 on tpcomm (ProcessGroupTpcomm): {want}" in ours.stdout, ours.stdout
         assert f"rank {rank}/2 on gloo (ProcessGroupGloo): {want}" in gloo.stdout, gloo.stdout
+
+
+def test_the_wheel_installs_apart_and_serves_a_group(tmp_path):
+    """`pip wheel` over this tree's build (incremental: the test command
+    built it already), installed into a directory of its own that shadows
+    the development install; a script that never imports tpcomm gets the
+    backend from the wheel's entry point and runs a collective."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
+    build_dir = os.path.join(root, "build", "py")
+    wheels, target = tmp_path / "wheels", tmp_path / "site"
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-build-isolation", "--no-deps",
+         "-w", str(wheels), "-C", f"build-dir={build_dir}",
+         "-C", "cmake.define.TPCOMM_BUILD_TESTS=ON",
+         "-C", f"cmake.define.Python_EXECUTABLE={sys.executable}", root],
+        capture_output=True, text=True, timeout=1800)
+    assert built.returncode == 0, built.stderr[-3000:]
+    [wheel] = list(wheels.glob("tpcomm-*.whl"))
+    assert wheel.name.startswith(f"tpcomm-{tpcomm.__version__}-")
+    installed = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
+         str(wheel)], capture_output=True, text=True, timeout=600)
+    assert installed.returncode == 0, installed.stderr[-3000:]
+    code = WITHOUT_IMPORT.format(backend="tpcomm", port=free_port()) + (
+        "import tpcomm; print(tpcomm.__file__, tpcomm.__version__)\n")
+    done = _python(code, {"PYTHONPATH": str(target)})
+    assert done.returncode == 0, done.stderr
+    assert "ProcessGroupTpcomm [1.0, 1.0, 1.0]" in done.stdout, done.stdout
+    assert f"{target}/tpcomm/__init__.py {tpcomm.__version__}" in done.stdout, done.stdout
