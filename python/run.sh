@@ -39,6 +39,13 @@ requirements=(
   "matplotlib==3.11.2"  # the benchmarks' plots
 )
 
+# The test command's own: real clients of torch.distributed that the tests
+# run on tpcomm (transformers' tensor parallelism needs accelerate).
+test_requirements=(
+  "transformers==5.24.0"
+  "accelerate==1.15.0"
+)
+
 log() { echo "[run.sh] $*" >&2; }
 
 ensure_venv() {
@@ -122,8 +129,20 @@ if [[ "$mode" == demo ]]; then
   exec "$py" -m tpcomm.demo "$@"
 fi
 
+ensure_test_requirements() {
+  local stamp="$venv/.tpcomm-test-requirements"
+  local wanted
+  wanted="$(printf '%s\n' "${test_requirements[@]}")"
+  if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$wanted" ]]; then
+    log "installing ${test_requirements[*]} (test clients)"
+    "$py" -m pip install --quiet --disable-pip-version-check "${test_requirements[@]}"
+    printf '%s\n' "$wanted" > "$stamp"
+  fi
+}
+
 ensure_googletest
 ensure_namespace_tools
+ensure_test_requirements
 ensure_build ON
 log "C++ tests (ctest)"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
