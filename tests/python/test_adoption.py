@@ -196,3 +196,20 @@ def test_transformers_tensor_parallelism_runs_on_tpcomm_under_torchrun():
         assert float(line.group(1)) <= 1e-5, line.group(0)
         assert line.group(2) == "True", line.group(0)
         assert line.group(3).startswith("{'cpu_shm': "), line.group(0)
+
+
+def test_transformers_fsdp2_with_tensor_parallelism_on_a_2x2_mesh():
+    """transformers' DistributedConfig(tp_size=2, fsdp_size=2) on 4 ranks:
+    one training step, parameters within 1e-5 of one process on both
+    replicas' batches."""
+    import re
+
+    script = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "hf_fsdp_tp.py")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "4", script], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    diffs = re.findall(r"^rank \d: loss \S+, max \|parameter diff\| vs one process after a step "
+                       r"(\S+)$", done.stdout, re.M)
+    assert len(diffs) == 4, done.stdout
+    assert all(float(d) <= 1e-5 for d in diffs), diffs
