@@ -44,6 +44,10 @@ def main(argv=None):
     cpu.add_argument("--ranks-per-host", type=int, default=2, help="with --hosts (default 2)")
     cpu.add_argument("--late", action="store_true",
                      help="what a late peer costs under each waiting policy (2 ranks)")
+    hf = sub.add_parser("hf", help="transformers' tensor parallelism: tpcomm vs Gloo tokens/s")
+    hf.add_argument("--rounds", type=int, default=3)
+    hf.add_argument("--tokens", type=int, default=32)
+    hf.add_argument("--batch", type=int, default=4)
     faults = sub.add_parser("faults", help="bad inputs, debug-mode mistakes, killed ranks")
     faults.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3])
     faults.add_argument("--timeout", type=float, default=3.0, help="group timeout (s)")
@@ -66,6 +70,10 @@ def main(argv=None):
 
             rc = run_round_trips(args.readers, args.quick)
         return rc
+    if args.what == "hf":
+        from tpcomm.bench.hf import run as run_hf
+
+        return run_hf(args.rounds, args.tokens, args.batch)
     if args.what == "car":
         from tpcomm.bench.car import run
 
