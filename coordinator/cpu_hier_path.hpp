@@ -148,6 +148,8 @@ class HierGroup {
   void reduceAll(uint32_t op, const void* in, void* out, size_t count, mq::DType dtype,
                  const mq::ReduceSpec& spec, const mq::ShmPart& part);
   void throwIfFailed() const;
+  // The next call's description, numbered (the caller holds mutex_).
+  Call nextCall(uint32_t op);
   // Runs a shared-memory step of this host, naming the host on failure.
   template <typename Fn>
   void onHost(const Fn& fn);
@@ -205,6 +207,7 @@ struct HierSetup {
 // Not used when every rank is alone on its host (nothing to share).
 // Throws InvalidUsage on every rank when `requiredBy` (the ranks with
 // TPCOMM_CPU_SHM=1) is not empty and it failed.
+// (cpu_hier_setup.cpp, with HostLayout.)
 HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
                     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                     const std::vector<std::string>& identities, const CpuShmConfig& config,

@@ -307,7 +307,7 @@ class GroupCoordinator {
   void setUpHierLocked(const CpuShmSetup& setup, const CpuShmConfig& config);
   CpuPath shmFor(const char* op, const at::Tensor& tensor, const c10d::ReduceOp* reduceOp);
   // Whether the group has a shared-memory path (one host or hierarchical).
-  bool cpuShmReady() { return cpuShm() != nullptr || cpuHier() != nullptr; }
+  bool cpuShmReady() { return cpuHier() != nullptr || cpuShm() != nullptr; }
 
   GroupOptions options_;
   c10::intrusive_ptr<c10d::Store> store_;

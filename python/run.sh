@@ -64,12 +64,19 @@ ensure_venv() {
     log "creating .venv with $base"
     "$base" -m venv "$venv"
   fi
-  local stamp="$venv/.tpcomm-requirements"
+  install_once "$venv/.tpcomm-requirements" "${requirements[@]}"
+}
+
+# Installs the packages named after the stamp file unless the stamp already
+# lists exactly them.
+install_once() {
+  local stamp="$1"
+  shift
   local wanted
-  wanted="$(printf '%s\n' "${requirements[@]}")"
+  wanted="$(printf '%s\n' "$@")"
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$wanted" ]]; then
-    log "installing ${requirements[*]}"
-    "$py" -m pip install --quiet --disable-pip-version-check "${requirements[@]}"
+    log "installing $*"
+    "$py" -m pip install --quiet --disable-pip-version-check "$@"
     printf '%s\n' "$wanted" > "$stamp"
   fi
 }
@@ -129,20 +136,9 @@ if [[ "$mode" == demo ]]; then
   exec "$py" -m tpcomm.demo "$@"
 fi
 
-ensure_test_requirements() {
-  local stamp="$venv/.tpcomm-test-requirements"
-  local wanted
-  wanted="$(printf '%s\n' "${test_requirements[@]}")"
-  if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$wanted" ]]; then
-    log "installing ${test_requirements[*]} (test clients)"
-    "$py" -m pip install --quiet --disable-pip-version-check "${test_requirements[@]}"
-    printf '%s\n' "$wanted" > "$stamp"
-  fi
-}
-
 ensure_googletest
 ensure_namespace_tools
-ensure_test_requirements
+install_once "$venv/.tpcomm-test-requirements" "${test_requirements[@]}"  # the test clients
 ensure_build ON
 log "C++ tests (ctest)"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
