@@ -190,8 +190,10 @@ def test_transformers_tensor_parallelism_runs_on_tpcomm_under_torchrun():
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     for rank in (0, 1):
-        line = re.search(rf"^rank {rank}: max \|logit diff\| vs one process (\S+), greedy tokens "
-                         rf"equal: (\w+), collectives (.*)$", done.stdout, re.M)
+        # torchrun merges the ranks' output: a line may run into another's.
+        line = re.search(rf"rank {rank}: max \|logit diff\| vs one process (\d\.\de[-+]\d+), "
+                         rf"greedy tokens equal: (True|False), collectives (\{{[^}}]*\}})",
+                         done.stdout)
         assert line, done.stdout
         assert float(line.group(1)) <= 1e-5, line.group(0)
         assert line.group(2) == "True", line.group(0)
@@ -209,7 +211,8 @@ def test_transformers_fsdp2_with_tensor_parallelism_on_a_2x2_mesh():
                            "--nproc-per-node", "4", script], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    diffs = re.findall(r"^rank \d: loss \S+, max \|parameter diff\| vs one process after a step "
-                       r"(\S+)$", done.stdout, re.M)
-    assert len(diffs) == 4, done.stdout
-    assert all(float(d) <= 1e-5 for d in diffs), diffs
+    # torchrun merges the ranks' output: a line may run into another's.
+    found = dict(re.findall(r"rank (\d): loss \S+, max \|parameter diff\| vs one process after "
+                            r"a step (\d\.\de[-+]\d+)", done.stdout))
+    assert sorted(found) == ["0", "1", "2", "3"], done.stdout
+    assert all(float(d) <= 1e-5 for d in found.values()), found
