@@ -81,6 +81,14 @@ void Writer::waitForReaders(std::chrono::milliseconds timeout) {
   s.closeForAttach();
 }
 
+bool Writer::readersAlive() const {
+  Segment& s = *segment_;
+  for (uint32_t r = 0; r < s.geometry().numReaders; ++r) {
+    if (!processAlive(s.slot(r).pid.load(std::memory_order_acquire))) return false;
+  }
+  return true;
+}
+
 void Writer::write(const void* data, size_t bytes, std::chrono::milliseconds timeout) {
   write(std::vector<Part>{{data, bytes}}, timeout);
 }
@@ -105,13 +113,8 @@ void Writer::write(const std::vector<Part>& parts, std::chrono::milliseconds tim
       }
       return true;
     };
-    auto readersAlive = [&] {
-      for (uint32_t r = 0; r < g.numReaders; ++r) {
-        if (!processAlive(s.slot(r).pid.load(std::memory_order_acquire))) return false;
-      }
-      return true;
-    };
-    s.wait(h.consumedWord, h.consumedSleepers, chunkFree, readersAlive, remaining(deadline), spin_,
+    s.wait(h.consumedWord, h.consumedSleepers, chunkFree, [this] { return readersAlive(); },
+           remaining(deadline), spin_,
            "waiting for readers to free a chunk");
     const size_t n = std::min<size_t>(g.chunkBytes, bytes - offset);
     ChunkHeader& chunk = s.chunkHeader(seq);

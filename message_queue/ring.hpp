@@ -97,6 +97,9 @@ class Writer {
   void write(const std::vector<Part>& parts, std::chrono::milliseconds timeout);
   // Wakes every waiter on both sides; later calls throw PeerLost.
   void shutdown();
+  // Whether every reader that attached is still alive (one that has not
+  // attached yet counts as alive).
+  bool readersAlive() const;
 
  private:
   std::unique_ptr<Segment> segment_;

@@ -15,7 +15,9 @@
 #include "coordinator/common/settings.hpp"
 #include "coordinator/cpu_shm_path.hpp"
 #include "message_queue/shm_reduce.hpp"
+#include "message_queue/arena.hpp"
 #include "message_queue/ring.hpp"
+#include "python/mq_frames.hpp"
 
 namespace py = pybind11;
 
@@ -87,6 +89,59 @@ class ReceiveBuffers {
   uint64_t spareBytes_ = 0;
 };
 
+// The buffers of a list of bytes-like parts, kept alive while they are written.
+struct Buffers {
+  std::vector<py::buffer_info> views;
+  std::vector<mq::Writer::Part> parts;
+  explicit Buffers(const py::list& list) {
+    views.reserve(list.size());
+    for (const auto& part : list) {
+      views.push_back(py::reinterpret_borrow<py::buffer>(part).request());
+      const auto& v = views.back();
+      parts.push_back({v.ptr, static_cast<size_t>(v.size * v.itemsize)});
+    }
+  }
+};
+
+// A frame's whole bytes in one uint8 tensor (for readers on other hosts).
+at::Tensor packFrame(const OutgoingFrame& f) {
+  at::Tensor out = at::empty({static_cast<int64_t>(f.bytes)}, at::kByte);
+  char* p = static_cast<char*>(out.data_ptr());
+  for (const auto& part : f.parts) {
+    if (part.bytes > 0) std::memcpy(p, part.data, part.bytes);
+    p += part.bytes;
+  }
+  return out;
+}
+
+// Unpickles a received frame: `loadsFrame(stream, tensors)` with the GIL.
+py::object loadFrame(const at::Tensor& message, const std::shared_ptr<mq::Arena>& arena,
+                     const py::object& loadsFrame) {
+  IncomingFrame f = parseFrame(message, arena);
+  py::list tensors(f.tensors.size());
+  for (size_t i = 0; i < f.tensors.size(); ++i) tensors[i] = py::cast(std::move(f.tensors[i]));
+  py::memoryview stream = py::memoryview::from_memory(
+      static_cast<const char*>(message.const_data_ptr()) + f.streamOffset,
+      static_cast<ssize_t>(f.streamBytes));
+  py::object result;
+  try {
+    result = loadsFrame(stream, tensors);
+  } catch (py::error_already_set& e) {
+    stream.attr("release")();  // no Python call with an error set
+    e.restore();
+    throw py::error_already_set();
+  }
+  stream.attr("release")();
+  return result;
+}
+
+at::Tensor checkedMessage(const at::Tensor& message) {
+  TPCOMM_CHECK(message.device().is_cpu() && message.scalar_type() == at::kByte &&
+                   message.dim() == 1 && message.is_contiguous(),
+               kInvalidUsage, "a received message is a contiguous 1-D uint8 CPU tensor");
+  return message;
+}
+
 }  // namespace
 
 void registerMessageQueue(py::module_& m) {
@@ -132,18 +187,31 @@ void registerMessageQueue(py::module_& m) {
       .def(
           "write",
           [](mq::Writer& w, const py::list& parts, double timeout) {
-            std::vector<py::buffer_info> views;
-            std::vector<mq::Writer::Part> raw;
-            for (const auto& part : parts) {
-              views.push_back(py::reinterpret_borrow<py::buffer>(part).request());
-              const auto& v = views.back();
-              raw.push_back({v.ptr, static_cast<size_t>(v.size * v.itemsize)});
-            }
+            Buffers buffers(parts);
             py::gil_scoped_release release;
-            w.write(raw, toMillis(timeout));
+            w.write(buffers.parts, toMillis(timeout));
           },
           py::arg("parts"), py::arg("timeout"),
           "Writes one message made of the given contiguous buffers.")
+      .def(
+          "write_frame",
+          [](mq::Writer& w, const py::list& stream, std::vector<at::Tensor> tensors,
+             double timeout, mq::Arena* arena, uint32_t readers) {
+            Buffers buffers(stream);
+            OutgoingFrame f = buildFrame(buffers.parts, std::move(tensors), arena);
+            py::gil_scoped_release release;
+            for (uint32_t slot : f.arenaSlots) arena->hold(slot, readers);
+            try {
+              w.write(f.parts, toMillis(timeout));
+            } catch (...) {
+              for (uint32_t slot : f.arenaSlots) arena->unhold(slot, readers);
+              throw;
+            }
+          },
+          py::arg("stream"), py::arg("tensors"), py::arg("timeout"), py::arg("arena") = nullptr,
+          py::arg("readers") = 0,
+          "Writes one frame: the pickle stream's parts and the tensors it refers to (raw, "
+          "64-byte aligned; in place when they lie in `arena`, held for `readers` views).")
       .def(
           "set_spin_us", [](mq::Writer& w, int64_t us) { w.setSpin(toSpin(us)); },
           py::arg("us"), kSpinDoc)
@@ -166,13 +234,15 @@ void registerMessageQueue(py::module_& m) {
           "Reads the next message into a uint8 tensor (large ones reuse recycled memory).")
       .def(
           "read_object",
-          [](mq::Reader& r, double timeout) {
+          [](mq::Reader& r, double timeout, const py::object& loadsFrame,
+             const std::shared_ptr<mq::Arena>& arena) {
             // Never destroyed: a py::object torn down at exit, without the
             // GIL, would crash the interpreter's finalisation.
             static py::object* loads = new py::object(py::module_::import("pickle").attr("loads"));
             py::object result;
             bool failed = false;
             at::Tensor copied;  // a wrapped message's copy (recycled memory)
+            at::Tensor frame;   // a frame, copied out of the ring
             {
               py::gil_scoped_release release;
               const auto allocate = [&](uint64_t bytes) -> char* {
@@ -180,6 +250,17 @@ void registerMessageQueue(py::module_& m) {
                 return static_cast<char*>(copied.data_ptr());
               };
               r.readInPlace(toMillis(timeout), [&](const char* data, uint64_t bytes) {
+                if (isFrame(data, bytes)) {
+                  // Its tensors outlive the ring's chunks: copied once, and
+                  // unpickled once the chunks are consumed.
+                  if (copied.defined() && copied.const_data_ptr() == data) {
+                    frame = copied;
+                  } else {
+                    frame = ReceiveBuffers::instance().take(bytes);
+                    std::memcpy(frame.data_ptr(), data, bytes);
+                  }
+                  return;
+                }
                 py::gil_scoped_acquire acquire;
                 // A view of the ring, released before the chunks are
                 // consumed: unpickling copies what it keeps.
@@ -196,16 +277,77 @@ void registerMessageQueue(py::module_& m) {
               }, allocate);
             }
             if (failed) throw py::error_already_set();
+            if (frame.defined()) return loadFrame(frame, arena, loadsFrame);
             return result;
           },
-          py::arg("timeout"),
-          "Reads the next message and unpickles it straight from the ring when it lies in one "
-          "stretch of it (copied first when it wraps).")
+          py::arg("timeout"), py::arg("loads_frame"), py::arg("arena") = nullptr,
+          "Reads the next message. A plain pickle stream is unpickled straight from the ring "
+          "when it lies in one stretch of it (copied first when it wraps); a frame is copied "
+          "out once and handed to loads_frame(stream, tensors), its tensors being views of "
+          "that copy (or of `arena`).")
       .def(
           "set_spin_us", [](mq::Reader& r, int64_t us) { r.setSpin(toSpin(us)); },
           py::arg("us"), kSpinDoc)
       .def("shutdown", &mq::Reader::shutdown);
 
+  py::class_<mq::Arena, std::shared_ptr<mq::Arena>>(
+      m, "MqArena", "Shared memory beside a ring where the writer places tensors (zero copy).")
+      .def(py::init([](uint64_t capacity) { return mq::Arena::create(capacity); }),
+           py::arg("capacity"))
+      .def_static("attach", &mq::Arena::attach, py::arg("name"))
+      .def_property_readonly("name", &mq::Arena::name)
+      .def_property_readonly("capacity", &mq::Arena::capacity)
+      .def("close_descriptor", &mq::Arena::closeDescriptor)
+      .def("describe_use", &mq::Arena::describeUse)
+      .def(
+          "empty",
+          [](const std::shared_ptr<mq::Arena>& arena, std::vector<int64_t> shape,
+             at::ScalarType dtype, double timeout, mq::Writer* writer) {
+            const auto options = at::TensorOptions().dtype(dtype);
+            const int64_t numel = c10::multiply_integers(shape);
+            TPCOMM_CHECK(numel >= 0, kInvalidUsage, "arena tensors need a shape of sizes >= 0, got ",
+                         shape);
+            const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(dtype);
+            if (bytes == 0) return at::empty(shape, options);
+            mq::Arena::Block block;
+            {
+              py::gil_scoped_release release;
+              block = arena->allocate(bytes, toMillis(timeout), [writer] {
+                return writer == nullptr || writer->readersAlive();
+              });
+            }
+            const uint32_t slot = block.slot;
+            return at::from_blob(
+                arena->data() + block.offset, shape,
+                [arena, slot](void*) { arena->releaseOwner(slot); }, options);
+          },
+          py::arg("shape"), py::arg("dtype"), py::arg("timeout"), py::arg("writer") = nullptr,
+          "A tensor in a free block of the arena, waiting up to `timeout` s for one.");
+
+  m.def(
+      "mq_pack_frame",
+      [](const py::list& stream, std::vector<at::Tensor> tensors) {
+        Buffers buffers(stream);
+        return packFrame(buildFrame(buffers.parts, std::move(tensors), nullptr));
+      },
+      py::arg("stream"), py::arg("tensors"),
+      "A frame's bytes (pickle stream parts + tensors, all inline) in one uint8 tensor.");
+  m.def(
+      "mq_load_frame",
+      [](const at::Tensor& message, const py::object& loadsFrame) {
+        return loadFrame(checkedMessage(message), nullptr, loadsFrame);
+      },
+      py::arg("message"), py::arg("loads_frame"),
+      "Unpickles a received frame: loads_frame(stream, tensors), the tensors being views of "
+      "`message`.");
+  m.def(
+      "mq_is_frame",
+      [](const at::Tensor& message) {
+        checkedMessage(message);
+        return isFrame(static_cast<const char*>(message.const_data_ptr()),
+                       static_cast<uint64_t>(message.numel()));
+      },
+      py::arg("message"));
   m.def(
       "mq_default_spin_us", [] { return static_cast<int64_t>(mq::defaultSpin().count()); },
       "How long message-queue waits poll before sleeping (TPCOMM_MQ_SPIN_US).");

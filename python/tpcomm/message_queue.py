@@ -1,12 +1,17 @@
 """Broadcast objects and tensor dicts from one rank to the others of a group.
 
 Readers on the writer's host read a shared-memory ring (one copy in; objects
-are unpickled straight from the ring, tensor dicts copied out once); readers
-on other hosts receive through the group's CPU path (Gloo). The ring is
+without tensors are unpickled straight from the ring); readers on other
+hosts receive the same bytes through the group's CPU path (Gloo). The ring is
 anonymous memory (nothing in /dev/shm, ever), and waits poll for
 TPCOMM_MQ_SPIN_US before they sleep.
-CUDA tensors in a tensor dict travel through the group's device path (NCCL)
-while their metadata travels through the queue.
+
+CPU tensors anywhere inside an object or a tensor dict travel out of band:
+their bytes raw beside the pickle stream (tpcomm._mq_pickle says what becomes
+of every kind of tensor). CUDA tensors in a tensor dict travel through the
+group's device path (NCCL) while their metadata travels through the queue.
+With `arena_bytes`, the writer can place large tensors in shared memory
+itself (`mq.empty`) and send them without any copy.
 
     mq = tpcomm.MessageQueue.create_from_process_group(pg, writer_rank=0)
     d = mq.broadcast_tensor_dict(d if mq.is_writer else None)
@@ -15,34 +20,18 @@ while their metadata travels through the queue.
 import math
 import numbers
 import pickle
-import struct
 
 import torch
 import torch.distributed as dist
 
 from tpcomm import _C
+from tpcomm import _mq_pickle
 from tpcomm._tensor_dict import check_dense
 
 PeerLostError = _C.PeerLostError
 
-_ALIGN = 64  # tensor bytes start 64-byte aligned inside a message
-_LEN = struct.Struct("<Q")
 
-
-def _raw_bytes(t):
-    """A CPU tensor's bytes as a buffer, without a copy for contiguous tensors."""
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
-
-
-class _Parts:
-    """A file for pickle.Pickler that keeps what it is given: small pieces
-    and, for large bytes-like payloads, the payload itself (no copy)."""
-
-    def __init__(self, parts):
-        self.write = parts.append
-
-
-def _check_arguments(role, role_rank, max_chunk_bytes, max_chunks, timeout):
+def _check_arguments(role, role_rank, max_chunk_bytes, max_chunks, timeout, arena_bytes=0):
     """The same arguments on every rank: checked before any collective step,
     so that every rank raises the same error and the group stays usable."""
     def integer(name, value):
@@ -57,6 +46,8 @@ def _check_arguments(role, role_rank, max_chunk_bytes, max_chunks, timeout):
             raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
     if max_chunk_bytes * max_chunks > 64 << 30:
         raise ValueError(f"a ring of {max_chunks} x {max_chunk_bytes} bytes exceeds 64 GiB")
+    if not 0 <= integer("arena_bytes", arena_bytes) <= 64 << 30:
+        raise ValueError(f"arena_bytes must be in [0, 64 GiB], got {arena_bytes}")
     if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
             or not math.isfinite(timeout) or timeout <= 0):
         raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -96,7 +87,7 @@ class MessageQueue:
     `create_from_process_group`; every member of `pg` must call it."""
 
     def __init__(self, pg, writer_rank, rank, local, remote, writer, reader, timeout,
-                 device_group=None):
+                 device_group=None, arena=None):
         self._pg = pg
         self._device_pg = pg if device_group is None else device_group
         self._ranks = dist.get_process_group_ranks(pg)
@@ -107,6 +98,8 @@ class MessageQueue:
         self._writer = writer
         self._reader = reader
         self._timeout = timeout
+        self._arena = arena
+        self._arena_bytes = 0 if arena is None else arena.capacity
         self._closed = False
         self._ready = writer is None
         # Objects pickled into parts and unpickled from the ring (False: one
@@ -119,27 +112,32 @@ class MessageQueue:
     @classmethod
     def create_from_process_group(cls, pg, max_chunk_bytes=1 << 20, max_chunks=8,
                                   writer_rank=0, timeout=300.0, blocking=True,
-                                  device_group=None):
+                                  device_group=None, arena_bytes=0):
         """Every member of `pg` calls this; `writer_rank` (a group rank) writes,
         the others read. With blocking=False the writer does not wait here for
         the readers to attach; wait_until_ready() (or the first write) does.
         CUDA tensors in tensor dicts travel over `device_group` (default `pg`),
-        which must have the same members. Bad arguments raise on every rank
-        before any collective step; a rank that cannot create or attach its
-        end makes every rank raise, naming it; the group stays usable."""
-        _check_arguments("writer_rank", writer_rank, max_chunk_bytes, max_chunks, timeout)
+        which must have the same members. `arena_bytes` > 0 gives the writer
+        an arena of that many bytes of shared memory for `empty()` (zero-copy
+        tensors). Bad arguments raise on every rank before any collective
+        step; a rank that cannot create or attach its end makes every rank
+        raise, naming it; the group stays usable."""
+        _check_arguments("writer_rank", writer_rank, max_chunk_bytes, max_chunks, timeout,
+                         arena_bytes)
         pg, ranks, rank = _membership(pg, "writer_rank", writer_rank)
         n = len(ranks)
         hosts = [None] * n
         dist.all_gather_object(hosts, _C.host_id(), group=pg)
         local = [r for r in range(n) if r != writer_rank and hosts[r] == hosts[writer_rank]]
         remote = [r for r in range(n) if r != writer_rank and hosts[r] != hosts[writer_rank]]
-        writer = reader = None
+        writer = reader = arena = None
         name = [("ok", None)]
         if rank == writer_rank and local:
             try:
                 writer = _C.MqWriter(len(local), max_chunks, max_chunk_bytes)
-                name = [("ok", writer.name)]
+                if arena_bytes:
+                    arena = _C.MqArena(arena_bytes)
+                name = [("ok", (writer.name, arena.name if arena is not None else None))]
             except Exception as e:  # every rank hears of it below
                 name = [("error", _failure(e))]
         dist.broadcast_object_list(name, src=ranks[writer_rank], group=pg)
@@ -150,11 +148,16 @@ class MessageQueue:
         failure = ""
         if rank in local:
             try:
-                reader = _C.MqReader(value, local.index(rank))
+                ring_name, arena_name = value
+                if arena_name is not None:
+                    arena = _C.MqArena.attach(arena_name)
+                reader = _C.MqReader(ring_name, local.index(rank))
             except Exception as e:
                 failure = _failure(e)
         _agree(pg, failure, "attaching a reader")
-        mq = cls(pg, writer_rank, rank, local, remote, writer, reader, timeout, device_group)
+        mq = cls(pg, writer_rank, rank, local, remote, writer, reader, timeout, device_group,
+                 arena)
+        mq._arena_bytes = arena_bytes
         if blocking:
             mq.wait_until_ready()
         return mq
@@ -225,6 +228,8 @@ class MessageQueue:
         descriptor they attach through is closed). Readers: returns at once."""
         if not self._ready:
             self._writer.wait_for_readers(self._timeout if timeout is None else timeout)
+            if self._arena is not None:
+                self._arena.close_descriptor()  # every reader mapped it before the ring
             self._ready = True
 
     @property
@@ -241,15 +246,24 @@ class MessageQueue:
                                f"{'the writer' if self.is_writer else 'a reader'} "
                                f"(writer: group rank {self.writer_rank})")
 
-    def _send(self, parts, timeout):
+    def _send(self, parts, timeout, tensors=None):
+        """One message: the pickle stream `parts` and, when `tensors` is not
+        None, as a frame with those tensors out of band."""
         timeout = self._timeout if timeout is None else timeout
         if self._writer is not None:
             self.wait_until_ready(timeout)
-            self._writer.write(parts, timeout)
+            if tensors is None:
+                self._writer.write(parts, timeout)
+            else:
+                self._writer.write_frame(parts, tensors, timeout, self._arena,
+                                         len(self.local_readers))
         if self.remote_readers:
-            data = bytearray(b"".join(memoryview(p).cast("B") for p in parts))
-            length = len(data)
-            payload = torch.frombuffer(data, dtype=torch.uint8) if length else None
+            if tensors is None:
+                data = bytearray(b"".join(memoryview(p).cast("B") for p in parts))
+                payload = torch.frombuffer(data, dtype=torch.uint8) if data else None
+            else:
+                payload = _C.mq_pack_frame(parts, tensors)
+            length = 0 if payload is None else payload.numel()
             for r in self.remote_readers:
                 dist.send(torch.tensor([length], dtype=torch.int64), group=self._pg, group_dst=r)
                 if length:
@@ -265,6 +279,17 @@ class MessageQueue:
         if buf.numel():
             dist.recv(buf, group=self._pg, group_src=self.writer_rank)
         return buf
+
+    def _recv_loaded(self, timeout, loads_frame):
+        """The next message unpickled: a frame through `loads_frame`, a plain
+        pickle stream through pickle.loads."""
+        if self._reader is not None and self._zero_copy:
+            return self._reader.read_object(self._timeout if timeout is None else timeout,
+                                            loads_frame, self._arena)
+        buf = self._recv(timeout)
+        if _C.mq_is_frame(buf):
+            return _C.mq_load_frame(buf, loads_frame)
+        return pickle.loads(buf.numpy())
 
     def _send_device(self, t):
         if self._whole_group:
@@ -283,24 +308,31 @@ class MessageQueue:
     def enqueue(self, obj, timeout=None):
         """Writer: sends `obj` (pickled, protocol 5) to every reader. The
         pickler writes into a list of parts, so large bytes-like payloads are
-        passed by reference and copied once, into the ring."""
+        passed by reference and copied once, into the ring; CPU tensors at any
+        depth of `obj` travel out of band, their bytes raw (see
+        tpcomm._mq_pickle for every kind of tensor); a CUDA tensor is refused
+        (TypeError: send it with broadcast_tensor_dict)."""
         self._check(True, "enqueue")
         if not self._zero_copy:
             self._send([pickle.dumps(obj, protocol=5)], timeout)
             return
-        parts = []
-        pickle.Pickler(_Parts(parts), protocol=5).dump(obj)
-        self._send(parts, timeout)
+        parts, tensors, _ = _mq_pickle.dump(obj)
+        self._send(parts, timeout, tensors if tensors else None)
 
     def dequeue(self, timeout=None):
         """Reader: the next object the writer enqueued. Raises TimeoutError.
         Readers on another host than the writer receive through the CPU group,
-        whose own timeout bounds the wait instead of `timeout`."""
+        whose own timeout bounds the wait instead of `timeout`.
+
+        The CPU tensors inside it are this reader's own: views of one buffer
+        per message that no later message changes (they keep that buffer
+        alive while any of them lives). Tensors the writer placed in the
+        arena (`empty`) are views of the arena instead: valid while they
+        live (the writer never reuses their memory before they die), shared
+        with the writer and every other reader of this host, so they are
+        read-only by contract."""
         self._check(False, "dequeue")
-        if self._reader is not None and self._zero_copy:
-            # Unpickled straight from the ring (no copy out first).
-            return self._reader.read_object(self._timeout if timeout is None else timeout)
-        return pickle.loads(self._recv(timeout).numpy())
+        return self._recv_loaded(timeout, _mq_pickle.loads_object)
 
     def broadcast_object(self, obj=None):
         """The writer passes `obj`; every member returns it."""
@@ -309,77 +341,65 @@ class MessageQueue:
             return obj
         return self.dequeue()
 
+    # -------------------------------------------------------------- arena
+    def empty(self, shape, dtype=torch.float32, timeout=None):
+        """Writer: an uninitialised CPU tensor in the queue's arena (create
+        the queue with arena_bytes > 0). Fill it, then send it (in an object
+        or a tensor dict, whole or any contiguous view of it): this host's
+        readers receive views of the same memory, with no copy; readers on
+        other hosts receive a copy. Do not write into it once sent: the
+        readers see that memory. Its block is reused only after this tensor
+        and every reader's view of it died; while the arena is full this
+        waits up to `timeout` (default: the queue's) and then raises
+        TimeoutError saying what holds it."""
+        self._check(True, "empty")
+        if self._arena is None:
+            if self._arena_bytes and self._writer is None:
+                # No reader on this host: every reader receives a copy anyway.
+                return torch.empty(shape, dtype=dtype)
+            raise ValueError("this message queue has no arena: create it with arena_bytes > 0")
+        shape = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
+        return self._arena.empty(list(shape), dtype,
+                                 self._timeout if timeout is None else timeout, self._writer)
+
+    def arena_use(self):
+        """The writer's arena: bytes in use, by whom (a string), or None."""
+        return None if self._arena is None else self._arena.describe_use()
+
     # -------------------------------------------------------------- tensor dicts
     def broadcast_tensor_dict(self, tensor_dict=None):
         """The writer passes a dict of str -> tensor | picklable value; every
-        member returns an equal dict. CPU tensor bytes are copied raw (never
-        pickled); CUDA tensors are broadcast over the group's device path;
-        empty tensors cost no bytes."""
+        member returns an equal dict. CPU tensor bytes travel raw, out of band
+        (never pickled; the received tensors are views of one buffer per
+        message, or of the arena, as in dequeue); CUDA tensors are broadcast
+        over the group's device path; empty tensors cost no bytes."""
         if self.is_writer:
             if not isinstance(tensor_dict, dict):
                 raise TypeError(f"broadcast_tensor_dict needs a dict, got {type(tensor_dict)}")
-            meta, raws, cuda = [], [], []
             for key, value in tensor_dict.items():
-                if not isinstance(key, str):
+                if type(key) is not str:
                     raise TypeError(f"tensor dict keys must be str, got {key!r}")
-                if not isinstance(value, torch.Tensor):
-                    meta.append((key, "obj", value, None, 0))
-                    continue
-                check_dense(key, value)
-                if value.is_cuda:
-                    meta.append((key, "cuda", value.dtype, tuple(value.shape), 0))
-                    if value.numel():
-                        cuda.append(value.contiguous())
-                elif value.device.type == "cpu":
-                    nbytes = value.numel() * value.element_size()
-                    meta.append((key, "cpu", value.dtype, tuple(value.shape), nbytes))
-                    if nbytes:
-                        raws.append(_raw_bytes(value))
-                else:
-                    raise ValueError(f"tensor {key!r} is on {value.device}; cpu and cuda "
-                                     "tensors are supported")
-            header = pickle.dumps(meta, protocol=5)
-            message = [_LEN.pack(len(header)), header]
-            pos = _LEN.size + len(header)
-            for raw in raws:
-                pad = -pos % _ALIGN
-                if pad:
-                    message.append(bytes(pad))
-                message.append(raw)
-                pos += pad + raw.nbytes
+                if isinstance(value, torch.Tensor):
+                    check_dense(key, value)
+                    if value.device.type not in ("cpu", "cuda"):
+                        raise ValueError(f"tensor {key!r} is on {value.device}; cpu and cuda "
+                                         "tensors are supported")
+            parts, tensors, device = _mq_pickle.dump(tensor_dict, tensor_dict=True)
             self._check(True, "broadcast_tensor_dict")
-            self._send(message, None)
-            for t in cuda:
-                self._send_device(t)
+            self._send(parts, None, tensors)
+            for t in device:
+                if t.numel():
+                    self._send_device(t)
             return tensor_dict
         self._check(False, "broadcast_tensor_dict")
-        buf = self._recv(None)  # uint8 tensor; the received tensors are views of it
-        raw = buf.numpy()
-        if len(raw) < _LEN.size:
-            raise OSError(f"tensor dict message of {len(raw)} bytes has no header")
-        (hlen,) = _LEN.unpack_from(raw, 0)
-        if hlen > len(raw) - _LEN.size:
-            raise OSError(f"tensor dict header of {hlen} bytes overruns a {len(raw)}-byte message")
-        meta = pickle.loads(raw[_LEN.size:_LEN.size + hlen])
-        pos = _LEN.size + hlen
-        out = {}
-        for key, kind, a, shape, nbytes in meta:
-            if kind == "obj":
-                out[key] = a
-            elif kind == "cpu":
-                if nbytes:
-                    pos += -pos % _ALIGN
-                    if pos + nbytes > len(raw):
-                        raise OSError(f"tensor {key!r} overruns the {len(raw)}-byte message")
-                    out[key] = buf[pos:pos + nbytes].view(a).reshape(shape)
-                    pos += nbytes
-                else:
-                    out[key] = torch.empty(shape, dtype=a)
-            else:
-                t = torch.empty(shape, dtype=a, device=torch.cuda.current_device())
-                if t.numel():
-                    self._recv_device(t)
-                out[key] = t
+        got = self._recv_loaded(None, _mq_pickle.loads_tensor_dict)
+        if not isinstance(got, tuple):
+            raise OSError("broadcast_tensor_dict received a message that is not a tensor dict "
+                          "(the writer sent an object: its calls and the readers' differ)")
+        out, device = got
+        for t in device:
+            if t.numel():
+                self._recv_device(t)
         return out
 
     def shutdown(self):

@@ -1,0 +1,131 @@
+"""Pickling for the message queue: CPU tensors travel out of band.
+
+A pickler of this module hands every plain CPU tensor (or nn.Parameter) it
+meets, at any depth of the object, to a list instead of pickling it; the
+stream refers to it by index, and the queue sends its bytes raw beside the
+stream, 64-byte aligned (see python/mq_frames.hpp). The reader rebuilds each
+tensor as a view of the received bytes. What becomes of other tensors:
+
+- CPU tensors of every dtype (bool, bfloat16, complex included), 0-dim and
+  empty ones: out of band. Views and non-contiguous tensors arrive as
+  contiguous tensors of the same shape and values; conjugate and negative
+  bits are resolved. Each tensor arrives as its own: two tensors sharing
+  storage on the writer do not share it on the reader (the same tensor
+  object twice is one tensor twice, as with pickle).
+- requires_grad: arrives requiring grad, as a leaf (as torch's pickling
+  does); nn.Parameter arrives as an nn.Parameter.
+- Tensor subclasses other than nn.Parameter, sparse, quantized and named
+  tensors, and meta tensors: torch's own pickling (in the stream: correct,
+  slower).
+- CUDA (and other device) tensors inside an object: refused with a
+  TypeError naming broadcast_tensor_dict, which sends them over the device
+  group; in a tensor dict, at any depth, they go that way.
+"""
+
+import pickle
+import threading
+
+import torch
+
+_received = threading.local()  # the tensors of the frame being unpickled
+_Parameter = torch.nn.Parameter
+
+
+def _tensor(i):
+    return _received.tensors[i]
+
+
+def _grad_tensor(i):
+    return _received.tensors[i].requires_grad_()
+
+
+def _parameter(i, requires_grad):
+    return _Parameter(_received.tensors[i], requires_grad)
+
+
+def _device_tensor(dtype, shape):
+    """A tensor dict's CUDA tensor: allocated here, filled over the device group."""
+    t = torch.empty(shape, dtype=dtype, device=torch.cuda.current_device())
+    _received.device.append(t)
+    return t
+
+
+class _Parts:
+    """A file for pickle.Pickler that keeps what it is given: small pieces
+    and, for large bytes-like payloads, the payload itself (no copy)."""
+
+    def __init__(self, parts):
+        self.write = parts.append
+
+
+class Pickler(pickle.Pickler):
+    """Pickles into `parts` (protocol 5); CPU tensors go to `self.tensors`.
+    For tensor dicts (`tensor_dict=True`) CUDA tensors go to `self.device`
+    and the reader allocates their like."""
+
+    def __init__(self, parts, tensor_dict=False):
+        super().__init__(_Parts(parts), protocol=5)
+        self.tensors = []
+        self.device = [] if tensor_dict else None
+
+    def reducer_override(self, obj):
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        kind = type(obj)
+        if kind is not torch.Tensor and kind is not _Parameter:
+            return NotImplemented  # a subclass: torch's own pickling
+        device = obj.device.type
+        if device == "cpu":
+            if obj.layout != torch.strided or obj.is_quantized or obj.has_names():
+                return NotImplemented
+            i = len(self.tensors)
+            if obj.requires_grad:
+                self.tensors.append(obj.detach())
+                if kind is _Parameter:
+                    return _parameter, (i, True)
+                return _grad_tensor, (i,)
+            self.tensors.append(obj)
+            if kind is _Parameter:
+                return _parameter, (i, False)
+            return _tensor, (i,)
+        if device == "meta":
+            return NotImplemented
+        if self.device is None:
+            raise TypeError(
+                f"a {obj.device} tensor inside an object: the message queue carries CPU "
+                "tensors inside objects; send device tensors with broadcast_tensor_dict, which "
+                "moves them over the device group")
+        if device != "cuda" or obj.layout != torch.strided:
+            raise ValueError(f"a {obj.device} tensor with layout {obj.layout} in a tensor dict: "
+                             "dense cpu and cuda tensors are supported")
+        self.device.append(obj.detach().contiguous())
+        return _device_tensor, (obj.dtype, tuple(obj.shape))
+
+
+def dump(obj, tensor_dict=False):
+    """(stream parts, CPU tensors, device tensors or None) of `obj`."""
+    parts = []
+    pickler = Pickler(parts, tensor_dict)
+    pickler.dump(obj)
+    return parts, pickler.tensors, pickler.device
+
+
+def loads_object(stream, tensors):
+    """Unpickles a frame's stream whose tensors are `tensors`."""
+    outer = getattr(_received, "tensors", None)
+    _received.tensors = tensors
+    try:
+        return pickle.loads(stream)
+    finally:
+        _received.tensors = outer
+
+
+def loads_tensor_dict(stream, tensors):
+    """Unpickles a tensor dict's frame: (dict, its device tensors, in the
+    writer's order, still to be received)."""
+    outer = getattr(_received, "tensors", None), getattr(_received, "device", None)
+    _received.tensors, _received.device = tensors, []
+    try:
+        return pickle.loads(stream), _received.device
+    finally:
+        _received.tensors, _received.device = outer
