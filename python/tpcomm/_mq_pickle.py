@@ -28,7 +28,9 @@ import threading
 import torch
 
 _received = threading.local()  # the tensors of the frame being unpickled
+_Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
+_strided = torch.strided
 
 
 def _tensor(i):
@@ -60,23 +62,24 @@ class _Parts:
 
 class Pickler(pickle.Pickler):
     """Pickles into `parts` (protocol 5); CPU tensors go to `self.tensors`.
-    For tensor dicts (`tensor_dict=True`) CUDA tensors go to `self.device`
+    For tensor dicts (`self.device` a list) CUDA tensors go to `self.device`
     and the reader allocates their like."""
 
-    def __init__(self, parts, tensor_dict=False):
+    def __init__(self, parts):
         super().__init__(_Parts(parts), protocol=5)
         self.tensors = []
-        self.device = [] if tensor_dict else None
+        self.device = None
 
     def reducer_override(self, obj):
-        if not isinstance(obj, torch.Tensor):
-            return NotImplemented
         kind = type(obj)
-        if kind is not torch.Tensor and kind is not _Parameter:
-            return NotImplemented  # a subclass: torch's own pickling
-        device = obj.device.type
-        if device == "cpu":
-            if obj.layout != torch.strided or obj.is_quantized or obj.has_names():
+        if kind is not _Tensor and kind is not _Parameter:
+            # Not a tensor, or a subclass: torch's own pickling.
+            return NotImplemented
+        if obj.is_cpu:
+            if obj.layout != _strided or obj.is_quantized or obj.has_names():
+                if self.device is not None and obj.layout != _strided:
+                    raise ValueError(f"a {obj.layout} tensor in a tensor dict: tensor dicts "
+                                     "carry dense tensors")
                 return NotImplemented
             i = len(self.tensors)
             if obj.requires_grad:
@@ -88,26 +91,40 @@ class Pickler(pickle.Pickler):
             if kind is _Parameter:
                 return _parameter, (i, False)
             return _tensor, (i,)
-        if device == "meta":
+        if obj.is_meta:
             return NotImplemented
         if self.device is None:
             raise TypeError(
                 f"a {obj.device} tensor inside an object: the message queue carries CPU "
                 "tensors inside objects; send device tensors with broadcast_tensor_dict, which "
                 "moves them over the device group")
-        if device != "cuda" or obj.layout != torch.strided:
+        if not obj.is_cuda or obj.layout != _strided:
             raise ValueError(f"a {obj.device} tensor with layout {obj.layout} in a tensor dict: "
                              "dense cpu and cuda tensors are supported")
         self.device.append(obj.detach().contiguous())
         return _device_tensor, (obj.dtype, tuple(obj.shape))
 
 
-def dump(obj, tensor_dict=False):
-    """(stream parts, CPU tensors, device tensors or None) of `obj`."""
-    parts = []
-    pickler = Pickler(parts, tensor_dict)
-    pickler.dump(obj)
-    return parts, pickler.tensors, pickler.device
+class Dumper:
+    """One queue's pickler, reused message after message (not thread-safe,
+    as a queue end is not)."""
+
+    def __init__(self):
+        self._parts = []
+        self._pickler = Pickler(self._parts)
+
+    def dump(self, obj, tensor_dict=False):
+        """(stream parts, CPU tensors, device tensors or None) of `obj`;
+        valid until the next dump."""
+        parts, pickler = self._parts, self._pickler
+        parts.clear()
+        pickler.tensors = []
+        pickler.device = [] if tensor_dict else None
+        try:
+            pickler.dump(obj)
+        finally:
+            pickler.clear_memo()  # nothing of `obj` stays referenced
+        return parts, pickler.tensors, pickler.device
 
 
 def loads_object(stream, tensors):

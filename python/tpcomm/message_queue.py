@@ -63,6 +63,18 @@ def _agree(pg, failure, what):
             raise RuntimeError(f"message queue: {what} failed on group rank {rank}: {text}")
 
 
+def _check_tensor_dict(tensor_dict):
+    """Raises naming the first key whose entry a tensor dict cannot carry."""
+    for key, value in tensor_dict.items():
+        if not isinstance(key, str):
+            raise TypeError(f"tensor dict keys must be str, got {key!r}")
+        if isinstance(value, torch.Tensor):
+            check_dense(key, value)
+            if value.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"tensor {key!r} is on {value.device}; cpu and cuda "
+                                 "tensors are supported")
+
+
 def _failure(e):
     return f"{type(e).__name__}: {e}"
 
@@ -99,6 +111,7 @@ class MessageQueue:
         self._reader = reader
         self._timeout = timeout
         self._arena = arena
+        self._dumper = _mq_pickle.Dumper()
         self._arena_bytes = 0 if arena is None else arena.capacity
         self._closed = False
         self._ready = writer is None
@@ -316,7 +329,7 @@ class MessageQueue:
         if not self._zero_copy:
             self._send([pickle.dumps(obj, protocol=5)], timeout)
             return
-        parts, tensors, _ = _mq_pickle.dump(obj)
+        parts, tensors, _ = self._dumper.dump(obj)
         self._send(parts, timeout, tensors if tensors else None)
 
     def dequeue(self, timeout=None):
@@ -376,15 +389,13 @@ class MessageQueue:
         if self.is_writer:
             if not isinstance(tensor_dict, dict):
                 raise TypeError(f"broadcast_tensor_dict needs a dict, got {type(tensor_dict)}")
-            for key, value in tensor_dict.items():
-                if type(key) is not str:
-                    raise TypeError(f"tensor dict keys must be str, got {key!r}")
-                if isinstance(value, torch.Tensor):
-                    check_dense(key, value)
-                    if value.device.type not in ("cpu", "cuda"):
-                        raise ValueError(f"tensor {key!r} is on {value.device}; cpu and cuda "
-                                         "tensors are supported")
-            parts, tensors, device = _mq_pickle.dump(tensor_dict, tensor_dict=True)
+            try:
+                parts, tensors, device = self._dumper.dump(tensor_dict, tensor_dict=True)
+                if any(type(key) is not str for key in tensor_dict):
+                    raise TypeError("tensor dict keys must be str")
+            except (TypeError, ValueError):
+                _check_tensor_dict(tensor_dict)  # names the key at fault
+                raise
             self._check(True, "broadcast_tensor_dict")
             self._send(parts, None, tensors)
             for t in device:

@@ -16,13 +16,24 @@ from tpcomm._net import run_ranks
 
 
 def payloads(quick):
+    """(name, dict, iterations) of what the benchmark broadcasts."""
     step = {f"t{i}": torch.arange(64, dtype=torch.int64) + i for i in range(4)}
     step.update(step=7, temperature=0.7, greedy=True)
-    sizes = [("step dict (4 x int64[64] + scalars)", step, 300 if quick else 3000),
-             ("1 KB", {"x": torch.ones(1 << 10, dtype=torch.uint8)}, 300 if quick else 3000),
-             ("1 MB", {"x": torch.ones(1 << 20, dtype=torch.uint8)}, 30 if quick else 300),
-             ("64 MB", {"x": torch.ones(64 << 20, dtype=torch.uint8)}, 3 if quick else 10)]
-    return sizes
+
+    def tensors(total):
+        return {f"w{i}": torch.ones(total // 16, dtype=torch.float32) for i in range(4)}
+
+    q = 10 if quick else 1
+    return [("step dict (4 x int64[64] + scalars)", step, 3000 // q),
+            ("1 KB", {"x": torch.ones(1 << 10, dtype=torch.uint8)}, 3000 // q),
+            ("1 MiB in 4 tensors", tensors(1 << 20), 300 // q),
+            ("1 MB", {"x": torch.ones(1 << 20, dtype=torch.uint8)}, 300 // q),
+            ("16 MiB in 4 tensors", tensors(16 << 20), max(3, 30 // q)),
+            ("64 MB", {"x": torch.ones(64 << 20, dtype=torch.uint8)}, max(3, 10 // q))]
+
+
+VARIANTS = ("dict", "dict before", "object", "object before", "gloo")
+ARENA_MB = (16, 64)
 
 
 def _nbytes(d):
@@ -49,36 +60,77 @@ def gloo_broadcast_dict(d, src, group):
     return out
 
 
+def _timed(iters, call):
+    start = time.perf_counter()
+    for _ in range(iters):
+        call()
+    return (time.perf_counter() - start) / iters
+
+
 def _mq_worker(rank, world, port, quick, chunk_mb, results):
     import tpcomm
+    from tpcomm.bench import mq_legacy
 
     torch.set_num_threads(1)
     dist.init_process_group("tpcomm", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=300))
     gloo = dist.new_group(backend="gloo")
     mq = tpcomm.MessageQueue.create_from_process_group(
-        dist.group.WORLD, max_chunk_bytes=int(chunk_mb * (1 << 20)), max_chunks=8, writer_rank=0)
+        dist.group.WORLD, max_chunk_bytes=int(chunk_mb * (1 << 20)), max_chunks=8, writer_rank=0,
+        arena_bytes=4 * (max(ARENA_MB) << 20))
+    writer = rank == 0
+    rounds = 2 if quick else 3
     rows = []
     for name, payload, iters in payloads(quick):
-        d = payload if rank == 0 else None
-        timings = {}
-        for path in ("mq", "gloo"):
-            for _ in range(max(1, iters // 10)):  # warm-up
-                mq.broadcast_tensor_dict(d) if path == "mq" else gloo_broadcast_dict(
-                    payload, 0, gloo)
-            dist.barrier(group=gloo)
-            start = time.perf_counter()
-            for _ in range(iters):
-                if path == "mq":
-                    out = mq.broadcast_tensor_dict(d)
-                else:
-                    out = gloo_broadcast_dict(payload, 0, gloo)
-            dist.barrier(group=gloo)
-            timings[path] = (time.perf_counter() - start) / iters
-            assert set(out) == set(payload)
-        rows.append((name, _nbytes(payload), timings["mq"], timings["gloo"]))
-    if rank == 0:
-        results.put(rows)
+        d = payload if writer else None
+        calls = {"dict": lambda: mq.broadcast_tensor_dict(d),
+                 "dict before": lambda: mq_legacy.broadcast_tensor_dict(mq, d),
+                 "object": lambda: mq.broadcast_object(d),
+                 "object before": lambda: mq_legacy.broadcast_object(mq, d),
+                 "gloo": lambda: gloo_broadcast_dict(payload, 0, gloo)}
+        best = {v: float("inf") for v in VARIANTS}
+        for _ in range(rounds):
+            for variant in VARIANTS:
+                n = iters if variant != "object before" else max(1, iters // 3)
+                for _ in range(max(1, n // 10)):  # warm-up
+                    out = calls[variant]()
+                assert set(out) == set(payload)
+                dist.barrier(group=gloo)
+                best[variant] = min(best[variant], _timed(n, calls[variant]))
+                dist.barrier(group=gloo)
+        rows.append((name, _nbytes(payload), best))
+    # Zero copy: the writer fills a tensor of the arena and sends it, against
+    # the same bytes copied through the ring; each reader reads one element.
+    arena = []
+    for mb in ARENA_MB:
+        numel = (mb << 20) // 4
+        copied = torch.ones(numel) if writer else None
+        iters = 3 if quick else 10
+        state = {"t": None}
+
+        def send_copy():
+            out = mq.broadcast_tensor_dict({"x": copied} if writer else None)
+            return float(out["x"][-1])
+
+        def send_arena():
+            if writer:
+                state["t"] = None  # the previous message's tensor dies first
+                state["t"] = mq.empty((numel,), torch.float32)
+                state["t"][-1] = 1.0
+            out = mq.broadcast_tensor_dict({"x": state["t"]} if writer else None)
+            return float(out["x"][-1])
+
+        best = {"copy": float("inf"), "arena": float("inf")}
+        for _ in range(rounds):
+            for variant, call in (("copy", send_copy), ("arena", send_arena)):
+                call()
+                dist.barrier(group=gloo)
+                best[variant] = min(best[variant], _timed(iters, call))
+                dist.barrier(group=gloo)
+        state["t"] = None
+        arena.append((f"{mb} MiB tensor", mb << 20, best))
+    if writer:
+        results.put((rows, arena))
     mq.shutdown()
     dist.destroy_process_group()
 
@@ -99,15 +151,30 @@ def _memcpy_gbps():
 def run(readers_list, quick, chunk_mb):
     memcpy = _memcpy_gbps()
     print(f"single-thread memcpy (64 MB): {memcpy:.2f} GB/s; ring: 8 chunks of {chunk_mb} MB")
-    print(f"{'payload':38s} {'readers':>7s} {'mq us/msg':>10s} {'gloo us/msg':>12s} "
-          f"{'speed-up':>8s} {'mq GB/s/reader':>15s} {'% memcpy':>9s}")
+    print("Broadcast back to back, us per message, best of interleaved rounds. 'dict': "
+          "broadcast_tensor_dict; 'object': broadcast_object of the same dict; 'before': the "
+          "formats before frames (tensor dict header pickled and sliced in Python; tensors in "
+          "objects pickled by torch); 'gloo': metadata object + one broadcast per tensor.")
+    print(f"{'payload':36s} {'readers':>7s} {'dict':>9s} {'before':>9s} {'object':>9s} "
+          f"{'before':>9s} {'gloo':>10s} {'dict/bef':>8s} {'obj/dict':>8s} {'GB/s/rd':>7s}")
+    arenas = []
     for readers in readers_list:
-        rows = run_ranks(_mq_worker, readers + 1, lambda r: (quick, chunk_mb), 1200)
-        if rows is None:
+        got = run_ranks(_mq_worker, readers + 1, lambda r: (quick, chunk_mb), 1800)
+        if got is None:
             print(f"readers={readers}: a worker failed", file=sys.stderr)
             return 1
-        for name, nbytes, t_mq, t_gloo in rows:
-            gbps = nbytes / t_mq / 1e9 if nbytes else 0.0
-            print(f"{name:38s} {readers:7d} {t_mq * 1e6:10.1f} {t_gloo * 1e6:12.1f} "
-                  f"{t_gloo / t_mq:7.1f}x {gbps:15.2f} {100 * gbps / memcpy:8.0f}%")
+        rows, arena = got
+        for name, nbytes, best in rows:
+            t = [best[v] for v in VARIANTS]
+            gbps = nbytes / t[0] / 1e9 if nbytes else 0.0
+            print(f"{name:36s} {readers:7d} " + " ".join(f"{x * 1e6:9.1f}" for x in t[:4])
+                  + f" {t[4] * 1e6:10.1f} {t[0] / t[1]:7.2f}x {t[2] / t[0]:7.2f}x {gbps:7.2f}")
+        arenas.append((readers, arena))
+    print("Zero copy: a tensor the writer filled in the arena (mq.empty) against the same "
+          "bytes copied through the ring (us per message).")
+    print(f"{'payload':20s} {'readers':>7s} {'copied':>10s} {'arena':>10s} {'arena/copied':>12s}")
+    for readers, arena in arenas:
+        for name, _, best in arena:
+            print(f"{name:20s} {readers:7d} {best['copy'] * 1e6:10.1f} {best['arena'] * 1e6:10.1f} "
+                  f"{best['arena'] / best['copy']:11.3f}x")
     return 0
