@@ -146,3 +146,24 @@ def loads_tensor_dict(stream, tensors):
         return pickle.loads(stream), _received.device
     finally:
         _received.tensors, _received.device = outer
+
+
+def pack(obj):
+    """`obj` as one uint8 tensor (a frame when it holds CPU tensors, else a
+    plain pickle stream), for sending point to point."""
+    from tpcomm import _C
+
+    parts, tensors, _ = Dumper().dump(obj)
+    if tensors:
+        return _C.mq_pack_frame(parts, tensors)
+    return torch.frombuffer(bytearray(b"".join(memoryview(p).cast("B") for p in parts)),
+                            dtype=torch.uint8)
+
+
+def unpack(message):
+    """The object `pack` made `message` of (its tensors: views of it)."""
+    from tpcomm import _C
+
+    if _C.mq_is_frame(message):
+        return _C.mq_load_frame(message, loads_object)
+    return pickle.loads(message.numpy())

@@ -12,7 +12,6 @@ With backend "tpcomm" one group serves both CPU and CUDA tensors, so
 separate Gloo group for `cpu_group`.
 """
 
-import pickle
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tpcomm import _C, _graphs, _ops, _tensor_dict
+from tpcomm import _C, _graphs, _mq_pickle, _ops, _tensor_dict
 from tpcomm._expert_parallel import combine_tokens, dispatch_tokens
 from tpcomm._registration import BACKEND_NAME
 from tpcomm._tensor_dict import TensorMetadata  # noqa: F401  (re-exported)
@@ -367,9 +366,10 @@ class GroupCoordinator:
         return root
 
     def send_object(self, obj, dst):
-        """Pickles `obj` to group rank `dst` over the CPU group."""
+        """Pickles `obj` to group rank `dst` over the CPU group (CPU tensors
+        inside it out of band, as the message queue sends them)."""
         peer = self._peer(dst, 1, "send_object: dst")
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        payload = _mq_pickle.pack(obj)
         dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=peer,
                   group=self.cpu_group)
         dist.send(payload, dst=peer, group=self.cpu_group)
@@ -381,7 +381,7 @@ class GroupCoordinator:
         dist.recv(size, src=peer, group=self.cpu_group)
         payload = torch.empty(int(size), dtype=torch.uint8)
         dist.recv(payload, src=peer, group=self.cpu_group)
-        return pickle.loads(payload.numpy().tobytes())
+        return _mq_pickle.unpack(payload)
 
     def send_tensor_dict(self, tensor_dict, dst=None, all_gather_group=None,
                          all_gather_tensors=None):

@@ -246,6 +246,14 @@ def _point_to_point(ctx):
 
     got = exchange(lambda: c.send_object({"from": r}, dst=nxt), lambda: c.recv_object(src=prv))
     assert got == {"from": prv}
+    # CPU tensors inside an object travel out of band (any dtype, views).
+    def holding(k):
+        return {"ids": torch.arange(6).reshape(2, 3).t() + k, "h": [torch.full((3,), k + 0.5)
+                                                                    .to(torch.bfloat16)]}
+    got = exchange(lambda: c.send_object(holding(r), dst=nxt), lambda: c.recv_object(src=prv))
+    want = holding(prv)
+    assert torch.equal(got["ids"], want["ids"]) and torch.equal(got["h"][0], want["h"][0])
+    assert got["h"][0].dtype == torch.bfloat16
     got = exchange(lambda: c.send(torch.arange(5.0) + r), lambda: c.recv((5,), torch.float32))
     assert torch.equal(got, torch.arange(5.0) + prv)
     got = exchange(lambda: c.send_tensor_dict(_step_dict(r)), lambda: c.recv_tensor_dict())

@@ -36,6 +36,7 @@ def _payloads(quick):
     scale = 10 if quick else 1
     return [("~1 KB object", "obj", small, 2000 // scale),
             ("step tensor dict", "dict", step, 2000 // scale),
+            ("step dict as object", "obj", step, 2000 // scale),
             ("1 MB object", "obj", b"\x01" * 1_000_000, 200 // scale),
             ("16 MB object", "obj", b"\x02" * (16 << 20), max(2, 20 // scale))]
 
