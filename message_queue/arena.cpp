@@ -45,8 +45,7 @@ Arena::Arena(std::string name, std::unique_ptr<SharedRegion> region, uint64_t ca
 Arena::~Arena() = default;
 
 std::atomic<uint32_t>& Arena::holds(uint32_t slot) const {
-  return *reinterpret_cast<std::atomic<uint32_t>*>(region_->base() + kSlotsOffset +
-                                                   slot * kLine);
+  return *reinterpret_cast<std::atomic<uint32_t>*>(region_->base() + kSlotsOffset + slot * kLine);
 }
 
 std::shared_ptr<Arena> Arena::create(uint64_t capacity) {

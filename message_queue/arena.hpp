@@ -121,7 +121,7 @@ class Arena {
   uint64_t capacity_;
   char* data_;
   mutable std::mutex mutex_;
-  std::vector<Live> live_;          // the writer's blocks, by offset
+  std::vector<Live> live_;           // the writer's blocks, by offset
   std::vector<uint32_t> freeSlots_;  // the writer's unused slots
 };
 

@@ -26,9 +26,7 @@ constexpr uint64_t kMaxMessageBytes = 1ull << 40;
 
 }  // namespace
 
-std::chrono::microseconds defaultSpin() {
-  return std::chrono::microseconds(settings().mqSpinUs);
-}
+std::chrono::microseconds defaultSpin() { return std::chrono::microseconds(settings().mqSpinUs); }
 
 namespace {
 
@@ -113,9 +111,9 @@ void Writer::write(const std::vector<Part>& parts, std::chrono::milliseconds tim
       }
       return true;
     };
-    s.wait(h.consumedWord, h.consumedSleepers, chunkFree, [this] { return readersAlive(); },
-           remaining(deadline), spin_,
-           "waiting for readers to free a chunk");
+    s.wait(
+        h.consumedWord, h.consumedSleepers, chunkFree, [this] { return readersAlive(); },
+        remaining(deadline), spin_, "waiting for readers to free a chunk");
     const size_t n = std::min<size_t>(g.chunkBytes, bytes - offset);
     ChunkHeader& chunk = s.chunkHeader(seq);
     chunk.bytes = static_cast<uint32_t>(n);
@@ -287,8 +285,8 @@ void Reader::readInPlace(std::chrono::milliseconds timeout,
     const uint64_t want = i + 1 < chunks ? g.chunkBytes : bytes - (chunks - 1) * g.chunkBytes;
     const uint32_t flags = (i == 0 ? kFirst : 0u) | (i + 1 == chunks ? kLast : 0u);
     TPCOMM_CHECK(c.bytes == want && c.flags == flags && c.messageBytes == bytes, kSystem,
-                 "message queue ", s.name(), ": chunk ", seq + i, " breaks the message of ",
-                 bytes, " bytes that starts at chunk ", seq);
+                 "message queue ", s.name(), ": chunk ", seq + i, " breaks the message of ", bytes,
+                 " bytes that starts at chunk ", seq);
   }
   struct ConsumeAfter {
     Reader* reader;

@@ -54,8 +54,7 @@ size_t carriedElementSize(int code) {
 }
 
 [[noreturn]] void corrupt(uint64_t bytes, const std::string& what) {
-  TPCOMM_THROW(kSystem, "message queue: corrupt or truncated message of ", bytes, " bytes: ",
-               what);
+  TPCOMM_THROW(kSystem, "message queue: corrupt or truncated message of ", bytes, " bytes: ", what);
 }
 
 }  // namespace
@@ -100,8 +99,8 @@ OutgoingFrame buildFrame(std::vector<mq::Writer::Part> stream, std::vector<at::T
     pos = alignUp(pos + e.bytes);
   }
   f.head.reserve(sizeof(FrameHeader) + tableBytes);
-  put(f.head, FrameHeader{kFrameMagic, static_cast<uint32_t>(tensors.size()), streamBytes,
-                          tableBytes});
+  put(f.head,
+      FrameHeader{kFrameMagic, static_cast<uint32_t>(tensors.size()), streamBytes, tableBytes});
   for (size_t i = 0; i < tensors.size(); ++i) {
     put(f.head, entries[i]);
     for (int64_t d : tensors[i].sizes()) put(f.head, d);
@@ -150,17 +149,20 @@ IncomingFrame parseFrame(const at::Tensor& message, const std::shared_ptr<mq::Ar
   std::vector<int64_t> shape;
   for (uint32_t i = 0; i < h.count; ++i) {
     Entry e;
-    if (tableEnd - pos < sizeof(Entry)) corrupt(bytes, detail::concat("tensor ", i, " overruns the table"));
+    if (tableEnd - pos < sizeof(Entry))
+      corrupt(bytes, detail::concat("tensor ", i, " overruns the table"));
     std::memcpy(&e, base + pos, sizeof(e));
     pos += sizeof(Entry);
     if (e.ndim > kMaxDims || tableEnd - pos < 8ull * e.ndim) {
-      corrupt(bytes, detail::concat("tensor ", i, "'s shape (", int(e.ndim), " dims) overruns the table"));
+      corrupt(bytes,
+              detail::concat("tensor ", i, "'s shape (", int(e.ndim), " dims) overruns the table"));
     }
     shape.resize(e.ndim);
     std::memcpy(shape.data(), base + pos, 8ull * e.ndim);
     pos += 8ull * e.ndim;
     const size_t elementSize = carriedElementSize(e.dtype);
-    if (elementSize == 0) corrupt(bytes, detail::concat("tensor ", i, " has dtype code ", int(e.dtype)));
+    if (elementSize == 0)
+      corrupt(bytes, detail::concat("tensor ", i, " has dtype code ", int(e.dtype)));
     uint64_t numel = 1;
     for (int64_t d : shape) {
       if (d < 0 || (d > 0 && numel > (uint64_t{1} << 62) / static_cast<uint64_t>(d))) {
@@ -169,7 +171,8 @@ IncomingFrame parseFrame(const at::Tensor& message, const std::shared_ptr<mq::Ar
       numel *= static_cast<uint64_t>(d);
     }
     if (numel > (uint64_t{1} << 62) / elementSize || numel * elementSize != e.bytes) {
-      corrupt(bytes, detail::concat("tensor ", i, " of shape ", shape, " says ", e.bytes, " bytes"));
+      corrupt(bytes,
+              detail::concat("tensor ", i, " of shape ", shape, " says ", e.bytes, " bytes"));
     }
     const auto dtype = static_cast<c10::ScalarType>(e.dtype);
     const auto options = at::TensorOptions().dtype(dtype);
@@ -178,7 +181,9 @@ IncomingFrame parseFrame(const at::Tensor& message, const std::shared_ptr<mq::Ar
       continue;
     }
     if (e.where == kInArena) {
-      if (!arena) corrupt(bytes, detail::concat("tensor ", i, " lies in an arena this reader has not mapped"));
+      if (!arena)
+        corrupt(bytes,
+                detail::concat("tensor ", i, " lies in an arena this reader has not mapped"));
       if (!arena->validRange(e.slot, e.offset, e.bytes)) {
         corrupt(bytes, detail::concat("tensor ", i, " (", e.bytes, " bytes at ", e.offset,
                                       ", slot ", e.slot, ") lies outside the arena"));
@@ -197,15 +202,17 @@ IncomingFrame parseFrame(const at::Tensor& message, const std::shared_ptr<mq::Ar
     }
     const uint64_t byteOffset = static_cast<uint64_t>(message.storage_offset()) + e.offset;
     if (byteOffset % elementSize != 0) {  // a message not at the start of its storage
-      f.tensors.push_back(message.narrow(0, static_cast<int64_t>(e.offset), static_cast<int64_t>(e.bytes))
-                              .clone()
-                              .view(dtype)
-                              .view(shape));
+      f.tensors.push_back(
+          message.narrow(0, static_cast<int64_t>(e.offset), static_cast<int64_t>(e.bytes))
+              .clone()
+              .view(dtype)
+              .view(shape));
       continue;
     }
     // A view of the message's storage, made without the dispatcher.
-    auto impl = c10::make_intrusive<c10::TensorImpl>(
-        c10::Storage(message.storage()), message.key_set(), caffe2::TypeMeta::fromScalarType(dtype));
+    auto impl =
+        c10::make_intrusive<c10::TensorImpl>(c10::Storage(message.storage()), message.key_set(),
+                                             caffe2::TypeMeta::fromScalarType(dtype));
     impl->set_storage_offset(static_cast<int64_t>(byteOffset / elementSize));
     impl->set_sizes_contiguous(shape);
     f.tensors.emplace_back(std::move(impl));

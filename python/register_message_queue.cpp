@@ -14,9 +14,9 @@
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
 #include "coordinator/cpu_shm_path.hpp"
-#include "message_queue/shm_reduce.hpp"
 #include "message_queue/arena.hpp"
 #include "message_queue/ring.hpp"
+#include "message_queue/shm_reduce.hpp"
 #include "python/mq_frames.hpp"
 
 namespace py = pybind11;
@@ -195,8 +195,8 @@ void registerMessageQueue(py::module_& m) {
           "Writes one message made of the given contiguous buffers.")
       .def(
           "write_frame",
-          [](mq::Writer& w, const py::list& stream, std::vector<at::Tensor> tensors,
-             double timeout, mq::Arena* arena, uint32_t readers) {
+          [](mq::Writer& w, const py::list& stream, std::vector<at::Tensor> tensors, double timeout,
+             mq::Arena* arena, uint32_t readers) {
             Buffers buffers(stream);
             OutgoingFrame f = buildFrame(buffers.parts, std::move(tensors), arena);
             py::gil_scoped_release release;
@@ -213,8 +213,8 @@ void registerMessageQueue(py::module_& m) {
           "Writes one frame: the pickle stream's parts and the tensors it refers to (raw, "
           "64-byte aligned; in place when they lie in `arena`, held for `readers` views).")
       .def(
-          "set_spin_us", [](mq::Writer& w, int64_t us) { w.setSpin(toSpin(us)); },
-          py::arg("us"), kSpinDoc)
+          "set_spin_us", [](mq::Writer& w, int64_t us) { w.setSpin(toSpin(us)); }, py::arg("us"),
+          kSpinDoc)
       .def("shutdown", &mq::Writer::shutdown);
 
   py::class_<mq::Reader>(m, "MqReader", "Reader end of a shared-memory ring.")
@@ -249,32 +249,36 @@ void registerMessageQueue(py::module_& m) {
                 copied = ReceiveBuffers::instance().take(bytes);
                 return static_cast<char*>(copied.data_ptr());
               };
-              r.readInPlace(toMillis(timeout), [&](const char* data, uint64_t bytes) {
-                if (isFrame(data, bytes)) {
-                  // Its tensors outlive the ring's chunks: copied once, and
-                  // unpickled once the chunks are consumed.
-                  if (copied.defined() && copied.const_data_ptr() == data) {
-                    frame = copied;
-                  } else {
-                    frame = ReceiveBuffers::instance().take(bytes);
-                    std::memcpy(frame.data_ptr(), data, bytes);
-                  }
-                  return;
-                }
-                py::gil_scoped_acquire acquire;
-                // A view of the ring, released before the chunks are
-                // consumed: unpickling copies what it keeps.
-                py::memoryview view = py::memoryview::from_memory(data, static_cast<ssize_t>(bytes));
-                try {
-                  result = (*loads)(view);
-                } catch (py::error_already_set& e) {
-                  view.attr("release")();  // no Python call with an error set
-                  e.restore();
-                  failed = true;
-                  return;
-                }
-                view.attr("release")();
-              }, allocate);
+              r.readInPlace(
+                  toMillis(timeout),
+                  [&](const char* data, uint64_t bytes) {
+                    if (isFrame(data, bytes)) {
+                      // Its tensors outlive the ring's chunks: copied once, and
+                      // unpickled once the chunks are consumed.
+                      if (copied.defined() && copied.const_data_ptr() == data) {
+                        frame = copied;
+                      } else {
+                        frame = ReceiveBuffers::instance().take(bytes);
+                        std::memcpy(frame.data_ptr(), data, bytes);
+                      }
+                      return;
+                    }
+                    py::gil_scoped_acquire acquire;
+                    // A view of the ring, released before the chunks are
+                    // consumed: unpickling copies what it keeps.
+                    py::memoryview view =
+                        py::memoryview::from_memory(data, static_cast<ssize_t>(bytes));
+                    try {
+                      result = (*loads)(view);
+                    } catch (py::error_already_set& e) {
+                      view.attr("release")();  // no Python call with an error set
+                      e.restore();
+                      failed = true;
+                      return;
+                    }
+                    view.attr("release")();
+                  },
+                  allocate);
             }
             if (failed) throw py::error_already_set();
             if (frame.defined()) return loadFrame(frame, arena, loadsFrame);
@@ -286,8 +290,8 @@ void registerMessageQueue(py::module_& m) {
           "out once and handed to loads_frame(stream, tensors), its tensors being views of "
           "that copy (or of `arena`).")
       .def(
-          "set_spin_us", [](mq::Reader& r, int64_t us) { r.setSpin(toSpin(us)); },
-          py::arg("us"), kSpinDoc)
+          "set_spin_us", [](mq::Reader& r, int64_t us) { r.setSpin(toSpin(us)); }, py::arg("us"),
+          kSpinDoc)
       .def("shutdown", &mq::Reader::shutdown);
 
   py::class_<mq::Arena, std::shared_ptr<mq::Arena>>(
@@ -305,8 +309,8 @@ void registerMessageQueue(py::module_& m) {
              at::ScalarType dtype, double timeout, mq::Writer* writer) {
             const auto options = at::TensorOptions().dtype(dtype);
             const int64_t numel = c10::multiply_integers(shape);
-            TPCOMM_CHECK(numel >= 0, kInvalidUsage, "arena tensors need a shape of sizes >= 0, got ",
-                         shape);
+            TPCOMM_CHECK(numel >= 0, kInvalidUsage,
+                         "arena tensors need a shape of sizes >= 0, got ", shape);
             const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(dtype);
             if (bytes == 0) return at::empty(shape, options);
             mq::Arena::Block block;

@@ -1,8 +1,16 @@
-"""python -m tpcomm.bench mq: broadcast of tensor dicts from one writer to N
-readers on this host, through tpcomm.MessageQueue and, in the same run,
-through the Gloo path (metadata with broadcast_object_list, then one
-dist.broadcast per tensor); plus single-thread memcpy bandwidth as the
-ceiling. The round trips are tpcomm.bench.mq_round_trip.
+"""python -m tpcomm.bench mq: broadcast from one writer to N readers on this
+host, back to back, in the same run:
+
+  dict          tpcomm.MessageQueue.broadcast_tensor_dict
+  dict before   the tensor-dict format before frames (tpcomm.bench.mq_legacy)
+  object        broadcast_object of the same dict (its tensors out of band)
+  object before the same object pickled by torch, as the queue did before
+  gloo          metadata with broadcast_object_list, one dist.broadcast per tensor
+
+plus zero copy (a tensor of the queue's arena) against the same bytes copied
+through the ring, and single-thread memcpy bandwidth as the ceiling. Variants
+run in rounds, each round starting at another variant; the best round counts.
+The round trips are tpcomm.bench.mq_round_trip.
 """
 
 import sys
