@@ -182,10 +182,15 @@ void Arena::hold(uint32_t slot, uint32_t count) {
 }
 
 void Arena::unhold(uint32_t slot, uint32_t count) {
-  holds(slot).fetch_sub(count, std::memory_order_release);
+  std::atomic<uint32_t>& h = holds(slot);
+  uint32_t v = h.load(std::memory_order_relaxed);
+  // Never below zero: a count that wrapped would hold the block forever.
+  while (v != 0 && !h.compare_exchange_weak(v, v - std::min(v, count), std::memory_order_release,
+                                            std::memory_order_relaxed)) {
+  }
 }
 
-void Arena::release(uint32_t slot) { holds(slot).fetch_sub(1, std::memory_order_release); }
+void Arena::release(uint32_t slot) { unhold(slot, 1); }
 
 bool Arena::validRange(uint32_t slot, uint64_t offset, uint64_t bytes) const {
   return slot < kSlots && offset <= capacity_ && bytes <= capacity_ - offset;

@@ -79,6 +79,8 @@ void Writer::waitForReaders(std::chrono::milliseconds timeout) {
   s.closeForAttach();
 }
 
+uint32_t Writer::numReaders() const { return segment_->geometry().numReaders; }
+
 bool Writer::readersAlive() const {
   Segment& s = *segment_;
   for (uint32_t r = 0; r < s.geometry().numReaders; ++r) {

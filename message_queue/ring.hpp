@@ -100,6 +100,7 @@ class Writer {
   // Whether every reader that attached is still alive (one that has not
   // attached yet counts as alive).
   bool readersAlive() const;
+  uint32_t numReaders() const;
 
  private:
   std::unique_ptr<Segment> segment_;

@@ -2,6 +2,8 @@
 
 #include <c10/core/TensorImpl.h>
 
+#include <unistd.h>
+
 #include <cstring>
 
 #include "coordinator/common/error.hpp"
@@ -127,6 +129,121 @@ bool isFrame(const char* data, uint64_t bytes) {
   return magic == kFrameMagic;
 }
 
+namespace {
+
+struct Parsed {
+  Entry entry;
+  std::vector<int64_t> shape;
+};
+
+// Gives back the holds of the arena entries in [from, end) that will never
+// become views (a frame that failed part way), so that no block stays held.
+void releaseUnbuilt(const std::vector<Parsed>& entries, size_t from,
+                    const std::shared_ptr<mq::Arena>& arena) {
+  if (!arena) return;
+  for (size_t i = from; i < entries.size(); ++i) {
+    const Entry& e = entries[i].entry;
+    if (e.where == kInArena && e.bytes > 0 && arena->validRange(e.slot, e.offset, e.bytes)) {
+      arena->release(e.slot);
+    }
+  }
+}
+
+// The table's entries, each checked against the message (and the arena).
+std::vector<Parsed> parseTable(const char* base, uint64_t bytes, const FrameHeader& h,
+                               const std::shared_ptr<mq::Arena>& arena) {
+  const uint64_t tableEnd = sizeof(FrameHeader) + h.tableBytes;
+  const uint64_t dataStart = tableEnd + h.streamBytes;
+  std::vector<Parsed> entries;
+  entries.reserve(h.count);
+  uint64_t pos = sizeof(FrameHeader);
+  for (uint32_t i = 0; i < h.count; ++i) {
+    Parsed p;
+    Entry& e = p.entry;
+    if (tableEnd - pos < sizeof(Entry)) {
+      corrupt(bytes, detail::concat("tensor ", i, " overruns the table"));
+    }
+    std::memcpy(&e, base + pos, sizeof(e));
+    pos += sizeof(Entry);
+    if (e.ndim > kMaxDims || tableEnd - pos < 8ull * e.ndim) {
+      corrupt(bytes,
+              detail::concat("tensor ", i, "'s shape (", int(e.ndim), " dims) overruns the table"));
+    }
+    p.shape.resize(e.ndim);
+    std::memcpy(p.shape.data(), base + pos, 8ull * e.ndim);
+    pos += 8ull * e.ndim;
+    const size_t elementSize = carriedElementSize(e.dtype);
+    if (elementSize == 0) {
+      corrupt(bytes, detail::concat("tensor ", i, " has dtype code ", int(e.dtype)));
+    }
+    uint64_t numel = 1;
+    for (int64_t d : p.shape) {
+      if (d < 0 || (d > 0 && numel > (uint64_t{1} << 62) / static_cast<uint64_t>(d))) {
+        corrupt(bytes, detail::concat("tensor ", i, " has shape ", p.shape));
+      }
+      numel *= static_cast<uint64_t>(d);
+    }
+    if (numel > (uint64_t{1} << 62) / elementSize || numel * elementSize != e.bytes) {
+      corrupt(bytes,
+              detail::concat("tensor ", i, " of shape ", p.shape, " says ", e.bytes, " bytes"));
+    }
+    if (e.bytes > 0 && e.where == kInArena) {
+      if (!arena) {
+        corrupt(bytes,
+                detail::concat("tensor ", i, " lies in an arena this reader has not mapped"));
+      }
+      if (!arena->validRange(e.slot, e.offset, e.bytes) || e.offset % kAlign != 0) {
+        corrupt(bytes, detail::concat("tensor ", i, " (", e.bytes, " bytes at ", e.offset,
+                                      ", slot ", e.slot, ") lies outside the arena"));
+      }
+    } else if (e.bytes > 0 &&
+               (e.where != kInline || e.offset < dataStart || e.offset % kAlign != 0 ||
+                e.offset > bytes || e.bytes > bytes - e.offset)) {
+      corrupt(bytes, detail::concat("tensor ", i, " (", e.bytes, " bytes at ", e.offset,
+                                    ") lies outside the message"));
+    }
+    entries.push_back(std::move(p));
+  }
+  if (pos != tableEnd) corrupt(bytes, "its table has bytes after the last tensor");
+  return entries;
+}
+
+// A view of the arena that gives its hold back when it dies, in the process
+// that received it only (a forked child's copy of the view must not release
+// the parent's hold a second time).
+at::Tensor arenaView(const std::shared_ptr<mq::Arena>& arena, const Parsed& p,
+                     const at::TensorOptions& options) {
+  const uint32_t slot = p.entry.slot;
+  const pid_t owner = ::getpid();
+  return at::from_blob(
+      arena->data() + p.entry.offset, p.shape,
+      [arena, slot, owner](void*) {
+        if (::getpid() == owner) arena->release(slot);
+      },
+      options);
+}
+
+// A view of the message's storage, made without the dispatcher.
+at::Tensor messageView(const at::Tensor& message, const Parsed& p, c10::ScalarType dtype) {
+  const size_t elementSize = c10::elementSize(dtype);
+  const uint64_t byteOffset = static_cast<uint64_t>(message.storage_offset()) + p.entry.offset;
+  if (byteOffset % elementSize != 0) {  // a message not at the start of its storage
+    return message
+        .narrow(0, static_cast<int64_t>(p.entry.offset), static_cast<int64_t>(p.entry.bytes))
+        .clone()
+        .view(dtype)
+        .view(p.shape);
+  }
+  auto impl = c10::make_intrusive<c10::TensorImpl>(c10::Storage(message.storage()),
+                                                   c10::DispatchKeySet(c10::DispatchKey::CPU),
+                                                   caffe2::TypeMeta::fromScalarType(dtype));
+  impl->set_storage_offset(static_cast<int64_t>(byteOffset / elementSize));
+  impl->set_sizes_contiguous(p.shape);
+  return at::Tensor(std::move(impl));
+}
+
+}  // namespace
+
 IncomingFrame parseFrame(const at::Tensor& message, const std::shared_ptr<mq::Arena>& arena) {
   const uint64_t bytes = static_cast<uint64_t>(message.numel());
   const char* base = static_cast<const char*>(message.const_data_ptr());
@@ -139,85 +256,30 @@ IncomingFrame parseFrame(const at::Tensor& message, const std::shared_ptr<mq::Ar
     corrupt(bytes, detail::concat("its header (", h.count, " tensors, ", h.tableBytes,
                                   "-byte table, ", h.streamBytes, "-byte stream) overruns it"));
   }
+  // A corrupt table's holds stay held (the writer's arena then fills up and
+  // says so): releasing slots read from it could free a block that another
+  // message's views still show.
+  const std::vector<Parsed> entries = parseTable(base, bytes, h, arena);
   IncomingFrame f;
   f.streamOffset = sizeof(FrameHeader) + h.tableBytes;
   f.streamBytes = h.streamBytes;
-  const uint64_t dataStart = f.streamOffset + h.streamBytes;
-  const uint64_t tableEnd = f.streamOffset;
-  uint64_t pos = sizeof(FrameHeader);
-  f.tensors.reserve(h.count);
-  std::vector<int64_t> shape;
-  for (uint32_t i = 0; i < h.count; ++i) {
-    Entry e;
-    if (tableEnd - pos < sizeof(Entry))
-      corrupt(bytes, detail::concat("tensor ", i, " overruns the table"));
-    std::memcpy(&e, base + pos, sizeof(e));
-    pos += sizeof(Entry);
-    if (e.ndim > kMaxDims || tableEnd - pos < 8ull * e.ndim) {
-      corrupt(bytes,
-              detail::concat("tensor ", i, "'s shape (", int(e.ndim), " dims) overruns the table"));
-    }
-    shape.resize(e.ndim);
-    std::memcpy(shape.data(), base + pos, 8ull * e.ndim);
-    pos += 8ull * e.ndim;
-    const size_t elementSize = carriedElementSize(e.dtype);
-    if (elementSize == 0)
-      corrupt(bytes, detail::concat("tensor ", i, " has dtype code ", int(e.dtype)));
-    uint64_t numel = 1;
-    for (int64_t d : shape) {
-      if (d < 0 || (d > 0 && numel > (uint64_t{1} << 62) / static_cast<uint64_t>(d))) {
-        corrupt(bytes, detail::concat("tensor ", i, " has shape ", shape));
+  f.tensors.reserve(entries.size());
+  try {
+    for (const Parsed& p : entries) {
+      const auto dtype = static_cast<c10::ScalarType>(p.entry.dtype);
+      const auto options = at::TensorOptions().dtype(dtype);
+      if (p.entry.bytes == 0) {
+        f.tensors.push_back(at::empty(p.shape, options));
+      } else if (p.entry.where == kInArena) {
+        f.tensors.push_back(arenaView(arena, p, options));
+      } else {
+        f.tensors.push_back(messageView(message, p, dtype));
       }
-      numel *= static_cast<uint64_t>(d);
     }
-    if (numel > (uint64_t{1} << 62) / elementSize || numel * elementSize != e.bytes) {
-      corrupt(bytes,
-              detail::concat("tensor ", i, " of shape ", shape, " says ", e.bytes, " bytes"));
-    }
-    const auto dtype = static_cast<c10::ScalarType>(e.dtype);
-    const auto options = at::TensorOptions().dtype(dtype);
-    if (e.bytes == 0) {
-      f.tensors.push_back(at::empty(shape, options));
-      continue;
-    }
-    if (e.where == kInArena) {
-      if (!arena)
-        corrupt(bytes,
-                detail::concat("tensor ", i, " lies in an arena this reader has not mapped"));
-      if (!arena->validRange(e.slot, e.offset, e.bytes)) {
-        corrupt(bytes, detail::concat("tensor ", i, " (", e.bytes, " bytes at ", e.offset,
-                                      ", slot ", e.slot, ") lies outside the arena"));
-      }
-      const uint32_t slot = e.slot;
-      std::shared_ptr<mq::Arena> keep = arena;
-      f.tensors.push_back(at::from_blob(
-          arena->data() + e.offset, shape,
-          [keep = std::move(keep), slot](void*) { keep->release(slot); }, options));
-      continue;
-    }
-    if (e.where != kInline || e.offset < dataStart || e.offset % kAlign != 0 || e.offset > bytes ||
-        e.bytes > bytes - e.offset) {
-      corrupt(bytes, detail::concat("tensor ", i, " (", e.bytes, " bytes at ", e.offset,
-                                    ") lies outside the message"));
-    }
-    const uint64_t byteOffset = static_cast<uint64_t>(message.storage_offset()) + e.offset;
-    if (byteOffset % elementSize != 0) {  // a message not at the start of its storage
-      f.tensors.push_back(
-          message.narrow(0, static_cast<int64_t>(e.offset), static_cast<int64_t>(e.bytes))
-              .clone()
-              .view(dtype)
-              .view(shape));
-      continue;
-    }
-    // A view of the message's storage, made without the dispatcher.
-    auto impl =
-        c10::make_intrusive<c10::TensorImpl>(c10::Storage(message.storage()), message.key_set(),
-                                             caffe2::TypeMeta::fromScalarType(dtype));
-    impl->set_storage_offset(static_cast<int64_t>(byteOffset / elementSize));
-    impl->set_sizes_contiguous(shape);
-    f.tensors.emplace_back(std::move(impl));
+  } catch (const std::exception& e) {
+    releaseUnbuilt(entries, f.tensors.size(), arena);
+    corrupt(bytes, detail::concat("tensor ", f.tensors.size(), " cannot be built: ", e.what()));
   }
-  if (pos != tableEnd) corrupt(bytes, "its table has bytes after the last tensor");
   return f;
 }
 

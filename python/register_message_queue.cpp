@@ -89,6 +89,13 @@ class ReceiveBuffers {
   uint64_t spareBytes_ = 0;
 };
 
+// pickle.loads, looked up once at registration (under the import lock, not
+// in a call that may race another thread for the GIL). Never destroyed: a
+// py::object torn down at exit, without the GIL, would crash the
+// interpreter's finalisation.
+py::object* gPickleLoads = nullptr;
+const py::object& pickleLoads() { return *gPickleLoads; }
+
 // The buffers of a list of bytes-like parts, kept alive while they are written.
 struct Buffers {
   std::vector<py::buffer_info> views;
@@ -145,6 +152,7 @@ at::Tensor checkedMessage(const at::Tensor& message) {
 }  // namespace
 
 void registerMessageQueue(py::module_& m) {
+  gPickleLoads = new py::object(py::module_::import("pickle").attr("loads"));
   static py::exception<Error> peerLost(m, "PeerLostError", PyExc_RuntimeError);
   py::register_local_exception_translator([](std::exception_ptr p) {
     try {
@@ -196,7 +204,8 @@ void registerMessageQueue(py::module_& m) {
       .def(
           "write_frame",
           [](mq::Writer& w, const py::list& stream, std::vector<at::Tensor> tensors, double timeout,
-             mq::Arena* arena, uint32_t readers) {
+             mq::Arena* arena) {
+            const uint32_t readers = w.numReaders();  // each holds a view of every arena tensor
             Buffers buffers(stream);
             OutgoingFrame f = buildFrame(buffers.parts, std::move(tensors), arena);
             py::gil_scoped_release release;
@@ -209,9 +218,8 @@ void registerMessageQueue(py::module_& m) {
             }
           },
           py::arg("stream"), py::arg("tensors"), py::arg("timeout"), py::arg("arena") = nullptr,
-          py::arg("readers") = 0,
           "Writes one frame: the pickle stream's parts and the tensors it refers to (raw, "
-          "64-byte aligned; in place when they lie in `arena`, held for `readers` views).")
+          "64-byte aligned; in place when they lie in `arena`, held for a view per reader).")
       .def(
           "set_spin_us", [](mq::Writer& w, int64_t us) { w.setSpin(toSpin(us)); }, py::arg("us"),
           kSpinDoc)
@@ -236,9 +244,7 @@ void registerMessageQueue(py::module_& m) {
           "read_object",
           [](mq::Reader& r, double timeout, const py::object& loadsFrame,
              const std::shared_ptr<mq::Arena>& arena) {
-            // Never destroyed: a py::object torn down at exit, without the
-            // GIL, would crash the interpreter's finalisation.
-            static py::object* loads = new py::object(py::module_::import("pickle").attr("loads"));
+            const py::object& loads = pickleLoads();
             py::object result;
             bool failed = false;
             at::Tensor copied;  // a wrapped message's copy (recycled memory)
@@ -269,7 +275,7 @@ void registerMessageQueue(py::module_& m) {
                     py::memoryview view =
                         py::memoryview::from_memory(data, static_cast<ssize_t>(bytes));
                     try {
-                      result = (*loads)(view);
+                      result = loads(view);
                     } catch (py::error_already_set& e) {
                       view.attr("release")();  // no Python call with an error set
                       e.restore();
@@ -308,10 +314,14 @@ void registerMessageQueue(py::module_& m) {
           [](const std::shared_ptr<mq::Arena>& arena, std::vector<int64_t> shape,
              at::ScalarType dtype, double timeout, mq::Writer* writer) {
             const auto options = at::TensorOptions().dtype(dtype);
-            const int64_t numel = c10::multiply_integers(shape);
-            TPCOMM_CHECK(numel >= 0, kInvalidUsage,
-                         "arena tensors need a shape of sizes >= 0, got ", shape);
-            const uint64_t bytes = static_cast<uint64_t>(numel) * c10::elementSize(dtype);
+            TPCOMM_CHECK(!c10::isQIntType(dtype), kInvalidUsage,
+                         "arena tensors are plain tensors, not ", c10::toString(dtype));
+            uint64_t bytes = c10::elementSize(dtype);
+            for (int64_t d : shape) {
+              TPCOMM_CHECK(d >= 0 && (d == 0 || bytes <= (uint64_t{1} << 62) / d), kInvalidUsage,
+                           "arena tensors need sizes >= 0 that fit memory, got shape ", shape);
+              bytes *= static_cast<uint64_t>(d);
+            }
             if (bytes == 0) return at::empty(shape, options);
             mq::Arena::Block block;
             {
@@ -321,9 +331,14 @@ void registerMessageQueue(py::module_& m) {
               });
             }
             const uint32_t slot = block.slot;
-            return at::from_blob(
-                arena->data() + block.offset, shape,
-                [arena, slot](void*) { arena->releaseOwner(slot); }, options);
+            try {
+              return at::from_blob(
+                  arena->data() + block.offset, shape,
+                  [arena, slot](void*) { arena->releaseOwner(slot); }, options);
+            } catch (...) {
+              arena->releaseOwner(slot);
+              throw;
+            }
           },
           py::arg("shape"), py::arg("dtype"), py::arg("timeout"), py::arg("writer") = nullptr,
           "A tensor in a free block of the arena, waiting up to `timeout` s for one.");
@@ -338,12 +353,13 @@ void registerMessageQueue(py::module_& m) {
       "A frame's bytes (pickle stream parts + tensors, all inline) in one uint8 tensor.");
   m.def(
       "mq_load_frame",
-      [](const at::Tensor& message, const py::object& loadsFrame) {
-        return loadFrame(checkedMessage(message), nullptr, loadsFrame);
+      [](const at::Tensor& message, const py::object& loadsFrame,
+         const std::shared_ptr<mq::Arena>& arena) {
+        return loadFrame(checkedMessage(message), arena, loadsFrame);
       },
-      py::arg("message"), py::arg("loads_frame"),
+      py::arg("message"), py::arg("loads_frame"), py::arg("arena") = nullptr,
       "Unpickles a received frame: loads_frame(stream, tensors), the tensors being views of "
-      "`message`.");
+      "`message` (or of `arena`, the queue's, for tensors the writer placed there).");
   m.def(
       "mq_is_frame",
       [](const at::Tensor& message) {

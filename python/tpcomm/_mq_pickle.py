@@ -4,22 +4,30 @@ A pickler of this module hands every plain CPU tensor (or nn.Parameter) it
 meets, at any depth of the object, to a list instead of pickling it; the
 stream refers to it by index, and the queue sends its bytes raw beside the
 stream, 64-byte aligned (see python/mq_frames.hpp). The reader rebuilds each
-tensor as a view of the received bytes. What becomes of other tensors:
+tensor as a view of the received bytes. What becomes of each kind:
 
-- CPU tensors of every dtype (bool, bfloat16, complex included), 0-dim and
-  empty ones: out of band. Views and non-contiguous tensors arrive as
-  contiguous tensors of the same shape and values; conjugate and negative
-  bits are resolved. Each tensor arrives as its own: two tensors sharing
-  storage on the writer do not share it on the reader (the same tensor
-  object twice is one tensor twice, as with pickle).
+- CPU tensors of every dtype (bool, bfloat16, complex, float8, uint16/32
+  included; torch's own pickling fails on the last three), 0-dim and empty
+  ones: out of band. Views and non-contiguous tensors arrive as contiguous
+  tensors of the same shape and values; conjugate and negative bits are
+  resolved. Each tensor arrives as its own copy: two tensors sharing storage
+  on the writer do not share it on the reader (the same tensor object twice
+  is one tensor twice, as with pickle), except tensors the writer placed in
+  the queue's arena, which arrive as views of the arena.
 - requires_grad: arrives requiring grad, as a leaf (as torch's pickling
-  does); nn.Parameter arrives as an nn.Parameter.
-- Tensor subclasses other than nn.Parameter, sparse, quantized and named
-  tensors, and meta tensors: torch's own pickling (in the stream: correct,
-  slower).
+  does); nn.Parameter arrives as an nn.Parameter; attributes set on a tensor
+  or a parameter (its __dict__) arrive with it.
+- Tensor subclasses other than nn.Parameter, nested, sparse and quantized
+  tensors, and meta tensors: torch's own pickling, whole, inside the stream
+  (correct, slower). Named tensors: torch refuses to pickle them, and so do
+  we.
+- A received tensor is a view of its message's buffer: its
+  untyped_storage() is that whole buffer (torch.save of it saves the whole
+  message); clone() one to detach it from the rest.
 - CUDA (and other device) tensors inside an object: refused with a
   TypeError naming broadcast_tensor_dict, which sends them over the device
-  group; in a tensor dict, at any depth, they go that way.
+  group; in a tensor dict, at any depth, they go that way. Point to point
+  (`pack`), they go through torch's own pickling.
 """
 
 import pickle
@@ -45,6 +53,10 @@ def _parameter(i, requires_grad):
     return _Parameter(_received.tensors[i], requires_grad)
 
 
+def _set_attributes(tensor, state):
+    tensor.__dict__.update(state)
+
+
 def _device_tensor(dtype, shape):
     """A tensor dict's CUDA tensor: allocated here, filled over the device group."""
     t = torch.empty(shape, dtype=dtype, device=torch.cuda.current_device())
@@ -60,40 +72,55 @@ class _Parts:
         self.write = parts.append
 
 
+def _in_band(tensor):
+    """torch's own pickling of `tensor`, whole and inside the stream: its
+    rebuild functions may rely on the storages of the tensors it is made of
+    (a nested tensor's buffer), which out-of-band views would not give them."""
+    return pickle.loads, (pickle.dumps(tensor, protocol=5),)
+
+
+# What a pickler does with a device (non-CPU) tensor.
+REFUSE, COLLECT, TORCH = "refuse", "collect", "torch"
+
+
 class Pickler(pickle.Pickler):
     """Pickles into `parts` (protocol 5); CPU tensors go to `self.tensors`.
-    For tensor dicts (`self.device` a list) CUDA tensors go to `self.device`
-    and the reader allocates their like."""
+    Device tensors: `self.device_mode` REFUSE (TypeError), COLLECT (tensor
+    dicts: into `self.device`, the reader allocates their like) or TORCH
+    (torch's own pickling)."""
 
     def __init__(self, parts):
         super().__init__(_Parts(parts), protocol=5)
-        self.tensors = []
+        self.tensors = None
         self.device = None
+        self.device_mode = REFUSE
 
     def reducer_override(self, obj):
         kind = type(obj)
         if kind is not _Tensor and kind is not _Parameter:
-            # Not a tensor, or a subclass: torch's own pickling.
+            if isinstance(obj, _Tensor):
+                return _in_band(obj)  # a subclass
             return NotImplemented
         if obj.is_cpu:
-            if obj.layout != _strided or obj.is_quantized or obj.has_names():
-                if self.device is not None and obj.layout != _strided:
+            if obj.layout != _strided or obj.is_quantized or obj.is_nested or obj.has_names():
+                if self.device_mode == COLLECT and obj.layout != _strided:
                     raise ValueError(f"a {obj.layout} tensor in a tensor dict: tensor dicts "
                                      "carry dense tensors")
-                return NotImplemented
+                return _in_band(obj)
             i = len(self.tensors)
-            if obj.requires_grad:
-                self.tensors.append(obj.detach())
-                if kind is _Parameter:
-                    return _parameter, (i, True)
-                return _grad_tensor, (i,)
-            self.tensors.append(obj)
+            grad = obj.requires_grad
+            self.tensors.append(obj.detach() if grad else obj)
             if kind is _Parameter:
-                return _parameter, (i, False)
-            return _tensor, (i,)
-        if obj.is_meta:
-            return NotImplemented
-        if self.device is None:
+                rebuild = _parameter, (i, grad)
+            else:
+                rebuild = (_grad_tensor, (i,)) if grad else (_tensor, (i,))
+            state = obj.__dict__
+            if state:
+                return rebuild + (state, None, None, _set_attributes)
+            return rebuild
+        if obj.is_meta or self.device_mode == TORCH:
+            return _in_band(obj)
+        if self.device_mode == REFUSE:
             raise TypeError(
                 f"a {obj.device} tensor inside an object: the message queue carries CPU "
                 "tensors inside objects; send device tensors with broadcast_tensor_dict, which "
@@ -113,18 +140,24 @@ class Dumper:
         self._parts = []
         self._pickler = Pickler(self._parts)
 
-    def dump(self, obj, tensor_dict=False):
-        """(stream parts, CPU tensors, device tensors or None) of `obj`;
-        valid until the next dump."""
+    def dump(self, obj, device_mode=REFUSE):
+        """(stream parts, CPU tensors, device tensors or None) of `obj`. The
+        parts list is this dumper's: valid until clear(), which drops it."""
         parts, pickler = self._parts, self._pickler
         parts.clear()
         pickler.tensors = []
-        pickler.device = [] if tensor_dict else None
+        pickler.device = [] if device_mode == COLLECT else None
+        pickler.device_mode = device_mode
         try:
             pickler.dump(obj)
+            return parts, pickler.tensors, pickler.device
         finally:
-            pickler.clear_memo()  # nothing of `obj` stays referenced
-        return parts, pickler.tensors, pickler.device
+            pickler.clear_memo()  # the memo references every object of `obj`
+            pickler.tensors = pickler.device = None
+
+    def clear(self):
+        """Drops the last stream's parts (they may reference large payloads)."""
+        self._parts.clear()
 
 
 def loads_object(stream, tensors):
@@ -153,7 +186,7 @@ def pack(obj):
     plain pickle stream), for sending point to point."""
     from tpcomm import _C
 
-    parts, tensors, _ = Dumper().dump(obj)
+    parts, tensors, _ = Dumper().dump(obj, TORCH)
     if tensors:
         return _C.mq_pack_frame(parts, tensors)
     return torch.frombuffer(bytearray(b"".join(memoryview(p).cast("B") for p in parts)),

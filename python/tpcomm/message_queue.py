@@ -268,8 +268,7 @@ class MessageQueue:
             if tensors is None:
                 self._writer.write(parts, timeout)
             else:
-                self._writer.write_frame(parts, tensors, timeout, self._arena,
-                                         len(self.local_readers))
+                self._writer.write_frame(parts, tensors, timeout, self._arena)
         if self.remote_readers:
             if tensors is None:
                 data = bytearray(b"".join(memoryview(p).cast("B") for p in parts))
@@ -301,7 +300,7 @@ class MessageQueue:
                                             loads_frame, self._arena)
         buf = self._recv(timeout)
         if _C.mq_is_frame(buf):
-            return _C.mq_load_frame(buf, loads_frame)
+            return _C.mq_load_frame(buf, loads_frame, self._arena)
         return pickle.loads(buf.numpy())
 
     def _send_device(self, t):
@@ -330,7 +329,10 @@ class MessageQueue:
             self._send([pickle.dumps(obj, protocol=5)], timeout)
             return
         parts, tensors, _ = self._dumper.dump(obj)
-        self._send(parts, timeout, tensors if tensors else None)
+        try:
+            self._send(parts, timeout, tensors if tensors else None)
+        finally:
+            self._dumper.clear()
 
     def dequeue(self, timeout=None):
         """Reader: the next object the writer enqueued. Raises TimeoutError.
@@ -390,14 +392,17 @@ class MessageQueue:
             if not isinstance(tensor_dict, dict):
                 raise TypeError(f"broadcast_tensor_dict needs a dict, got {type(tensor_dict)}")
             try:
-                parts, tensors, device = self._dumper.dump(tensor_dict, tensor_dict=True)
+                parts, tensors, device = self._dumper.dump(tensor_dict, _mq_pickle.COLLECT)
                 if any(type(key) is not str for key in tensor_dict):
                     raise TypeError("tensor dict keys must be str")
             except (TypeError, ValueError):
                 _check_tensor_dict(tensor_dict)  # names the key at fault
                 raise
             self._check(True, "broadcast_tensor_dict")
-            self._send(parts, None, tensors)
+            try:
+                self._send(parts, None, tensors)
+            finally:
+                self._dumper.clear()
             for t in device:
                 if t.numel():
                     self._send_device(t)

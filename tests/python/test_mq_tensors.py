@@ -28,6 +28,10 @@ def _all_kinds():
               for d in (torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32)}
     leaf = torch.randn(4, generator=g, requires_grad=True)
     shared = torch.arange(10.0)
+    loaded = torch.nn.Parameter(torch.randn(3, generator=g))
+    loaded.weight_loader = "column"  # attributes travel with a tensor, as with pickle
+    tagged = torch.arange(3)
+    tagged.tag = {"shard": 1}
     return {
         "by_dtype": by_dtype,
         "exotic": exotic,
@@ -42,6 +46,8 @@ def _all_kinds():
         "leaf_grad": leaf,
         "non_leaf": leaf * 2,
         "subclass": torch.randn(3, generator=g).as_subclass(_Tagged),
+        "with_attributes": [loaded, tagged],
+        "nested": torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)]),
         "sparse": torch.randn(4, 4, generator=g).relu().to_sparse(),
         "csr": torch.eye(3).to_sparse_csr(),
         "quantized": torch.quantize_per_tensor(torch.randn(5, generator=g), 0.1, 3, torch.qint8),
@@ -57,6 +63,11 @@ def _same(got, want, path="obj"):
     types, dtypes, shapes, values and requires_grad; tensors contiguous."""
     assert type(got) is type(want), (path, type(got), type(want))
     if isinstance(want, torch.Tensor):
+        assert got.__dict__ == want.__dict__, path
+        if want.is_nested:
+            assert got.is_nested and all(torch.equal(a, b) for a, b in zip(got.unbind(),
+                                                                              want.unbind()))
+            return
         assert got.dtype == want.dtype and got.shape == want.shape, path
         assert got.requires_grad == want.requires_grad, path
         assert got.layout == want.layout and got.device == want.device, path
@@ -108,7 +119,7 @@ def _objects_round_trip(ctx, writer_rank):
         assert type(got["param"]) is torch.nn.Parameter and got["non_leaf"].is_leaf
     # The same tensors as a tensor dict's values, nested: out of band too.
     tensors = {k: v for k, v in _all_kinds().items()
-               if k not in ("sparse", "csr", "meta")}  # tensor dicts carry dense tensors
+               if k not in ("sparse", "csr", "meta", "nested")}  # dense tensors only
     got = mq.broadcast_tensor_dict(tensors if mq.is_writer else None)
     if not mq.is_writer:
         _same(got, {k: want[k] for k in tensors})
@@ -187,6 +198,7 @@ def test_corrupt_and_truncated_frames_raise_clearly():
     from tpcomm import _C, _mq_pickle
     obj = {"a": torch.arange(10), "b": [torch.ones(2, 3, dtype=torch.bfloat16)], "c": "x"}
     parts, tensors, _ = _mq_pickle.Dumper().dump(obj)
+    parts = list(parts)
     frame = _C.mq_pack_frame(parts, tensors)
     _same(_C.mq_load_frame(frame, _mq_pickle.loads_object), obj)
     for n in range(frame.numel()):  # every truncation
@@ -246,6 +258,34 @@ def _arena(ctx):
     dist.barrier()  # the writer saw the arena full while the readers kept `got`
     del got
     dist.barrier()
+    # A block sent and dropped on every side is free again at once (nothing
+    # of the last message stays referenced by the queue).
+    for _ in range(3):
+        if mq.is_writer:
+            t = mq.empty(600 << 10, torch.uint8, timeout=5)  # more than half the arena
+            t.fill_(3)
+            mq.enqueue(t)
+            del t
+        else:
+            assert int(mq.dequeue()[-1]) == 3
+        dist.barrier()
+    # A reader's forked child that drops its copy of a view does not give
+    # back the reader's hold: the block stays the reader's while it lives.
+    if mq.is_writer:
+        t = mq.empty(600 << 10, torch.uint8)
+        mq.enqueue(t)
+        del t
+    else:
+        held = [mq.dequeue()]
+        if local:
+            _child_drops_its_copy(held)
+    dist.barrier()
+    if mq.is_writer and mq.local_readers:
+        with pytest.raises(TimeoutError, match="held by readers' views"):
+            mq.empty(600 << 10, torch.uint8, timeout=0.5)
+    dist.barrier()
+    held = None
+    dist.barrier()
     # Readers dropped their views: the writer's blocks come back, and a new
     # message's tensor may reuse the memory of the first.
     for step in range(20):
@@ -260,6 +300,20 @@ def _arena(ctx):
     assert torch.all(first["t"] == 0)
     mq.shutdown()
     return len(mq.local_readers), len(mq.remote_readers)
+
+
+def _child_drops_its_copy(box):
+    """Forks a child that drops its copy of the view in `box` (the only
+    reference to it) and exits."""
+    import gc
+    import os
+    pid = os.fork()
+    if pid == 0:
+        box.clear()
+        gc.collect()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
 def test_arena_gives_zero_copy_views_with_safe_lifetimes(groups):
