@@ -2,9 +2,11 @@
 
 #include <torch/csrc/distributed/c10d/exception.h>
 
+#include "backend/flight_record.hpp"
 #include "backend/validation.hpp"
 #include "backend/work.hpp"
 #include "coordinator/common/error.hpp"
+#include "coordinator/route_stats.hpp"
 
 namespace tpcomm::backend {
 
@@ -12,6 +14,8 @@ using c10d::OpType;
 using c10d::Work;
 using coord::Pending;
 using WorkPtr = c10::intrusive_ptr<Work>;
+using Tensors = std::vector<at::Tensor>;
+using TensorLists = std::pair<Tensors, Tensors>;
 
 namespace {
 
@@ -33,6 +37,13 @@ bool isCollective(OpType type) {
   return type != OpType::SEND && type != OpType::RECV && type != OpType::RECVANYSOURCE;
 }
 
+// Every tensor of a list of lists, in order.
+std::vector<at::Tensor> flat(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> out;
+  for (const auto& list : lists) out.insert(out.end(), list.begin(), list.end());
+  return out;
+}
+
 std::vector<at::Tensor> concat(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b) {
   std::vector<at::Tensor> out(a);
   out.insert(out.end(), b.begin(), b.end());
@@ -44,6 +55,8 @@ std::vector<at::Tensor> concat(const std::vector<at::Tensor>& a, const std::vect
 ProcessGroupTpcomm::ProcessGroupTpcomm(std::shared_ptr<coord::GroupCoordinator> coordinator)
     : c10d::Backend(coordinator->rank(), coordinator->size()),
       coordinator_(std::move(coordinator)) {
+  static std::atomic<size_t> groups{0};
+  flightPgId_ = groups.fetch_add(1);
   init();
 }
 
@@ -52,26 +65,128 @@ std::string ProcessGroupTpcomm::describeCall(const char* op) const {
          std::to_string(rank_) + " of " + std::to_string(size_) + ")";
 }
 
-template <typename Call>
-WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Call&& call) {
+namespace {
+
+// torch's name of a call in its flight recorder (what torchfrtrace knows).
+const char* flightOpName(const std::string& op) {
+  static const std::map<std::string, const char*> names = {
+      {"allreduce", "all_reduce"},
+      {"allreduce_sparse", "all_reduce"},
+      {"all_reduce_add_rms_norm", "all_reduce"},
+      {"allgather", "all_gather"},
+      {"allgather_into_tensor", "_all_gather_base"},
+      {"allgather_coalesced", "ALLGATHER_coalesced"},
+      {"reduce_scatter_tensor", "_reduce_scatter_base"},
+      {"all_to_all_single", "all_to_all"},
+      {"barrier", "all_reduce_barrier"},
+  };
+  auto it = names.find(op);
+  return it == names.end() ? op.c_str() : it->second;
+}
+
+}  // namespace
+
+// torchfrtrace (torch 2.11) reads only entries named "nccl:<op>" or
+// "xccl:<op>": tpcomm's entries take the first form, the group's description
+// says tpcomm, and the route follows the op ("nccl:all_reduce tpcomm/cpu_shm";
+// torchfrtrace ignores what follows a collective's name).
+struct ProcessGroupTpcomm::FlightCall {
+  FlightId id;
+  std::string name;  // "nccl:<op>", or "nccl:send 0->1" for point to point
+  bool p2p = false;
+
+  void named() const {
+    if (!id.id || p2p) return;
+    if (auto& route = coord::RouteStats::lastRoute()) {
+      FlightRecord::get().rename(id, name + " tpcomm/" + coord::statsRouteName(*route));
+    }
+  }
+};
+
+ProcessGroupTpcomm::FlightCall ProcessGroupTpcomm::recordCall(
+    OpType type, const char* op, const std::vector<at::Tensor>& inputs,
+    const std::vector<at::Tensor>& outputs, int peer) {
+  FlightRecord& fr = FlightRecord::get();
+  const std::string& uid =
+      getGroupUid().empty() ? coordinator_->options().groupName : getGroupUid();
+  if (!flightGroupRecorded_) {
+    flightGroupRecorded_ = true;
+    std::vector<uint64_t> ranks = globalRanks_;
+    if (ranks.size() != static_cast<size_t>(size_)) {
+      ranks.clear();
+      for (int r = 0; r < size_; ++r) ranks.push_back(static_cast<uint64_t>(r));
+    }
+    fr.recordGroup(uid, getGroupDesc(), ranks);
+    fr.setRank(static_cast<int>(ranks[rank_]));
+    // The Gloo group inside records its own calls (tpcomm's set-up
+    // exchanges, the Gloo route's transfers): under a name that says so.
+    auto cpu = coordinator_->cpuBackend();
+    cpu->setGroupUid(uid + ":tpcomm-internal");
+    cpu->setGroupDesc("tpcomm's own Gloo group inside group " + uid);
+    fr.recordGroup(cpu->getGroupUid(), cpu->getGroupDesc(), ranks);
+  }
+  const bool p2p = !isCollective(type);
+  if (p2p) {
+    ++p2pSeq_;
+  } else {
+    ++collectiveSeq_;
+  }
+  FlightCall call;
+  call.p2p = p2p;
+  call.name = std::string("nccl:") + flightOpName(op);
+  if (peer >= 0) {
+    call.name += type == OpType::SEND ? detail::concat(" ", rank_, "->", peer)
+                                      : detail::concat(" ", rank_, "<-", peer);
+  }
+  call.id = fr.record(flightPgId_, uid, getGroupDesc(), collectiveSeq_, p2pSeq_, call.name, inputs,
+                      outputs, coordinator_->options().timeout, p2p);
+  return call;
+}
+
+template <typename Tensors, typename Call>
+WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, Call&& call,
+                                int peer) {
   return translateErrors([&]() -> WorkPtr {
+    FlightCall flight;
+    if (FlightRecord::get().enabled()) {
+      const auto [inputs, outputs] = tensors();
+      flight = recordCall(type, op, inputs, outputs, peer);
+      coord::RouteStats::lastRoute().reset();
+    }
     Pending pending;
     const uint64_t checksBefore = coord::GroupCoordinator::debugChecksOnThisThread();
     try {
       pending = call();
     } catch (const tpcomm::Error& e) {
+      flight.named();  // left started: it never completed
       if (e.code() == ErrorCode::kInvalidUsage) {
+        // A mismatch between ranks is an argument error too: the dump is
+        // what shows which rank called what.
+        const std::string dumped = flight.id.id ? FlightRecord::get().dumpAfterFailure() : "";
         // TPCOMM_DEBUG: a collective refused on this rank before its check
         // makes every rank raise naming it, not wait for this rank.
         if (isCollective(type) &&
             coord::GroupCoordinator::debugChecksOnThisThread() == checksBefore) {
           coordinator_->checkRefusedCall(op, e.what());
         }
+        if (!dumped.empty()) throw tpcomm::Error(e.code(), e.what() + dumped);
         throw;
       }
       // A failure while the call ran in this thread (the CPU shared-memory
       // path) names the call, as a failed Work's wait() does.
-      throw tpcomm::Error(e.code(), "tpcomm: " + describeCall(op) + " failed: " + e.what());
+      throw tpcomm::Error(e.code(), "tpcomm: " + describeCall(op) + " failed: " + e.what() +
+                                        FlightRecord::get().dumpAfterFailure());
+    }
+    flight.named();
+    if (flight.id.id) {
+      if (pending.done) {
+        FlightRecord::get().retire(flight.id);
+      } else {
+        pending.finish = [finish = std::move(pending.finish), id = flight.id] {
+          if (finish) finish();
+          FlightRecord::get().retire(id);
+        };
+      }
     }
     if (pending.done) return pending.work;  // completed in this thread: nothing to watch
     if (!pending.work) {
@@ -127,6 +242,11 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::split(
     }
     auto child =
         c10::make_intrusive<ProcessGroupTpcomm>(coordinator_->split(store, ranks, timeout, name));
+    if (globalRanks_.size() == static_cast<size_t>(size_)) {
+      std::vector<uint64_t> global;
+      for (int r : ranks) global.push_back(globalRanks_[r]);
+      child->setGlobalRanks(std::move(global));
+    }
     if (!name.empty()) splits_[name] = child;
     return child;
   });
@@ -134,12 +254,17 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::split(
 
 WorkPtr ProcessGroupTpcomm::broadcast(std::vector<at::Tensor>& tensors,
                                       const c10d::BroadcastOptions& opts) {
-  return run(OpType::BROADCAST, "broadcast", [&] {
-    checkSingle("broadcast", "tensors", tensors);
-    checkRank("broadcast", "root rank", opts.rootRank, size_);
-    checkRootTensor("broadcast", opts.rootTensor, tensors.size());
-    return coordinator_->broadcast(tensors, opts);
-  });
+  return run(
+      OpType::BROADCAST, "broadcast",
+      [&] {
+        return TensorLists{tensors, tensors};
+      },
+      [&] {
+        checkSingle("broadcast", "tensors", tensors);
+        checkRank("broadcast", "root rank", opts.rootRank, size_);
+        checkRootTensor("broadcast", opts.rootTensor, tensors.size());
+        return coordinator_->broadcast(tensors, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::allreduce(std::vector<at::Tensor>& tensors,
@@ -148,25 +273,35 @@ WorkPtr ProcessGroupTpcomm::allreduce(std::vector<at::Tensor>& tensors,
   if (tensors.size() == 1 && tensors[0].defined() && tensors[0].layout() == at::kSparse) {
     return allreduce_sparse(tensors, opts);
   }
-  return run(OpType::ALLREDUCE, "allreduce", [&] {
-    checkSingle("allreduce", "tensors", tensors);
-    checkReduceOp("allreduce", opts.reduceOp, tensors[0].scalar_type());
-    return coordinator_->allreduce(tensors, opts);
-  });
+  return run(
+      OpType::ALLREDUCE, "allreduce",
+      [&] {
+        return TensorLists{tensors, tensors};
+      },
+      [&] {
+        checkSingle("allreduce", "tensors", tensors);
+        checkReduceOp("allreduce", opts.reduceOp, tensors[0].scalar_type());
+        return coordinator_->allreduce(tensors, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::allreduceInto(at::Tensor& input, at::Tensor& output,
                                           const c10d::AllreduceOptions& opts) {
-  return run(OpType::ALLREDUCE, "allreduce", [&] {
-    checkTensors("allreduce", "input", {input});
-    checkTensors("allreduce", "output", {output});
-    checkSameDevice("allreduce", {input, output});
-    checkDtype("allreduce", "output", {output}, input.scalar_type());
-    checkNumel("allreduce", "the output", output.numel(), input.numel());
-    checkOverlap("allreduce", "the output", output, "the input", input);
-    checkReduceOp("allreduce", opts.reduceOp, input.scalar_type());
-    return coordinator_->allreduceInto(input, output, opts);
-  });
+  return run(
+      OpType::ALLREDUCE, "allreduce",
+      [&] {
+        return TensorLists{{input}, {output}};
+      },
+      [&] {
+        checkTensors("allreduce", "input", {input});
+        checkTensors("allreduce", "output", {output});
+        checkSameDevice("allreduce", {input, output});
+        checkDtype("allreduce", "output", {output}, input.scalar_type());
+        checkNumel("allreduce", "the output", output.numel(), input.numel());
+        checkOverlap("allreduce", "the output", output, "the input", input);
+        checkReduceOp("allreduce", opts.reduceOp, input.scalar_type());
+        return coordinator_->allreduceInto(input, output, opts);
+      });
 }
 
 std::string ProcessGroupTpcomm::allreduceAddRmsNorm(const at::Tensor& input,
@@ -174,274 +309,365 @@ std::string ProcessGroupTpcomm::allreduceAddRmsNorm(const at::Tensor& input,
                                                     const at::Tensor& weight, double eps,
                                                     at::Tensor& normed, at::Tensor& residualOut) {
   std::string path;
-  run(OpType::ALLREDUCE, "all_reduce_add_rms_norm", [&] {
-    checkAddRmsNorm(input, residual, weight, eps, normed, residualOut);
-    path = coordinator_->allreduceAddRmsNorm(input, residual, weight, eps, normed, residualOut);
-    return coord::Pending{};
-  });
+  run(
+      OpType::ALLREDUCE, "all_reduce_add_rms_norm",
+      [&] {
+        return TensorLists{{input}, {normed}};
+      },
+      [&] {
+        checkAddRmsNorm(input, residual, weight, eps, normed, residualOut);
+        path = coordinator_->allreduceAddRmsNorm(input, residual, weight, eps, normed, residualOut);
+        return coord::Pending{};
+      });
   return path;
 }
 
 WorkPtr ProcessGroupTpcomm::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                              const c10d::AllreduceOptions& opts) {
-  return run(OpType::ALLREDUCE, "allreduce_sparse", [&] {
-    checkSparse("allreduce_sparse", tensors, opts.reduceOp);
-    return coordinator_->allreduceSparse(tensors, opts);
-  });
+  return run(
+      OpType::ALLREDUCE, "allreduce_sparse", [&] { return TensorLists{}; },
+      [&] {
+        checkSparse("allreduce_sparse", tensors, opts.reduceOp);
+        return coordinator_->allreduceSparse(tensors, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::allreduce_coalesced(std::vector<at::Tensor>& tensors,
                                                 const c10d::AllreduceCoalescedOptions& opts) {
-  return run(OpType::ALLREDUCE_COALESCED, "allreduce_coalesced", [&] {
-    checkTensors("allreduce_coalesced", "tensors", tensors);
-    checkSameDevice("allreduce_coalesced", tensors);
-    checkDtype("allreduce_coalesced", "tensors", tensors, tensors[0].scalar_type());
-    checkReduceOp("allreduce_coalesced", opts.reduceOp, tensors[0].scalar_type());
-    return coordinator_->allreduceCoalesced(tensors, opts);
-  });
+  return run(
+      OpType::ALLREDUCE_COALESCED, "allreduce_coalesced",
+      [&] {
+        return TensorLists{tensors, tensors};
+      },
+      [&] {
+        checkTensors("allreduce_coalesced", "tensors", tensors);
+        checkSameDevice("allreduce_coalesced", tensors);
+        checkDtype("allreduce_coalesced", "tensors", tensors, tensors[0].scalar_type());
+        checkReduceOp("allreduce_coalesced", opts.reduceOp, tensors[0].scalar_type());
+        return coordinator_->allreduceCoalesced(tensors, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::reduce(std::vector<at::Tensor>& tensors,
                                    const c10d::ReduceOptions& opts) {
-  return run(OpType::REDUCE, "reduce", [&] {
-    checkSingle("reduce", "tensors", tensors);
-    checkRank("reduce", "root rank", opts.rootRank, size_);
-    checkRootTensor("reduce", opts.rootTensor, tensors.size());
-    checkReduceOp("reduce", opts.reduceOp, tensors[0].scalar_type());
-    return coordinator_->reduce(tensors, opts);
-  });
+  return run(
+      OpType::REDUCE, "reduce",
+      [&] {
+        return TensorLists{tensors, tensors};
+      },
+      [&] {
+        checkSingle("reduce", "tensors", tensors);
+        checkRank("reduce", "root rank", opts.rootRank, size_);
+        checkRootTensor("reduce", opts.rootTensor, tensors.size());
+        checkReduceOp("reduce", opts.reduceOp, tensors[0].scalar_type());
+        return coordinator_->reduce(tensors, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::allgather(std::vector<std::vector<at::Tensor>>& outputs,
                                       std::vector<at::Tensor>& inputs,
                                       const c10d::AllgatherOptions& opts) {
-  return run(OpType::ALLGATHER, "allgather", [&] {
-    checkSingle("allgather", "input tensors", inputs);
-    checkLength("allgather", "output tensor lists", outputs.size(), 1);
-    checkLength("allgather", "output tensor list", outputs[0].size(), size_);
-    checkTensors("allgather", "output tensor list", outputs[0]);
-    checkSameDevice("allgather", concat(inputs, outputs[0]));
-    checkDtype("allgather", "output tensor list", outputs[0], inputs[0].scalar_type());
-    for (const auto& out : outputs[0]) {
-      checkNumel("allgather", "an output tensor", out.numel(), inputs[0].numel());
-      checkOverlap("allgather", "an output tensor", out, "the input", inputs[0]);
-    }
-    return coordinator_->allgather(outputs, inputs, opts);
-  });
+  return run(
+      OpType::ALLGATHER, "allgather",
+      [&] {
+        return TensorLists{inputs, flat(outputs)};
+      },
+      [&] {
+        checkSingle("allgather", "input tensors", inputs);
+        checkLength("allgather", "output tensor lists", outputs.size(), 1);
+        checkLength("allgather", "output tensor list", outputs[0].size(), size_);
+        checkTensors("allgather", "output tensor list", outputs[0]);
+        checkSameDevice("allgather", concat(inputs, outputs[0]));
+        checkDtype("allgather", "output tensor list", outputs[0], inputs[0].scalar_type());
+        for (const auto& out : outputs[0]) {
+          checkNumel("allgather", "an output tensor", out.numel(), inputs[0].numel());
+          checkOverlap("allgather", "an output tensor", out, "the input", inputs[0]);
+        }
+        return coordinator_->allgather(outputs, inputs, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::_allgather_base(at::Tensor& output, at::Tensor& input,
                                             const c10d::AllgatherOptions& opts) {
-  return run(OpType::_ALLGATHER_BASE, "allgather_into_tensor", [&] {
-    const char* op = "allgather_into_tensor";
-    checkTensors(op, "input", {input});
-    checkTensors(op, "output", {output});
-    checkSameDevice(op, {input, output});
-    checkDtype(op, "output", {output}, input.scalar_type());
-    checkNumel(op, "the output", output.numel(), input.numel() * size_);
-    checkSlotOverlap(op, "the input", input, "the output", output);
-    return coordinator_->allgatherBase(output, input, opts);
-  });
+  return run(
+      OpType::_ALLGATHER_BASE, "allgather_into_tensor",
+      [&] {
+        return TensorLists{{input}, {output}};
+      },
+      [&] {
+        const char* op = "allgather_into_tensor";
+        checkTensors(op, "input", {input});
+        checkTensors(op, "output", {output});
+        checkSameDevice(op, {input, output});
+        checkDtype(op, "output", {output}, input.scalar_type());
+        checkNumel(op, "the output", output.numel(), input.numel() * size_);
+        checkSlotOverlap(op, "the input", input, "the output", output);
+        return coordinator_->allgatherBase(output, input, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
                                                 std::vector<at::Tensor>& inputs,
                                                 const c10d::AllgatherOptions& opts) {
-  return run(OpType::ALLGATHER_COALESCED, "allgather_coalesced", [&] {
-    const char* op = "allgather_coalesced";
-    checkTensors(op, "input tensors", inputs);
-    checkLength(op, "output tensor lists", outputs.size(), size_);
-    for (const auto& list : outputs) {
-      checkLength(op, "an output tensor list", list.size(), inputs.size());
-      checkTensors(op, "an output tensor list", list);
-      checkSameDevice(op, concat(inputs, list));
-      for (size_t i = 0; i < list.size(); ++i) {
-        checkDtype(op, "an output tensor list", {list[i]}, inputs[i].scalar_type());
-        checkNumel(op, "an output tensor", list[i].numel(), inputs[i].numel());
-      }
-    }
-    return coordinator_->allgatherCoalesced(outputs, inputs, opts);
-  });
+  return run(
+      OpType::ALLGATHER_COALESCED, "allgather_coalesced",
+      [&] {
+        return TensorLists{inputs, flat(outputs)};
+      },
+      [&] {
+        const char* op = "allgather_coalesced";
+        checkTensors(op, "input tensors", inputs);
+        checkLength(op, "output tensor lists", outputs.size(), size_);
+        for (const auto& list : outputs) {
+          checkLength(op, "an output tensor list", list.size(), inputs.size());
+          checkTensors(op, "an output tensor list", list);
+          checkSameDevice(op, concat(inputs, list));
+          for (size_t i = 0; i < list.size(); ++i) {
+            checkDtype(op, "an output tensor list", {list[i]}, inputs[i].scalar_type());
+            checkNumel(op, "an output tensor", list[i].numel(), inputs[i].numel());
+          }
+        }
+        return coordinator_->allgatherCoalesced(outputs, inputs, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
                                                             std::vector<at::Tensor>& inputs,
                                                             const c10d::AllgatherOptions& opts) {
-  return run(OpType::COALESCED, "allgather_into_tensor_coalesced", [&] {
-    const char* op = "allgather_into_tensor_coalesced";
-    checkTensors(op, "inputs", inputs);
-    checkTensors(op, "outputs", outputs);
-    checkLength(op, "outputs", outputs.size(), inputs.size());
-    checkSameDevice(op, concat(inputs, outputs));
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      checkDtype(op, "outputs", {outputs[i]}, inputs[i].scalar_type());
-      checkNumel(op, "an output", outputs[i].numel(), inputs[i].numel() * size_);
-      checkSlotOverlap(op, "an input", inputs[i], "its output", outputs[i]);
-    }
-    checkNoSharing(op, outputs, inputs);
-    return coordinator_->allgatherIntoTensorCoalesced(outputs, inputs, opts);
-  });
+  return run(
+      OpType::COALESCED, "allgather_into_tensor_coalesced",
+      [&] {
+        return TensorLists{inputs, outputs};
+      },
+      [&] {
+        const char* op = "allgather_into_tensor_coalesced";
+        checkTensors(op, "inputs", inputs);
+        checkTensors(op, "outputs", outputs);
+        checkLength(op, "outputs", outputs.size(), inputs.size());
+        checkSameDevice(op, concat(inputs, outputs));
+        for (size_t i = 0; i < inputs.size(); ++i) {
+          checkDtype(op, "outputs", {outputs[i]}, inputs[i].scalar_type());
+          checkNumel(op, "an output", outputs[i].numel(), inputs[i].numel() * size_);
+          checkSlotOverlap(op, "an input", inputs[i], "its output", outputs[i]);
+        }
+        checkNoSharing(op, outputs, inputs);
+        return coordinator_->allgatherIntoTensorCoalesced(outputs, inputs, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::gather(std::vector<std::vector<at::Tensor>>& outputs,
                                    std::vector<at::Tensor>& inputs,
                                    const c10d::GatherOptions& opts) {
-  return run(OpType::GATHER, "gather", [&] {
-    checkSingle("gather", "input tensors", inputs);
-    checkRank("gather", "root rank", opts.rootRank, size_);
-    if (opts.rootRank == rank_) {
-      checkLength("gather", "output tensor lists on the root", outputs.size(), 1);
-      checkLength("gather", "the gather list", outputs[0].size(), size_);
-      checkTensors("gather", "the gather list", outputs[0]);
-      checkSameDevice("gather", concat(inputs, outputs[0]));
-      checkDtype("gather", "the gather list", outputs[0], inputs[0].scalar_type());
-      for (const auto& out : outputs[0]) {
-        checkNumel("gather", "a gather list tensor", out.numel(), inputs[0].numel());
-      }
-    } else {
-      TPCOMM_CHECK(outputs.empty() || outputs[0].empty(), kInvalidUsage,
-                   "gather: only the root rank (", opts.rootRank, ") passes a gather list; rank ",
-                   rank_, " passed one");
-    }
-    return coordinator_->gather(outputs, inputs, opts);
-  });
+  return run(
+      OpType::GATHER, "gather",
+      [&] {
+        return TensorLists{inputs, flat(outputs)};
+      },
+      [&] {
+        checkSingle("gather", "input tensors", inputs);
+        checkRank("gather", "root rank", opts.rootRank, size_);
+        if (opts.rootRank == rank_) {
+          checkLength("gather", "output tensor lists on the root", outputs.size(), 1);
+          checkLength("gather", "the gather list", outputs[0].size(), size_);
+          checkTensors("gather", "the gather list", outputs[0]);
+          checkSameDevice("gather", concat(inputs, outputs[0]));
+          checkDtype("gather", "the gather list", outputs[0], inputs[0].scalar_type());
+          for (const auto& out : outputs[0]) {
+            checkNumel("gather", "a gather list tensor", out.numel(), inputs[0].numel());
+          }
+        } else {
+          TPCOMM_CHECK(outputs.empty() || outputs[0].empty(), kInvalidUsage,
+                       "gather: only the root rank (", opts.rootRank,
+                       ") passes a gather list; rank ", rank_, " passed one");
+        }
+        return coordinator_->gather(outputs, inputs, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::scatter(std::vector<at::Tensor>& outputs,
                                     std::vector<std::vector<at::Tensor>>& inputs,
                                     const c10d::ScatterOptions& opts) {
-  return run(OpType::SCATTER, "scatter", [&] {
-    checkSingle("scatter", "output tensors", outputs);
-    checkRank("scatter", "root rank", opts.rootRank, size_);
-    if (opts.rootRank == rank_) {
-      checkLength("scatter", "input tensor lists on the root", inputs.size(), 1);
-      checkLength("scatter", "the scatter list", inputs[0].size(), size_);
-      checkTensors("scatter", "the scatter list", inputs[0]);
-      checkSameDevice("scatter", concat(outputs, inputs[0]));
-      checkDtype("scatter", "the scatter list", inputs[0], outputs[0].scalar_type());
-      for (const auto& in : inputs[0]) {
-        checkNumel("scatter", "a scatter list tensor", in.numel(), outputs[0].numel());
-      }
-    } else {
-      TPCOMM_CHECK(inputs.empty() || inputs[0].empty(), kInvalidUsage,
-                   "scatter: only the root rank (", opts.rootRank, ") passes a scatter list; rank ",
-                   rank_, " passed one");
-    }
-    return coordinator_->scatter(outputs, inputs, opts);
-  });
+  return run(
+      OpType::SCATTER, "scatter",
+      [&] {
+        return TensorLists{flat(inputs), outputs};
+      },
+      [&] {
+        checkSingle("scatter", "output tensors", outputs);
+        checkRank("scatter", "root rank", opts.rootRank, size_);
+        if (opts.rootRank == rank_) {
+          checkLength("scatter", "input tensor lists on the root", inputs.size(), 1);
+          checkLength("scatter", "the scatter list", inputs[0].size(), size_);
+          checkTensors("scatter", "the scatter list", inputs[0]);
+          checkSameDevice("scatter", concat(outputs, inputs[0]));
+          checkDtype("scatter", "the scatter list", inputs[0], outputs[0].scalar_type());
+          for (const auto& in : inputs[0]) {
+            checkNumel("scatter", "a scatter list tensor", in.numel(), outputs[0].numel());
+          }
+        } else {
+          TPCOMM_CHECK(inputs.empty() || inputs[0].empty(), kInvalidUsage,
+                       "scatter: only the root rank (", opts.rootRank,
+                       ") passes a scatter list; rank ", rank_, " passed one");
+        }
+        return coordinator_->scatter(outputs, inputs, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::reduce_scatter(std::vector<at::Tensor>& outputs,
                                            std::vector<std::vector<at::Tensor>>& inputs,
                                            const c10d::ReduceScatterOptions& opts) {
-  return run(OpType::REDUCE_SCATTER, "reduce_scatter", [&] {
-    const char* op = "reduce_scatter";
-    checkSingle(op, "output tensors", outputs);
-    checkLength(op, "input tensor lists", inputs.size(), 1);
-    checkLength(op, "the input list", inputs[0].size(), size_);
-    checkTensors(op, "the input list", inputs[0]);
-    checkSameDevice(op, concat(outputs, inputs[0]));
-    checkDtype(op, "the input list", inputs[0], outputs[0].scalar_type());
-    for (const auto& in : inputs[0]) {
-      checkNumel(op, "an input tensor", in.numel(), outputs[0].numel());
-      checkOverlap(op, "the output", outputs[0], "an input tensor", in);
-    }
-    checkReduceOp(op, opts.reduceOp, outputs[0].scalar_type());
-    return coordinator_->reduceScatter(outputs, inputs, opts);
-  });
+  return run(
+      OpType::REDUCE_SCATTER, "reduce_scatter",
+      [&] {
+        return TensorLists{flat(inputs), outputs};
+      },
+      [&] {
+        const char* op = "reduce_scatter";
+        checkSingle(op, "output tensors", outputs);
+        checkLength(op, "input tensor lists", inputs.size(), 1);
+        checkLength(op, "the input list", inputs[0].size(), size_);
+        checkTensors(op, "the input list", inputs[0]);
+        checkSameDevice(op, concat(outputs, inputs[0]));
+        checkDtype(op, "the input list", inputs[0], outputs[0].scalar_type());
+        for (const auto& in : inputs[0]) {
+          checkNumel(op, "an input tensor", in.numel(), outputs[0].numel());
+          checkOverlap(op, "the output", outputs[0], "an input tensor", in);
+        }
+        checkReduceOp(op, opts.reduceOp, outputs[0].scalar_type());
+        return coordinator_->reduceScatter(outputs, inputs, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::_reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::ReduceScatterOptions& opts) {
-  return run(OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor", [&] {
-    const char* op = "reduce_scatter_tensor";
-    checkTensors(op, "input", {input});
-    checkTensors(op, "output", {output});
-    checkSameDevice(op, {input, output});
-    checkDtype(op, "output", {output}, input.scalar_type());
-    checkNumel(op, "the input", input.numel(), output.numel() * size_);
-    checkSlotOverlap(op, "the output", output, "the input", input);
-    checkReduceOp(op, opts.reduceOp, input.scalar_type());
-    return coordinator_->reduceScatterBase(output, input, opts);
-  });
+  return run(
+      OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor",
+      [&] {
+        return TensorLists{{input}, {output}};
+      },
+      [&] {
+        const char* op = "reduce_scatter_tensor";
+        checkTensors(op, "input", {input});
+        checkTensors(op, "output", {output});
+        checkSameDevice(op, {input, output});
+        checkDtype(op, "output", {output}, input.scalar_type());
+        checkNumel(op, "the input", input.numel(), output.numel() * size_);
+        checkSlotOverlap(op, "the output", output, "the input", input);
+        checkReduceOp(op, opts.reduceOp, input.scalar_type());
+        return coordinator_->reduceScatterBase(output, input, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
-  return run(OpType::COALESCED, "reduce_scatter_tensor_coalesced", [&] {
-    const char* op = "reduce_scatter_tensor_coalesced";
-    checkTensors(op, "inputs", inputs);
-    checkTensors(op, "outputs", outputs);
-    checkLength(op, "outputs", outputs.size(), inputs.size());
-    checkSameDevice(op, concat(inputs, outputs));
-    for (size_t i = 0; i < inputs.size(); ++i) {
-      checkDtype(op, "outputs", {outputs[i]}, inputs[i].scalar_type());
-      checkNumel(op, "an input", inputs[i].numel(), outputs[i].numel() * size_);
-      checkSlotOverlap(op, "an output", outputs[i], "its input", inputs[i]);
-      checkReduceOp(op, opts.reduceOp, inputs[i].scalar_type());
-    }
-    checkNoSharing(op, outputs, inputs);
-    return coordinator_->reduceScatterTensorCoalesced(outputs, inputs, opts);
-  });
+  return run(
+      OpType::COALESCED, "reduce_scatter_tensor_coalesced",
+      [&] {
+        return TensorLists{inputs, outputs};
+      },
+      [&] {
+        const char* op = "reduce_scatter_tensor_coalesced";
+        checkTensors(op, "inputs", inputs);
+        checkTensors(op, "outputs", outputs);
+        checkLength(op, "outputs", outputs.size(), inputs.size());
+        checkSameDevice(op, concat(inputs, outputs));
+        for (size_t i = 0; i < inputs.size(); ++i) {
+          checkDtype(op, "outputs", {outputs[i]}, inputs[i].scalar_type());
+          checkNumel(op, "an input", inputs[i].numel(), outputs[i].numel() * size_);
+          checkSlotOverlap(op, "an output", outputs[i], "its input", inputs[i]);
+          checkReduceOp(op, opts.reduceOp, inputs[i].scalar_type());
+        }
+        checkNoSharing(op, outputs, inputs);
+        return coordinator_->reduceScatterTensorCoalesced(outputs, inputs, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::alltoall_base(at::Tensor& output, at::Tensor& input,
                                           std::vector<int64_t>& outputSplits,
                                           std::vector<int64_t>& inputSplits,
                                           const c10d::AllToAllOptions& opts) {
-  return run(OpType::ALLTOALL_BASE, "all_to_all_single", [&] {
-    const char* op = "all_to_all_single";
-    checkTensors(op, "input", {input});
-    checkTensors(op, "output", {output});
-    checkSameDevice(op, {input, output});
-    checkDtype(op, "output", {output}, input.scalar_type());
-    checkSplits(op, "input_split_sizes", inputSplits, input, size_);
-    checkSplits(op, "output_split_sizes", outputSplits, output, size_);
-    return coordinator_->alltoallBase(output, input, outputSplits, inputSplits, opts);
-  });
+  return run(
+      OpType::ALLTOALL_BASE, "all_to_all_single",
+      [&] {
+        return TensorLists{{input}, {output}};
+      },
+      [&] {
+        const char* op = "all_to_all_single";
+        checkTensors(op, "input", {input});
+        checkTensors(op, "output", {output});
+        checkSameDevice(op, {input, output});
+        checkDtype(op, "output", {output}, input.scalar_type());
+        checkSplits(op, "input_split_sizes", inputSplits, input, size_);
+        checkSplits(op, "output_split_sizes", outputSplits, output, size_);
+        return coordinator_->alltoallBase(output, input, outputSplits, inputSplits, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::alltoall(std::vector<at::Tensor>& outputs,
                                      std::vector<at::Tensor>& inputs,
                                      const c10d::AllToAllOptions& opts) {
-  return run(OpType::ALLTOALL, "all_to_all", [&] {
-    checkLength("all_to_all", "input_tensor_list", inputs.size(), size_);
-    checkLength("all_to_all", "output_tensor_list", outputs.size(), size_);
-    checkTensors("all_to_all", "input_tensor_list", inputs);
-    checkTensors("all_to_all", "output_tensor_list", outputs);
-    checkSameDevice("all_to_all", concat(inputs, outputs));
-    checkDtype("all_to_all", "input_tensor_list", inputs, inputs[0].scalar_type());
-    checkDtype("all_to_all", "output_tensor_list", outputs, inputs[0].scalar_type());
-    return coordinator_->alltoall(outputs, inputs, opts);
-  });
+  return run(
+      OpType::ALLTOALL, "all_to_all",
+      [&] {
+        return TensorLists{inputs, outputs};
+      },
+      [&] {
+        checkLength("all_to_all", "input_tensor_list", inputs.size(), size_);
+        checkLength("all_to_all", "output_tensor_list", outputs.size(), size_);
+        checkTensors("all_to_all", "input_tensor_list", inputs);
+        checkTensors("all_to_all", "output_tensor_list", outputs);
+        checkSameDevice("all_to_all", concat(inputs, outputs));
+        checkDtype("all_to_all", "input_tensor_list", inputs, inputs[0].scalar_type());
+        checkDtype("all_to_all", "output_tensor_list", outputs, inputs[0].scalar_type());
+        return coordinator_->alltoall(outputs, inputs, opts);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
-  return run(OpType::SEND, "send", [&] {
-    checkSingle("send", "tensors", tensors);
-    checkRank("send", "destination rank", dstRank, size_);
-    return coordinator_->send(tensors, dstRank, tag);
-  });
+  return run(
+      OpType::SEND, "send",
+      [&] {
+        return TensorLists{tensors, {}};
+      },
+      [&] {
+        checkSingle("send", "tensors", tensors);
+        checkRank("send", "destination rank", dstRank, size_);
+        return coordinator_->send(tensors, dstRank, tag);
+      },
+      dstRank);
 }
 
 WorkPtr ProcessGroupTpcomm::recv(std::vector<at::Tensor>& tensors, int srcRank, int tag) {
-  return run(OpType::RECV, "recv", [&] {
-    checkSingle("recv", "tensors", tensors);
-    checkRank("recv", "source rank", srcRank, size_);
-    return coordinator_->recv(tensors, srcRank, tag);
-  });
+  return run(
+      OpType::RECV, "recv",
+      [&] {
+        return TensorLists{{}, tensors};
+      },
+      [&] {
+        checkSingle("recv", "tensors", tensors);
+        checkRank("recv", "source rank", srcRank, size_);
+        return coordinator_->recv(tensors, srcRank, tag);
+      },
+      srcRank);
 }
 
 WorkPtr ProcessGroupTpcomm::recvAnysource(std::vector<at::Tensor>& tensors, int tag) {
-  return run(OpType::RECVANYSOURCE, "recv", [&] {
-    checkSingle("recv", "tensors", tensors);
-    return coordinator_->recvAnysource(tensors, tag);
-  });
+  return run(
+      OpType::RECVANYSOURCE, "recv",
+      [&] {
+        return TensorLists{{}, tensors};
+      },
+      [&] {
+        checkSingle("recv", "tensors", tensors);
+        return coordinator_->recvAnysource(tensors, tag);
+      });
 }
 
 WorkPtr ProcessGroupTpcomm::barrier(const c10d::BarrierOptions& opts) {
-  return run(OpType::BARRIER, "barrier", [&] { return coordinator_->barrier(opts); });
+  return run(
+      OpType::BARRIER, "barrier", [&] { return TensorLists{}; },
+      [&] { return coordinator_->barrier(opts); });
 }
 
 void ProcessGroupTpcomm::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {

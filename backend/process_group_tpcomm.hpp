@@ -111,12 +111,31 @@ class ProcessGroupTpcomm : public c10d::Backend {
 
  private:
   // Runs `call` (validation + coordinator), translating tpcomm::Error at this
-  // boundary, and wraps the result in a TpcommWork.
-  template <typename Call>
-  c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const char* op, Call&& call);
+  // boundary, and wraps the result in a TpcommWork. The call goes into
+  // torch's flight recorder (FlightRecord) with the tensors `tensors()`
+  // gives (inputs, outputs), evaluated only when the recorder is on.
+  // `peer`: a point-to-point call's peer (group rank), else -1.
+  template <typename Tensors, typename Call>
+  c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const char* op, Tensors&& tensors,
+                                     Call&& call, int peer = -1);
   std::string describeCall(const char* op) const;
+  // The call's entry in the flight recorder (nothing when it is off).
+  struct FlightCall;
+  FlightCall recordCall(c10d::OpType type, const char* op, const std::vector<at::Tensor>& inputs,
+                        const std::vector<at::Tensor>& outputs, int peer);
 
+ public:
+  // The group's global ranks, for the flight recorder's group table.
+  void setGlobalRanks(std::vector<uint64_t> ranks) { globalRanks_ = std::move(ranks); }
+  const std::vector<uint64_t>& globalRanks() const { return globalRanks_; }
+
+ private:
   std::shared_ptr<coord::GroupCoordinator> coordinator_;
+  std::vector<uint64_t> globalRanks_;
+  size_t flightPgId_;
+  bool flightGroupRecorded_ = false;
+  uint64_t collectiveSeq_ = 0;
+  uint64_t p2pSeq_ = 0;
   std::mutex splitMutex_;
   std::map<std::string, c10::intrusive_ptr<ProcessGroupTpcomm>> splits_;
 };

@@ -4,6 +4,7 @@
 
 #include <torch/csrc/distributed/c10d/exception.h>
 
+#include "backend/flight_record.hpp"
 #include "coordinator/common/error.hpp"
 
 namespace tpcomm::backend {
@@ -19,9 +20,11 @@ namespace {
     std::rethrow_exception(std::move(error));
   } catch (const Error& e) {
     TORCH_CHECK(e.code() != ErrorCode::kInvalidUsage, "tpcomm: ", what, " refused: ", e.what());
-    C10_THROW_ERROR(DistBackendError, "tpcomm: " + what + " failed: " + e.what());
+    C10_THROW_ERROR(DistBackendError, "tpcomm: " + what + " failed: " + e.what() +
+                                          FlightRecord::get().dumpAfterFailure());
   } catch (const std::exception& e) {
-    C10_THROW_ERROR(DistBackendError, "tpcomm: " + what + " failed: " + e.what());
+    C10_THROW_ERROR(DistBackendError, "tpcomm: " + what + " failed: " + e.what() +
+                                          FlightRecord::get().dumpAfterFailure());
   } catch (...) {
     C10_THROW_ERROR(DistBackendError, "tpcomm: " + what + " failed: an unknown exception");
   }

@@ -10,6 +10,7 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,9 +33,16 @@ struct RouteCount {
 class RouteStats {
  public:
   void record(StatsRoute route, uint64_t bytes) {
+    lastRoute() = route;
     auto& c = counters_[static_cast<int>(route)];
     c.calls.fetch_add(1, std::memory_order_relaxed);
     c.bytes.fetch_add(bytes, std::memory_order_relaxed);
+  }
+  // The route of the last call this thread recorded (any group), for the
+  // flight recorder's entry of the call; reset before a call.
+  static std::optional<StatsRoute>& lastRoute() {
+    static thread_local std::optional<StatsRoute> route;
+    return route;
   }
   // Every route in enum order, zero counts included.
   std::vector<RouteCount> snapshot() const;

@@ -5,6 +5,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "backend/flight_record.hpp"
 #include "backend/process_group_tpcomm.hpp"
 #include "coordinator/common/settings.hpp"
 #include "custom_allreduce/custom_allreduce.hpp"
@@ -79,6 +80,8 @@ tensors through the device backend (NCCL), created on first use.)")
       .def(py::init(&makeBackend), py::arg("store"), py::arg("rank"), py::arg("size"),
            py::arg("timeout"), py::arg("group_name"), py::arg("cpu_backend"),
            py::arg("device_factory"), py::arg("cpu_factory") = py::none())
+      .def("_set_global_ranks", &backend::ProcessGroupTpcomm::setGlobalRanks, py::arg("ranks"),
+           "The group's global ranks (for the flight recorder's group table).")
       .def_property_readonly(
           "device_backend_created",
           [](backend::ProcessGroupTpcomm& self) {
@@ -113,6 +116,7 @@ tensors through the device backend (NCCL), created on first use.)")
             const auto& routing = c.routing();
             py::dict out;
             out["group"] = c.options().groupName;
+            out["flight_recorder"] = backend::FlightRecord::get().status();
             out["rank"] = c.rank();
             out["world_size"] = c.size();
             out["cpu_backend"] = "gloo";

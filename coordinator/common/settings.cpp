@@ -81,6 +81,9 @@ const std::vector<SettingInfo> kSettingTable = {
      "How long a message-queue wait polls (yielding the core) before it sleeps on a futex: "
      "busy round trips never pay a wake-up, an idle reader costs no CPU. 0: a fixed 4,000 "
      "polls."},
+    {"TPCOMM_FR_STACKS", "bool", "0",
+     "tpcomm's entries in torch's flight recorder (TORCH_FR_BUFFER_SIZE) carry the caller's "
+     "Python stack, as torch's own do (about a microsecond per call)."},
     {"TPCOMM_LOG", "string", "",
      "Comma-separated topics logged to stderr: routes (each distinct routing decision of a "
      "group, once)."},
@@ -162,6 +165,7 @@ Settings Settings::parse(const Lookup& lookup) {
   if (auto v = lookup("TPCOMM_CPU_SHM_TWO_PHASE_BYTES")) {
     s.cpuShmTwoPhaseBytes = parseInt("TPCOMM_CPU_SHM_TWO_PHASE_BYTES", *v, 0, int64_t{1} << 62);
   }
+  if (auto v = lookup("TPCOMM_FR_STACKS")) s.frStacks = parseBool("TPCOMM_FR_STACKS", *v);
   if (auto v = lookup("TPCOMM_MQ_SPIN_US")) {
     s.mqSpinUs = parseInt("TPCOMM_MQ_SPIN_US", *v, 0, 10000000);
   }

@@ -73,6 +73,10 @@ struct Settings {
   // TPCOMM_MQ_SPIN_US: how long a message-queue wait polls before it sleeps
   // on a futex (0: a fixed 4,000 polls).
   int64_t mqSpinUs = 200;
+  // TPCOMM_FR_STACKS: tpcomm's entries in torch's flight recorder carry the
+  // caller's Python stack (as torch's own entries do; about a microsecond
+  // per call).
+  bool frStacks = false;
   // TPCOMM_LOG: comma-separated topics to log to stderr; "routes" logs each
   // distinct routing decision once per group.
   bool logRoutes = false;

@@ -43,10 +43,12 @@ def _create_backend(dist_opts, backend_options):
     opts._devices = gloo_devices(store)
     cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), rank, size, opts)
     device_factory = _make_device_backend if dist.is_nccl_available() else None
-    return _C.ProcessGroupTpcomm(
+    pg = _C.ProcessGroupTpcomm(
         store, rank, size, timeout, dist_opts.group_id or "", cpu, device_factory,
         _gloo_factory(opts._devices),
     )
+    pg._set_global_ranks([int(r) for r in (dist_opts.global_ranks_in_group or range(size))])
+    return pg
 
 
 def _patch_monitored_barrier():

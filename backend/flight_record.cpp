@@ -1,0 +1,338 @@
+#include "backend/flight_record.hpp"
+
+#include <dlfcn.h>
+#include <elf.h>
+#include <fcntl.h>
+#include <link.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <c10/util/ApproximateClock.h>
+#include <c10/util/thread_name.h>
+#include <torch/csrc/profiler/combined_traceback.h>
+#include <torch/csrc/distributed/c10d/FlightRecorder.hpp>
+
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <thread>
+
+#include "coordinator/common/error.hpp"
+#include "coordinator/common/settings.hpp"
+
+namespace tpcomm::backend {
+
+namespace {
+
+using Recorder = c10d::FlightRecorder<c10::Event>;
+
+constexpr const char* kInstanceSymbol = "_ZZN4c10d14FlightRecorderIN3c105EventEE3getEvE8instance";
+
+// The address of the local (unexported) data symbol `name` in the loaded
+// shared object that holds `anchor`, from the object's file's symbol table;
+// nullptr with `why` set when there is none.
+void* findLocalSymbol(const void* anchor, const char* name, std::string& why) {
+  Dl_info info{};
+  if (::dladdr(anchor, &info) == 0 || info.dli_fname == nullptr) {
+    why = "dladdr found no library for torch's dump function";
+    return nullptr;
+  }
+  void* handle = ::dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
+  link_map* map = nullptr;
+  if (handle == nullptr || ::dlinfo(handle, RTLD_DI_LINKMAP, &map) != 0 || map == nullptr) {
+    if (handle != nullptr) ::dlclose(handle);
+    why = detail::concat("no link map for ", info.dli_fname);
+    return nullptr;
+  }
+  const ElfW(Addr) bias = map->l_addr;
+  ::dlclose(handle);  // RTLD_NOLOAD: only a reference count
+  const int fd = ::open(info.dli_fname, O_RDONLY | O_CLOEXEC);
+  struct stat st {};
+  if (fd < 0 || ::fstat(fd, &st) != 0) {
+    if (fd >= 0) ::close(fd);
+    why = detail::concat("cannot read ", info.dli_fname);
+    return nullptr;
+  }
+  const size_t size = static_cast<size_t>(st.st_size);
+  void* file = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (file == MAP_FAILED) {
+    why = detail::concat("cannot map ", info.dli_fname);
+    return nullptr;
+  }
+  const char* base = static_cast<const char*>(file);
+  void* found = nullptr;
+  why = detail::concat(info.dli_fname, " has no symbol table (a stripped build)");
+  const auto* eh = reinterpret_cast<const ElfW(Ehdr)*>(base);
+  const bool elf = size >= sizeof(ElfW(Ehdr)) && std::memcmp(eh->e_ident, ELFMAG, SELFMAG) == 0 &&
+                   eh->e_shoff > 0 && eh->e_shentsize == sizeof(ElfW(Shdr)) &&
+                   eh->e_shoff + uint64_t{eh->e_shnum} * sizeof(ElfW(Shdr)) <= size;
+  const size_t nameLength = std::strlen(name);
+  for (unsigned i = 0; elf && i < eh->e_shnum && found == nullptr; ++i) {
+    const auto* sections = reinterpret_cast<const ElfW(Shdr)*>(base + eh->e_shoff);
+    const ElfW(Shdr)& symtab = sections[i];
+    if (symtab.sh_type != SHT_SYMTAB || symtab.sh_link >= eh->e_shnum ||
+        symtab.sh_entsize != sizeof(ElfW(Sym)) || symtab.sh_offset + symtab.sh_size > size) {
+      continue;
+    }
+    const ElfW(Shdr)& strtab = sections[symtab.sh_link];
+    if (strtab.sh_offset + strtab.sh_size > size) continue;
+    const auto* symbols = reinterpret_cast<const ElfW(Sym)*>(base + symtab.sh_offset);
+    const char* strings = base + strtab.sh_offset;
+    const size_t count = symtab.sh_size / sizeof(ElfW(Sym));
+    why = detail::concat(info.dli_fname, " has no symbol ", name);
+    for (size_t s = 0; s < count; ++s) {
+      const ElfW(Sym)& sym = symbols[s];
+      // An 8-byte data object: the pointer; its name checked only then.
+      if (ELF64_ST_TYPE(sym.st_info) != STT_OBJECT || sym.st_size != sizeof(void*) ||
+          sym.st_value == 0 || sym.st_name + nameLength >= strtab.sh_size) {
+        continue;
+      }
+      if (std::memcmp(strings + sym.st_name, name, nameLength + 1) == 0) {
+        found = reinterpret_cast<void*>(bias + sym.st_value);
+        break;
+      }
+    }
+  }
+  ::munmap(file, size);
+  return found;
+}
+
+Recorder& recorder(void* p) { return *static_cast<Recorder*>(p); }
+
+// Finds torch's recorder; nullptr with `why`.
+void* findRecorder(std::string& why) {
+  // Constructs the singleton (dump() calls get()), so that the pointer is set.
+  (void)c10d::dump_fr_trace(false, false, true);
+  void* slot =
+      findLocalSymbol(reinterpret_cast<const void*>(&c10d::dump_fr_trace), kInstanceSymbol, why);
+  if (slot == nullptr) return nullptr;
+  auto* instance = *static_cast<Recorder**>(slot);
+  if (instance == nullptr) {
+    why = "torch's flight recorder is not constructed";
+    return nullptr;
+  }
+  // What its constructor set: a recorder laid out as torch's header says.
+  std::lock_guard<std::mutex> lock(instance->mutex_);
+  if (instance->enabled_ != (instance->max_entries_ > 0) ||
+      instance->reset_epoch_start_idx_.count(instance->reset_epoch_) == 0 ||
+      instance->entries_.size() > instance->max_entries_) {
+    why = "torch's flight recorder does not look as its header says";
+    return nullptr;
+  }
+  return instance;
+}
+
+}  // namespace
+
+FlightRecord& FlightRecord::get() {
+  static FlightRecord* record = new FlightRecord();  // outlives every group
+  return *record;
+}
+
+FlightRecord::FlightRecord() {
+  stacks_ = settings().frStacks;
+  std::string why;
+  void* found = nullptr;
+  try {
+    found = findRecorder(why);
+  } catch (const std::exception& e) {
+    why = e.what();
+  }
+  if (found == nullptr) {
+    status_ = "off: " + why;
+    return;
+  }
+  if (!recorder(found).enabled_) {
+    status_ = "off: TORCH_FR_BUFFER_SIZE=0";
+    return;
+  }
+  recorder_ = found;
+  const auto set = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr && *v != '\0';
+  };
+  const auto on = [](const char* name) {
+    const char* v = std::getenv(name);
+    return v != nullptr && (std::strcmp(v, "1") == 0 || std::strcmp(v, "true") == 0);
+  };
+  dumps_ = set("TORCH_FR_DUMP_TEMP_FILE") || set("TORCH_NCCL_DEBUG_INFO_TEMP_FILE") ||
+           on("TORCH_FR_DUMP_ON_TIMEOUT") || on("TORCH_NCCL_DUMP_ON_TIMEOUT");
+  status_ = detail::concat("on (torch's recorder, ", recorder(found).max_entries_, " entries",
+                           stacks_ ? ", with Python stacks" : "",
+                           dumps_ ? ", dumped after a failure" : "", ")");
+}
+
+void FlightRecord::recordGroup(const std::string& name, const std::string& desc,
+                               const std::vector<uint64_t>& ranks) {
+  if (recorder_ == nullptr) return;
+  Recorder& r = recorder(recorder_);
+  std::lock_guard<std::mutex> lock(r.mutex_);
+  r.pg_name_to_ranks_[{name, desc}] = ranks;
+}
+
+FlightId FlightRecord::record(size_t pgId, const std::string& name, const std::string& desc,
+                              size_t collectiveSeq, size_t p2pSeq, std::string profilingName,
+                              const std::vector<at::Tensor>& inputs,
+                              const std::vector<at::Tensor>& outputs,
+                              std::chrono::milliseconds timeout, bool isP2P) {
+  if (recorder_ == nullptr) return {};
+  Recorder& r = recorder(recorder_);
+  // Without stacks every entry shares one empty traceback (no allocation).
+  static const auto empty = torch::CapturedTraceback::gather(false, false, false);
+  auto traceback = stacks_ ? torch::CapturedTraceback::gather(true, true, false) : empty;
+  // The thread's name, read once per thread (a system call each time).
+  static thread_local const std::string threadName = c10::getThreadName();
+  const c10::time_t now = c10::getTime();
+  Recorder::Entry e{0,
+                    0,
+                    pgId,
+                    {name, desc},
+                    collectiveSeq,
+                    p2pSeq,
+                    isP2P ? p2pSeq : collectiveSeq,
+                    std::move(profilingName),
+                    std::move(traceback),
+                    nullptr,
+                    nullptr,
+                    now,
+                    timeout.count(),
+                    isP2P,
+                    std::nullopt,
+                    now,
+                    std::nullopt,
+                    {},
+                    {},
+                    {},
+                    {},
+                    {},
+                    std::this_thread::get_id(),
+                    threadName,
+                    false};
+  for (const auto& t : inputs) {
+    if (!t.defined()) continue;  // refused by the call's checks, after this
+    e.input_dtypes_.push_back(t.scalar_type());
+    e.input_dims_.push_back(t.dim());
+    e.sizes_.insert(e.sizes_.end(), t.sizes().begin(), t.sizes().end());
+  }
+  for (const auto& t : outputs) {
+    if (!t.defined()) continue;
+    e.output_dtypes_.push_back(t.scalar_type());
+    e.output_dims_.push_back(t.dim());
+    e.sizes_.insert(e.sizes_.end(), t.sizes().begin(), t.sizes().end());
+  }
+  std::lock_guard<std::mutex> lock(r.mutex_);
+  if (r.all_pg_status_.find(pgId) == r.all_pg_status_.end()) {
+    r.all_pg_status_[pgId] = std::make_shared<c10d::ProcessGroupStatus>();
+  }
+  auto& status = *r.all_pg_status_[pgId];
+  if (!isP2P) {
+    status.lastEnqueuedSeq = static_cast<int64_t>(collectiveSeq);
+    status.lastStartedSeq = static_cast<int64_t>(collectiveSeq);
+    status.lastEnqueuedWorkName = e.profiling_name_;
+    status.lastStartedWorkName = e.profiling_name_;
+  }
+  e.id_ = r.id_;
+  e.reset_epoch_ = r.reset_epoch_;
+  const size_t next = r.next_++;
+  if (r.entries_.size() < r.max_entries_) {
+    r.entries_.emplace_back(std::move(e));
+  } else {
+    r.entries_[next] = std::move(e);
+  }
+  if (r.next_ == r.max_entries_) r.next_ = 0;
+  return FlightId{r.id_++, r.reset_epoch_};
+}
+
+namespace {
+
+// The entry `id` names, under the recorder's mutex, or nullptr once it was
+// overwritten (the buffer is a ring).
+Recorder::Entry* entryOf(Recorder& r, const FlightId& id) {
+  if (!id.id || !id.epoch || r.entries_.empty()) return nullptr;
+  auto epoch = r.reset_epoch_start_idx_.find(*id.epoch);
+  if (epoch == r.reset_epoch_start_idx_.end()) return nullptr;
+  const size_t index = (epoch->second + *id.id) % r.max_entries_;
+  if (index >= r.entries_.size()) return nullptr;
+  Recorder::Entry& e = r.entries_[index];
+  return e.id_ == *id.id && e.reset_epoch_ == *id.epoch ? &e : nullptr;
+}
+
+}  // namespace
+
+void FlightRecord::rename(const FlightId& id, std::string profilingName) {
+  if (recorder_ == nullptr || !id.id) return;
+  Recorder& r = recorder(recorder_);
+  std::lock_guard<std::mutex> lock(r.mutex_);
+  if (Recorder::Entry* e = entryOf(r, id)) e->profiling_name_ = std::move(profilingName);
+}
+
+void FlightRecord::retire(const FlightId& id, std::string profilingName) {
+  if (recorder_ == nullptr || !id.id) return;
+  Recorder& r = recorder(recorder_);
+  std::lock_guard<std::mutex> lock(r.mutex_);
+  Recorder::Entry* e = entryOf(r, id);
+  if (e == nullptr) return;
+  if (!profilingName.empty()) e->profiling_name_ = std::move(profilingName);
+  e->time_discovered_completed_ = c10::getTime();
+  e->retired_ = true;
+  auto status = r.all_pg_status_.find(e->pg_id_);
+  if (!e->isP2P_ && status != r.all_pg_status_.end()) {
+    status->second->lastCompletedSeq = static_cast<int64_t>(e->collective_seq_id_);
+    status->second->lastCompletedWorkName = e->profiling_name_;
+  }
+}
+
+namespace {
+
+// torchfrtrace (torch 2.11) reads "nccl:<op>" and "xccl:<op>" entries only,
+// and stops at any other. The entries ProcessGroupGloo records for tpcomm's
+// own Gloo groups ("gloo:all_gather" of a set-up exchange) become
+// "nccl:<torch's op name> tpcomm/internal" (point to point, whose peer
+// Gloo does not record: "nccl:coalesced tpcomm/internal").
+void renameInternalEntries(Recorder& r) {
+  static const std::map<std::string, std::string> names = {
+      {"gloo:all_gather", "all_gather"},
+      {"gloo:all_reduce", "all_reduce"},
+      {"gloo:all_to_all", "all_to_all"},
+      {"gloo:barrier", "all_reduce_barrier"},
+      {"gloo:broadcast", "broadcast"},
+      {"gloo:gather", "gather"},
+      {"gloo:reduce", "reduce"},
+      {"gloo:scatter", "scatter"},
+      {"gloo:sparse_all_reduce", "all_reduce"}};
+  static const std::string kInternal = ":tpcomm-internal";
+  std::lock_guard<std::mutex> lock(r.mutex_);
+  for (auto& e : r.entries_) {
+    const std::string& group = std::get<0>(e.pg_name_);
+    if (group.size() < kInternal.size() ||
+        group.compare(group.size() - kInternal.size(), kInternal.size(), kInternal) != 0 ||
+        e.profiling_name_.rfind("gloo:", 0) != 0) {
+      continue;
+    }
+    auto it = names.find(e.profiling_name_);
+    e.profiling_name_ =
+        "nccl:" + (it != names.end() ? it->second : std::string("coalesced")) + " tpcomm/internal";
+  }
+}
+
+}  // namespace
+
+std::string FlightRecord::dumpAfterFailure() {
+  if (recorder_ == nullptr || !dumps_) return "";
+  static std::mutex dumping;
+  std::lock_guard<std::mutex> lock(dumping);
+  try {
+    renameInternalEntries(recorder(recorder_));
+    auto& writer = c10d::DebugInfoWriter::getWriter(rank_);
+    // Without stack traces: symbolizing them may need the GIL, which the
+    // failing caller's thread may not be able to take.
+    writer.write(c10d::dump_fr_trace(true, false, false));
+    return " (flight recorder dumped to " + writer.getWriterTarget() + ")";
+  } catch (const std::exception& e) {
+    return std::string(" (flight recorder dump failed: ") + e.what() + ")";
+  }
+}
+
+}  // namespace tpcomm::backend

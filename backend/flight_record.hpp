@@ -1,0 +1,77 @@
+#pragma once
+// tpcomm's calls in torch's own flight recorder (c10d::FlightRecorder over
+// c10::Event, the one ProcessGroupGloo and ProcessGroupNCCL record into and
+// torch._C._distributed_c10d._dump_fr_trace dumps), so that a hang or a
+// mismatch is debugged the way PyTorch documents it, with `torchfrtrace`.
+//
+// torch keeps that recorder's singleton out of its exported symbols. It is
+// found once per process by name in libtorch_cpu's symbol table (the wheels
+// on PyPI carry one), checked against what its constructor set, and then
+// written through torch's own header (same layout, same mutex). Where it
+// cannot be found (a stripped build), recording is off and status() says
+// why; nothing else changes.
+//
+// Cost: one entry per call under the recorder's mutex, without a Python
+// stack unless TPCOMM_FR_STACKS=1 (torch's own entries gather one); nothing
+// when TORCH_FR_BUFFER_SIZE=0.
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+namespace tpcomm::backend {
+
+struct FlightId {
+  std::optional<size_t> id;
+  std::optional<size_t> epoch;
+};
+
+class FlightRecord {
+ public:
+  // The process's recorder (found on first use).
+  static FlightRecord& get();
+
+  bool enabled() const { return recorder_ != nullptr; }
+  // "on (...)", or "off: <why>".
+  const std::string& status() const { return status_; }
+
+  // A group's identity in the dump: torch's (group name, description) and
+  // its global ranks, recorded once per group.
+  void recordGroup(const std::string& name, const std::string& desc,
+                   const std::vector<uint64_t>& ranks);
+  // One call started (scheduled and started at once: tpcomm runs or issues
+  // it in the caller's thread).
+  FlightId record(size_t pgId, const std::string& name, const std::string& desc,
+                  size_t collectiveSeq, size_t p2pSeq, std::string profilingName,
+                  const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                  std::chrono::milliseconds timeout, bool isP2P);
+  // The call's route became known: its profiling name becomes `name`.
+  void rename(const FlightId& id, std::string profilingName);
+  // The call completed. A call that failed is left started.
+  // A non-empty `profilingName` (the route now known) replaces its name.
+  void retire(const FlightId& id, std::string profilingName = {});
+
+  // This process's global rank (names its dump file).
+  void setRank(int rank) { rank_ = rank; }
+  // After a communication failure (timeout, lost peer, mismatch, abort):
+  // writes torch's dump of the whole recorder where torch's writer puts it
+  // (TORCH_FR_DUMP_TEMP_FILE + rank), when the user asked for dumps (that
+  // variable or TORCH_NCCL_DEBUG_INFO_TEMP_FILE set, or
+  // TORCH_FR_DUMP_ON_TIMEOUT=1). Returns " (flight recorder dumped to F)" or
+  // "". Never throws.
+  std::string dumpAfterFailure();
+
+ private:
+  FlightRecord();
+  void* recorder_ = nullptr;  // c10d::FlightRecorder<c10::Event>*
+  bool stacks_ = false;
+  bool dumps_ = false;
+  int rank_ = 0;
+  std::string status_;
+};
+
+}  // namespace tpcomm::backend

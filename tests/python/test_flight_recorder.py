@@ -1,0 +1,118 @@
+"""tpcomm's calls in torch's own flight recorder: entries against the calls
+made, across ranks and routes; dumps after a failure; torchfrtrace naming a
+skipped call and the rank that skipped it."""
+
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import Group
+
+
+def _our_entries(dump, group="0"):
+    return [e for e in dump["entries"] if e["process_group"][0] == group]
+
+
+def _calls(ctx):
+    t = torch.arange(4.0) + ctx.rank
+    for _ in range(3):
+        dist.all_reduce(t)
+    out = [torch.empty(4) for _ in range(ctx.world_size)]
+    dist.all_gather(out, t)
+    dist.barrier()
+    if ctx.rank == 0:
+        dist.send(torch.ones(2, dtype=torch.int64), 1)
+    elif ctx.rank == 1:
+        dist.recv(torch.empty(2, dtype=torch.int64), 0)
+    dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    rows = [(e["profiling_name"], e["collective_seq_id"], e["p2p_seq_id"], e["state"],
+             e["input_sizes"], e["input_dtypes"], e["output_sizes"], e["is_p2p"])
+            for e in _our_entries(dump)]
+    return backend.describe()["flight_recorder"], rows, dump["pg_config"]["0"]
+
+
+@pytest.mark.parametrize("route", ["cpu_shm", "gloo"])
+def test_every_call_is_recorded_with_agreeing_sequence_ids(route):
+    env = {"TPCOMM_CPU_SHM": "1" if route == "cpu_shm" else "0"}
+    group = Group(3, env=env)
+    try:
+        results = group.run(_calls)
+    finally:
+        group.close()
+    for rank, (status, rows, config) in enumerate(results):
+        assert status.startswith("on (torch's recorder"), status
+        assert config["ranks"] == "[0, 1, 2]" and config["desc"] == "default_pg", config
+        collectives = [r for r in rows if not r[7]]
+        want = ([f"nccl:all_reduce tpcomm/{route}"] * 3 + [f"nccl:all_gather tpcomm/{route}",
+                                                          f"nccl:all_reduce_barrier tpcomm/{route}"])
+        assert [r[0] for r in collectives] == want, rows
+        assert [r[1] for r in collectives] == [1, 2, 3, 4, 5]  # the same on every rank
+        assert all(r[3] == "completed" for r in rows), rows
+        assert collectives[0][4] == [[4]] and collectives[0][5] == ["Float"], collectives[0]
+        assert collectives[3][6] == [[4]] * 3, collectives[3]  # all-gather outputs
+        p2p = [r for r in rows if r[7]]
+        if rank == 0:
+            assert [(r[0], r[2], r[4]) for r in p2p] == [("nccl:send 0->1", 1, [[2]])], p2p
+        elif rank == 1:
+            assert [(r[0], r[2], r[6]) for r in p2p] == [("nccl:recv 1<-0", 1, [[2]])], p2p
+        else:
+            assert p2p == []
+
+
+def _skips_a_call(ctx):
+    t = torch.ones(4)
+    try:
+        for i in range(3):
+            if ctx.rank == 1 and i == 2:
+                continue  # rank 1 skips the third all_reduce
+            dist.all_reduce(t)
+        dist.barrier()
+    except Exception as e:  # noqa: BLE001 (the failure is what this test is about)
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world_size,route", [(2, "cpu_shm"), (4, "cpu_shm"), (2, "gloo")])
+def test_torchfrtrace_names_the_skipped_call_and_the_rank(tmp_path, world_size, route):
+    prefix = str(tmp_path / "trace_")
+    env = {"TORCH_FR_DUMP_TEMP_FILE": prefix,
+           "TPCOMM_CPU_SHM": "1" if route == "cpu_shm" else "0"}
+    group = Group(world_size, env=env, pg_timeout_s=5)
+    try:
+        errors = group.run(_skips_a_call, timeout_s=90)
+    finally:
+        group.close(kill=True)
+    for rank, error in enumerate(errors):
+        assert error is not None, f"rank {rank} did not fail"
+        assert f"flight recorder dumped to {prefix}{rank}" in error, error
+    assert sorted(os.listdir(tmp_path)) == sorted(f"trace_{r}" for r in range(world_size))
+    tool = os.path.join(os.path.dirname(sys.executable), "torchfrtrace")
+    out = subprocess.run([tool, str(tmp_path), "-p", "trace_"], capture_output=True, text=True,
+                         timeout=120)
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, report
+    assert "Collective sequence number: 3 has errors" in report, report
+    assert f"collective: nccl:all_reduce tpcomm/{route}" in report, report
+    assert "Culprit rank 1" in report and "COLLECTIVE_TYPE_MISMATCH" in report, report
+
+
+def _recorder_off(ctx):
+    dist.all_reduce(torch.ones(2))
+    dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return backend.describe()["flight_recorder"], len(_our_entries(dump))
+
+
+def test_a_zero_buffer_turns_recording_off():
+    group = Group(2, env={"TORCH_FR_BUFFER_SIZE": "0"})
+    try:
+        for status, entries in group.run(_recorder_off):
+            assert status == "off: TORCH_FR_BUFFER_SIZE=0" and entries == 0, (status, entries)
+    finally:
+        group.close()
