@@ -53,8 +53,7 @@ std::shared_ptr<Arena> Arena::create(uint64_t capacity) {
                "message queue arena: capacity must be in [1, 64 GiB], got ", capacity, " bytes");
   capacity = roundUp(capacity);
   std::unique_ptr<SharedRegion> region = SharedRegion::create(kDataStart + capacity);
-  const std::string name = detail::concat("memfd:", ::getpid(), ":", region->fd(), ":",
-                                          region->bytes(), ":", region->nonce().hex());
+  const std::string name = region->name();
   auto* h = new (region->base()) ArenaHeader();
   h->magic = kArenaMagic;
   h->version = kArenaVersion;
@@ -71,25 +70,19 @@ std::shared_ptr<Arena> Arena::create(uint64_t capacity) {
 }
 
 std::shared_ptr<Arena> Arena::attach(const std::string& name) {
-  int pid = 0, fd = 0;
-  unsigned long long bytes = 0;
-  char nonceText[33] = {};
-  int used = 0;
-  const bool parsed = std::sscanf(name.c_str(), "memfd:%d:%d:%llu:%32[0-9a-f]%n", &pid, &fd, &bytes,
-                                  nonceText, &used) == 4 &&
-                      used == static_cast<int>(name.size()) && pid > 0 && fd >= 0 &&
-                      bytes > kDataStart && std::strlen(nonceText) == 32;
-  TPCOMM_CHECK(parsed, kInvalidUsage, "'", name, "' is not the name of a message queue arena");
-  const RegionNonce nonce = RegionNonce::parse(nonceText);
+  RegionName where;
+  TPCOMM_CHECK(RegionName::parse(name, &where) && where.bytes > kDataStart, kInvalidUsage, "'",
+               name, "' is not the name of a message queue arena");
   std::unique_ptr<SharedRegion> region;
   try {
-    region = SharedRegion::attach(pid, fd, static_cast<size_t>(bytes), nonce);
+    region =
+        SharedRegion::attach(where.pid, where.fd, static_cast<size_t>(where.bytes), where.nonce);
   } catch (const Error& e) {
     TPCOMM_THROW(kSystem, "message queue arena ", name, ": ", e.what());
   }
   const auto& h = *reinterpret_cast<const ArenaHeader*>(region->base());
-  TPCOMM_CHECK(h.magic == kArenaMagic && h.version == kArenaVersion && h.writerPid == pid &&
-                   h.token == nonce.words[0] && h.capacity + kDataStart == bytes,
+  TPCOMM_CHECK(h.magic == kArenaMagic && h.version == kArenaVersion && h.writerPid == where.pid &&
+                   h.token == where.nonce.words[0] && h.capacity + kDataStart == where.bytes,
                kSystem, "message queue arena ", name, " is not a tpcomm arena (version ",
                kArenaVersion, ")");
   const uint64_t capacity = h.capacity;

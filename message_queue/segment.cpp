@@ -33,15 +33,6 @@ size_t payloadOffset(const Geometry& g) {
   return alignUp(chunkHeadersOffset(g.numReaders) + g.numChunks * sizeof(ChunkHeader));
 }
 
-// "memfd:<pid>:<fd>:<bytes>:<nonce>": where a reader finds the creator's
-// descriptor, and the region's random 128-bit nonce (the descriptor number of
-// a closed ring is reused by the next one; a pid may belong to another pid
-// namespace), checked at attach.
-std::string nameOf(const SharedRegion& region) {
-  return detail::concat("memfd:", ::getpid(), ":", region.fd(), ":", region.bytes(), ":",
-                        region.nonce().hex());
-}
-
 }  // namespace
 
 uint64_t segmentBytes(const Geometry& g) {
@@ -68,7 +59,10 @@ std::unique_ptr<Segment> Segment::create(const Geometry& g) {
   const uint64_t bytes = segmentBytes(g);
   std::unique_ptr<SharedRegion> region = SharedRegion::create(bytes);  // zeroed, 0600
   const uint64_t token = region->nonce().words[0];
-  const std::string name = nameOf(*region);
+  // Where a reader finds the creator's descriptor, and the region's random
+  // nonce (a closed ring's descriptor number is reused by the next one; a pid
+  // may belong to another pid namespace), checked at attach.
+  const std::string name = region->name();
   auto segment = std::unique_ptr<Segment>(new Segment(name, std::move(region), g));
   Header* h = new (segment->region_->base()) Header();
   h->magic = kMagic;
@@ -84,19 +78,15 @@ std::unique_ptr<Segment> Segment::create(const Geometry& g) {
 }
 
 std::unique_ptr<Segment> Segment::attach(const std::string& name) {
-  int pid = 0, fd = 0;
-  unsigned long long bytes = 0;
-  char nonceText[33] = {};
-  int used = 0;
-  const bool parsed = std::sscanf(name.c_str(), "memfd:%d:%d:%llu:%32[0-9a-f]%n", &pid, &fd, &bytes,
-                                  nonceText, &used) == 4 &&
-                      used == static_cast<int>(name.size()) && pid > 0 && fd >= 0 &&
-                      bytes >= kHeaderBytes && std::strlen(nonceText) == 32;
-  TPCOMM_CHECK(parsed, kInvalidUsage, "'", name, "' is not the name of a tpcomm message queue");
-  const RegionNonce nonce = RegionNonce::parse(nonceText);
+  RegionName where;
+  TPCOMM_CHECK(RegionName::parse(name, &where) && where.bytes >= kHeaderBytes, kInvalidUsage, "'",
+               name, "' is not the name of a tpcomm message queue");
+  const int pid = where.pid;
+  const uint64_t bytes = where.bytes;
+  const RegionNonce& nonce = where.nonce;
   std::unique_ptr<SharedRegion> region;
   try {
-    region = SharedRegion::attach(pid, fd, static_cast<size_t>(bytes), nonce);
+    region = SharedRegion::attach(where.pid, where.fd, static_cast<size_t>(bytes), nonce);
   } catch (const Error& e) {
     TPCOMM_THROW(kSystem, "message queue ", name, ": ", e.what(),
                  " (the writer closes its descriptor once every reader attached, and it is gone "

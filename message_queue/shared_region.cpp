@@ -154,4 +154,25 @@ void SharedRegion::closeDescriptor() {
   fd_ = -1;
 }
 
+std::string SharedRegion::name() const {
+  return detail::concat("memfd:", ::getpid(), ":", fd_, ":", bytes_, ":", nonce_.hex());
+}
+
+bool RegionName::parse(const std::string& text, RegionName* out) {
+  int pid = 0, fd = 0;
+  unsigned long long bytes = 0;
+  char nonceText[33] = {};
+  int used = 0;
+  const bool parsed = std::sscanf(text.c_str(), "memfd:%d:%d:%llu:%32[0-9a-f]%n", &pid, &fd, &bytes,
+                                  nonceText, &used) == 4 &&
+                      used == static_cast<int>(text.size()) && pid > 0 && fd >= 0 &&
+                      std::strlen(nonceText) == 32;
+  if (!parsed) return false;
+  out->pid = pid;
+  out->fd = fd;
+  out->bytes = bytes;
+  out->nonce = RegionNonce::parse(nonceText);
+  return true;
+}
+
 }  // namespace tpcomm::mq

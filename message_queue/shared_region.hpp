@@ -30,6 +30,17 @@ struct RegionNonce {
   }
 };
 
+// Where another process of this host finds a region:
+// "memfd:<creator pid>:<fd>:<bytes>:<nonce hex>".
+struct RegionName {
+  int32_t pid = 0;
+  int32_t fd = -1;
+  uint64_t bytes = 0;
+  RegionNonce nonce;
+  // Parses `text`; false when it is not such a name.
+  static bool parse(const std::string& text, RegionName* out);
+};
+
 class SharedRegion {
  public:
   // Creates and maps `bytes` of zeroed shared memory, sealed against ever
@@ -59,6 +70,8 @@ class SharedRegion {
   // Whether the memfd is sealed against execution (MFD_NOEXEC_SEAL).
   bool execSealed() const { return execSealed_; }
   const RegionNonce& nonce() const { return nonce_; }
+  // This region's name, for peers to attach through (the creator's).
+  std::string name() const;
   // Bytes before base(): the nonce, padded to a page, so that base() stays
   // page-aligned (callers lay pages out from it; madvise needs them).
   static constexpr size_t kPreambleBytes = 4096;
