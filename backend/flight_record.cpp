@@ -174,8 +174,7 @@ void FlightRecord::recordGroup(const std::string& name, const std::string& desc,
 
 FlightId FlightRecord::record(size_t pgId, const std::string& name, const std::string& desc,
                               size_t collectiveSeq, size_t p2pSeq, std::string profilingName,
-                              const std::vector<at::Tensor>& inputs,
-                              const std::vector<at::Tensor>& outputs,
+                              c10::ArrayRef<at::Tensor> inputs, c10::ArrayRef<at::Tensor> outputs,
                               std::chrono::milliseconds timeout, bool isP2P) {
   if (recorder_ == nullptr) return {};
   Recorder& r = recorder(recorder_);

@@ -47,7 +47,7 @@ class FlightRecord {
   // it in the caller's thread).
   FlightId record(size_t pgId, const std::string& name, const std::string& desc,
                   size_t collectiveSeq, size_t p2pSeq, std::string profilingName,
-                  const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& outputs,
+                  c10::ArrayRef<at::Tensor> inputs, c10::ArrayRef<at::Tensor> outputs,
                   std::chrono::milliseconds timeout, bool isP2P);
   // The call's route became known: its profiling name becomes `name`.
   void rename(const FlightId& id, std::string profilingName);

@@ -15,7 +15,16 @@ using c10d::Work;
 using coord::Pending;
 using WorkPtr = c10::intrusive_ptr<Work>;
 using Tensors = std::vector<at::Tensor>;
-using TensorLists = std::pair<Tensors, Tensors>;
+using Refs = c10::ArrayRef<at::Tensor>;
+
+// A call's tensors as the flight recorder sees them: views of the caller's
+// lists (no copy), or of lists made for the record (`made`).
+struct CallTensors {
+  Refs in, out;
+};
+struct MadeTensors {
+  Tensors in, out;
+};
 
 namespace {
 
@@ -103,9 +112,10 @@ struct ProcessGroupTpcomm::FlightCall {
   }
 };
 
-ProcessGroupTpcomm::FlightCall ProcessGroupTpcomm::recordCall(
-    OpType type, const char* op, const std::vector<at::Tensor>& inputs,
-    const std::vector<at::Tensor>& outputs, int peer) {
+ProcessGroupTpcomm::FlightCall ProcessGroupTpcomm::recordCall(OpType type, const char* op,
+                                                              c10::ArrayRef<at::Tensor> inputs,
+                                                              c10::ArrayRef<at::Tensor> outputs,
+                                                              int peer) {
   FlightRecord& fr = FlightRecord::get();
   const std::string& uid =
       getGroupUid().empty() ? coordinator_->options().groupName : getGroupUid();
@@ -149,8 +159,8 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
   return translateErrors([&]() -> WorkPtr {
     FlightCall flight;
     if (FlightRecord::get().enabled()) {
-      const auto [inputs, outputs] = tensors();
-      flight = recordCall(type, op, inputs, outputs, peer);
+      const auto lists = tensors();
+      flight = recordCall(type, op, lists.in, lists.out, peer);
       coord::RouteStats::lastRoute().reset();
     }
     Pending pending;
@@ -257,7 +267,7 @@ WorkPtr ProcessGroupTpcomm::broadcast(std::vector<at::Tensor>& tensors,
   return run(
       OpType::BROADCAST, "broadcast",
       [&] {
-        return TensorLists{tensors, tensors};
+        return CallTensors{tensors, tensors};
       },
       [&] {
         checkSingle("broadcast", "tensors", tensors);
@@ -276,7 +286,7 @@ WorkPtr ProcessGroupTpcomm::allreduce(std::vector<at::Tensor>& tensors,
   return run(
       OpType::ALLREDUCE, "allreduce",
       [&] {
-        return TensorLists{tensors, tensors};
+        return CallTensors{tensors, tensors};
       },
       [&] {
         checkSingle("allreduce", "tensors", tensors);
@@ -290,7 +300,7 @@ WorkPtr ProcessGroupTpcomm::allreduceInto(at::Tensor& input, at::Tensor& output,
   return run(
       OpType::ALLREDUCE, "allreduce",
       [&] {
-        return TensorLists{{input}, {output}};
+        return CallTensors{input, output};
       },
       [&] {
         checkTensors("allreduce", "input", {input});
@@ -312,7 +322,7 @@ std::string ProcessGroupTpcomm::allreduceAddRmsNorm(const at::Tensor& input,
   run(
       OpType::ALLREDUCE, "all_reduce_add_rms_norm",
       [&] {
-        return TensorLists{{input}, {normed}};
+        return CallTensors{input, normed};
       },
       [&] {
         checkAddRmsNorm(input, residual, weight, eps, normed, residualOut);
@@ -325,7 +335,7 @@ std::string ProcessGroupTpcomm::allreduceAddRmsNorm(const at::Tensor& input,
 WorkPtr ProcessGroupTpcomm::allreduce_sparse(std::vector<at::Tensor>& tensors,
                                              const c10d::AllreduceOptions& opts) {
   return run(
-      OpType::ALLREDUCE, "allreduce_sparse", [&] { return TensorLists{}; },
+      OpType::ALLREDUCE, "allreduce_sparse", [&] { return CallTensors{}; },
       [&] {
         checkSparse("allreduce_sparse", tensors, opts.reduceOp);
         return coordinator_->allreduceSparse(tensors, opts);
@@ -337,7 +347,7 @@ WorkPtr ProcessGroupTpcomm::allreduce_coalesced(std::vector<at::Tensor>& tensors
   return run(
       OpType::ALLREDUCE_COALESCED, "allreduce_coalesced",
       [&] {
-        return TensorLists{tensors, tensors};
+        return CallTensors{tensors, tensors};
       },
       [&] {
         checkTensors("allreduce_coalesced", "tensors", tensors);
@@ -353,7 +363,7 @@ WorkPtr ProcessGroupTpcomm::reduce(std::vector<at::Tensor>& tensors,
   return run(
       OpType::REDUCE, "reduce",
       [&] {
-        return TensorLists{tensors, tensors};
+        return CallTensors{tensors, tensors};
       },
       [&] {
         checkSingle("reduce", "tensors", tensors);
@@ -370,7 +380,7 @@ WorkPtr ProcessGroupTpcomm::allgather(std::vector<std::vector<at::Tensor>>& outp
   return run(
       OpType::ALLGATHER, "allgather",
       [&] {
-        return TensorLists{inputs, flat(outputs)};
+        return MadeTensors{inputs, flat(outputs)};
       },
       [&] {
         checkSingle("allgather", "input tensors", inputs);
@@ -392,7 +402,7 @@ WorkPtr ProcessGroupTpcomm::_allgather_base(at::Tensor& output, at::Tensor& inpu
   return run(
       OpType::_ALLGATHER_BASE, "allgather_into_tensor",
       [&] {
-        return TensorLists{{input}, {output}};
+        return CallTensors{input, output};
       },
       [&] {
         const char* op = "allgather_into_tensor";
@@ -412,7 +422,7 @@ WorkPtr ProcessGroupTpcomm::allgather_coalesced(std::vector<std::vector<at::Tens
   return run(
       OpType::ALLGATHER_COALESCED, "allgather_coalesced",
       [&] {
-        return TensorLists{inputs, flat(outputs)};
+        return MadeTensors{inputs, flat(outputs)};
       },
       [&] {
         const char* op = "allgather_coalesced";
@@ -437,7 +447,7 @@ WorkPtr ProcessGroupTpcomm::allgather_into_tensor_coalesced(std::vector<at::Tens
   return run(
       OpType::COALESCED, "allgather_into_tensor_coalesced",
       [&] {
-        return TensorLists{inputs, outputs};
+        return CallTensors{inputs, outputs};
       },
       [&] {
         const char* op = "allgather_into_tensor_coalesced";
@@ -461,7 +471,7 @@ WorkPtr ProcessGroupTpcomm::gather(std::vector<std::vector<at::Tensor>>& outputs
   return run(
       OpType::GATHER, "gather",
       [&] {
-        return TensorLists{inputs, flat(outputs)};
+        return MadeTensors{inputs, flat(outputs)};
       },
       [&] {
         checkSingle("gather", "input tensors", inputs);
@@ -490,7 +500,7 @@ WorkPtr ProcessGroupTpcomm::scatter(std::vector<at::Tensor>& outputs,
   return run(
       OpType::SCATTER, "scatter",
       [&] {
-        return TensorLists{flat(inputs), outputs};
+        return MadeTensors{flat(inputs), outputs};
       },
       [&] {
         checkSingle("scatter", "output tensors", outputs);
@@ -519,7 +529,7 @@ WorkPtr ProcessGroupTpcomm::reduce_scatter(std::vector<at::Tensor>& outputs,
   return run(
       OpType::REDUCE_SCATTER, "reduce_scatter",
       [&] {
-        return TensorLists{flat(inputs), outputs};
+        return MadeTensors{flat(inputs), outputs};
       },
       [&] {
         const char* op = "reduce_scatter";
@@ -543,7 +553,7 @@ WorkPtr ProcessGroupTpcomm::_reduce_scatter_base(at::Tensor& output, at::Tensor&
   return run(
       OpType::_REDUCE_SCATTER_BASE, "reduce_scatter_tensor",
       [&] {
-        return TensorLists{{input}, {output}};
+        return CallTensors{input, output};
       },
       [&] {
         const char* op = "reduce_scatter_tensor";
@@ -564,7 +574,7 @@ WorkPtr ProcessGroupTpcomm::reduce_scatter_tensor_coalesced(
   return run(
       OpType::COALESCED, "reduce_scatter_tensor_coalesced",
       [&] {
-        return TensorLists{inputs, outputs};
+        return CallTensors{inputs, outputs};
       },
       [&] {
         const char* op = "reduce_scatter_tensor_coalesced";
@@ -590,7 +600,7 @@ WorkPtr ProcessGroupTpcomm::alltoall_base(at::Tensor& output, at::Tensor& input,
   return run(
       OpType::ALLTOALL_BASE, "all_to_all_single",
       [&] {
-        return TensorLists{{input}, {output}};
+        return CallTensors{input, output};
       },
       [&] {
         const char* op = "all_to_all_single";
@@ -610,7 +620,7 @@ WorkPtr ProcessGroupTpcomm::alltoall(std::vector<at::Tensor>& outputs,
   return run(
       OpType::ALLTOALL, "all_to_all",
       [&] {
-        return TensorLists{inputs, outputs};
+        return CallTensors{inputs, outputs};
       },
       [&] {
         checkLength("all_to_all", "input_tensor_list", inputs.size(), size_);
@@ -628,7 +638,7 @@ WorkPtr ProcessGroupTpcomm::send(std::vector<at::Tensor>& tensors, int dstRank, 
   return run(
       OpType::SEND, "send",
       [&] {
-        return TensorLists{tensors, {}};
+        return CallTensors{tensors, {}};
       },
       [&] {
         checkSingle("send", "tensors", tensors);
@@ -642,7 +652,7 @@ WorkPtr ProcessGroupTpcomm::recv(std::vector<at::Tensor>& tensors, int srcRank, 
   return run(
       OpType::RECV, "recv",
       [&] {
-        return TensorLists{{}, tensors};
+        return CallTensors{{}, tensors};
       },
       [&] {
         checkSingle("recv", "tensors", tensors);
@@ -656,7 +666,7 @@ WorkPtr ProcessGroupTpcomm::recvAnysource(std::vector<at::Tensor>& tensors, int 
   return run(
       OpType::RECVANYSOURCE, "recv",
       [&] {
-        return TensorLists{{}, tensors};
+        return CallTensors{{}, tensors};
       },
       [&] {
         checkSingle("recv", "tensors", tensors);
@@ -666,7 +676,7 @@ WorkPtr ProcessGroupTpcomm::recvAnysource(std::vector<at::Tensor>& tensors, int 
 
 WorkPtr ProcessGroupTpcomm::barrier(const c10d::BarrierOptions& opts) {
   return run(
-      OpType::BARRIER, "barrier", [&] { return TensorLists{}; },
+      OpType::BARRIER, "barrier", [&] { return CallTensors{}; },
       [&] { return coordinator_->barrier(opts); });
 }
 

@@ -121,8 +121,8 @@ class ProcessGroupTpcomm : public c10d::Backend {
   std::string describeCall(const char* op) const;
   // The call's entry in the flight recorder (nothing when it is off).
   struct FlightCall;
-  FlightCall recordCall(c10d::OpType type, const char* op, const std::vector<at::Tensor>& inputs,
-                        const std::vector<at::Tensor>& outputs, int peer);
+  FlightCall recordCall(c10d::OpType type, const char* op, c10::ArrayRef<at::Tensor> inputs,
+                        c10::ArrayRef<at::Tensor> outputs, int peer);
 
  public:
   // The group's global ranks, for the flight recorder's group table.

@@ -7,14 +7,16 @@
                                [--dtype bfloat16] [--threads N] [--dtypes | --paths | --late | --bound]
     python -m tpcomm.bench faults [--world-sizes 2 3] [--timeout 3] [--quick]
     python -m tpcomm.bench fused [--world-sizes 2 4] [--device cpu|cuda] [--dtype bfloat16]
+    python -m tpcomm.bench fr [--rounds 3] [--quick]
 
 One module per benchmark (tpcomm.bench.<name>), each with a run() that prints
 its figures; this package's __main__ is the command line.
 
-mq: broadcast of tensor dicts from one writer to N readers on this host,
-through tpcomm.MessageQueue and, in the same run, through the Gloo path
-(metadata with broadcast_object_list, then one dist.broadcast per tensor);
-plus single-thread memcpy bandwidth as the ceiling. Round trips (the writer
+mq: broadcast of tensor dicts and of objects holding tensors from one writer
+to N readers on this host, through tpcomm.MessageQueue, its formats before
+frames and, in the same run, the Gloo path (metadata with
+broadcast_object_list, then one dist.broadcast per tensor); the zero-copy
+arena against copying; single-thread memcpy bandwidth as the ceiling. Round trips (the writer
 broadcasts, every reader acknowledges through a queue of its own) with the
 queue's polling on and at spin 0, against Gloo, and a blocked reader's idle
 CPU (see tpcomm.bench.mq and tpcomm.bench.mq_round_trip).
@@ -31,6 +33,9 @@ tpcomm.bench.cpu).
 faults: bad inputs, one-rank mistakes under TPCOMM_DEBUG and kill -9 of each
 role, summarised as clear errors, timeouts, crashes and wrong results (see
 tpcomm.bench.faults).
+
+fr: a 4-byte shared-memory all_reduce with torch's flight recorder off and
+on, alternating (see tpcomm.bench.flight).
 
 fused: all_reduce_add_rms_norm against all_reduce + add + rms_norm for
 hidden 1024..8192 x 1..128 tokens, on CPU or with every rank on GPU 0 (see

@@ -58,7 +58,14 @@ def main(argv=None):
     fused.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     fused.add_argument("--quick", action="store_true", help="two shapes")
     fused.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best kept)")
+    fr = sub.add_parser("fr", help="what torch's flight recorder adds to a small call")
+    fr.add_argument("--rounds", type=int, default=3, help="alternating rounds (best kept)")
+    fr.add_argument("--quick", action="store_true", help="fewer iterations")
     args = parser.parse_args(argv)
+    if args.what == "fr":
+        from tpcomm.bench.flight import run as run_fr
+
+        return run_fr(args.rounds, args.quick)
     if args.what == "mq":
         rc = 0
         if args.mode in ("broadcast", "both"):
