@@ -20,6 +20,7 @@
 
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
+#include "coordinator/route_stats.hpp"
 
 namespace tpcomm::backend {
 
@@ -65,19 +66,24 @@ void* findLocalSymbol(const void* anchor, const char* name, std::string& why) {
   void* found = nullptr;
   why = detail::concat(info.dli_fname, " has no symbol table (a stripped build)");
   const auto* eh = reinterpret_cast<const ElfW(Ehdr)*>(base);
+  // [offset, offset + count * each) lies in the file (no sum that can wrap).
+  const auto inFile = [size](uint64_t offset, uint64_t count, uint64_t each) {
+    return offset <= size && count <= (size - offset) / each;
+  };
   const bool elf = size >= sizeof(ElfW(Ehdr)) && std::memcmp(eh->e_ident, ELFMAG, SELFMAG) == 0 &&
+                   eh->e_ident[EI_CLASS] == (sizeof(void*) == 8 ? ELFCLASS64 : ELFCLASS32) &&
                    eh->e_shoff > 0 && eh->e_shentsize == sizeof(ElfW(Shdr)) &&
-                   eh->e_shoff + uint64_t{eh->e_shnum} * sizeof(ElfW(Shdr)) <= size;
+                   inFile(eh->e_shoff, eh->e_shnum, sizeof(ElfW(Shdr)));
   const size_t nameLength = std::strlen(name);
   for (unsigned i = 0; elf && i < eh->e_shnum && found == nullptr; ++i) {
     const auto* sections = reinterpret_cast<const ElfW(Shdr)*>(base + eh->e_shoff);
     const ElfW(Shdr)& symtab = sections[i];
     if (symtab.sh_type != SHT_SYMTAB || symtab.sh_link >= eh->e_shnum ||
-        symtab.sh_entsize != sizeof(ElfW(Sym)) || symtab.sh_offset + symtab.sh_size > size) {
+        symtab.sh_entsize != sizeof(ElfW(Sym)) || !inFile(symtab.sh_offset, symtab.sh_size, 1)) {
       continue;
     }
     const ElfW(Shdr)& strtab = sections[symtab.sh_link];
-    if (strtab.sh_offset + strtab.sh_size > size) continue;
+    if (strtab.sh_type != SHT_STRTAB || !inFile(strtab.sh_offset, strtab.sh_size, 1)) continue;
     const auto* symbols = reinterpret_cast<const ElfW(Sym)*>(base + symtab.sh_offset);
     const char* strings = base + strtab.sh_offset;
     const size_t count = symtab.sh_size / sizeof(ElfW(Sym));
@@ -85,8 +91,10 @@ void* findLocalSymbol(const void* anchor, const char* name, std::string& why) {
     for (size_t s = 0; s < count; ++s) {
       const ElfW(Sym)& sym = symbols[s];
       // An 8-byte data object: the pointer; its name checked only then.
-      if (ELF64_ST_TYPE(sym.st_info) != STT_OBJECT || sym.st_size != sizeof(void*) ||
-          sym.st_value == 0 || sym.st_name + nameLength >= strtab.sh_size) {
+      // The low 4 bits of st_info: the symbol type in ELF32 and ELF64 alike.
+      if ((sym.st_info & 0xf) != STT_OBJECT || sym.st_size != sizeof(void*) || sym.st_value == 0 ||
+          sym.st_shndx == SHN_UNDEF || sym.st_shndx >= eh->e_shnum ||
+          sym.st_name >= strtab.sh_size || nameLength >= strtab.sh_size - sym.st_name) {
         continue;
       }
       if (std::memcmp(strings + sym.st_name, name, nameLength + 1) == 0) {
@@ -125,6 +133,28 @@ void* findRecorder(std::string& why) {
 }
 
 }  // namespace
+
+const char* flightOpName(const char* op) {
+  static const std::map<std::string, const char*> names = {
+      {"allreduce", "all_reduce"},
+      {"allreduce_sparse", "all_reduce"},
+      {"all_reduce_add_rms_norm", "all_reduce"},
+      {"allgather", "all_gather"},
+      {"allgather_into_tensor", "_all_gather_base"},
+      {"allgather_coalesced", "ALLGATHER_coalesced"},
+      {"reduce_scatter_tensor", "_reduce_scatter_base"},
+      {"all_to_all_single", "all_to_all"},
+      {"barrier", "all_reduce_barrier"},
+  };
+  auto it = names.find(op);
+  return it == names.end() ? op : it->second;
+}
+
+std::string FlightCall::routed() const {
+  const auto& route = coord::RouteStats::lastRoute();
+  if (!id.id || p2p || !route) return {};
+  return name + " tpcomm/" + coord::statsRouteName(*route);
+}
 
 FlightRecord& FlightRecord::get() {
   static FlightRecord* record = new FlightRecord();  // outlives every group
@@ -222,16 +252,6 @@ FlightId FlightRecord::record(size_t pgId, const std::string& name, const std::s
     e.sizes_.insert(e.sizes_.end(), t.sizes().begin(), t.sizes().end());
   }
   std::lock_guard<std::mutex> lock(r.mutex_);
-  if (r.all_pg_status_.find(pgId) == r.all_pg_status_.end()) {
-    r.all_pg_status_[pgId] = std::make_shared<c10d::ProcessGroupStatus>();
-  }
-  auto& status = *r.all_pg_status_[pgId];
-  if (!isP2P) {
-    status.lastEnqueuedSeq = static_cast<int64_t>(collectiveSeq);
-    status.lastStartedSeq = static_cast<int64_t>(collectiveSeq);
-    status.lastEnqueuedWorkName = e.profiling_name_;
-    status.lastStartedWorkName = e.profiling_name_;
-  }
   e.id_ = r.id_;
   e.reset_epoch_ = r.reset_epoch_;
   const size_t next = r.next_++;
@@ -261,7 +281,7 @@ Recorder::Entry* entryOf(Recorder& r, const FlightId& id) {
 }  // namespace
 
 void FlightRecord::rename(const FlightId& id, std::string profilingName) {
-  if (recorder_ == nullptr || !id.id) return;
+  if (recorder_ == nullptr || !id.id || profilingName.empty()) return;
   Recorder& r = recorder(recorder_);
   std::lock_guard<std::mutex> lock(r.mutex_);
   if (Recorder::Entry* e = entryOf(r, id)) e->profiling_name_ = std::move(profilingName);
@@ -276,11 +296,6 @@ void FlightRecord::retire(const FlightId& id, std::string profilingName) {
   if (!profilingName.empty()) e->profiling_name_ = std::move(profilingName);
   e->time_discovered_completed_ = c10::getTime();
   e->retired_ = true;
-  auto status = r.all_pg_status_.find(e->pg_id_);
-  if (!e->isP2P_ && status != r.all_pg_status_.end()) {
-    status->second->lastCompletedSeq = static_cast<int64_t>(e->collective_seq_id_);
-    status->second->lastCompletedWorkName = e->profiling_name_;
-  }
 }
 
 namespace {

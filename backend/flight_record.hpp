@@ -30,6 +30,24 @@ struct FlightId {
   std::optional<size_t> epoch;
 };
 
+// torch's name of a tpcomm call in its recorder ("allreduce" -> "all_reduce"):
+// the names torchfrtrace knows.
+const char* flightOpName(const char* op);
+
+// One call's entry, as the backend's run() keeps it. torchfrtrace (torch
+// 2.11) reads only entries named "nccl:<op>" or "xccl:<op>": tpcomm's take
+// the first form, the group's description says tpcomm, and the route follows
+// the op ("nccl:all_reduce tpcomm/cpu_shm"; torchfrtrace ignores what
+// follows a collective's name).
+struct FlightCall {
+  FlightId id;
+  std::string name;  // "nccl:<op>", or "nccl:send 0->1" for point to point
+  bool p2p = false;
+  // The name with the route this thread's last call took, once the
+  // coordinator chose it; empty for point to point or when none is known.
+  std::string routed() const;
+};
+
 class FlightRecord {
  public:
   // The process's recorder (found on first use).
@@ -49,7 +67,8 @@ class FlightRecord {
                   size_t collectiveSeq, size_t p2pSeq, std::string profilingName,
                   c10::ArrayRef<at::Tensor> inputs, c10::ArrayRef<at::Tensor> outputs,
                   std::chrono::milliseconds timeout, bool isP2P);
-  // The call's route became known: its profiling name becomes `name`.
+  // The call's route became known: its profiling name becomes `name` (an
+  // empty one changes nothing).
   void rename(const FlightId& id, std::string profilingName);
   // The call completed. A call that failed is left started.
   // A non-empty `profilingName` (the route now known) replaces its name.

@@ -74,85 +74,6 @@ std::string ProcessGroupTpcomm::describeCall(const char* op) const {
          std::to_string(rank_) + " of " + std::to_string(size_) + ")";
 }
 
-namespace {
-
-// torch's name of a call in its flight recorder (what torchfrtrace knows).
-const char* flightOpName(const std::string& op) {
-  static const std::map<std::string, const char*> names = {
-      {"allreduce", "all_reduce"},
-      {"allreduce_sparse", "all_reduce"},
-      {"all_reduce_add_rms_norm", "all_reduce"},
-      {"allgather", "all_gather"},
-      {"allgather_into_tensor", "_all_gather_base"},
-      {"allgather_coalesced", "ALLGATHER_coalesced"},
-      {"reduce_scatter_tensor", "_reduce_scatter_base"},
-      {"all_to_all_single", "all_to_all"},
-      {"barrier", "all_reduce_barrier"},
-  };
-  auto it = names.find(op);
-  return it == names.end() ? op.c_str() : it->second;
-}
-
-}  // namespace
-
-// torchfrtrace (torch 2.11) reads only entries named "nccl:<op>" or
-// "xccl:<op>": tpcomm's entries take the first form, the group's description
-// says tpcomm, and the route follows the op ("nccl:all_reduce tpcomm/cpu_shm";
-// torchfrtrace ignores what follows a collective's name).
-struct ProcessGroupTpcomm::FlightCall {
-  FlightId id;
-  std::string name;  // "nccl:<op>", or "nccl:send 0->1" for point to point
-  bool p2p = false;
-
-  void named() const {
-    if (!id.id || p2p) return;
-    if (auto& route = coord::RouteStats::lastRoute()) {
-      FlightRecord::get().rename(id, name + " tpcomm/" + coord::statsRouteName(*route));
-    }
-  }
-};
-
-ProcessGroupTpcomm::FlightCall ProcessGroupTpcomm::recordCall(OpType type, const char* op,
-                                                              c10::ArrayRef<at::Tensor> inputs,
-                                                              c10::ArrayRef<at::Tensor> outputs,
-                                                              int peer) {
-  FlightRecord& fr = FlightRecord::get();
-  const std::string& uid =
-      getGroupUid().empty() ? coordinator_->options().groupName : getGroupUid();
-  if (!flightGroupRecorded_) {
-    flightGroupRecorded_ = true;
-    std::vector<uint64_t> ranks = globalRanks_;
-    if (ranks.size() != static_cast<size_t>(size_)) {
-      ranks.clear();
-      for (int r = 0; r < size_; ++r) ranks.push_back(static_cast<uint64_t>(r));
-    }
-    fr.recordGroup(uid, getGroupDesc(), ranks);
-    fr.setRank(static_cast<int>(ranks[rank_]));
-    // The Gloo group inside records its own calls (tpcomm's set-up
-    // exchanges, the Gloo route's transfers): under a name that says so.
-    auto cpu = coordinator_->cpuBackend();
-    cpu->setGroupUid(uid + ":tpcomm-internal");
-    cpu->setGroupDesc("tpcomm's own Gloo group inside group " + uid);
-    fr.recordGroup(cpu->getGroupUid(), cpu->getGroupDesc(), ranks);
-  }
-  const bool p2p = !isCollective(type);
-  if (p2p) {
-    ++p2pSeq_;
-  } else {
-    ++collectiveSeq_;
-  }
-  FlightCall call;
-  call.p2p = p2p;
-  call.name = std::string("nccl:") + flightOpName(op);
-  if (peer >= 0) {
-    call.name += type == OpType::SEND ? detail::concat(" ", rank_, "->", peer)
-                                      : detail::concat(" ", rank_, "<-", peer);
-  }
-  call.id = fr.record(flightPgId_, uid, getGroupDesc(), collectiveSeq_, p2pSeq_, call.name, inputs,
-                      outputs, coordinator_->options().timeout, p2p);
-  return call;
-}
-
 template <typename Tensors, typename Call>
 WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, Call&& call,
                                 int peer) {
@@ -160,7 +81,7 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
     FlightCall flight;
     if (FlightRecord::get().enabled()) {
       const auto lists = tensors();
-      flight = recordCall(type, op, lists.in, lists.out, peer);
+      flight = recordCall(!isCollective(type), type == OpType::SEND, op, lists.in, lists.out, peer);
       coord::RouteStats::lastRoute().reset();
     }
     Pending pending;
@@ -168,7 +89,7 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
     try {
       pending = call();
     } catch (const tpcomm::Error& e) {
-      flight.named();  // left started: it never completed
+      FlightRecord::get().rename(flight.id, flight.routed());  // left started: never completed
       if (e.code() == ErrorCode::kInvalidUsage) {
         // A mismatch between ranks is an argument error too: the dump is
         // what shows which rank called what.
@@ -187,11 +108,11 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
       throw tpcomm::Error(e.code(), "tpcomm: " + describeCall(op) + " failed: " + e.what() +
                                         FlightRecord::get().dumpAfterFailure());
     }
-    flight.named();
     if (flight.id.id) {
       if (pending.done) {
-        FlightRecord::get().retire(flight.id);
+        FlightRecord::get().retire(flight.id, flight.routed());
       } else {
+        FlightRecord::get().rename(flight.id, flight.routed());
         pending.finish = [finish = std::move(pending.finish), id = flight.id] {
           if (finish) finish();
           FlightRecord::get().retire(id);

@@ -14,6 +14,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "backend/flight_record.hpp"
 #include "coordinator/group_coordinator.hpp"
 
 namespace tpcomm::backend {
@@ -119,9 +120,9 @@ class ProcessGroupTpcomm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const char* op, Tensors&& tensors,
                                      Call&& call, int peer = -1);
   std::string describeCall(const char* op) const;
-  // The call's entry in the flight recorder (nothing when it is off).
-  struct FlightCall;
-  FlightCall recordCall(c10d::OpType type, const char* op, c10::ArrayRef<at::Tensor> inputs,
+  // The call's entry in the flight recorder, counted in the group's p2p or
+  // collective sequence (backend/process_group_tpcomm_flight.cpp).
+  FlightCall recordCall(bool p2p, bool send, const char* op, c10::ArrayRef<at::Tensor> inputs,
                         c10::ArrayRef<at::Tensor> outputs, int peer);
 
  public:

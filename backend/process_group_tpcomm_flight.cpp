@@ -1,0 +1,49 @@
+// ProcessGroupTpcomm's entries in torch's flight recorder: the group's
+// identity (registered on its first call), its sequence numbers, and one
+// entry per call (backend/flight_record.hpp).
+#include "backend/flight_record.hpp"
+#include "backend/process_group_tpcomm.hpp"
+#include "coordinator/common/error.hpp"
+
+namespace tpcomm::backend {
+
+FlightCall ProcessGroupTpcomm::recordCall(bool p2p, bool send, const char* op,
+                                          c10::ArrayRef<at::Tensor> inputs,
+                                          c10::ArrayRef<at::Tensor> outputs, int peer) {
+  FlightRecord& fr = FlightRecord::get();
+  const std::string& uid =
+      getGroupUid().empty() ? coordinator_->options().groupName : getGroupUid();
+  if (!flightGroupRecorded_) {
+    flightGroupRecorded_ = true;
+    std::vector<uint64_t> ranks = globalRanks_;
+    if (ranks.size() != static_cast<size_t>(size_)) {
+      ranks.clear();
+      for (int r = 0; r < size_; ++r) ranks.push_back(static_cast<uint64_t>(r));
+    }
+    fr.recordGroup(uid, getGroupDesc(), ranks);
+    fr.setRank(static_cast<int>(ranks[rank_]));
+    // The Gloo group inside records its own calls (tpcomm's set-up
+    // exchanges, the Gloo route's transfers): under a name that says so.
+    auto cpu = coordinator_->cpuBackend();
+    cpu->setGroupUid(uid + ":tpcomm-internal");
+    cpu->setGroupDesc("tpcomm's own Gloo group inside group " + uid);
+    fr.recordGroup(cpu->getGroupUid(), cpu->getGroupDesc(), ranks);
+  }
+  if (p2p) {
+    ++p2pSeq_;
+  } else {
+    ++collectiveSeq_;
+  }
+  FlightCall call;
+  call.p2p = p2p;
+  call.name = std::string("nccl:") + flightOpName(op);
+  if (peer >= 0) {
+    call.name +=
+        send ? detail::concat(" ", rank_, "->", peer) : detail::concat(" ", rank_, "<-", peer);
+  }
+  call.id = fr.record(flightPgId_, uid, getGroupDesc(), collectiveSeq_, p2pSeq_, call.name, inputs,
+                      outputs, coordinator_->options().timeout, p2p);
+  return call;
+}
+
+}  // namespace tpcomm::backend
