@@ -78,56 +78,107 @@ template <typename Tensors, typename Call>
 WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, Call&& call,
                                 int peer) {
   return translateErrors([&]() -> WorkPtr {
+    coord::GroupFault& fault = coordinator_->fault();
+    // A broken group, or a collective this rank refused and its peers have
+    // not settled yet (group_fault.hpp): raises or waits here.
+    if (!fault.usable()) {
+      try {
+        fault.checkBeforeCall(op);
+      } catch (const tpcomm::Error& e) {
+        C10_THROW_ERROR(DistBackendError, "tpcomm: " + describeCall(op) + " failed: " + e.what());
+      }
+    }
+    const bool p2p = !isCollective(type);
+    const uint64_t seq = p2p ? ++p2pSeq_ : ++collectiveSeq_;
     FlightCall flight;
     if (FlightRecord::get().enabled()) {
       const auto lists = tensors();
-      flight = recordCall(!isCollective(type), type == OpType::SEND, op, lists.in, lists.out, peer);
-      coord::RouteStats::lastRoute().reset();
+      flight = recordCall(p2p, type == OpType::SEND, op, lists.in, lists.out, peer, seq);
     }
+    // Set once the call reached a route: an argument error before that is
+    // a refusal, one after it a mismatch the route found.
+    coord::RouteStats::lastRoute().reset();
+    const uint64_t ticket = p2p ? 0 : fault.enter(seq, op, false);
+    // Who the call is, for errors (built only where needed: the string). A
+    // failed collective on a CPU route breaks the group; a point-to-point
+    // failure concerns two ranks (TPCOMM_DEBUG's check keeps their lane in
+    // step) and a device route keeps its own recovery.
+    auto identity = [&] {
+      return CallIdentity{describeCall(op), op, seq, rank_, !p2p && !onDeviceRoute()};
+    };
     Pending pending;
     const uint64_t checksBefore = coord::GroupCoordinator::debugChecksOnThisThread();
     try {
+      coord::CurrentFault current(&fault);
       pending = call();
     } catch (const tpcomm::Error& e) {
+      if (ticket) fault.leave(ticket);
       FlightRecord::get().rename(flight.id, flight.routed());  // left started: never completed
       if (e.code() == ErrorCode::kInvalidUsage) {
-        // A mismatch between ranks is an argument error too: the dump is
-        // what shows which rank called what.
-        const std::string dumped = flight.id.id ? FlightRecord::get().dumpAfterFailure() : "";
-        // TPCOMM_DEBUG: a collective refused on this rank before its check
-        // makes every rank raise naming it, not wait for this rank.
-        if (isCollective(type) &&
-            coord::GroupCoordinator::debugChecksOnThisThread() == checksBefore) {
-          coordinator_->checkRefusedCall(op, e.what());
+        // A mismatch found by the route or by TPCOMM_DEBUG's check: every
+        // rank raised at the same step, and the dump is what shows which
+        // rank called what.
+        const bool routed = coord::RouteStats::lastRoute().has_value() ||
+                            coord::GroupCoordinator::debugChecksOnThisThread() != checksBefore;
+        const std::string dumped = flight.id.id && routed ? FlightRecord::get().dumpAfterFailure()
+                                                          : std::string();
+        if (!p2p && !routed) {
+          if (coordinator_->options().debugChecks) {
+            // TPCOMM_DEBUG: the check runs with the refusal as this rank's
+            // signature, so every rank raises naming it at the same step.
+            coordinator_->checkRefusedCall(op, e.what());
+          } else {
+            // A peer that made this call waits for this rank: it learns
+            // that this rank refused it (every rank refusing it breaks
+            // nothing).
+            fault.refused(seq, op, e.what());
+          }
         }
         if (!dumped.empty()) throw tpcomm::Error(e.code(), e.what() + dumped);
         throw;
       }
       // A failure while the call ran in this thread (the CPU shared-memory
       // path) names the call, as a failed Work's wait() does.
-      throw tpcomm::Error(e.code(), "tpcomm: " + describeCall(op) + " failed: " + e.what() +
-                                        FlightRecord::get().dumpAfterFailure());
+      raiseCallFailure(identity(), fault, std::current_exception());
     }
     if (flight.id.id) {
       if (pending.done) {
         FlightRecord::get().retire(flight.id, flight.routed());
       } else {
         FlightRecord::get().rename(flight.id, flight.routed());
-        pending.finish = [finish = std::move(pending.finish), id = flight.id] {
+        pending.finish = [finish = std::move(pending.finish), fid = flight.id] {
           if (finish) finish();
-          FlightRecord::get().retire(id);
+          FlightRecord::get().retire(fid);
         };
       }
     }
-    if (pending.done) return pending.work;  // completed in this thread: nothing to watch
-    if (!pending.work) {
+    if (pending.done || !pending.work) {
+      if (ticket) fault.leave(ticket);
+      if (pending.done) return pending.work;  // completed in this thread: nothing to watch
       // A synchronous call (asyncOp=false) that the routed backend already
       // ordered on the current stream returns no Work (ProcessGroupNCCL does
       // this); torch's Python API then skips wait(). Mirror it.
       if (pending.finish) pending.finish();
       return WorkPtr();
     }
-    return c10::make_intrusive<TpcommWork>(std::move(pending), type, describeCall(op), rank_);
+    auto work = c10::make_intrusive<TpcommWork>(std::move(pending), type, identity(),
+                                                coordinator_->faultState());
+    if (ticket) fault.leave(ticket);  // the work is in flight in its own right
+    return work;
+  });
+}
+
+bool ProcessGroupTpcomm::onDeviceRoute() {
+  const auto& route = coord::RouteStats::lastRoute();
+  return route && (*route == coord::StatsRoute::kNccl || *route == coord::StatsRoute::kCustomOneShot ||
+                   *route == coord::StatsRoute::kCustomTwoShot);
+}
+
+void ProcessGroupTpcomm::refuseFromPython(const std::string& op, const std::string& why) {
+  translateErrors([&] {
+    coord::GroupFault& fault = coordinator_->fault();
+    if (!fault.usable()) fault.checkBeforeCall(op.c_str());
+    fault.refused(++collectiveSeq_, op.c_str(), why);
   });
 }
 

@@ -8,6 +8,7 @@
 // call and the argument, before anything is sent; a communication failure
 // raises c10d::DistBackendError (torch.distributed.DistBackendError).
 
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -123,9 +124,17 @@ class ProcessGroupTpcomm : public c10d::Backend {
   // The call's entry in the flight recorder, counted in the group's p2p or
   // collective sequence (backend/process_group_tpcomm_flight.cpp).
   FlightCall recordCall(bool p2p, bool send, const char* op, c10::ArrayRef<at::Tensor> inputs,
-                        c10::ArrayRef<at::Tensor> outputs, int peer);
+                        c10::ArrayRef<at::Tensor> outputs, int peer, uint64_t seq);
+  // Whether the call this thread just routed went to a device route
+  // (NCCL, the custom kernel), whose failures keep their own recovery.
+  static bool onDeviceRoute();
 
  public:
+  // torch.distributed's Python front door refused a collective on this
+  // group before it reached the backend (`op`: the function, `why`: its
+  // error): the call takes its number in the sequence and the peers learn
+  // it, as for a refusal here (coord::GroupFault::refused).
+  void refuseFromPython(const std::string& op, const std::string& why);
   // The group's global ranks, for the flight recorder's group table.
   void setGlobalRanks(std::vector<uint64_t> ranks) { globalRanks_ = std::move(ranks); }
   const std::vector<uint64_t>& globalRanks() const { return globalRanks_; }
@@ -134,9 +143,11 @@ class ProcessGroupTpcomm : public c10d::Backend {
   std::shared_ptr<coord::GroupCoordinator> coordinator_;
   std::vector<uint64_t> globalRanks_;
   size_t flightPgId_;
-  bool flightGroupRecorded_ = false;
-  uint64_t collectiveSeq_ = 0;
-  uint64_t p2pSeq_ = 0;
+  std::once_flag flightGroupRecorded_;
+  // Calls issued on this group: every collective (refused ones too) and
+  // every point-to-point call, numbered alike on every rank.
+  std::atomic<uint64_t> collectiveSeq_{0};
+  std::atomic<uint64_t> p2pSeq_{0};
   std::mutex splitMutex_;
   std::map<std::string, c10::intrusive_ptr<ProcessGroupTpcomm>> splits_;
 };

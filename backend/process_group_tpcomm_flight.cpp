@@ -9,12 +9,12 @@ namespace tpcomm::backend {
 
 FlightCall ProcessGroupTpcomm::recordCall(bool p2p, bool send, const char* op,
                                           c10::ArrayRef<at::Tensor> inputs,
-                                          c10::ArrayRef<at::Tensor> outputs, int peer) {
+                                          c10::ArrayRef<at::Tensor> outputs, int peer,
+                                          uint64_t seq) {
   FlightRecord& fr = FlightRecord::get();
   const std::string& uid =
       getGroupUid().empty() ? coordinator_->options().groupName : getGroupUid();
-  if (!flightGroupRecorded_) {
-    flightGroupRecorded_ = true;
+  std::call_once(flightGroupRecorded_, [&] {
     std::vector<uint64_t> ranks = globalRanks_;
     if (ranks.size() != static_cast<size_t>(size_)) {
       ranks.clear();
@@ -28,12 +28,7 @@ FlightCall ProcessGroupTpcomm::recordCall(bool p2p, bool send, const char* op,
     cpu->setGroupUid(uid + ":tpcomm-internal");
     cpu->setGroupDesc("tpcomm's own Gloo group inside group " + uid);
     fr.recordGroup(cpu->getGroupUid(), cpu->getGroupDesc(), ranks);
-  }
-  if (p2p) {
-    ++p2pSeq_;
-  } else {
-    ++collectiveSeq_;
-  }
+  });
   FlightCall call;
   call.p2p = p2p;
   call.name = std::string("nccl:") + flightOpName(op);
@@ -41,7 +36,10 @@ FlightCall ProcessGroupTpcomm::recordCall(bool p2p, bool send, const char* op,
     call.name +=
         send ? detail::concat(" ", rank_, "->", peer) : detail::concat(" ", rank_, "<-", peer);
   }
-  call.id = fr.record(flightPgId_, uid, getGroupDesc(), collectiveSeq_, p2pSeq_, call.name, inputs,
+  // The other sequence's number as it stands (torch records both).
+  const uint64_t collective = p2p ? collectiveSeq_.load() : seq;
+  const uint64_t pointToPoint = p2p ? seq : p2pSeq_.load();
+  call.id = fr.record(flightPgId_, uid, getGroupDesc(), collective, pointToPoint, call.name, inputs,
                       outputs, coordinator_->options().timeout, p2p);
   return call;
 }

@@ -9,63 +9,146 @@
 
 namespace tpcomm::backend {
 
-namespace {
-
-// Raises `error`, a failure of the call `what`, as the caller sees it: a
-// usage mistake found once the call ran (TPCOMM_DEBUG's send/recv check) as
-// the RuntimeError an argument error gets, anything else as DistBackendError
-// naming the call.
-[[noreturn]] void raiseFor(const std::string& what, std::exception_ptr error) {
+void raiseCallFailure(const CallIdentity& id, coord::GroupFault& fault, std::exception_ptr error) {
+  std::string text;
   try {
     std::rethrow_exception(std::move(error));
   } catch (const Error& e) {
-    TORCH_CHECK(e.code() != ErrorCode::kInvalidUsage, "tpcomm: ", what, " refused: ", e.what());
-    C10_THROW_ERROR(DistBackendError, "tpcomm: " + what + " failed: " + e.what() +
-                                          FlightRecord::get().dumpAfterFailure());
+    // A usage mistake found once the call ran (TPCOMM_DEBUG's send/recv
+    // check): the RuntimeError an argument error gets.
+    TORCH_CHECK(e.code() != ErrorCode::kInvalidUsage, "tpcomm: ", id.what, " refused: ", e.what());
+    text = e.what();
   } catch (const std::exception& e) {
-    C10_THROW_ERROR(DistBackendError, "tpcomm: " + what + " failed: " + e.what() +
-                                          FlightRecord::get().dumpAfterFailure());
+    text = e.what();
   } catch (...) {
-    C10_THROW_ERROR(DistBackendError, "tpcomm: " + what + " failed: an unknown exception");
+    text = "an unknown exception";
   }
+  std::string message;
+  if (fault.broken()) {
+    // The group broke first (an abort, a peer's failure or refusal): that
+    // is the cause; the route's own words follow unless they only say so.
+    message = "the group is unusable: " + fault.reason();
+    if (text.find("released: ") == std::string::npos &&
+        text.find(fault.reason()) == std::string::npos) {
+      message += " (the call ended with: " + text + ")";
+    }
+  } else {
+    if (id.breaksGroup) {
+      fault.breakGroup(detail::concat("rank ", id.rank, "'s ", id.op, " #", id.seq,
+                                      " failed: ", text));
+    }
+    message = text;
+  }
+  C10_THROW_ERROR(DistBackendError, "tpcomm: " + id.what + " failed: " + message +
+                                        fault.positions(id.op, id.seq) +
+                                        FlightRecord::get().dumpAfterFailure());
 }
 
-// Completes `future` with `error` raised as raiseFor raises it.
-void failFuture(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::string& what,
-                std::exception_ptr error) {
+namespace {
+
+std::exception_ptr failureOf(const CallIdentity& id, coord::GroupFault& fault,
+                             std::exception_ptr error) {
   try {
-    raiseFor(what, std::move(error));
+    raiseCallFailure(id, fault, std::move(error));
   } catch (...) {
-    future->setError(std::current_exception());
+    return std::current_exception();
   }
 }
 
 }  // namespace
 
-TpcommWork::TpcommWork(coord::Pending pending, c10d::OpType type, std::string what, int rank)
-    : c10d::Work(rank, type),
+struct TpcommWork::State : coord::Interruptible {
+  CallIdentity id;
+  std::shared_ptr<coord::GroupFault> fault;
+  c10::intrusive_ptr<c10d::Work> inner;
+  bool p2p = false;
+  uint64_t ticket = 0;  // in fault's calls while in flight
+  std::vector<at::Tensor> outputs;
+  std::once_flag finishOnce;
+  std::function<void()> finish;
+  c10::intrusive_ptr<c10::ivalue::Future> future;  // where the routed work has one
+  std::atomic<bool> settled{false};
+
+  void runFinish() {
+    std::call_once(finishOnce, [this] {
+      if (finish) finish();
+    });
+  }
+  void leave() {
+    if (ticket != 0) fault->leave(ticket);
+  }
+  // The routed work's future completed: finish, then complete ours.
+  void complete(c10::ivalue::Future& parent) {
+    if (settled.exchange(true)) return;
+    leave();
+    try {
+      parent.value();  // rethrows the routed backend's error
+      runFinish();
+    } catch (...) {
+      future->setError(failureOf(id, *fault, std::current_exception()));
+      return;
+    }
+    future->markCompleted(c10::IValue(outputs));
+  }
+  void interrupt(const std::string& why) override {
+    if (p2p) {
+      // Gloo's send/recv: its abort ends the blocked wait, which raises.
+      try {
+        inner->abort();
+      } catch (...) {
+      }
+      return;
+    }
+    if (!future || settled.exchange(true)) return;
+    leave();
+    future->setError(failureOf(
+        id, *fault, std::make_exception_ptr(Error(ErrorCode::kPeerLost, "released: " + why))));
+  }
+  // Point-to-point: waits for the routed work, registered in flight so that
+  // a broken group ends the wait.
+  bool waitP2p(const std::shared_ptr<State>& self, std::chrono::milliseconds timeout) {
+    const uint64_t entry = fault->enter(id.seq, id.op, true, self);
+    try {
+      if (!fault->usable() && fault->broken()) {
+        TPCOMM_THROW(kPeerLost, "released: ", fault->reason());
+      }
+      const bool done = inner->wait(timeout);
+      fault->leave(entry);
+      if (done) runFinish();
+      return done;
+    } catch (...) {
+      fault->leave(entry);
+      raiseCallFailure(id, *fault, std::current_exception());
+    }
+  }
+};
+
+TpcommWork::TpcommWork(coord::Pending pending, c10d::OpType type, CallIdentity id,
+                       std::shared_ptr<coord::GroupFault> fault)
+    : c10d::Work(id.rank, type),
+      state_(std::make_shared<State>()),
       inner_(std::move(pending.work)),
-      finish_(std::make_shared<FinishStep>()),
-      outputs_(std::move(pending.outputs)),
-      what_(std::move(what)),
       innerHasFuture_(pending.hasFuture) {
-  TORCH_INTERNAL_ASSERT(inner_, std::string("tpcomm: ") + what_ + " produced no work");
-  finish_->fn = std::move(pending.finish);
+  TORCH_INTERNAL_ASSERT(inner_, std::string("tpcomm: ") + id.what + " produced no work");
+  state_->id = std::move(id);
+  state_->fault = std::move(fault);
+  state_->inner = inner_;
+  state_->p2p = !pending.hasFuture;
+  state_->outputs = std::move(pending.outputs);
+  state_->finish = std::move(pending.finish);
   if (!pending.hasFuture) return;
-  // The child future runs the finish step on the thread that completes the
-  // routed work, so that waiting on the future alone observes final results.
-  future_ = inner_->getFuture()->then(
-      [finish = finish_, outputs = outputs_, what = what_](c10::ivalue::Future& parent) {
-        try {
-          parent.value();  // rethrows the routed backend's error
-          finish->run();
-        } catch (...) {
-          raiseFor(what, std::current_exception());
-        }
-        return c10::IValue(outputs);
-      },
-      c10::ListType::ofTensors());
+  future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+  state_->future = future_;
+  state_->ticket = state_->fault->enter(state_->id.seq, state_->id.op, false, state_);
+  // The finish step runs on the thread that completes the routed work, so
+  // that waiting on the future alone observes final results.
+  inner_->getFuture()->addCallback(
+      [state = state_](c10::ivalue::Future& parent) { state->complete(parent); });
+  // A group that broke before the callback was in place: release now.
+  if (state_->fault->broken()) state_->interrupt(state_->fault->reason());
 }
+
+TpcommWork::~TpcommWork() = default;
 
 bool TpcommWork::isCompleted() {
   if (innerHasFuture_) return future_->completed();
@@ -87,26 +170,31 @@ std::exception_ptr TpcommWork::exception() const {
 
 int TpcommWork::sourceRank() const { return inner_->sourceRank(); }
 
-std::vector<at::Tensor> TpcommWork::result() { return outputs_; }
+std::vector<at::Tensor> TpcommWork::result() { return state_->outputs; }
 
 bool TpcommWork::wait(std::chrono::milliseconds timeout) {
-  try {
-    if (!inner_->wait(timeout)) return false;
-  } catch (...) {
-    raiseFor(what_, std::current_exception());
-  }
-  if (innerHasFuture_) {
-    future_->wait();
-    // The future's callback raised its error as raiseFor does.
-    if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
-  } else {
-    try {
-      finish_->run();
-    } catch (...) {
-      raiseFor(what_, std::current_exception());
-    }
+  if (!innerHasFuture_) {
+    if (!state_->waitP2p(state_, timeout)) return false;
     finishedByWait_ = true;
+    return true;
   }
+  if (timeout == kNoTimeout) {
+    future_->wait();
+  } else {
+    // c10's future has no timed wait: poll it, as torch's Work does.
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto pause = std::chrono::microseconds(50);
+    while (!future_->completed()) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        C10_THROW_ERROR(DistBackendError, "tpcomm: " + state_->id.what + " did not finish within " +
+                                              std::to_string(timeout.count()) + " ms");
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(5000));
+    }
+  }
+  // The future's error is raised as raiseCallFailure raised it.
+  if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
   return true;
 }
 
@@ -117,15 +205,14 @@ c10::intrusive_ptr<c10::ivalue::Future> TpcommWork::getFuture() {
   if (future_) return future_;
   future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
   // The routed work has no future: wait for it on a thread of its own. The
-  // wait ends when the work does or when the routed backend's timeout fires.
-  std::thread([inner = inner_, finish = finish_, outputs = outputs_, future = future_,
-               what = what_] {
+  // wait ends when the work does, when the routed backend's timeout fires
+  // or when the group breaks.
+  std::thread([state = state_, future = future_] {
     try {
-      inner->wait();
-      finish->run();
-      future->markCompleted(c10::IValue(outputs));
+      state->waitP2p(state, kNoTimeout);
+      future->markCompleted(c10::IValue(state->outputs));
     } catch (...) {
-      failFuture(future, what, std::current_exception());
+      future->setError(std::current_exception());
     }
   }).detach();
   return future_;

@@ -4,17 +4,23 @@
 // It wraps the routed backend's work and the coordinator's finish step
 // (coord::Pending). Contract, as for c10d::Work:
 //  - wait(): blocks until the call finished (bounded by the group's timeout,
-//    which the routed backend enforces), runs the finish step, and returns
-//    true; a failure is raised as DistBackendError naming the call and group,
-//    a usage mistake found only once the call ran (TPCOMM_DEBUG's send/recv
+//    which the routed backend enforces) or the group broke
+//    (coord::GroupFault: an abort, a peer's failure or refusal), runs the
+//    finish step, and returns true; a failure is raised as DistBackendError
+//    naming the call, the group and, where the peers said, where they are; a
+//    usage mistake found only once the call ran (TPCOMM_DEBUG's send/recv
 //    check) as the RuntimeError an argument error gets.
 //  - getFuture(): completes, with result() as its value, after the finish
-//    step ran, or with the error wait() would raise; DDP's communication
-//    hooks rely on it. Where the routed work has no future (Gloo's
-//    point-to-point and reduce-scatter works), the first getFuture() starts
-//    a thread that waits for it (bounded by the group's timeout) and
+//    step ran, or with the error wait() would raise (also when the group
+//    breaks first); DDP's communication hooks rely on it. Where the routed
+//    work has no future (Gloo's point-to-point works), the first getFuture()
+//    starts a thread that waits for it (bounded by the group's timeout) and
 //    completes the future.
 //  - isCompleted() never blocks. Thread-safe like the wrapped work.
+//
+// A released wait leaves the routed backend's work running (Gloo's worker
+// may still be blocked in it; it keeps the call's tensors alive); the group
+// is unusable from then on, so nothing pairs with it.
 
 #include <atomic>
 #include <memory>
@@ -23,14 +29,34 @@
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "coordinator/group_fault.hpp"
 #include "coordinator/pending.hpp"
 
 namespace tpcomm::backend {
 
+// Who a call is, for errors and the group's fault state.
+struct CallIdentity {
+  std::string what;  // "allreduce on group 'default' (rank 0 of 2)"
+  const char* op;    // "allreduce"
+  uint64_t seq;      // its number in the group's collective or p2p sequence
+  int rank;
+  // A failure breaks the group (CPU routes; the device routes keep their
+  // own recovery, GroupCoordinator::resetCustom).
+  bool breaksGroup;
+};
+
+// Raises `error`, a failure of the call `id`, as the caller sees it; a
+// communication failure breaks the group (when id.breaksGroup), and its
+// message names the group's fault when that came first, the peers'
+// positions and the flight recorder's dump.
+[[noreturn]] void raiseCallFailure(const CallIdentity& id, coord::GroupFault& fault,
+                                   std::exception_ptr error);
+
 class TpcommWork : public c10d::Work {
  public:
-  // `what` names the call in errors: "allreduce on group 'default' (rank 0 of 2)".
-  TpcommWork(coord::Pending pending, c10d::OpType type, std::string what, int rank);
+  TpcommWork(coord::Pending pending, c10d::OpType type, CallIdentity id,
+             std::shared_ptr<coord::GroupFault> fault);
+  ~TpcommWork() override;
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -43,26 +69,17 @@ class TpcommWork : public c10d::Work {
   uint64_t getSequencenumber() const override;
 
  private:
-  // Shared with the future's callback, which may outlive this Work.
-  struct FinishStep {
-    std::once_flag once;
-    std::function<void()> fn;
-    void run() {
-      std::call_once(once, [this] {
-        if (fn) fn();
-      });
-    }
-  };
+  // Shared with the routed work's callback and the group's fault state,
+  // which may outlive this Work.
+  struct State;
 
+  std::shared_ptr<State> state_;
   c10::intrusive_ptr<c10d::Work> inner_;
-  std::shared_ptr<FinishStep> finish_;
-  std::vector<at::Tensor> outputs_;
-  std::string what_;
   bool innerHasFuture_;
   std::atomic<bool> finishedByWait_{false};
   std::mutex futureMutex_;
-  // Completes after inner_ and the finish step. Made in the constructor where
-  // inner_ has a future, else on the first getFuture().
+  // Where inner_ has a future: completed by its callback or by the group's
+  // break, whichever comes first. Else made on the first getFuture().
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 

@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "coordinator/common/error.hpp"
+#include "coordinator/group_fault.hpp"
 #include "message_queue/shm_reduce.hpp"
 
 namespace tpcomm::coord {
@@ -203,7 +204,7 @@ void waitAll(std::vector<c10::intrusive_ptr<c10d::Work>>& works,
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
         deadline - std::chrono::steady_clock::now());
     try {
-      if (!w->wait(std::max(left, std::chrono::milliseconds(1)))) {
+      if (!waitWork(*w, std::max(left, std::chrono::milliseconds(1)))) {
         TPCOMM_THROW(kTimeout, "timed out after ", timeout.count(), " ms");
       }
     } catch (...) {

@@ -4,6 +4,7 @@
 #include <map>
 
 #include "coordinator/common/error.hpp"
+#include "coordinator/group_fault.hpp"
 
 namespace tpcomm::coord {
 
@@ -114,7 +115,7 @@ std::vector<std::string> allgatherBytes(c10d::Backend& cpu, int size, const std:
   std::copy(mine.begin(), mine.end(), static_cast<char*>(input[0].data_ptr()));
   std::vector<std::vector<at::Tensor>> output(1);
   for (int r = 0; r < size; ++r) output[0].push_back(at::empty({n}, options));
-  cpu.allgather(output, input)->wait();
+  waitWork(*cpu.allgather(output, input));
   std::vector<std::string> out;
   for (const auto& t : output[0]) {
     TPCOMM_CHECK_EQ(t.numel(), n, "(allgathered record length)");

@@ -3,6 +3,7 @@
 #include <map>
 
 #include "coordinator/common/error.hpp"
+#include "coordinator/group_fault.hpp"
 
 namespace tpcomm::coord {
 
@@ -58,7 +59,7 @@ std::vector<at::Tensor> gatherFromAll(c10d::Backend& cpu, const at::Tensor& inpu
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < cpu.getSize(); ++r) outputs[0].push_back(at::empty_like(input));
   std::vector<at::Tensor> inputs{input};
-  cpu.allgather(outputs, inputs)->wait();
+  waitWork(*cpu.allgather(outputs, inputs));
   return outputs[0];
 }
 

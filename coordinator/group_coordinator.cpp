@@ -31,6 +31,13 @@ GroupCoordinator::GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d
   TPCOMM_CHECK(cpu_, kInvalidUsage, "GroupCoordinator needs a CPU backend");
   TPCOMM_CHECK_EQ(cpu_->getRank(), options_.rank, "(CPU backend rank vs group rank)");
   TPCOMM_CHECK_EQ(cpu_->getSize(), options_.size, "(CPU backend size vs group size)");
+  fault_ = GroupFault::create(store_, options_.groupName, options_.rank, options_.size,
+                              options_.timeout);
+  fault_->setReleaser([this](const std::string& why) {
+    if (auto* shm = shmFast_.load()) shm->abort(why);
+    if (auto* hier = hierFast_.load()) hier->abort(why);
+    if (auto device = deviceBackendIfCreated()) device->abort();
+  });
   if (options_.debugChecks && store_) {
     p2p_ = std::make_unique<P2pChecker>(store_, options_.groupName, options_.rank, options_.size,
                                         options_.timeout);
@@ -39,6 +46,7 @@ GroupCoordinator::GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d
 
 GroupCoordinator::~GroupCoordinator() {
   withoutInterpreterLock([this] {
+    fault_->setReleaser({});
     shmFast_.store(nullptr);
     shm_.reset();
     hierFast_.store(nullptr);
@@ -566,11 +574,14 @@ void GroupCoordinator::setTimeout(std::chrono::milliseconds timeout) {
   if (auto* hier = hierFast_.load()) hier->setTimeout(timeout);
   if (auto device = deviceBackendIfCreated()) device->setTimeout(timeout);
   if (auto custom = customPath()) custom->setTimeout(customTimeout());
+  fault_->setTimeout(timeout);
 }
 
 void GroupCoordinator::abort() {
-  if (auto* shm = shmFast_.load()) shm->abort("the group was aborted");
-  if (auto* hier = hierFast_.load()) hier->abort("the group was aborted");
+  fault_->breakGroup(detail::concat("rank ", rank(), " aborted the group"));
+  const std::string why = fault_->reason();
+  if (auto* shm = shmFast_.load()) shm->abort(why);
+  if (auto* hier = hierFast_.load()) hier->abort(why);
   if (auto device = deviceBackendIfCreated()) device->abort();
   cpu_->abort();
 }

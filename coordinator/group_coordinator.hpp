@@ -56,6 +56,7 @@
 #include "coordinator/cpu_shm_path.hpp"
 #include "coordinator/custom_path.hpp"
 #include "coordinator/debug_p2p.hpp"
+#include "coordinator/group_fault.hpp"
 #include "coordinator/pending.hpp"
 #include "coordinator/route_stats.hpp"
 #include "coordinator/routing.hpp"
@@ -248,8 +249,13 @@ class GroupCoordinator {
   std::vector<RouteCount> stats() const { return stats_.snapshot(); }
   void resetStats() { stats_.reset(); }
   void setTimeout(std::chrono::milliseconds timeout);
+  // Breaks the group on every rank (group_fault.hpp): this rank's waits end
+  // at once, the peers' within TPCOMM_WATCHDOG_MS and a poll.
   void abort();
   void shutdown();
+  // What has gone wrong on the group, as every rank learns it.
+  GroupFault& fault() { return *fault_; }
+  const std::shared_ptr<GroupFault>& faultState() const { return fault_; }
 
  private:
   // The backend for `route`, counting the call and its bytes in stats_.
@@ -342,6 +348,7 @@ class GroupCoordinator {
   std::array<long, 16> debugThreads_{};  // threads of the last checks; by debugNoteMutex_
   size_t debugThreadNext_ = 0;           // by debugNoteMutex_
   std::unique_ptr<P2pChecker> p2p_;      // TPCOMM_DEBUG's send/recv check (CPU tensors)
+  std::shared_ptr<GroupFault> fault_;
   RouteStats stats_;
   RoutingTable routing_;
   RouteLog routeLog_;

@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "coordinator/common/error.hpp"
+#include "coordinator/group_fault.hpp"
 #include "coordinator/debug_check.hpp"
 #include "coordinator/group_coordinator.hpp"
 
@@ -87,7 +88,7 @@ std::string GroupCoordinator::allreduceAddRmsNorm(const at::Tensor& input,
   at::Tensor reduced = input.clone();
   std::vector<at::Tensor> tensors{reduced};
   Pending pending = allreduceRouted(tensors, c10d::AllreduceOptions());
-  if (pending.work) pending.work->wait();
+  if (pending.work) waitWork(*pending.work);
   if (pending.finish) pending.finish();
   if (rows > 0) addAndNorm(reduced, residual, weight, eps, normed, residualOut);
   return "composed";

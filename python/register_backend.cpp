@@ -82,6 +82,15 @@ tensors through the device backend (NCCL), created on first use.)")
            py::arg("device_factory"), py::arg("cpu_factory") = py::none())
       .def("_set_global_ranks", &backend::ProcessGroupTpcomm::setGlobalRanks, py::arg("ranks"),
            "The group's global ranks (for the flight recorder's group table).")
+      .def("_refuse", &backend::ProcessGroupTpcomm::refuseFromPython, py::arg("op"),
+           py::arg("why"), py::call_guard<py::gil_scoped_release>(),
+           "torch.distributed's front door refused a collective on this group before it reached "
+           "the backend: the peers learn it (see README, faults).")
+      .def_property_readonly(
+          "fault",
+          [](backend::ProcessGroupTpcomm& self) { return self.coordinator().fault().reason(); },
+          "Why the group broke (an abort, a failure, a collective refused on another rank); "
+          "empty while it works.")
       .def_property_readonly(
           "device_backend_created",
           [](backend::ProcessGroupTpcomm& self) {

@@ -84,6 +84,11 @@ const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_FR_STACKS", "bool", "0",
      "tpcomm's entries in torch's flight recorder (TORCH_FR_BUFFER_SIZE) carry the caller's "
      "Python stack, as torch's own do (about a microsecond per call)."},
+    {"TPCOMM_WATCHDOG_MS", "int", "200",
+     "Once a call has waited this long, the process's watchdog reads the group's published "
+     "faults (an abort, a failure, a call refused on another rank) every half this, ends the "
+     "call when the group broke, and publishes where this rank waits for the peers' error "
+     "messages. 0: no watchdog (faults then reach a rank only through shared memory)."},
     {"TPCOMM_LOG", "string", "",
      "Comma-separated topics logged to stderr: routes (each distinct routing decision of a "
      "group, once)."},
@@ -166,6 +171,9 @@ Settings Settings::parse(const Lookup& lookup) {
     s.cpuShmTwoPhaseBytes = parseInt("TPCOMM_CPU_SHM_TWO_PHASE_BYTES", *v, 0, int64_t{1} << 62);
   }
   if (auto v = lookup("TPCOMM_FR_STACKS")) s.frStacks = parseBool("TPCOMM_FR_STACKS", *v);
+  if (auto v = lookup("TPCOMM_WATCHDOG_MS")) {
+    s.watchdogMs = parseInt("TPCOMM_WATCHDOG_MS", *v, 0, 3600000);
+  }
   if (auto v = lookup("TPCOMM_MQ_SPIN_US")) {
     s.mqSpinUs = parseInt("TPCOMM_MQ_SPIN_US", *v, 0, 10000000);
   }

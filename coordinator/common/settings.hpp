@@ -77,6 +77,10 @@ struct Settings {
   // caller's Python stack (as torch's own entries do; about a microsecond
   // per call).
   bool frStacks = false;
+  // TPCOMM_WATCHDOG_MS: once a call has waited this long, the watchdog
+  // (coordinator/group_fault.hpp) reads the group's published faults every
+  // half this and publishes the rank's position (0: no watchdog).
+  int64_t watchdogMs = 200;
   // TPCOMM_LOG: comma-separated topics to log to stderr; "routes" logs each
   // distinct routing decision once per group.
   bool logRoutes = false;

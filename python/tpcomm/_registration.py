@@ -8,7 +8,7 @@ from datetime import timedelta
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from tpcomm import _C
+from tpcomm import _C, _front_door
 from tpcomm._net import gloo_devices
 
 BACKEND_NAME = "tpcomm"
@@ -89,3 +89,4 @@ def register():
             BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
         )
     _patch_monitored_barrier()
+    _front_door.install()

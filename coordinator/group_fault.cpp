@@ -1,0 +1,505 @@
+#include "coordinator/group_fault.hpp"
+
+#include <pthread.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <cstdlib>
+#include <future>
+#include <thread>
+
+#include "coordinator/common/error.hpp"
+#include "coordinator/common/settings.hpp"
+
+namespace tpcomm::coord {
+
+namespace {
+
+using namespace std::chrono_literals;
+
+const std::string kFaultsKey = "tpcomm/faults";
+
+std::string positionKey(int rank) { return "tpcomm/pos/" + std::to_string(rank); }
+
+int64_t wallMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// One line of the faults key: no newline inside.
+std::string oneLine(std::string text) {
+  std::replace(text.begin(), text.end(), '\n', ' ');
+  return text;
+}
+
+std::string secondsText(int64_t ms) {
+  const int64_t tenths = std::max<int64_t>(ms, 0) / 100;
+  return std::to_string(tenths / 10) + "." + std::to_string(tenths % 10) + " s";
+}
+
+// The process's one watchdog thread: visits every live group's fault state
+// every half interval. Leaked on purpose: its thread may still run while
+// the process's static objects are destroyed, so it touches none of them.
+class Watchdog {
+ public:
+  static Watchdog& get() {
+    static Watchdog* watchdog = new Watchdog();
+    return *watchdog;
+  }
+
+  void add(std::weak_ptr<GroupFault> group) {
+    if (interval_.count() == 0) return;
+    std::lock_guard<std::mutex> lock(mutex_);
+    groups_.push_back(std::move(group));
+    if (threadPid_ != getpid()) {
+      threadPid_ = getpid();
+      std::thread([this] { loop(); }).detach();
+    }
+  }
+
+  void wake() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      woken_ = true;
+    }
+    cv_.notify_one();
+  }
+
+  bool running() const { return interval_.count() > 0; }
+  std::chrono::milliseconds interval() const { return interval_; }
+
+ private:
+  Watchdog() : interval_(std::chrono::milliseconds(settings().watchdogMs)) {
+    // A fork while the thread holds the lock would leave it locked in the
+    // child; the child starts its own thread on its first group.
+    pthread_atfork([] { Watchdog::get().mutex_.lock(); },
+                   [] { Watchdog::get().mutex_.unlock(); },
+                   [] {
+                     Watchdog& w = Watchdog::get();
+                     w.mutex_.unlock();
+                     w.groups_.clear();
+                   });
+    std::atexit([] { Watchdog::get().exiting_.store(true); });
+  }
+
+  void loop() {
+    const pid_t self = getpid();
+    const auto step = std::max(interval_ / 2, std::chrono::milliseconds(1));
+    while (!exiting_.load()) {
+      std::vector<std::shared_ptr<GroupFault>> live;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait_for(lock, step, [&] { return woken_; });
+        woken_ = false;
+        if (threadPid_ != self) return;  // a forked child's copy of the state
+        groups_.erase(std::remove_if(groups_.begin(), groups_.end(),
+                                     [](const auto& g) { return g.expired(); }),
+                      groups_.end());
+        for (const auto& g : groups_) {
+          if (auto group = g.lock()) live.push_back(std::move(group));
+        }
+      }
+      const auto now = GroupFault::Clock::now();
+      for (const auto& group : live) {
+        if (exiting_.load()) return;
+        try {
+          group->visit(now, interval_);
+        } catch (...) {
+          // A store that went away: the group's own calls report it.
+        }
+      }
+    }
+  }
+
+  const std::chrono::milliseconds interval_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool woken_ = false;                           // by mutex_
+  pid_t threadPid_ = 0;                          // by mutex_
+  std::vector<std::weak_ptr<GroupFault>> groups_;  // by mutex_
+  std::atomic<bool> exiting_{false};
+};
+
+}  // namespace
+
+std::chrono::milliseconds watchdogInterval() { return Watchdog::get().interval(); }
+
+namespace {
+thread_local GroupFault* currentFault = nullptr;
+
+// Aborts a point-to-point work when its group breaks.
+struct AbortOnBreak : Interruptible {
+  c10d::Work* work;
+  explicit AbortOnBreak(c10d::Work* w) : work(w) {}
+  void interrupt(const std::string&) override {
+    try {
+      work->abort();
+    } catch (...) {
+    }
+  }
+};
+}  // namespace
+
+CurrentFault::CurrentFault(GroupFault* fault) : previous_(currentFault) { currentFault = fault; }
+CurrentFault::~CurrentFault() { currentFault = previous_; }
+GroupFault* CurrentFault::get() { return currentFault; }
+
+bool waitWork(c10d::Work& work, std::chrono::milliseconds timeout) {
+  GroupFault* fault = currentFault;
+  if (fault == nullptr) return work.wait(timeout);
+  const auto type = work.retrieveOpType();
+  if (type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
+      type == c10d::OpType::RECVANYSOURCE) {
+    auto release = std::make_shared<AbortOnBreak>(&work);
+    const uint64_t ticket = fault->enter(0, "internal send/recv", true, release);
+    struct Leave {
+      GroupFault* f;
+      uint64_t t;
+      ~Leave() { f->leave(t); }
+    } leave{fault, ticket};
+    if (fault->broken()) TPCOMM_THROW(kPeerLost, "released: ", fault->reason());
+    try {
+      return work.wait(timeout);
+    } catch (...) {
+      if (fault->broken()) TPCOMM_THROW(kPeerLost, "released: ", fault->reason());
+      throw;
+    }
+  }
+  // A collective: wait for its future, looking at the group between naps.
+  struct Done {
+    std::mutex mutex;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  auto done = std::make_shared<Done>();
+  work.getFuture()->addCallback([done](c10::ivalue::Future&) {
+    std::lock_guard<std::mutex> lock(done->mutex);
+    done->done = true;
+    done->cv.notify_all();
+  });
+  const auto deadline = timeout == kNoTimeout
+                            ? GroupFault::Clock::time_point::max()
+                            : GroupFault::Clock::now() + timeout;
+  {
+    std::unique_lock<std::mutex> lock(done->mutex);
+    while (!done->done) {
+      if (fault->broken()) TPCOMM_THROW(kPeerLost, "released: ", fault->reason());
+      if (GroupFault::Clock::now() >= deadline) break;
+      done->cv.wait_for(lock, 20ms);
+    }
+  }
+  return work.wait(timeout);  // returns at once, or raises the work's error
+}
+
+std::shared_ptr<GroupFault> GroupFault::create(c10::intrusive_ptr<c10d::Store> store,
+                                               std::string groupName, int rank, int size,
+                                               std::chrono::milliseconds timeout) {
+  std::shared_ptr<GroupFault> fault(
+      new GroupFault(std::move(store), std::move(groupName), rank, size, timeout));
+  if (fault->store_ && size > 1) Watchdog::get().add(fault);
+  return fault;
+}
+
+GroupFault::GroupFault(c10::intrusive_ptr<c10d::Store> store, std::string groupName, int rank,
+                       int size, std::chrono::milliseconds timeout)
+    : store_(std::move(store)),
+      groupName_(std::move(groupName)),
+      rank_(rank),
+      size_(size),
+      timeout_(timeout) {}
+
+GroupFault::~GroupFault() = default;
+
+std::string GroupFault::reason() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return reason_;
+}
+
+void GroupFault::setTimeout(std::chrono::milliseconds timeout) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  timeout_ = timeout;
+}
+
+void GroupFault::setReleaser(std::function<void(const std::string&)> releaser) {
+  std::lock_guard<std::mutex> lock(releaseMutex_);
+  releaser_ = std::move(releaser);
+}
+
+uint64_t GroupFault::enter(uint64_t seq, const char* op, bool p2p,
+                           std::weak_ptr<Interruptible> release) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const uint64_t ticket = nextTicket_++;
+  calls_.push_back(Call{ticket, seq, op, p2p, Clock::now(), std::move(release)});
+  if (!p2p && seq > startedSeq_) startedSeq_ = seq;
+  return ticket;
+}
+
+void GroupFault::leave(uint64_t ticket) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto it = calls_.begin(); it != calls_.end(); ++it) {
+    if (it->ticket == ticket) {
+      if (!it->p2p) {
+        lastSeq_ = it->seq;
+        lastOp_ = it->op;
+      }
+      calls_.erase(it);
+      return;
+    }
+  }
+}
+
+bool GroupFault::refusedHereLocked(uint64_t seq) const {
+  return std::find(ownRefusals_.begin(), ownRefusals_.end(), seq) != ownRefusals_.end();
+}
+
+void GroupFault::refused(uint64_t seq, const char* op, const std::string& why) {
+  if (size_ < 2) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (seq > startedSeq_) startedSeq_ = seq;
+    ownRefusals_.push_back(seq);
+    if (ownRefusals_.size() > 256) ownRefusals_.erase(ownRefusals_.begin());
+    if (!store_) return;
+    settleSeq_ = seq;
+    settleOp_ = op;
+  }
+  state_.fetch_or(kSettle, std::memory_order_acq_rel);
+  publish(detail::concat("R ", rank_, " ", seq, " ", op, " ", oneLine(why), "\n"));
+}
+
+void GroupFault::breakGroup(const std::string& why) { breakFrom(why, true); }
+
+void GroupFault::breakFrom(const std::string& why, bool publishIt) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!reason_.empty()) return;
+    reason_ = why;
+    if (publishIt && store_ && size_ > 1) {
+      outbox_.push_back(detail::concat("B ", rank_, " ", oneLine(why), "\n"));
+    }
+  }
+  state_.fetch_or(kBroken, std::memory_order_acq_rel);
+  if (publishIt && store_ && size_ > 1) {
+    if (Watchdog::get().running()) {
+      Watchdog::get().wake();
+    } else {
+      std::vector<std::string> out;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        out.swap(outbox_);
+      }
+      for (const auto& line : out) {
+        try {
+          publish(line);
+        } catch (...) {
+        }
+      }
+    }
+  }
+  std::vector<std::shared_ptr<Interruptible>> waiting;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& call : calls_) {
+      if (auto r = call.release.lock()) waiting.push_back(std::move(r));
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(releaseMutex_);
+    if (releaser_) releaser_(why);
+  }
+  for (const auto& r : waiting) r->interrupt(why);
+}
+
+void GroupFault::publish(const std::string& line) {
+  if (!store_) return;
+  store_->append(kFaultsKey, std::vector<uint8_t>(line.begin(), line.end()));
+}
+
+std::vector<GroupFault::Line> GroupFault::readLines() const {
+  std::vector<Line> lines;
+  if (!store_ || !store_->check({kFaultsKey})) return lines;
+  const auto bytes = store_->get(kFaultsKey);
+  const std::string text(bytes.begin(), bytes.end());
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find('\n', at);
+    if (end == std::string::npos) end = text.size();
+    const std::string row = text.substr(at, end - at);
+    at = end + 1;
+    // "B <rank> <why>" or "R <rank> <seq> <op> <why>"
+    Line line{};
+    if (row.size() < 3 || (row[0] != 'B' && row[0] != 'R') || row[1] != ' ') continue;
+    line.kind = row[0];
+    char* next = nullptr;
+    line.rank = static_cast<int>(std::strtol(row.c_str() + 2, &next, 10));
+    std::string rest = next && *next == ' ' ? std::string(next + 1) : std::string();
+    if (line.kind == 'R') {
+      line.seq = std::strtoull(rest.c_str(), &next, 10);
+      rest = next && *next == ' ' ? std::string(next + 1) : std::string();
+      const size_t space = rest.find(' ');
+      line.op = rest.substr(0, space);
+      rest = space == std::string::npos ? std::string() : rest.substr(space + 1);
+    }
+    line.why = rest;
+    lines.push_back(std::move(line));
+  }
+  return lines;
+}
+
+void GroupFault::checkBeforeCall(const char* op) {
+  if (broken()) {
+    TPCOMM_THROW(kPeerLost, "the group is unusable: ", reason(), positions());
+  }
+  uint64_t seq = 0;
+  std::string refusedOp;
+  std::chrono::milliseconds timeout;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    seq = settleSeq_;
+    refusedOp = settleOp_;
+    timeout = timeout_;
+  }
+  if (seq == 0) return;
+  // This rank refused call #seq: go on only once every peer refused it too
+  // (its next call would otherwise pair with a peer's #seq).
+  const auto deadline = Clock::now() + timeout;
+  auto pause = 200us;
+  for (;;) {
+    std::vector<bool> refusedToo(size_, false);
+    refusedToo[rank_] = true;
+    for (const auto& line : readLines()) {
+      if (line.kind == 'B' && line.rank != rank_) breakFrom(line.why, false);
+      if (line.kind == 'R' && line.seq == seq && line.rank >= 0 && line.rank < size_) {
+        refusedToo[line.rank] = true;
+      }
+    }
+    if (broken()) {
+      TPCOMM_THROW(kPeerLost, "the group is unusable: ", reason(), positions());
+    }
+    if (std::all_of(refusedToo.begin(), refusedToo.end(), [](bool b) { return b; })) break;
+    if (Clock::now() >= deadline) {
+      std::string missing;
+      for (int r = 0; r < size_; ++r) {
+        if (!refusedToo[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      }
+      breakGroup(detail::concat("rank ", rank_, " refused ", refusedOp, " #", seq,
+                                " and ranks ", missing, " neither refused it nor reported "
+                                "being in it within the group's timeout"));
+      TPCOMM_THROW(kTimeout, "before ", op, ": ", reason());
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min<std::chrono::microseconds>(pause * 2, 10ms);
+  }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (settleSeq_ == seq) settleSeq_ = 0;
+  }
+  state_.fetch_and(~kSettle, std::memory_order_acq_rel);
+}
+
+void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAfter) {
+  std::vector<std::string> out;
+  bool stuck = false;
+  std::string position;
+  uint64_t started = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    out.swap(outbox_);
+    const Call* oldest = nullptr;
+    for (const auto& call : calls_) {
+      if (!oldest || call.start < oldest->start) oldest = &call;
+    }
+    if (oldest && now - oldest->start >= stuckAfter) {
+      stuck = true;
+      const int64_t sinceMs =
+          wallMs() -
+          std::chrono::duration_cast<std::chrono::milliseconds>(now - oldest->start).count();
+      position = detail::concat("in ", oldest->op, " #", oldest->seq, oldest->p2p ? " (p2p)" : "",
+                                " since ", sinceMs);
+    } else if (!publishedPosition_.empty() && publishedPosition_.rfind("in ", 0) == 0) {
+      position = detail::concat("after ", lastOp_, " #", lastSeq_);
+    }
+    started = startedSeq_;
+  }
+  for (const auto& line : out) publish(line);
+  if (!store_) return;
+  if (!position.empty() && position != publishedPosition_) {
+    store_->set(positionKey(rank_), std::vector<uint8_t>(position.begin(), position.end()));
+    publishedPosition_ = position;
+  }
+  if (!stuck || broken()) return;
+  for (const auto& line : readLines()) {
+    if (line.rank == rank_) continue;
+    if (line.kind == 'B') {
+      breakFrom(line.why, false);
+      return;
+    }
+    bool mine = false;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      mine = refusedHereLocked(line.seq);
+    }
+    if (!mine && line.seq <= started) {
+      breakGroup(detail::concat("rank ", line.rank, " refused ", line.op, " #", line.seq, " (",
+                                line.why, ") while rank ", rank_, " made that call"));
+      return;
+    }
+  }
+}
+
+std::string GroupFault::positions(const char* op, uint64_t seq) const {
+  if (!store_ || size_ < 2) return "";
+  std::string own;
+  if (op != nullptr) {
+    own = detail::concat("this rank (", rank_, ") in ", op, " #", seq);
+  } else {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const Call* oldest = nullptr;
+    for (const auto& call : calls_) {
+      if (!oldest || call.start < oldest->start) oldest = &call;
+    }
+    if (oldest) {
+      own = detail::concat("this rank (", rank_, ") in ", oldest->op, " #", oldest->seq);
+    } else if (lastSeq_ == 0) {
+      own = detail::concat("this rank (", rank_, ") finished no collective yet");
+    } else {
+      own = detail::concat("this rank (", rank_, ") after ", lastOp_, " #", lastSeq_);
+    }
+  }
+  auto self = shared_from_this();
+  auto answer = std::make_shared<std::promise<std::string>>();
+  auto future = answer->get_future();
+  std::thread([self, answer] {
+    std::string text;
+    try {
+      const int64_t now = wallMs();
+      int said = 0;
+      for (int r = 0; r < self->size_ && said < 32; ++r) {
+        if (r == self->rank_) continue;
+        const std::string key = positionKey(r);
+        if (!self->store_->check({key})) continue;
+        const auto bytes = self->store_->get(key);
+        std::string value(bytes.begin(), bytes.end());
+        const size_t since = value.find(" since ");
+        if (since != std::string::npos) {
+          const int64_t start = std::strtoll(value.c_str() + since + 7, nullptr, 10);
+          value = value.substr(0, since) + " for " + secondsText(now - start);
+        }
+        text += detail::concat("; rank ", r, ": ", value);
+        ++said;
+      }
+      if (said == 0) text = "; no peer has waited in a call of this group";
+    } catch (const std::exception& e) {
+      text = std::string("; the peers' positions are unreadable: ") + e.what();
+    }
+    answer->set_value(text);
+  }).detach();
+  std::string peers = future.wait_for(1s) == std::future_status::ready
+                          ? future.get()
+                          : std::string("; the store did not answer within 1 s");
+  return " [across ranks: " + own + peers + "]";
+}
+
+}  // namespace tpcomm::coord

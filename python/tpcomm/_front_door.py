@@ -1,0 +1,99 @@
+"""Collectives that torch.distributed refuses before they reach the backend.
+
+torch's Python functions check some arguments themselves (a scatter list on
+a rank that is not the source, a tensor list of the wrong type, a group rank
+out of range) and raise before the call reaches any backend. On a tpcomm
+group the peers that made the call would then wait for this rank until the
+group's timeout. So each collective function of ``torch.distributed`` is
+wrapped: when it raises an error that did not come from tpcomm (tpcomm's own
+refusals tell the peers themselves) on a tpcomm group, the group's backend is
+told (``ProcessGroupTpcomm._refuse``), the call takes its number in the
+group's sequence, and a peer that made it raises within a second naming this
+rank, the call and the error; a peer that refused the same call breaks
+nothing (see the README's "Faults" section). The error raised here is the
+original one, unchanged.
+
+The wrapper costs nothing on the path that does not raise (one Python call
+frame). torch.compile traces it as the function it wraps
+(``traceable_collective_remaps`` maps both alike).
+"""
+
+import functools
+import inspect
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from tpcomm import _C
+
+# Every collective of torch.distributed that takes a group (point-to-point
+# calls are not refused group-wide: only their peer waits).
+_COLLECTIVES = (
+    "all_reduce", "all_reduce_coalesced", "broadcast", "reduce", "all_gather",
+    "all_gather_into_tensor", "all_gather_coalesced", "_all_gather_base", "gather", "scatter",
+    "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all",
+    "all_to_all_single", "barrier",
+)
+
+
+def _tpcomm_backend(group):
+    """The group's tpcomm backend, or None (another backend, not a member)."""
+    if group is None:
+        if not dist.is_initialized():
+            return None
+        group = c10d._get_default_group()
+    if c10d._rank_not_in_group(group) or group.size() < 2:
+        return None
+    backend = group._get_backend(torch.device("cpu"))
+    return backend if isinstance(backend, _C.ProcessGroupTpcomm) else None
+
+
+def _report(name, signature, args, kwargs, error):
+    """Tells the group's peers that this rank refused the call `name`."""
+    if "tpcomm" in str(error):
+        return  # raised by tpcomm, which told the peers itself
+    try:
+        bound = signature.bind(*args, **kwargs)
+        group = bound.arguments.get("group")
+    except TypeError:
+        group = None  # a call torch could not even bind: the default group's
+    try:
+        backend = _tpcomm_backend(group)
+        if backend is not None:
+            backend._refuse(name, f"{type(error).__name__}: {error}")
+    except Exception:  # noqa: BLE001 - the caller gets its own error, unchanged
+        pass
+
+
+def _wrap(name, original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def collective(*args, **kwargs):
+        try:
+            return original(*args, **kwargs)
+        except Exception as error:
+            _report(name, signature, args, kwargs, error)
+            raise
+
+    collective._tpcomm_front_door = original
+    return collective
+
+
+def install():
+    """Wraps torch.distributed's collectives once; calling it again does nothing."""
+    try:
+        from torch.distributed._functional_collectives import traceable_collective_remaps
+    except ImportError:  # pragma: no cover - torch without functional collectives
+        traceable_collective_remaps = {}
+    for name in _COLLECTIVES:
+        original = getattr(c10d, name, None)
+        if original is None or hasattr(original, "_tpcomm_front_door"):
+            continue
+        wrapped = _wrap(name.lstrip("_"), original)
+        setattr(c10d, name, wrapped)
+        if getattr(dist, name, None) is original:
+            setattr(dist, name, wrapped)
+        if original in traceable_collective_remaps:
+            traceable_collective_remaps[wrapped] = traceable_collective_remaps[original]
