@@ -24,6 +24,7 @@ void raiseCallFailure(const CallIdentity& id, coord::GroupFault& fault, std::exc
     text = "an unknown exception";
   }
   std::string message;
+  fault.learnFromPeers();
   if (fault.broken()) {
     // The group broke first (an abort, a peer's failure or refusal): that
     // is the cause; the route's own words follow unless they only say so.
@@ -91,7 +92,10 @@ struct TpcommWork::State : coord::Interruptible {
     future->markCompleted(c10::IValue(outputs));
   }
   void interrupt(const std::string& why) override {
-    if (p2p) {
+    if (!future) {
+      // Without a future: a send/recv's blocked wait ends when it is
+      // aborted; a reduce-scatter's waiter polls the group.
+      if (!p2p) return;
       // Gloo's send/recv: its abort ends the blocked wait, which raises.
       try {
         inner->abort();
@@ -99,20 +103,34 @@ struct TpcommWork::State : coord::Interruptible {
       }
       return;
     }
-    if (!future || settled.exchange(true)) return;
+    if (settled.exchange(true)) return;
     leave();
     future->setError(failureOf(
         id, *fault, std::make_exception_ptr(Error(ErrorCode::kPeerLost, "released: " + why))));
   }
-  // Point-to-point: waits for the routed work, registered in flight so that
-  // a broken group ends the wait.
-  bool waitP2p(const std::shared_ptr<State>& self, std::chrono::milliseconds timeout) {
-    const uint64_t entry = fault->enter(id.seq, id.op, true, self);
+  // A routed work without a future (Gloo's send/recv and reduce-scatter):
+  // waits for it, registered in flight so that a broken group ends the wait
+  // (a send/recv is aborted; a reduce-scatter's completion is polled).
+  bool waitWithoutFuture(const std::shared_ptr<State>& self, std::chrono::milliseconds timeout) {
+    const uint64_t entry = fault->enter(id.seq, id.op, p2p, self);
     try {
-      if (!fault->usable() && fault->broken()) {
-        TPCOMM_THROW(kPeerLost, "released: ", fault->reason());
+      auto released = [&] {
+        if (fault->broken()) TPCOMM_THROW(kPeerLost, "released: ", fault->reason());
+      };
+      released();
+      if (!p2p) {
+        const auto deadline = std::chrono::steady_clock::now() + timeout;
+        auto pause = std::chrono::microseconds(20);
+        while (!inner->isCompleted()) {
+          released();
+          if (timeout != kNoTimeout && std::chrono::steady_clock::now() >= deadline) break;
+          std::this_thread::sleep_for(pause);
+          pause = std::min(pause * 2, std::chrono::microseconds(500));
+        }
       }
       const bool done = inner->wait(timeout);
+      // An aborted Gloo send/recv returns false without raising.
+      if (!done) released();
       fault->leave(entry);
       if (done) runFinish();
       return done;
@@ -133,7 +151,8 @@ TpcommWork::TpcommWork(coord::Pending pending, c10d::OpType type, CallIdentity i
   state_->id = std::move(id);
   state_->fault = std::move(fault);
   state_->inner = inner_;
-  state_->p2p = !pending.hasFuture;
+  state_->p2p = type == c10d::OpType::SEND || type == c10d::OpType::RECV ||
+                type == c10d::OpType::RECVANYSOURCE;
   state_->outputs = std::move(pending.outputs);
   state_->finish = std::move(pending.finish);
   if (!pending.hasFuture) return;
@@ -174,7 +193,7 @@ std::vector<at::Tensor> TpcommWork::result() { return state_->outputs; }
 
 bool TpcommWork::wait(std::chrono::milliseconds timeout) {
   if (!innerHasFuture_) {
-    if (!state_->waitP2p(state_, timeout)) return false;
+    if (!state_->waitWithoutFuture(state_, timeout)) return false;
     finishedByWait_ = true;
     return true;
   }
@@ -209,7 +228,7 @@ c10::intrusive_ptr<c10::ivalue::Future> TpcommWork::getFuture() {
   // or when the group breaks.
   std::thread([state = state_, future = future_] {
     try {
-      state->waitP2p(state, kNoTimeout);
+      state->waitWithoutFuture(state, kNoTimeout);
       future->markCompleted(c10::IValue(state->outputs));
     } catch (...) {
       future->setError(std::current_exception());

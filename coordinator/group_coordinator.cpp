@@ -34,6 +34,16 @@ GroupCoordinator::GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d
   fault_ = GroupFault::create(store_, options_.groupName, options_.rank, options_.size,
                               options_.timeout);
   fault_->setReleaser([this](const std::string& why) {
+    // Gloo's worker threads may stay blocked in a released call until the
+    // peer's process exits or Gloo's timeout; destroying the Gloo group
+    // would join them. A broken group's Gloo group is therefore never
+    // destroyed (the process's exit ends its threads).
+    static std::mutex keptMutex;
+    static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Backend>>();
+    {
+      std::lock_guard<std::mutex> lock(keptMutex);
+      kept->push_back(cpu_);
+    }
     if (auto* shm = shmFast_.load()) shm->abort(why);
     if (auto* hier = hierFast_.load()) hier->abort(why);
     if (auto device = deviceBackendIfCreated()) device->abort();
@@ -545,16 +555,20 @@ std::shared_ptr<GroupCoordinator> GroupCoordinator::split(
   c10::intrusive_ptr<c10d::Backend> cpu;
   const auto at = std::find(ranks.begin(), ranks.end(), rank());
   TPCOMM_CHECK(at != ranks.end(), kInvalidUsage, "rank ", rank(), " is not in the split ranks");
-  if (cpuFactory_) {
-    // A Gloo group on this group's network interface (the CPU backend
-    // factory's), where Gloo's own split would bind its default one.
-    cpu = cpuFactory_(cpuStore, static_cast<int>(at - ranks.begin()),
-                      static_cast<int>(ranks.size()), timeout);
-  } else {
-    auto cpuOptions = c10::make_intrusive<c10d::Backend::Options>("gloo", timeout);
-    cpuOptions->group_name = groupName;
-    cpu = cpu_->split(cpuStore, ranks, cpuOptions);
-  }
+  const GlooSockets sockets = GlooSockets::around(
+      [&] {
+        if (cpuFactory_) {
+          // A Gloo group on this group's network interface (the CPU backend
+          // factory's), where Gloo's own split would bind its default one.
+          cpu = cpuFactory_(cpuStore, static_cast<int>(at - ranks.begin()),
+                            static_cast<int>(ranks.size()), timeout);
+        } else {
+          auto cpuOptions = c10::make_intrusive<c10d::Backend::Options>("gloo", timeout);
+          cpuOptions->group_name = groupName;
+          cpu = cpu_->split(cpuStore, ranks, cpuOptions);
+        }
+      },
+      store);
   TPCOMM_CHECK(cpu, kInvalidUsage, "rank ", rank(), " is not in the split ranks");
   GroupOptions options = options_;
   options.rank = cpu->getRank();
@@ -563,6 +577,7 @@ std::shared_ptr<GroupCoordinator> GroupCoordinator::split(
   options.groupName = groupName;
   auto child = std::make_shared<GroupCoordinator>(options, store, cpu, deviceFactory_);
   child->setCpuBackendFactory(cpuFactory_);
+  child->fault().setGlooSockets(sockets);
   return child;
 }
 
@@ -578,11 +593,9 @@ void GroupCoordinator::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 void GroupCoordinator::abort() {
+  // Published, then released (the shared-memory paths, the device backend,
+  // the Gloo connections, the calls in flight): group_fault.hpp.
   fault_->breakGroup(detail::concat("rank ", rank(), " aborted the group"));
-  const std::string why = fault_->reason();
-  if (auto* shm = shmFast_.load()) shm->abort(why);
-  if (auto* hier = hierFast_.load()) hier->abort(why);
-  if (auto device = deviceBackendIfCreated()) device->abort();
   cpu_->abort();
 }
 

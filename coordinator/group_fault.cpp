@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <future>
+#include <optional>
 #include <thread>
 
 #include "coordinator/common/error.hpp"
@@ -37,6 +38,23 @@ std::string oneLine(std::string text) {
 std::string secondsText(int64_t ms) {
   const int64_t tenths = std::max<int64_t>(ms, 0) / 100;
   return std::to_string(tenths / 10) + "." + std::to_string(tenths % 10) + " s";
+}
+
+// Runs `read` (store reads, which block while the store does not answer)
+// on a thread of its own; its answer, or nothing after one second.
+template <typename Read>
+std::optional<std::string> withinOneSecond(Read read) {
+  auto answer = std::make_shared<std::promise<std::string>>();
+  auto future = answer->get_future();
+  std::thread([answer, read = std::move(read)] {
+    try {
+      answer->set_value(read());
+    } catch (...) {
+      answer->set_value(std::string());
+    }
+  }).detach();
+  if (future.wait_for(1s) != std::future_status::ready) return std::nullopt;
+  return future.get();
 }
 
 // The process's one watchdog thread: visits every live group's fault state
@@ -281,26 +299,44 @@ void GroupFault::breakFrom(const std::string& why, bool publishIt) {
     }
   }
   state_.fetch_or(kBroken, std::memory_order_acq_rel);
-  if (publishIt && store_ && size_ > 1) {
-    if (Watchdog::get().running()) {
-      Watchdog::get().wake();
-    } else {
-      std::vector<std::string> out;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        out.swap(outbox_);
-      }
-      for (const auto& line : out) {
-        try {
-          publish(line);
-        } catch (...) {
-        }
-      }
-    }
+  // The break is published first, then released here (the peers that see
+  // a released wait or a closed connection find the cause in the store).
+  if (Watchdog::get().running() && store_ && size_ > 1) {
+    Watchdog::get().wake();
+  } else {
+    flush();
   }
+}
+
+void GroupFault::setGlooSockets(GlooSockets sockets) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sockets_ = std::move(sockets);
+}
+
+void GroupFault::flush() {
+  std::vector<std::string> out;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    out.swap(outbox_);
+  }
+  try {
+    for (const auto& line : out) publish(line);
+  } catch (...) {
+    // A store that went away: the peers learn it from their own calls.
+  }
+  release();
+}
+
+void GroupFault::release() {
+  if (!broken()) return;
+  std::string why;
   std::vector<std::shared_ptr<Interruptible>> waiting;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    if (released_) return;
+    released_ = true;
+    why = reason_;
+    sockets_.shutdownAll();
     for (const auto& call : calls_) {
       if (auto r = call.release.lock()) waiting.push_back(std::move(r));
     }
@@ -400,13 +436,12 @@ void GroupFault::checkBeforeCall(const char* op) {
 }
 
 void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAfter) {
-  std::vector<std::string> out;
+  flush();
   bool stuck = false;
   std::string position;
   uint64_t started = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    out.swap(outbox_);
     const Call* oldest = nullptr;
     for (const auto& call : calls_) {
       if (!oldest || call.start < oldest->start) oldest = &call;
@@ -423,7 +458,6 @@ void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAft
     }
     started = startedSeq_;
   }
-  for (const auto& line : out) publish(line);
   if (!store_) return;
   if (!position.empty() && position != publishedPosition_) {
     store_->set(positionKey(rank_), std::vector<uint8_t>(position.begin(), position.end()));
@@ -449,6 +483,18 @@ void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAft
   }
 }
 
+void GroupFault::learnFromPeers() {
+  if (!store_ || size_ < 2 || broken()) return;
+  auto self = shared_from_this();
+  const auto cause = withinOneSecond([self] {
+    for (const auto& line : self->readLines()) {
+      if (line.kind == 'B' && line.rank != self->rank_) return line.why;
+    }
+    return std::string();
+  });
+  if (cause && !cause->empty()) breakFrom(*cause, false);
+}
+
 std::string GroupFault::positions(const char* op, uint64_t seq) const {
   if (!store_ || size_ < 2) return "";
   std::string own;
@@ -469,9 +515,7 @@ std::string GroupFault::positions(const char* op, uint64_t seq) const {
     }
   }
   auto self = shared_from_this();
-  auto answer = std::make_shared<std::promise<std::string>>();
-  auto future = answer->get_future();
-  std::thread([self, answer] {
+  std::string peers = withinOneSecond([self] {
     std::string text;
     try {
       const int64_t now = wallMs();
@@ -494,11 +538,8 @@ std::string GroupFault::positions(const char* op, uint64_t seq) const {
     } catch (const std::exception& e) {
       text = std::string("; the peers' positions are unreadable: ") + e.what();
     }
-    answer->set_value(text);
-  }).detach();
-  std::string peers = future.wait_for(1s) == std::future_status::ready
-                          ? future.get()
-                          : std::string("; the store did not answer within 1 s");
+    return text;
+  }).value_or("; the store did not answer within 1 s");
   return " [across ranks: " + own + peers + "]";
 }
 

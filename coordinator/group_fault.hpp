@@ -17,6 +17,9 @@
 // appended; the group's store reaches every host):
 //  - "B <rank> <why>": the group broke on <rank>;
 //  - "R <rank> <seq> <op> <why>": <rank> refused collective #<seq>.
+// Once a rank knows the group broke it also shuts down the group's Gloo
+// connections (gloo_sockets.hpp): its peers' Gloo calls on the group fail at
+// once and none can pair with a call this rank gave up.
 // A rank publishes its own breaks (from the watchdog's thread: abort() never
 // blocks) and refusals (from the refusing call). The watchdog reads the key
 // for a group only while one of its calls has waited longer than
@@ -47,6 +50,8 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "coordinator/gloo_sockets.hpp"
 
 namespace tpcomm::coord {
 
@@ -97,7 +102,15 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // empty function before they go away.
   void setReleaser(std::function<void(const std::string&)> releaser);
   void setTimeout(std::chrono::milliseconds timeout);
+  // The group's Gloo connections: shut down once the group broke (after
+  // the break is published, so that a peer whose Gloo call fails at once
+  // finds the cause in the store).
+  void setGlooSockets(GlooSockets sockets);
 
+  // After a call failed here: when a peer published that the group broke
+  // (it aborted, its own call failed), that is the cause; reads the store
+  // once, within one second.
+  void learnFromPeers();
   // " [across ranks: this rank (0) in allreduce #12; rank 1: in broadcast
   // #11 for 4.1 s; ...]" from what the peers published, read within one
   // second (empty for a group of one or without a store). `op` and `seq`:
@@ -157,6 +170,13 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // Held while the releaser runs, so that clearing it waits for a release.
   std::mutex releaseMutex_;
   std::function<void(const std::string&)> releaser_;  // by releaseMutex_
+  GlooSockets sockets_;  // by mutex_
+  bool released_ = false;  // by mutex_
+  // Publishes the queued lines, then release()s.
+  void flush();
+  // Once the group broke: shuts its Gloo connections down, runs the
+  // releaser and interrupts the calls in flight (once).
+  void release();
   // The watchdog thread's own: the position this rank last published.
   std::string publishedPosition_;
 };

@@ -82,6 +82,22 @@ tensors through the device backend (NCCL), created on first use.)")
            py::arg("device_factory"), py::arg("cpu_factory") = py::none())
       .def("_set_global_ranks", &backend::ProcessGroupTpcomm::setGlobalRanks, py::arg("ranks"),
            "The group's global ranks (for the flight recorder's group table).")
+      .def(
+          "_set_cpu_sockets",
+          [](backend::ProcessGroupTpcomm& self, const std::vector<std::pair<int, uint64_t>>& before,
+             const std::vector<std::pair<int, uint64_t>>& after,
+             const c10::intrusive_ptr<c10d::Store>& store) {
+            auto convert = [](const std::vector<std::pair<int, uint64_t>>& list) {
+              std::vector<coord::SocketFd> out;
+              for (const auto& [fd, inode] : list) out.push_back(coord::SocketFd{fd, inode});
+              return out;
+            };
+            self.coordinator().fault().setGlooSockets(
+                coord::GlooSockets::opened(convert(before), convert(after), store));
+          },
+          py::arg("before"), py::arg("after"), py::arg("store"),
+          "The TCP sockets (_C._tcp_sockets() before and after) the group's Gloo group opened: "
+          "shut down when the group breaks.")
       .def("_refuse", &backend::ProcessGroupTpcomm::refuseFromPython, py::arg("op"),
            py::arg("why"), py::call_guard<py::gil_scoped_release>(),
            "torch.distributed's front door refused a collective on this group before it reached "
@@ -284,6 +300,14 @@ tensors through the device backend (NCCL), created on first use.)")
           "reset_stats", [](backend::ProcessGroupTpcomm& self) { self.coordinator().resetStats(); },
           "Sets every route's counters back to zero.");
 
+  m.def(
+      "_tcp_sockets",
+      [] {
+        std::vector<std::pair<int, uint64_t>> out;
+        for (const auto& s : coord::GlooSockets::snapshot()) out.emplace_back(s.fd, s.inode);
+        return out;
+      },
+      "This process's TCP socket descriptors and their inodes.");
   m.def(
       "settings",
       [] {

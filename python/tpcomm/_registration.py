@@ -41,12 +41,17 @@ def _create_backend(dist_opts, backend_options):
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
     opts._devices = gloo_devices(store)
+    # The sockets Gloo opens are shut down if the group breaks (abort, a
+    # failure): the peers' Gloo calls then fail at once.
+    sockets_before = _C._tcp_sockets()
     cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), rank, size, opts)
+    sockets_after = _C._tcp_sockets()
     device_factory = _make_device_backend if dist.is_nccl_available() else None
     pg = _C.ProcessGroupTpcomm(
         store, rank, size, timeout, dist_opts.group_id or "", cpu, device_factory,
         _gloo_factory(opts._devices),
     )
+    pg._set_cpu_sockets(sockets_before, sockets_after, store)
     pg._set_global_ranks([int(r) for r in (dist_opts.global_ranks_in_group or range(size))])
     return pg
 

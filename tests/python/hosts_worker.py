@@ -132,6 +132,41 @@ def case_host_lost(out):
     out["seconds"] = time.monotonic() - start
 
 
+def _fault_case(out, misbehave):
+    """Every rank but the last host's last makes an allreduce on the
+    hierarchical path; that rank calls `misbehave()` instead. Records what
+    each rank raised, how long it took, and what a later call raised."""
+    bad = int(os.environ["TEST_LAST_HOST"].split(",")[-1])
+    x = torch.ones(256)
+    dist.all_reduce(x)  # the path is set up
+    start = time.monotonic()
+    try:
+        misbehave() if RANK == bad else dist.all_reduce(x)
+        out["raised"] = None
+    except Exception as e:  # noqa: BLE001  (the test reads the message)
+        out["raised"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.monotonic() - start
+    out["bad"] = bad
+    try:
+        dist.all_reduce(x)
+        out["later"] = None
+    except Exception as e:  # noqa: BLE001
+        out["later"] = f"{type(e).__name__}: {e}"
+
+
+def case_refused(out):
+    """One rank refuses the allreduce (a bitwise op on floats)."""
+    _fault_case(out, lambda: dist.all_reduce(torch.ones(256), op=dist.ReduceOp.BAND))
+
+
+def case_aborted(out):
+    """One rank aborts the group instead of calling."""
+    def abort():
+        time.sleep(0.3)
+        dist.group.WORLD._get_backend(torch.device("cpu")).abort()
+    _fault_case(out, abort)
+
+
 def case_message_queue(out):
     """The message queue with the writer on host 0 and readers everywhere:
     same-host readers read the ring, the others receive over Gloo."""

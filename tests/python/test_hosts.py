@@ -226,6 +226,24 @@ def test_a_host_that_goes_away_is_named_by_every_other_rank(name, named, tmp_pat
         assert results[r]["seconds"] < 2 * 20, results[r]["seconds"]
 
 
+@pytest.mark.parametrize("case,cause", [("refused", "refused allreduce"),
+                                        ("aborted", "aborted the group")])
+def test_a_rank_that_refuses_or_aborts_is_named_by_every_rank_across_hosts(case, cause,
+                                                                          tmp_path):
+    layout = LAYOUTS["2x2"]
+    outs = completed(layout, case, tmp_path)
+    bad = outs[0]["bad"]
+    for o in outs:
+        if o["rank"] == bad:
+            assert o["raised"] is None or "ReduceOp.BAND" in o["raised"], o
+        else:
+            assert o["raised"] is not None, f"rank {o['rank']} did not raise"
+            assert f"rank {bad} {cause}" in o["raised"], o["raised"]
+            # The group's timeout is 60 s: the fault, not the timeout, ended it.
+            assert o["seconds"] < 20, o
+        assert o["later"] is not None and "the group is unusable" in o["later"], o
+
+
 def test_message_queue_with_readers_on_several_hosts(tmp_path):
     outs = completed(LAYOUTS["2x2"], "message_queue", tmp_path)
     for o in outs:

@@ -1,0 +1,50 @@
+#pragma once
+// The TCP connections a Gloo group opened, so that breaking the group can
+// shut them down: every rank's pending and later Gloo calls on the group
+// then fail at once (as NCCL's communicator abort makes its calls fail),
+// instead of a released call's Gloo work pairing with a peer's later call.
+//
+// Gloo does not expose its sockets, so they are found as the TCP socket
+// descriptors that appeared in this process while the group was made (its
+// pairs and its listener), less any whose local port is the group store's
+// (connections a TCPStore server accepted meanwhile). Each is remembered
+// with its inode: a descriptor Gloo closed and the process reused for
+// something else is never touched. A forked child never shuts down its
+// parent's connections.
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace tpcomm::coord {
+
+struct SocketFd {
+  int fd;
+  uint64_t inode;
+};
+
+class GlooSockets {
+ public:
+  GlooSockets() = default;
+  // The process's TCP socket descriptors now.
+  static std::vector<SocketFd> snapshot();
+  // Those in `after` and not in `before`, less the store's own port.
+  static GlooSockets opened(const std::vector<SocketFd>& before, const std::vector<SocketFd>& after,
+                            const c10::intrusive_ptr<c10d::Store>& store);
+  // Runs `make` and returns the sockets it opened.
+  static GlooSockets around(const std::function<void()>& make,
+                            const c10::intrusive_ptr<c10d::Store>& store);
+  // shutdown(SHUT_RDWR) on each that is still the same socket. Idempotent.
+  void shutdownAll() const;
+  size_t size() const { return fds_.size(); }
+
+ private:
+  std::vector<SocketFd> fds_;
+  pid_t pid_ = 0;
+};
+
+}  // namespace tpcomm::coord

@@ -1,0 +1,255 @@
+"""Faults every rank sees (coordinator/group_fault.hpp): a collective that one
+rank refuses (a bad argument, found by tpcomm or by torch's Python front
+door), an abort on one rank (from any thread) and a call that fails on one
+rank end the waits of every rank of the group, on the shared-memory route and
+the Gloo route, with an error that names the rank and the call; the group is
+unusable from then on and says why. A collective every rank refuses breaks
+nothing.
+
+Each case runs on a group of its own (new_group), so that the group it breaks
+is not one another test uses. Times are checked against a bound far below the
+group's timeout (60 s): the figures themselves are `python -m tpcomm.bench
+faults`'s.
+"""
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import error_message
+
+R = dist.ReduceOp
+# A fault, not the group's timeout (60 s), must have ended the wait.
+BOUND_S = 10
+
+
+# The rank that makes each case's call with a bad argument (0 where the
+# argument is the root's).
+BAD_RANK = {
+    "scatter_list_length": 0, "gather_list_length": 0, "split_sizes": 1, "split_count": 1,
+    "all_to_all_lists": 1, "all_gather_list": 1, "reduce_scatter_list": 1,
+    "into_tensor_size": 1, "bitwise_on_float": 1, "non_contiguous": 1,
+    "scatter_list_missing": 0, "gather_list_on_a_non_root": 1,
+}
+ONE_SIDED = list(BAD_RANK)
+
+
+def _one_sided(case, w, r, g):
+    """The call of `case` as rank r makes it: BAD_RANK[case] with a bad
+    argument, the others well. The last two are refused by torch's Python
+    front door, before any backend is reached; the others by tpcomm."""
+    x = torch.ones(4)
+    mine = r == BAD_RANK[case]
+    calls = {
+        "scatter_list_length": lambda: dist.scatter(
+            torch.empty(4), [torch.ones(4)] * (w + 1) if r == 0 else None, src=0, group=g),
+        "gather_list_length": lambda: dist.gather(
+            x, [torch.empty(4)] * (w + 1) if r == 0 else None, dst=0, group=g),
+        "split_sizes": lambda: dist.all_to_all_single(
+            torch.empty(4 * w), torch.ones(4 * w),
+            [5] + [4] * (w - 1) if mine else [4] * w, [4] * w, group=g),
+        "split_count": lambda: dist.all_to_all_single(
+            torch.empty(4 * w), torch.ones(4 * w), [4] * w,
+            [4] * (w + 1) if mine else [4] * w, group=g),
+        "all_to_all_lists": lambda: dist.all_to_all(
+            [torch.empty(1) for _ in range(w)],
+            [torch.ones(1) for _ in range(w + 1 if mine else w)], group=g),
+        "all_gather_list": lambda: dist.all_gather(
+            [torch.empty(4) for _ in range(w + 1 if mine else w)], x, group=g),
+        "reduce_scatter_list": lambda: dist.reduce_scatter(
+            torch.empty(4), [torch.ones(4) for _ in range(w + 2 if mine else w)], group=g),
+        "into_tensor_size": lambda: dist.all_gather_into_tensor(
+            torch.empty(4 * w + (1 if mine else 0)), x, group=g),
+        "bitwise_on_float": lambda: dist.all_reduce(x, op=R.BAND if mine else R.SUM, group=g),
+        "non_contiguous": lambda: dist.all_reduce(
+            torch.ones(4, 3).t() if mine else torch.ones(3, 4), group=g),
+        "scatter_list_missing": lambda: dist.scatter(torch.empty(4), None, src=0, group=g),
+        "gather_list_on_a_non_root": lambda: dist.gather(
+            x, [torch.empty(4)] * w if r in (0, BAD_RANK[case]) else None, dst=0, group=g),
+    }
+    return calls[case]
+
+
+def _refused_on_one_rank(ctx, case):
+    w, r = ctx.world_size, ctx.rank
+    g = dist.new_group(backend="tpcomm")
+    warm = torch.ones(1)
+    dist.all_reduce(warm, group=g)  # the route is set up
+    start = time.monotonic()
+    msg = error_message(_one_sided(case, w, r, g))
+    seconds = time.monotonic() - start
+    start = time.monotonic()
+    later = error_message(lambda: dist.all_reduce(torch.ones(2), group=g))
+    later_s = time.monotonic() - start
+    # Other groups are unaffected.
+    y = torch.ones(2)
+    dist.all_reduce(y)
+    assert torch.equal(y, torch.full((2,), float(w)))
+    return BAD_RANK[case], msg, seconds, later, later_s
+
+
+def _check_one_sided(results, case):
+    bad = results[0][0]
+    for r, (_, msg, seconds, later, later_s) in enumerate(results):
+        assert msg is not None, f"{case}: rank {r} did not raise"
+        if r == bad:
+            # Its own error, at once.
+            assert "the group is unusable" not in msg, msg
+            assert seconds < BOUND_S, (r, seconds)
+        else:
+            assert msg.startswith("DistBackendError"), msg
+            assert f"the group is unusable: rank {bad} refused" in msg, msg
+            # This rank, or the first peer that found the refusal.
+            assert "made that call" in msg and f"while rank {bad} " not in msg, msg
+            assert seconds < BOUND_S, (case, r, seconds, msg)
+        assert later is not None and "the group is unusable" in later, later
+        assert f"rank {bad} refused" in later, later
+        assert later_s < BOUND_S, later_s
+
+
+@pytest.mark.parametrize("case", ONE_SIDED)
+def test_a_call_one_rank_refuses_ends_every_ranks_wait_on_gloo(groups, case):
+    _check_one_sided(groups(2).run(_refused_on_one_rank, case), case)
+
+
+@pytest.mark.parametrize("case", ONE_SIDED)
+def test_a_call_one_rank_refuses_ends_every_ranks_wait_on_shared_memory(shm_groups, case):
+    _check_one_sided(shm_groups(2).run(_refused_on_one_rank, case), case)
+
+
+@pytest.mark.parametrize("case", ["split_sizes", "scatter_list_missing", "bitwise_on_float"])
+def test_three_ranks_each_name_the_refusing_rank(shm_groups, groups, case):
+    _check_one_sided(shm_groups(3).run(_refused_on_one_rank, case), case)
+    _check_one_sided(groups(3).run(_refused_on_one_rank, case), case)
+
+
+def _extra_refused_call(ctx):
+    """Rank 0 makes one extra collective, which it refuses, then the call
+    every rank makes: its next call must not pair with the peers' call."""
+    w, r = ctx.world_size, ctx.rank
+    g = dist.new_group(backend="tpcomm")
+    x = torch.ones(4)
+    dist.all_reduce(x, group=g)
+    extra = error_message(lambda: dist.all_reduce(x, op=R.BAND, group=g)) if r == 0 else None
+    start = time.monotonic()
+    msg = error_message(lambda: dist.all_reduce(x, group=g))
+    return extra, msg, time.monotonic() - start, x.tolist()
+
+
+@pytest.mark.parametrize("route", ["gloo", "shm"])
+def test_an_extra_refused_call_on_one_rank_never_pairs_with_the_next(groups, shm_groups, route):
+    group = groups(2) if route == "gloo" else shm_groups(2)
+    results = group.run(_extra_refused_call)
+    assert "ReduceOp.BAND needs an integer" in results[0][0], results[0]
+    for r, (_, msg, seconds, x) in enumerate(results):
+        assert msg is not None and "rank 0 refused allreduce #2" in msg, msg
+        assert x == [2.0] * 4, x  # no call paired with another
+        assert seconds < BOUND_S, seconds
+
+
+def _refused_everywhere(ctx):
+    """Every rank refuses the same calls (tpcomm's check, torch's front
+    door): the group stays healthy."""
+    w = ctx.world_size
+    g = dist.new_group(backend="tpcomm")
+    x = torch.ones(4)
+    msgs = [
+        error_message(lambda: dist.all_reduce(x, op=R.BAND, group=g)),
+        error_message(lambda: dist.all_gather("not a list", x, group=g)),
+        error_message(lambda: dist.scatter(torch.empty(4), None, src=0, group=g)
+                      if ctx.rank == 0 else
+                      dist.scatter(torch.empty(4), [x] * w, src=0, group=g)),
+    ]
+    y = torch.ones(4)
+    dist.all_reduce(y, group=g)
+    return msgs, y.tolist(), g._get_backend(torch.device("cpu")).fault
+
+
+def test_calls_every_rank_refuses_leave_the_group_healthy(groups, shm_groups):
+    for group in (groups(2), shm_groups(3)):
+        for msgs, y, fault in group.run(_refused_everywhere):
+            assert all(m is not None for m in msgs), msgs
+            assert "unusable" not in " ".join(msgs), msgs
+            assert y == [float(group.world_size)] * 4 and fault == "", (y, fault)
+
+
+# ---------------------------------------------------------------- aborts
+def _abort(ctx, case):
+    """`case`: who aborts and what the others wait in. Returns each rank's
+    error, when (wall clock) its wait ended or the abort happened, what a
+    later call raised, and the group's fault."""
+    w, r = ctx.world_size, ctx.rank
+    g = dist.new_group(backend="tpcomm")
+    backend = g._get_backend(torch.device("cpu"))
+    x = torch.ones(1 << 12)
+    dist.all_reduce(x, group=g)
+    aborted_at = []
+
+    def abort_later():
+        time.sleep(0.3)
+        aborted_at.append(time.time())
+        backend.abort()
+
+    msg = None
+    if case == "own_from_a_thread":
+        # Rank 0 waits in an allreduce the others never make; a thread of its
+        # own aborts the group. The others call later.
+        if r == 0:
+            threading.Thread(target=abort_later).start()
+            msg = error_message(lambda: dist.all_reduce(x, group=g))
+        else:
+            time.sleep(1.0)
+            msg = error_message(lambda: dist.all_reduce(x, group=g))
+    elif r == 0:
+        abort_later()
+    elif case == "peer_in_allreduce":
+        msg = error_message(lambda: dist.all_reduce(x, group=g))
+    elif case == "peer_in_recv":
+        msg = error_message(lambda: dist.recv(torch.empty(4), 0, group=g))
+    elif case == "peer_in_a_future":
+        msg = error_message(
+            lambda: dist.all_reduce(x, group=g, async_op=True).get_future().wait())
+    ended = time.time()
+    later = error_message(lambda: dist.all_reduce(torch.ones(2), group=g))
+    return msg, aborted_at[0] if aborted_at else ended, later, backend.fault
+
+
+@pytest.mark.parametrize("case", ["own_from_a_thread", "peer_in_allreduce", "peer_in_recv",
+                                  "peer_in_a_future"])
+@pytest.mark.parametrize("route", ["gloo", "shm"])
+def test_an_abort_ends_every_ranks_wait(groups, shm_groups, route, case):
+    group = groups(2) if route == "gloo" else shm_groups(2)
+    results = group.run(_abort, case)
+    aborted_at = results[0][1]
+    for r, (msg, ended, later, fault) in enumerate(results):
+        assert fault == "rank 0 aborted the group", fault
+        assert later is not None and "the group is unusable: rank 0 aborted the group" in later
+        if r == 0 and case != "own_from_a_thread":
+            continue
+        assert msg is not None and msg.startswith("DistBackendError"), msg
+        assert "rank 0 aborted the group" in msg, msg
+        assert ended - aborted_at < BOUND_S, (r, ended - aborted_at)
+
+
+# ---------------------------------------------------------------- positions
+def _stuck_in_different_calls(ctx):
+    g = dist.new_group(backend="tpcomm", timeout=timedelta(seconds=3))
+    dist.all_reduce(torch.ones(1), group=g)
+    if ctx.rank == 0:
+        return error_message(lambda: dist.all_reduce(torch.ones(4), group=g))
+    return error_message(lambda: dist.recv(torch.empty(4), 0, group=g))
+
+
+@pytest.mark.parametrize("route", ["gloo", "shm"])
+def test_a_timeout_names_where_the_peers_are(groups, shm_groups, route):
+    group = groups(2) if route == "gloo" else shm_groups(2)
+    rank0, rank1 = group.run(_stuck_in_different_calls, timeout_s=60)
+    assert "[across ranks: this rank (0) in allreduce #2; rank 1: in recv #1 (p2p) for " in rank0, \
+        rank0
+    # Rank 0 may have given up first (the same timeout): it then says so.
+    assert "this rank (1) in recv #1" in rank1, rank1
+    assert "rank 0: in allreduce #2 for " in rank1 or "rank 0: after allreduce #2" in rank1, rank1
