@@ -333,6 +333,10 @@ void renameInternalEntries(Recorder& r) {
 
 }  // namespace
 
+void FlightRecord::renameInternal() {
+  if (recorder_ != nullptr) renameInternalEntries(recorder(recorder_));
+}
+
 std::string FlightRecord::dumpAfterFailure() {
   if (recorder_ == nullptr || !dumps_) return "";
   static std::mutex dumping;

@@ -83,6 +83,10 @@ class FlightRecord {
   // TORCH_FR_DUMP_ON_TIMEOUT=1). Returns " (flight recorder dumped to F)" or
   // "". Never throws.
   std::string dumpAfterFailure();
+  // Renames the entries tpcomm's own Gloo groups recorded ("gloo:<op>",
+  // which torchfrtrace cannot read) "nccl:<op> tpcomm/internal"; run before
+  // every dump (tpcomm wraps torch's _dump_fr_trace functions with it).
+  void renameInternal();
 
  private:
   FlightRecord();

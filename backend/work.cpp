@@ -94,7 +94,7 @@ struct TpcommWork::State : coord::Interruptible {
   void interrupt(const std::string& why) override {
     if (!future) {
       // Without a future: a send/recv's blocked wait ends when it is
-      // aborted; a reduce-scatter's waiter polls the group.
+      // aborted, a reduce-scatter's when the connections close.
       if (!p2p) return;
       // Gloo's send/recv: its abort ends the blocked wait, which raises.
       try {
@@ -110,7 +110,8 @@ struct TpcommWork::State : coord::Interruptible {
   }
   // A routed work without a future (Gloo's send/recv and reduce-scatter):
   // waits for it, registered in flight so that a broken group ends the wait
-  // (a send/recv is aborted; a reduce-scatter's completion is polled).
+  // (a send/recv is aborted; every Gloo call fails once the group's Gloo
+  // connections are shut down).
   bool waitWithoutFuture(const std::shared_ptr<State>& self, std::chrono::milliseconds timeout) {
     const uint64_t entry = fault->enter(id.seq, id.op, p2p, self);
     try {
@@ -118,16 +119,9 @@ struct TpcommWork::State : coord::Interruptible {
         if (fault->broken()) TPCOMM_THROW(kPeerLost, "released: ", fault->reason());
       };
       released();
-      if (!p2p) {
-        const auto deadline = std::chrono::steady_clock::now() + timeout;
-        auto pause = std::chrono::microseconds(20);
-        while (!inner->isCompleted()) {
-          released();
-          if (timeout != kNoTimeout && std::chrono::steady_clock::now() >= deadline) break;
-          std::this_thread::sleep_for(pause);
-          pause = std::min(pause * 2, std::chrono::microseconds(500));
-        }
-      }
+      // A reduce-scatter's blocked wait ends when the group's Gloo
+      // connections are shut down (Gloo's reduce-scatter work never reports
+      // completion through isCompleted(), so it cannot be polled).
       const bool done = inner->wait(timeout);
       // An aborted Gloo send/recv returns false without raising.
       if (!done) released();

@@ -90,6 +90,11 @@ GlooSockets GlooSockets::around(const std::function<void()>& make,
   return opened(before, snapshot(), store);
 }
 
+void GlooSockets::add(const GlooSockets& other) {
+  if (pid_ == 0) pid_ = other.pid_;
+  fds_.insert(fds_.end(), other.fds_.begin(), other.fds_.end());
+}
+
 void GlooSockets::shutdownAll() const {
   if (pid_ != getpid()) return;
   for (const auto& s : fds_) {

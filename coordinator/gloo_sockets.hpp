@@ -41,6 +41,8 @@ class GlooSockets {
   // shutdown(SHUT_RDWR) on each that is still the same socket. Idempotent.
   void shutdownAll() const;
   size_t size() const { return fds_.size(); }
+  // Adds `other`'s sockets (another Gloo group of the same tpcomm group).
+  void add(const GlooSockets& other);
 
  private:
   std::vector<SocketFd> fds_;

@@ -577,7 +577,7 @@ std::shared_ptr<GroupCoordinator> GroupCoordinator::split(
   options.groupName = groupName;
   auto child = std::make_shared<GroupCoordinator>(options, store, cpu, deviceFactory_);
   child->setCpuBackendFactory(cpuFactory_);
-  child->fault().setGlooSockets(sockets);
+  child->fault().addGlooSockets(sockets);
   return child;
 }
 

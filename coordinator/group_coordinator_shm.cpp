@@ -57,7 +57,17 @@ void GroupCoordinator::setUpHierLocked(const CpuShmSetup& setup, const CpuShmCon
     // The kernel level the whole group agreed on, for every host.
     CpuShmConfig agreed = config;
     agreed.reduceIsa = mq::reduceIsaName(setup.reduceIsa);
-    hier = setUpHier(*cpu_, cpuFactory_, store_, rank(), size(), setup.hosts, agreed,
+    // The Gloo groups between hosts: their connections close when the
+    // group breaks, and the flight recorder names them as tpcomm's own.
+    BackendFactory factory = [this](const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                    int size, std::chrono::milliseconds timeout) {
+      c10::intrusive_ptr<c10d::Backend> made;
+      fault_->addGlooSockets(
+          GlooSockets::around([&] { made = cpuFactory_(store, rank, size, timeout); }, store));
+      if (made) made->setGroupUid(options_.groupName + ":hosts:tpcomm-internal");
+      return made;
+    };
+    hier = setUpHier(*cpu_, factory, store_, rank(), size(), setup.hosts, agreed,
                      options_.timeout, setup.requiredBy);
   } catch (const Error& e) {
     if (e.code() == ErrorCode::kInvalidUsage) shmError_ = shmReason_ = e.what();

@@ -308,9 +308,10 @@ void GroupFault::breakFrom(const std::string& why, bool publishIt) {
   }
 }
 
-void GroupFault::setGlooSockets(GlooSockets sockets) {
+void GroupFault::addGlooSockets(const GlooSockets& sockets) {
   std::lock_guard<std::mutex> lock(mutex_);
-  sockets_ = std::move(sockets);
+  sockets_.add(sockets);
+  if (released_) sockets.shutdownAll();
 }
 
 void GroupFault::flush() {

@@ -102,10 +102,10 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // empty function before they go away.
   void setReleaser(std::function<void(const std::string&)> releaser);
   void setTimeout(std::chrono::milliseconds timeout);
-  // The group's Gloo connections: shut down once the group broke (after
-  // the break is published, so that a peer whose Gloo call fails at once
-  // finds the cause in the store).
-  void setGlooSockets(GlooSockets sockets);
+  // Connections of the group's Gloo groups (its own, those between hosts):
+  // shut down once the group broke (after the break is published, so that
+  // a peer whose Gloo call fails at once finds the cause in the store).
+  void addGlooSockets(const GlooSockets& sockets);
 
   // After a call failed here: when a peer published that the group broke
   // (it aborted, its own call failed), that is the cause; reads the store

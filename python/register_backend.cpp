@@ -92,7 +92,7 @@ tensors through the device backend (NCCL), created on first use.)")
               for (const auto& [fd, inode] : list) out.push_back(coord::SocketFd{fd, inode});
               return out;
             };
-            self.coordinator().fault().setGlooSockets(
+            self.coordinator().fault().addGlooSockets(
                 coord::GlooSockets::opened(convert(before), convert(after), store));
           },
           py::arg("before"), py::arg("after"), py::arg("store"),
@@ -300,6 +300,9 @@ tensors through the device backend (NCCL), created on first use.)")
           "reset_stats", [](backend::ProcessGroupTpcomm& self) { self.coordinator().resetStats(); },
           "Sets every route's counters back to zero.");
 
+  m.def(
+      "_fr_rename_internal", [] { backend::FlightRecord::get().renameInternal(); },
+      "Renames the flight recorder's entries of tpcomm's own Gloo groups for torchfrtrace.");
   m.def(
       "_tcp_sockets",
       [] {

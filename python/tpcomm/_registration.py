@@ -5,6 +5,7 @@ import numbers
 import warnings
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -87,6 +88,25 @@ def _patch_monitored_barrier():
     dist.monitored_barrier = monitored_barrier
 
 
+def _patch_flight_recorder_dumps():
+    """torch's dump functions first rename the entries of tpcomm's own Gloo
+    groups ("gloo:all_gather" of a set-up exchange, which torchfrtrace
+    cannot read) as tpcomm's own dumps do."""
+    module = torch._C._distributed_c10d
+    for name in ("_dump_fr_trace", "_dump_fr_trace_json"):
+        original = getattr(module, name, None)
+        if original is None or getattr(original, "_tpcomm_wrapped", False):
+            continue
+
+        def dump(*args, _original=original, **kwargs):
+            _C._fr_rename_internal()
+            return _original(*args, **kwargs)
+
+        functools.update_wrapper(dump, original)
+        dump._tpcomm_wrapped = True
+        setattr(module, name, dump)
+
+
 def register():
     """Register backend "tpcomm" for cpu and cuda; calling it again does nothing."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
@@ -95,3 +115,4 @@ def register():
         )
     _patch_monitored_barrier()
     _front_door.install()
+    _patch_flight_recorder_dumps()

@@ -21,57 +21,14 @@ import torch
 import torch.distributed as dist
 
 from harness import error_message
+from tpcomm.bench.faults import ONE_RANK_MISTAKES, one_rank_mistake
 
 R = dist.ReduceOp
 # A fault, not the group's timeout (60 s), must have ended the wait.
 BOUND_S = 10
 
 
-# The rank that makes each case's call with a bad argument (0 where the
-# argument is the root's).
-BAD_RANK = {
-    "scatter_list_length": 0, "gather_list_length": 0, "split_sizes": 1, "split_count": 1,
-    "all_to_all_lists": 1, "all_gather_list": 1, "reduce_scatter_list": 1,
-    "into_tensor_size": 1, "bitwise_on_float": 1, "non_contiguous": 1,
-    "scatter_list_missing": 0, "gather_list_on_a_non_root": 1,
-}
-ONE_SIDED = list(BAD_RANK)
-
-
-def _one_sided(case, w, r, g):
-    """The call of `case` as rank r makes it: BAD_RANK[case] with a bad
-    argument, the others well. The last two are refused by torch's Python
-    front door, before any backend is reached; the others by tpcomm."""
-    x = torch.ones(4)
-    mine = r == BAD_RANK[case]
-    calls = {
-        "scatter_list_length": lambda: dist.scatter(
-            torch.empty(4), [torch.ones(4)] * (w + 1) if r == 0 else None, src=0, group=g),
-        "gather_list_length": lambda: dist.gather(
-            x, [torch.empty(4)] * (w + 1) if r == 0 else None, dst=0, group=g),
-        "split_sizes": lambda: dist.all_to_all_single(
-            torch.empty(4 * w), torch.ones(4 * w),
-            [5] + [4] * (w - 1) if mine else [4] * w, [4] * w, group=g),
-        "split_count": lambda: dist.all_to_all_single(
-            torch.empty(4 * w), torch.ones(4 * w), [4] * w,
-            [4] * (w + 1) if mine else [4] * w, group=g),
-        "all_to_all_lists": lambda: dist.all_to_all(
-            [torch.empty(1) for _ in range(w)],
-            [torch.ones(1) for _ in range(w + 1 if mine else w)], group=g),
-        "all_gather_list": lambda: dist.all_gather(
-            [torch.empty(4) for _ in range(w + 1 if mine else w)], x, group=g),
-        "reduce_scatter_list": lambda: dist.reduce_scatter(
-            torch.empty(4), [torch.ones(4) for _ in range(w + 2 if mine else w)], group=g),
-        "into_tensor_size": lambda: dist.all_gather_into_tensor(
-            torch.empty(4 * w + (1 if mine else 0)), x, group=g),
-        "bitwise_on_float": lambda: dist.all_reduce(x, op=R.BAND if mine else R.SUM, group=g),
-        "non_contiguous": lambda: dist.all_reduce(
-            torch.ones(4, 3).t() if mine else torch.ones(3, 4), group=g),
-        "scatter_list_missing": lambda: dist.scatter(torch.empty(4), None, src=0, group=g),
-        "gather_list_on_a_non_root": lambda: dist.gather(
-            x, [torch.empty(4)] * w if r in (0, BAD_RANK[case]) else None, dst=0, group=g),
-    }
-    return calls[case]
+ONE_SIDED = list(ONE_RANK_MISTAKES)
 
 
 def _refused_on_one_rank(ctx, case):
@@ -80,7 +37,7 @@ def _refused_on_one_rank(ctx, case):
     warm = torch.ones(1)
     dist.all_reduce(warm, group=g)  # the route is set up
     start = time.monotonic()
-    msg = error_message(_one_sided(case, w, r, g))
+    msg = error_message(one_rank_mistake(case, w, r, g))
     seconds = time.monotonic() - start
     start = time.monotonic()
     later = error_message(lambda: dist.all_reduce(torch.ones(2), group=g))
@@ -89,7 +46,7 @@ def _refused_on_one_rank(ctx, case):
     y = torch.ones(2)
     dist.all_reduce(y)
     assert torch.equal(y, torch.full((2,), float(w)))
-    return BAD_RANK[case], msg, seconds, later, later_s
+    return ONE_RANK_MISTAKES[case], msg, seconds, later, later_s
 
 
 def _check_one_sided(results, case):

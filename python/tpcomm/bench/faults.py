@@ -1,11 +1,15 @@
 """python -m tpcomm.bench faults: tpcomm probed as its worst users would.
 
-Three kinds of probe, each in fresh local processes, and one summary table:
+Four kinds of probe, each in fresh local processes, and one summary table:
 
 - bad inputs: every rank makes the same wrong call; each must raise a clear
   error (not a communication failure), and the group must work afterwards;
 - one-rank mistakes under TPCOMM_DEBUG=1 (shapes, split sizes, a list
   refused on the root): every rank must raise naming the mistake;
+- one-rank mistakes without TPCOMM_DEBUG (a bad argument on one rank only,
+  refused by tpcomm or by torch's Python front door; an abort on one rank):
+  on the shared-memory and the Gloo route, every other rank must raise
+  within 1 s naming that rank (coordinator/group_fault.hpp);
 - kill -9 of one role during traffic (a Gloo collective, a shared-memory
   collective, a barrier, the queue's writer, a queue reader): every survivor
   must raise within twice the group's timeout of the kill.
@@ -36,6 +40,57 @@ def _error(call):
     except Exception as e:  # noqa: BLE001 - classified by the caller
         return type(e).__name__, str(e)
     return None
+
+
+# The rank that makes each one-rank mistake with a bad argument (0 where the
+# argument is the root's); the tests use the same cases.
+ONE_RANK_MISTAKES = {
+    "scatter_list_length": 0, "gather_list_length": 0, "split_sizes": 1, "split_count": 1,
+    "all_to_all_lists": 1, "all_gather_list": 1, "reduce_scatter_list": 1,
+    "into_tensor_size": 1, "bitwise_on_float": 1, "non_contiguous": 1,
+    "scatter_list_missing": 0, "gather_list_on_a_non_root": 1,
+}
+
+
+def one_rank_mistake(case, world, rank, group):
+    """The call of `case` as `rank` makes it on `group`: ONE_RANK_MISTAKES[case]
+    with a bad argument, the others well. The last two are refused by torch's
+    Python front door, before any backend is reached; the others by tpcomm."""
+    import torch.distributed as dist
+
+    w, r, g = world, rank, group
+    x = torch.ones(4)
+    mine = r == ONE_RANK_MISTAKES[case]
+    calls = {
+        "scatter_list_length": lambda: dist.scatter(
+            torch.empty(4), [torch.ones(4)] * (w + 1) if r == 0 else None, src=0, group=g),
+        "gather_list_length": lambda: dist.gather(
+            x, [torch.empty(4)] * (w + 1) if r == 0 else None, dst=0, group=g),
+        "split_sizes": lambda: dist.all_to_all_single(
+            torch.empty(4 * w), torch.ones(4 * w),
+            [5] + [4] * (w - 1) if mine else [4] * w, [4] * w, group=g),
+        "split_count": lambda: dist.all_to_all_single(
+            torch.empty(4 * w), torch.ones(4 * w), [4] * w,
+            [4] * (w + 1) if mine else [4] * w, group=g),
+        "all_to_all_lists": lambda: dist.all_to_all(
+            [torch.empty(1) for _ in range(w)],
+            [torch.ones(1) for _ in range(w + 1 if mine else w)], group=g),
+        "all_gather_list": lambda: dist.all_gather(
+            [torch.empty(4) for _ in range(w + 1 if mine else w)], x, group=g),
+        "reduce_scatter_list": lambda: dist.reduce_scatter(
+            torch.empty(4), [torch.ones(4) for _ in range(w + 2 if mine else w)], group=g),
+        "into_tensor_size": lambda: dist.all_gather_into_tensor(
+            torch.empty(4 * w + (1 if mine else 0)), x, group=g),
+        "bitwise_on_float": lambda: dist.all_reduce(
+            x, op=dist.ReduceOp.BAND if mine else dist.ReduceOp.SUM, group=g),
+        "non_contiguous": lambda: dist.all_reduce(
+            torch.ones(4, 3).t() if mine else torch.ones(3, 4), group=g),
+        "scatter_list_missing": lambda: dist.scatter(torch.empty(4), None, src=0, group=g),
+        "gather_list_on_a_non_root": lambda: dist.gather(
+            x, [torch.empty(4)] * w if r in (0, ONE_RANK_MISTAKES[case]) else None, dst=0,
+            group=g),
+    }
+    return calls[case]
 
 
 # ------------------------------------------------------------------ probes
@@ -123,6 +178,69 @@ def _debug_mistakes(rank, world, timeout_s, conn):
     conn.send(("result", rows))
 
 
+def _one_rank(rank, world, timeout_s, conn):
+    """Each one-rank mistake, then an abort by rank 0 while the others wait in
+    an allreduce, each on a group of its own: what every rank raised and when
+    (wall clock), with the time rank 0 aborted."""
+    import torch.distributed as dist
+
+    rows = []
+    for case in list(ONE_RANK_MISTAKES) + ["abort"]:
+        g = dist.new_group(backend="tpcomm")
+        dist.all_reduce(torch.ones(1), group=g)  # the route is set up
+        dist.barrier(group=g)
+        start = time.time()
+        if case == "abort":
+            bad = 0
+            if rank == 0:
+                time.sleep(0.2)
+                start = time.time()
+                g._get_backend(torch.device("cpu")).abort()
+                err = None
+            else:
+                err = _error(lambda: dist.all_reduce(torch.ones(4), group=g))
+        else:
+            bad = ONE_RANK_MISTAKES[case]
+            err = _error(one_rank_mistake(case, world, rank, g))
+        rows.append((case, bad, err, start, time.time()))
+    conn.send(("result", rows))
+
+
+def _one_rank_row(world, env, bound_s=1.0):
+    """Every peer of the rank that made the mistake must raise within bound_s
+    of it (of the abort), naming that rank; the note gives the slowest."""
+    messages, codes = _launch(world, env, 60, "one_rank")
+    row = dict.fromkeys(COLUMNS, 0)
+    results = {}
+    for r in range(world):
+        found = [m[1] for m in messages[r] if m[0] == "result"]
+        if codes[r] == "hung":
+            row["timeouts"] += 1
+        elif codes[r] != 0 or not found:
+            row["crashes"] += 1
+        else:
+            results[r] = {case: rest for case, *rest in found[0]}
+    took = []
+    for r, cases in results.items():
+        for case, (bad, err, _, end) in cases.items():
+            if r == bad:
+                continue
+            row["tried"] += 1
+            began = max(c[case][2] for c in results.values())  # the last rank's call
+            took.append(end - began)
+            if err is None or f"rank {bad} " not in err[1]:
+                row["wrong results"] += 1
+                print(f"  rank {r}, {case}: {err}")
+            elif took[-1] > bound_s:
+                row["timeouts"] += 1
+                print(f"  rank {r}, {case}: raised after {took[-1]:.2f} s")
+            else:
+                row["clear errors"] += 1
+    if took:
+        row["note"] = f"peers raised after {min(took):.2f}-{max(took):.2f} s"
+    return row
+
+
 def _traffic(role, rank, world, dist):
     """One step of the role's traffic; returns False on a wrong result."""
     if role in ("allreduce (Gloo)", "allreduce (shared memory)"):
@@ -181,7 +299,8 @@ def _rank_main(rank, world, port, env, timeout_s, probe, role, conn):
     if probe == "kill":
         _killed(role, rank, world, timeout_s, conn)
     else:
-        {"bad": _bad_inputs, "debug": _debug_mistakes}[probe](rank, world, timeout_s, conn)
+        {"bad": _bad_inputs, "debug": _debug_mistakes,
+         "one_rank": _one_rank}[probe](rank, world, timeout_s, conn)
     os._exit(0)  # a group whose peer died cannot be torn down politely
 
 
@@ -282,11 +401,17 @@ def run(world_sizes=(2, 3), timeout_s=3.0, quick=False):
     debug_world = max(world_sizes)
     rows.append((f"one-rank mistakes, TPCOMM_DEBUG=1 ({debug_world} ranks)",
                  _count_calls(debug_world, {"TPCOMM_DEBUG": "1"}, "debug", _debug_error)))
+    for route, env in (("shared memory", {"TPCOMM_CPU_SHM": "1"}),
+                       ("Gloo", {"TPCOMM_CPU_SHM": "0"})):
+        for world in ((2,) if quick else world_sizes):
+            rows.append((f"one-rank mistakes and an abort, {route} ({world} ranks)",
+                         _one_rank_row(world, env)))
     roles = list(KILL_ROLES)[:2] + ["queue writer"] if quick else list(KILL_ROLES)
     for role in roles:
         rows.append((f"kill -9: {role} (3 ranks)", _kill_row(role, 3, timeout_s)))
     print(f"\ntpcomm fault probes (group timeout {timeout_s:g} s; a survivor must raise "
           f"within {2 * timeout_s:g} s of a kill)")
+    print("(one-rank mistakes: every other rank must raise within 1 s, naming the rank)")
     print(f"{'probe':48s} " + " ".join(f"{c:>13s}" for c in COLUMNS))
     total = dict.fromkeys(COLUMNS, 0)
     for name, row in rows:
