@@ -2,6 +2,7 @@
 
 #include <torch/csrc/distributed/c10d/exception.h>
 
+#include "backend/boundary.hpp"
 #include "backend/flight_record.hpp"
 #include "backend/validation.hpp"
 #include "backend/work.hpp"
@@ -27,19 +28,6 @@ struct MadeTensors {
 };
 
 namespace {
-
-// The boundary: argument errors become c10::Error, the rest DistBackendError.
-template <typename F>
-auto translateErrors(F&& f) -> decltype(f()) {
-  try {
-    return f();
-  } catch (const tpcomm::Error& e) {
-    if (e.code() == ErrorCode::kInvalidUsage) {
-      TORCH_CHECK(false, e.what());
-    }
-    C10_THROW_ERROR(DistBackendError, e.what());
-  }
-}
 
 // Calls every rank makes together (TPCOMM_DEBUG checks them across ranks).
 bool isCollective(OpType type) {
@@ -67,11 +55,6 @@ ProcessGroupTpcomm::ProcessGroupTpcomm(std::shared_ptr<coord::GroupCoordinator> 
   static std::atomic<size_t> groups{0};
   flightPgId_ = groups.fetch_add(1);
   init();
-}
-
-std::string ProcessGroupTpcomm::describeCall(const char* op) const {
-  return std::string(op) + " on group '" + coordinator_->options().groupName + "' (rank " +
-         std::to_string(rank_) + " of " + std::to_string(size_) + ")";
 }
 
 template <typename Tensors, typename Call>
@@ -165,72 +148,6 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
                                                 coordinator_->faultState());
     if (ticket) fault.leave(ticket);  // the work is in flight in its own right
     return work;
-  });
-}
-
-bool ProcessGroupTpcomm::onDeviceRoute() {
-  const auto& route = coord::RouteStats::lastRoute();
-  return route && (*route == coord::StatsRoute::kNccl || *route == coord::StatsRoute::kCustomOneShot ||
-                   *route == coord::StatsRoute::kCustomTwoShot);
-}
-
-void ProcessGroupTpcomm::refuseFromPython(const std::string& op, const std::string& why) {
-  translateErrors([&] {
-    coord::GroupFault& fault = coordinator_->fault();
-    if (!fault.usable()) fault.checkBeforeCall(op.c_str());
-    fault.refused(++collectiveSeq_, op.c_str(), why);
-  });
-}
-
-c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupTpcomm::getBackendOptions() {
-  auto options = c10::make_intrusive<TpcommOptions>(coordinator_->options().timeout);
-  options->group_name = coordinator_->options().groupName;
-  return options;
-}
-
-void ProcessGroupTpcomm::setTimeout(std::chrono::milliseconds timeout) {
-  coordinator_->setTimeout(timeout);
-}
-
-void ProcessGroupTpcomm::eagerConnectSingleDevice(at::Device device) {
-  translateErrors([&] { coordinator_->eagerConnect(device); });
-}
-
-void ProcessGroupTpcomm::setSequenceNumberForGroup() {
-  coordinator_->cpuBackend()->setSequenceNumberForGroup();
-}
-
-uint64_t ProcessGroupTpcomm::getSequenceNumberForGroup() {
-  return coordinator_->cpuBackend()->getSequenceNumberForGroup();
-}
-
-void ProcessGroupTpcomm::abort() { coordinator_->abort(); }
-
-void ProcessGroupTpcomm::shutdown() { coordinator_->shutdown(); }
-
-c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::split(
-    const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
-    const c10::intrusive_ptr<Options>& opts) {
-  return translateErrors([&]() -> c10::intrusive_ptr<c10d::Backend> {
-    TPCOMM_CHECK(!ranks.empty(), kInvalidUsage, "split: the rank list is empty");
-    for (int r : ranks) checkRank("split", "rank", r, size_);
-    if (std::find(ranks.begin(), ranks.end(), rank_) == ranks.end()) return nullptr;
-    const std::string name = opts ? opts->group_name : std::string();
-    const auto timeout = opts ? opts->timeout : coordinator_->options().timeout;
-    std::lock_guard<std::mutex> lock(splitMutex_);
-    if (!name.empty()) {
-      auto it = splits_.find(name);
-      if (it != splits_.end()) return it->second;
-    }
-    auto child =
-        c10::make_intrusive<ProcessGroupTpcomm>(coordinator_->split(store, ranks, timeout, name));
-    if (globalRanks_.size() == static_cast<size_t>(size_)) {
-      std::vector<uint64_t> global;
-      for (int r : ranks) global.push_back(globalRanks_[r]);
-      child->setGlobalRanks(std::move(global));
-    }
-    if (!name.empty()) splits_[name] = child;
-    return child;
   });
 }
 
@@ -650,10 +567,6 @@ WorkPtr ProcessGroupTpcomm::barrier(const c10d::BarrierOptions& opts) {
   return run(
       OpType::BARRIER, "barrier", [&] { return CallTensors{}; },
       [&] { return coordinator_->barrier(opts); });
-}
-
-void ProcessGroupTpcomm::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
-  translateErrors([&] { coordinator_->monitoredBarrier(opts, waitAllRanks); });
 }
 
 }  // namespace tpcomm::backend

@@ -284,7 +284,12 @@ void GroupFault::refused(uint64_t seq, const char* op, const std::string& why) {
     settleOp_ = op;
   }
   state_.fetch_or(kSettle, std::memory_order_acq_rel);
-  publish(detail::concat("R ", rank_, " ", seq, " ", op, " ", oneLine(why), "\n"));
+  try {
+    publish(detail::concat("R ", rank_, " ", seq, " ", op, " ", oneLine(why), "\n"));
+  } catch (...) {
+    // A store that went away: the caller's own error is what it raises;
+    // the settle wait then reports the store.
+  }
 }
 
 void GroupFault::breakGroup(const std::string& why) { breakFrom(why, true); }
@@ -537,7 +542,9 @@ std::string GroupFault::positions(const char* op, uint64_t seq) const {
       }
       if (said == 0) text = "; no peer has waited in a call of this group";
     } catch (const std::exception& e) {
-      text = std::string("; the peers' positions are unreadable: ") + e.what();
+      // c10's errors carry a stack trace after their first line.
+      const std::string what = e.what();
+      text = "; the peers' positions are unreadable: " + what.substr(0, what.find('\n'));
     }
     return text;
   }).value_or("; the store did not answer within 1 s");

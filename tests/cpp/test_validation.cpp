@@ -14,7 +14,7 @@ using backend::ProcessGroupTpcomm;
 
 // Expects `call` to throw c10::Error (not DistBackendError) containing `text`.
 template <typename F>
-void expectArgumentError(F&& call, const std::string& text) {
+void expectArgumentErrorOn(F&& call, const std::string& text) {
   try {
     call();
     ADD_FAILURE() << "no error; expected: " << text;
@@ -28,13 +28,32 @@ void expectArgumentError(F&& call, const std::string& text) {
 
 class Validation : public ::testing::Test {
  protected:
-  // Rank 0 of a two-rank group; the calls here fail before any exchange.
+  // Both ranks of a two-rank group; the calls here fail before any exchange.
   ThreadGroup group{2};
-  c10::intrusive_ptr<ProcessGroupTpcomm> pg =
+  c10::intrusive_ptr<ProcessGroupTpcomm> pg1 =
+      c10::make_intrusive<ProcessGroupTpcomm>(group.coordinators[1]);
+  c10::intrusive_ptr<ProcessGroupTpcomm> pg0 =
       c10::make_intrusive<ProcessGroupTpcomm>(group.coordinators[0]);
+  // The rank the test's calls go to (their lambdas read it).
+  c10::intrusive_ptr<ProcessGroupTpcomm> pg = pg0;
+
+  // Every rank makes the same bad call, as a program does when its
+  // arguments are wrong everywhere: a collective only one rank refuses
+  // breaks the group (coordinator/group_fault.hpp), and that rank's next
+  // call waits for its peers' word.
+  template <typename F>
+  void expectArgumentError(F&& call, const std::string& text) {
+    pg = pg1;
+    expectArgumentErrorOn(call, text);
+    pg = pg0;
+    expectArgumentErrorOn(call, text);
+  }
 
   void TearDown() override {
-    EXPECT_EQ(group.cpu[0]->calls.load(), 0) << "a rejected call reached the backend";
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(group.cpu[r]->calls.load(), 0) << "a rejected call reached rank " << r;
+    }
+    EXPECT_TRUE(group.coordinators[0]->fault().reason().empty());
   }
 };
 
@@ -130,15 +149,17 @@ TEST_F(Validation, ScatterListOnlyOnRoot) {
   std::vector<std::vector<at::Tensor>> in{{at::ones({2}), at::ones({2})}};
   c10d::ScatterOptions opts;
   opts.rootRank = 1;
-  expectArgumentError([&] { pg->scatter(out, in, opts); },
-                      "scatter: only the root rank (1) passes a scatter list; rank 0 passed one");
+  // An error on rank 0 only (one call: nothing waits for the peers).
+  expectArgumentErrorOn([&] { pg->scatter(out, in, opts); },
+                        "scatter: only the root rank (1) passes a scatter list; rank 0 passed one");
 }
 
 TEST_F(Validation, GatherListOnRootHasWrongLength) {
   std::vector<at::Tensor> in{at::ones({2})};
   std::vector<std::vector<at::Tensor>> out{{at::empty({2})}};
-  expectArgumentError([&] { pg->gather(out, in, c10d::GatherOptions()); },
-                      "gather: the gather list has 1 entries, expected 2");
+  // An error on the root only (one call: nothing waits for the peers).
+  expectArgumentErrorOn([&] { pg->gather(out, in, c10d::GatherOptions()); },
+                        "gather: the gather list has 1 entries, expected 2");
 }
 
 TEST_F(Validation, AlltoallSplitsMustCoverTheTensor) {
@@ -291,7 +312,7 @@ TEST(BackendWork, NoDeviceBackendIsAClearError) {
       options, c10::make_intrusive<c10d::HashStore>(), c10::make_intrusive<ThreadedBackend>(hub, 0),
       coord::BackendFactory());
   auto pg = c10::make_intrusive<ProcessGroupTpcomm>(coordinator);
-  expectArgumentError([&] { pg->eagerConnectSingleDevice(at::Device(at::kCUDA, 0)); },
+  expectArgumentErrorOn([&] { pg->eagerConnectSingleDevice(at::Device(at::kCUDA, 0)); },
                       "group 'cpu-only' has no device backend (CUDA is not available)");
 }
 

@@ -204,6 +204,7 @@ def _one_rank(rank, world, timeout_s, conn):
             err = _error(one_rank_mistake(case, world, rank, g))
         rows.append((case, bad, err, start, time.time()))
     conn.send(("result", rows))
+    dist.barrier()  # rank 0 hosts the store the others read the causes from
 
 
 def _one_rank_row(world, env, bound_s=1.0):
