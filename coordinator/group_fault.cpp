@@ -1,6 +1,7 @@
 #include "coordinator/group_fault.hpp"
 
 #include <pthread.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -245,27 +246,80 @@ void GroupFault::setReleaser(std::function<void(const std::string&)> releaser) {
   releaser_ = std::move(releaser);
 }
 
+namespace {
+
+// A coarse monotonic clock (a few ns; its ms resolution is plenty for a
+// 200 ms threshold), as the steady clock's time point.
+GroupFault::Clock::time_point coarseNow() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  return GroupFault::Clock::time_point(std::chrono::seconds(ts.tv_sec) +
+                                       std::chrono::nanoseconds(ts.tv_nsec));
+}
+
+void raiseTo(std::atomic<uint64_t>& value, uint64_t seq) {
+  uint64_t seen = value.load(std::memory_order_relaxed);
+  while (seq > seen && !value.compare_exchange_weak(seen, seq, std::memory_order_relaxed)) {
+  }
+}
+
+}  // namespace
+
 uint64_t GroupFault::enter(uint64_t seq, const char* op, bool p2p,
                            std::weak_ptr<Interruptible> release) {
+  const auto now = coarseNow();
+  if (!p2p) raiseTo(startedSeq_, seq);
+  if (!p2p && seq != 0 && release.expired()) {
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      uint64_t free = 0;
+      if (slots_[i].seq.compare_exchange_strong(free, seq, std::memory_order_acq_rel)) {
+        slots_[i].op.store(op, std::memory_order_relaxed);
+        slots_[i].startNs.store(now.time_since_epoch().count(), std::memory_order_release);
+        return kSlotTicket | i;
+      }
+    }
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   const uint64_t ticket = nextTicket_++;
-  calls_.push_back(Call{ticket, seq, op, p2p, Clock::now(), std::move(release)});
-  if (!p2p && seq > startedSeq_) startedSeq_ = seq;
+  calls_.push_back(Call{ticket, seq, op, p2p, now, std::move(release)});
   return ticket;
 }
 
 void GroupFault::leave(uint64_t ticket) {
+  if (ticket & kSlotTicket) {
+    Slot& slot = slots_[ticket & 0xff];
+    lastSeq_.store(slot.seq.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    lastOp_.store(slot.op.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    slot.seq.store(0, std::memory_order_release);
+    return;
+  }
   std::lock_guard<std::mutex> lock(mutex_);
   for (auto it = calls_.begin(); it != calls_.end(); ++it) {
     if (it->ticket == ticket) {
       if (!it->p2p) {
-        lastSeq_ = it->seq;
-        lastOp_ = it->op;
+        lastSeq_.store(it->seq, std::memory_order_relaxed);
+        lastOp_.store(it->op, std::memory_order_relaxed);
       }
       calls_.erase(it);
       return;
     }
   }
+}
+
+std::optional<GroupFault::Call> GroupFault::oldestLocked() const {
+  std::optional<Call> oldest;
+  for (const auto& call : calls_) {
+    if (!oldest || call.start < oldest->start) oldest = call;
+  }
+  for (const auto& slot : slots_) {
+    const uint64_t seq = slot.seq.load(std::memory_order_acquire);
+    if (seq == 0) continue;
+    const auto start = Clock::time_point(Clock::duration(slot.startNs.load(std::memory_order_acquire)));
+    if (!oldest || start < oldest->start) {
+      oldest = Call{0, seq, slot.op.load(std::memory_order_relaxed), false, start, {}};
+    }
+  }
+  return oldest;
 }
 
 bool GroupFault::refusedHereLocked(uint64_t seq) const {
@@ -276,7 +330,7 @@ void GroupFault::refused(uint64_t seq, const char* op, const std::string& why) {
   if (size_ < 2) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (seq > startedSeq_) startedSeq_ = seq;
+    raiseTo(startedSeq_, seq);
     ownRefusals_.push_back(seq);
     if (ownRefusals_.size() > 256) ownRefusals_.erase(ownRefusals_.begin());
     if (!store_) return;
@@ -448,10 +502,7 @@ void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAft
   uint64_t started = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    const Call* oldest = nullptr;
-    for (const auto& call : calls_) {
-      if (!oldest || call.start < oldest->start) oldest = &call;
-    }
+    const std::optional<Call> oldest = oldestLocked();
     if (oldest && now - oldest->start >= stuckAfter) {
       stuck = true;
       const int64_t sinceMs =
@@ -460,9 +511,9 @@ void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAft
       position = detail::concat("in ", oldest->op, " #", oldest->seq, oldest->p2p ? " (p2p)" : "",
                                 " since ", sinceMs);
     } else if (!publishedPosition_.empty() && publishedPosition_.rfind("in ", 0) == 0) {
-      position = detail::concat("after ", lastOp_, " #", lastSeq_);
+      position = detail::concat("after ", lastOp_.load(), " #", lastSeq_.load());
     }
-    started = startedSeq_;
+    started = startedSeq_.load();
   }
   if (!store_) return;
   if (!position.empty() && position != publishedPosition_) {
@@ -508,16 +559,13 @@ std::string GroupFault::positions(const char* op, uint64_t seq) const {
     own = detail::concat("this rank (", rank_, ") in ", op, " #", seq);
   } else {
     std::lock_guard<std::mutex> lock(mutex_);
-    const Call* oldest = nullptr;
-    for (const auto& call : calls_) {
-      if (!oldest || call.start < oldest->start) oldest = &call;
-    }
+    const std::optional<Call> oldest = oldestLocked();
     if (oldest) {
       own = detail::concat("this rank (", rank_, ") in ", oldest->op, " #", oldest->seq);
-    } else if (lastSeq_ == 0) {
+    } else if (lastSeq_.load() == 0) {
       own = detail::concat("this rank (", rank_, ") finished no collective yet");
     } else {
-      own = detail::concat("this rank (", rank_, ") after ", lastOp_, " #", lastSeq_);
+      own = detail::concat("this rank (", rank_, ") after ", lastOp_.load(), " #", lastSeq_.load());
     }
   }
   auto self = shared_from_this();

@@ -39,12 +39,14 @@
 // Thread-safe. Hot path: usable() (one atomic load), enter()/leave() (one
 // uncontended mutex each).
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -159,14 +161,25 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   std::chrono::milliseconds timeout_;  // by mutex_
   std::string reason_;                 // by mutex_
   std::vector<Call> calls_;            // by mutex_
+  // In-thread calls (nothing to release) without the mutex: a slot's seq
+  // is 0 while free. The rest go to calls_.
+  struct Slot {
+    std::atomic<uint64_t> seq{0};
+    std::atomic<const char*> op{""};
+    std::atomic<int64_t> startNs{0};
+  };
+  static constexpr uint64_t kSlotTicket = uint64_t{1} << 63;
+  std::array<Slot, 4> slots_;
+  // The oldest call in flight, slots and calls_ alike (mutex_ held).
+  std::optional<Call> oldestLocked() const;
   uint64_t nextTicket_ = 1;            // by mutex_
   uint64_t settleSeq_ = 0;             // by mutex_: the refused call to settle
   std::string settleOp_;               // by mutex_
   std::vector<uint64_t> ownRefusals_;  // by mutex_: the latest, oldest first
   std::vector<std::string> outbox_;    // by mutex_: lines for the watchdog to append
-  uint64_t startedSeq_ = 0;            // by mutex_: the highest collective entered or refused
-  uint64_t lastSeq_ = 0;               // by mutex_: the last collective that left
-  const char* lastOp_ = "";            // by mutex_
+  std::atomic<uint64_t> startedSeq_{0};  // the highest collective entered or refused
+  std::atomic<uint64_t> lastSeq_{0};     // the last collective that left
+  std::atomic<const char*> lastOp_{""};
   // Held while the releaser runs, so that clearing it waits for a release.
   std::mutex releaseMutex_;
   std::function<void(const std::string&)> releaser_;  // by releaseMutex_
