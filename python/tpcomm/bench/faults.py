@@ -229,6 +229,10 @@ def _one_rank_row(world, env, bound_s=1.0):
             row["tried"] += 1
             began = max(c[case][2] for c in results.values())  # the last rank's call
             took.append(end - began)
+            if err is None and case == "gather_list_on_a_non_root" and r != 0:
+                # A non-root's gather needs only the root: it completed.
+                row["clear errors"] += 1
+                continue
             if err is None or f"rank {bad} " not in err[1]:
                 row["wrong results"] += 1
                 print(f"  rank {r}, {case}: {err}")
