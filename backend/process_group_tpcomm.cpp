@@ -61,6 +61,7 @@ template <typename Tensors, typename Call>
 WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, Call&& call,
                                 int peer) {
   return translateErrors([&]() -> WorkPtr {
+    ++callsOnThisThread();
     coord::GroupFault& fault = coordinator_->fault();
     // A broken group, or a collective this rank refused and its peers have
     // not settled yet (group_fault.hpp): raises or waits here.
@@ -87,7 +88,8 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
     // failure concerns two ranks (TPCOMM_DEBUG's check keeps their lane in
     // step) and a device route keeps its own recovery.
     auto identity = [&] {
-      return CallIdentity{describeCall(op), op, seq, rank_, !p2p && !onDeviceRoute()};
+      const bool device = onDeviceRoute();
+      return CallIdentity{describeCall(op), op, seq, rank_, !p2p && !device, device};
     };
     Pending pending;
     const uint64_t checksBefore = coord::GroupCoordinator::debugChecksOnThisThread();
@@ -123,6 +125,11 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
       // A failure while the call ran in this thread (the CPU shared-memory
       // path) names the call, as a failed Work's wait() does.
       raiseCallFailure(identity(), fault, std::current_exception());
+    } catch (...) {
+      // Another library's error (ATen, a routed backend's own check):
+      // raised as it is.
+      if (ticket) fault.leave(ticket);
+      throw;
     }
     if (flight.id.id) {
       if (pending.done) {

@@ -130,6 +130,13 @@ class ProcessGroupTpcomm : public c10d::Backend {
   static bool onDeviceRoute();
 
  public:
+  // Calls this thread has made on any tpcomm group (refused ones too): the
+  // front door's wrapper tells a refusal of torch's from one of tpcomm's.
+  static uint64_t& callsOnThisThread();
+
+ private:
+
+ public:
   // torch.distributed's Python front door refused a collective on this
   // group before it reached the backend (`op`: the function, `why`: its
   // error): the call takes its number in the sequence and the peers learn

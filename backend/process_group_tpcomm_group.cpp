@@ -15,6 +15,11 @@ std::string ProcessGroupTpcomm::describeCall(const char* op) const {
          std::to_string(rank_) + " of " + std::to_string(size_) + ")";
 }
 
+uint64_t& ProcessGroupTpcomm::callsOnThisThread() {
+  static thread_local uint64_t calls = 0;
+  return calls;
+}
+
 bool ProcessGroupTpcomm::onDeviceRoute() {
   const auto& route = coord::RouteStats::lastRoute();
   return route && (*route == coord::StatsRoute::kNccl || *route == coord::StatsRoute::kCustomOneShot ||

@@ -63,7 +63,7 @@ struct TpcommWork::State : coord::Interruptible {
   std::shared_ptr<coord::GroupFault> fault;
   c10::intrusive_ptr<c10d::Work> inner;
   bool p2p = false;
-  uint64_t ticket = 0;  // in fault's calls while in flight
+  std::atomic<uint64_t> ticket{0};  // in fault's calls while in flight
   std::vector<at::Tensor> outputs;
   std::once_flag finishOnce;
   std::function<void()> finish;
@@ -76,7 +76,7 @@ struct TpcommWork::State : coord::Interruptible {
     });
   }
   void leave() {
-    if (ticket != 0) fault->leave(ticket);
+    if (const uint64_t t = ticket.exchange(0)) fault->leave(t);
   }
   // The routed work's future completed: finish, then complete ours.
   void complete(c10::ivalue::Future& parent) {
@@ -150,9 +150,28 @@ TpcommWork::TpcommWork(coord::Pending pending, c10d::OpType type, CallIdentity i
   state_->outputs = std::move(pending.outputs);
   state_->finish = std::move(pending.finish);
   if (!pending.hasFuture) return;
+  if (state_->id.device) {
+    // The device routes' future carries the CUDA events that order the
+    // caller's stream after the call: the child future of then() keeps
+    // them. Not released by a broken group (its device backend is aborted).
+    future_ = inner_->getFuture()->then(
+        [state = state_](c10::ivalue::Future& parent) {
+          try {
+            parent.value();  // rethrows the routed backend's error
+            state->runFinish();
+          } catch (...) {
+            std::rethrow_exception(failureOf(state->id, *state->fault, std::current_exception()));
+          }
+          return c10::IValue(state->outputs);
+        },
+        c10::ListType::ofTensors());
+    return;
+  }
   future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
   state_->future = future_;
   state_->ticket = state_->fault->enter(state_->id.seq, state_->id.op, false, state_);
+  // Interrupted before the ticket was stored: leave now.
+  if (state_->settled.load()) state_->leave();
   // The finish step runs on the thread that completes the routed work, so
   // that waiting on the future alone observes final results.
   inner_->getFuture()->addCallback(
@@ -186,6 +205,17 @@ int TpcommWork::sourceRank() const { return inner_->sourceRank(); }
 std::vector<at::Tensor> TpcommWork::result() { return state_->outputs; }
 
 bool TpcommWork::wait(std::chrono::milliseconds timeout) {
+  if (state_->id.device && innerHasFuture_) {
+    // As the device backend waits (stream ordering, its own timeout).
+    try {
+      if (!inner_->wait(timeout)) return false;
+    } catch (...) {
+      raiseCallFailure(state_->id, *state_->fault, std::current_exception());
+    }
+    future_->wait();
+    if (future_->hasError()) std::rethrow_exception(future_->exception_ptr());
+    return true;
+  }
   if (!innerHasFuture_) {
     if (!state_->waitWithoutFuture(state_, timeout)) return false;
     finishedByWait_ = true;

@@ -43,6 +43,9 @@ struct CallIdentity {
   // A failure breaks the group (CPU routes; the device routes keep their
   // own recovery, GroupCoordinator::resetCustom).
   bool breaksGroup;
+  // Routed to NCCL or the custom kernel: the work's future carries CUDA
+  // events, and a broken group ends it by aborting the device backend.
+  bool device = false;
 };
 
 // Raises `error`, a failure of the call `id`, as the caller sees it; a

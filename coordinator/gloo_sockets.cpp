@@ -26,10 +26,12 @@ bool isTcpSocket(int fd) {
   return addr.ss_family == AF_INET || addr.ss_family == AF_INET6;
 }
 
-int localPort(int fd) {
+int portOf(int fd, bool peer) {
   sockaddr_storage addr{};
   socklen_t alen = sizeof(addr);
-  if (getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &alen) != 0) return -1;
+  const int rc = peer ? getpeername(fd, reinterpret_cast<sockaddr*>(&addr), &alen)
+                      : getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &alen);
+  if (rc != 0) return -1;
   if (addr.ss_family == AF_INET) return ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
   if (addr.ss_family == AF_INET6) return ntohs(reinterpret_cast<sockaddr_in6*>(&addr)->sin6_port);
   return -1;
@@ -78,7 +80,11 @@ GlooSockets GlooSockets::opened(const std::vector<SocketFd>& before,
     const bool old = std::any_of(before.begin(), before.end(), [&](const SocketFd& b) {
       return b.fd == s.fd && b.inode == s.inode;
     });
-    if (!old && localPort(s.fd) != skipPort) sockets.fds_.push_back(s);
+    // The store's own connections (a server's accepted ones, a client's)
+    // are not Gloo's.
+    if (!old && portOf(s.fd, false) != skipPort && portOf(s.fd, true) != skipPort) {
+      sockets.fds_.push_back(s);
+    }
   }
   return sockets;
 }

@@ -6,8 +6,11 @@
 //
 // Gloo does not expose its sockets, so they are found as the TCP socket
 // descriptors that appeared in this process while the group was made (its
-// pairs and its listener), less any whose local port is the group store's
-// (connections a TCPStore server accepted meanwhile). Each is remembered
+// pairs and its listener), less any whose local or peer port is the group
+// store's (the store's own connections). A socket another thread of the
+// process opened in that window would be counted too: tpcomm makes its
+// Gloo groups while the group's creation blocks its caller, and nothing of
+// tpcomm's opens sockets meanwhile. Each is remembered
 // with its inode: a descriptor Gloo closed and the process reused for
 // something else is never touched. A forked child never shuts down its
 // parent's connections.

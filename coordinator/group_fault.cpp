@@ -78,10 +78,13 @@ class Watchdog {
     }
   }
 
-  void wake() {
+  // `keep`: a group with a break to publish, held until the visit (its
+  // owner may destroy it at once, e.g. abort() then destroy_process_group).
+  void wake(std::shared_ptr<GroupFault> keep) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       woken_ = true;
+      if (keep) pending_.push_back(std::move(keep));
     }
     cv_.notify_one();
   }
@@ -99,6 +102,7 @@ class Watchdog {
                      Watchdog& w = Watchdog::get();
                      w.mutex_.unlock();
                      w.groups_.clear();
+                     w.pending_.clear();
                    });
     std::atexit([] { Watchdog::get().exiting_.store(true); });
   }
@@ -119,6 +123,8 @@ class Watchdog {
         for (const auto& g : groups_) {
           if (auto group = g.lock()) live.push_back(std::move(group));
         }
+        for (auto& group : pending_) live.push_back(std::move(group));
+        pending_.clear();
       }
       const auto now = GroupFault::Clock::now();
       for (const auto& group : live) {
@@ -138,6 +144,7 @@ class Watchdog {
   bool woken_ = false;                           // by mutex_
   pid_t threadPid_ = 0;                          // by mutex_
   std::vector<std::weak_ptr<GroupFault>> groups_;  // by mutex_
+  std::vector<std::shared_ptr<GroupFault>> pending_;  // by mutex_
   std::atomic<bool> exiting_{false};
 };
 
@@ -150,8 +157,9 @@ thread_local GroupFault* currentFault = nullptr;
 
 // Aborts a point-to-point work when its group breaks.
 struct AbortOnBreak : Interruptible {
-  c10d::Work* work;
-  explicit AbortOnBreak(c10d::Work* w) : work(w) {}
+  c10::intrusive_ptr<c10d::Work> work;  // owned: the caller may drop its own first
+  explicit AbortOnBreak(c10d::Work* w)
+      : work(c10::intrusive_ptr<c10d::Work>::reclaim_copy(w)) {}
   void interrupt(const std::string&) override {
     try {
       work->abort();
@@ -271,10 +279,13 @@ uint64_t GroupFault::enter(uint64_t seq, const char* op, bool p2p,
   if (!p2p) raiseTo(startedSeq_, seq);
   if (!p2p && seq != 0 && release.expired()) {
     for (size_t i = 0; i < slots_.size(); ++i) {
+      // Claimed with a sentinel, filled, then published: a reader never
+      // sees a call without its op and start.
       uint64_t free = 0;
-      if (slots_[i].seq.compare_exchange_strong(free, seq, std::memory_order_acq_rel)) {
+      if (slots_[i].seq.compare_exchange_strong(free, kClaimed, std::memory_order_acq_rel)) {
         slots_[i].op.store(op, std::memory_order_relaxed);
-        slots_[i].startNs.store(now.time_since_epoch().count(), std::memory_order_release);
+        slots_[i].startNs.store(now.time_since_epoch().count(), std::memory_order_relaxed);
+        slots_[i].seq.store(seq, std::memory_order_release);
         return kSlotTicket | i;
       }
     }
@@ -313,7 +324,7 @@ std::optional<GroupFault::Call> GroupFault::oldestLocked() const {
   }
   for (const auto& slot : slots_) {
     const uint64_t seq = slot.seq.load(std::memory_order_acquire);
-    if (seq == 0) continue;
+    if (seq == 0 || seq == kClaimed) continue;
     const auto start = Clock::time_point(Clock::duration(slot.startNs.load(std::memory_order_acquire)));
     if (!oldest || start < oldest->start) {
       oldest = Call{0, seq, slot.op.load(std::memory_order_relaxed), false, start, {}};
@@ -323,7 +334,7 @@ std::optional<GroupFault::Call> GroupFault::oldestLocked() const {
 }
 
 bool GroupFault::refusedHereLocked(uint64_t seq) const {
-  return std::find(ownRefusals_.begin(), ownRefusals_.end(), seq) != ownRefusals_.end();
+  return ownRefusals_.count(seq) != 0;
 }
 
 void GroupFault::refused(uint64_t seq, const char* op, const std::string& why) {
@@ -331,13 +342,11 @@ void GroupFault::refused(uint64_t seq, const char* op, const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     raiseTo(startedSeq_, seq);
-    ownRefusals_.push_back(seq);
-    if (ownRefusals_.size() > 256) ownRefusals_.erase(ownRefusals_.begin());
+    ownRefusals_.insert(seq);
     if (!store_) return;
-    settleSeq_ = seq;
-    settleOp_ = op;
+    toSettle_[seq] = op;
+    state_.fetch_or(kSettle, std::memory_order_acq_rel);
   }
-  state_.fetch_or(kSettle, std::memory_order_acq_rel);
   try {
     publish(detail::concat("R ", rank_, " ", seq, " ", op, " ", oneLine(why), "\n"));
   } catch (...) {
@@ -361,7 +370,7 @@ void GroupFault::breakFrom(const std::string& why, bool publishIt) {
   // The break is published first, then released here (the peers that see
   // a released wait or a closed connection find the cause in the store).
   if (Watchdog::get().running() && store_ && size_ > 1) {
-    Watchdog::get().wake();
+    Watchdog::get().wake(shared_from_this());
   } else {
     flush();
   }
@@ -379,10 +388,14 @@ void GroupFault::flush() {
     std::lock_guard<std::mutex> lock(mutex_);
     out.swap(outbox_);
   }
-  try {
-    for (const auto& line : out) publish(line);
-  } catch (...) {
-    // A store that went away: the peers learn it from their own calls.
+  if (!out.empty()) {
+    // At most a second for a store that does not answer: the local release
+    // must not wait for it.
+    auto self = shared_from_this();
+    withinOneSecond([self, out] {
+      for (const auto& line : out) self->publish(line);
+      return std::string();
+    });
   }
   release();
 }
@@ -453,11 +466,11 @@ void GroupFault::checkBeforeCall(const char* op) {
   std::chrono::milliseconds timeout;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    seq = settleSeq_;
-    refusedOp = settleOp_;
+    if (toSettle_.empty()) return;
+    seq = toSettle_.begin()->first;
+    refusedOp = toSettle_.begin()->second;
     timeout = timeout_;
   }
-  if (seq == 0) return;
   // This rank refused call #seq: go on only once every peer refused it too
   // (its next call would otherwise pair with a peer's #seq).
   const auto deadline = Clock::now() + timeout;
@@ -488,18 +501,23 @@ void GroupFault::checkBeforeCall(const char* op) {
     std::this_thread::sleep_for(pause);
     pause = std::min<std::chrono::microseconds>(pause * 2, 10ms);
   }
+  bool more = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (settleSeq_ == seq) settleSeq_ = 0;
+    toSettle_.erase(seq);
+    if (toSettle_.empty()) {
+      state_.fetch_and(~kSettle, std::memory_order_acq_rel);
+    } else {
+      more = true;
+    }
   }
-  state_.fetch_and(~kSettle, std::memory_order_acq_rel);
+  if (more) checkBeforeCall(op);  // another thread's refusal, older or newer
 }
 
 void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAfter) {
   flush();
   bool stuck = false;
   std::string position;
-  uint64_t started = 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const std::optional<Call> oldest = oldestLocked();
@@ -513,7 +531,6 @@ void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAft
     } else if (!publishedPosition_.empty() && publishedPosition_.rfind("in ", 0) == 0) {
       position = detail::concat("after ", lastOp_.load(), " #", lastSeq_.load());
     }
-    started = startedSeq_.load();
   }
   if (!store_) return;
   if (!position.empty() && position != publishedPosition_) {
@@ -521,35 +538,41 @@ void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAft
     publishedPosition_ = position;
   }
   if (!stuck || broken()) return;
-  for (const auto& line : readLines()) {
+  const auto [cause, refusal] = causeIn(readLines());
+  // A peer's break is in the store already; a refusal found here is news.
+  if (!cause.empty()) breakFrom(cause, refusal);
+}
+
+std::pair<std::string, bool> GroupFault::causeIn(const std::vector<Line>& lines) {
+  const uint64_t started = startedSeq_.load();
+  for (const auto& line : lines) {
     if (line.rank == rank_) continue;
-    if (line.kind == 'B') {
-      breakFrom(line.why, false);
-      return;
-    }
+    if (line.kind == 'B') return {line.why, false};
     bool mine = false;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       mine = refusedHereLocked(line.seq);
     }
     if (!mine && line.seq <= started) {
-      breakGroup(detail::concat("rank ", line.rank, " refused ", line.op, " #", line.seq, " (",
-                                line.why, ") while rank ", rank_, " made that call"));
-      return;
+      return {detail::concat("rank ", line.rank, " refused ", line.op, " #", line.seq, " (",
+                             line.why, ") while rank ", rank_, " made that call"),
+              true};
     }
   }
+  return {"", false};
 }
 
 void GroupFault::learnFromPeers() {
   if (!store_ || size_ < 2 || broken()) return;
   auto self = shared_from_this();
+  // The answer's first character says whether it is a refusal found here
+  // (news to publish) or a peer's break (in the store already).
   const auto cause = withinOneSecond([self] {
-    for (const auto& line : self->readLines()) {
-      if (line.kind == 'B' && line.rank != self->rank_) return line.why;
-    }
-    return std::string();
+    auto found = self->causeIn(self->readLines());
+    return found.first.empty() ? std::string() : (found.second ? "R" : "B") + found.first;
   });
-  if (cause && !cause->empty()) breakFrom(*cause, false);
+  if (!cause || cause->empty()) return;
+  breakFrom(cause->substr(1), (*cause)[0] == 'R');
 }
 
 std::string GroupFault::positions(const char* op, uint64_t seq) const {
@@ -568,6 +591,13 @@ std::string GroupFault::positions(const char* op, uint64_t seq) const {
       own = detail::concat("this rank (", rank_, ") after ", lastOp_.load(), " #", lastSeq_.load());
     }
   }
+  {
+    // Once broken, the peers' part is read once (every released call of
+    // the group names it; a slow store then costs one second, not one each).
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!brokenPositions_.empty()) return " [across ranks: " + own + brokenPositions_ + "]";
+  }
+  const bool wasBroken = broken();
   auto self = shared_from_this();
   std::string peers = withinOneSecond([self] {
     std::string text;
@@ -596,6 +626,10 @@ std::string GroupFault::positions(const char* op, uint64_t seq) const {
     }
     return text;
   }).value_or("; the store did not answer within 1 s");
+  if (wasBroken) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (brokenPositions_.empty()) brokenPositions_ = peers;
+  }
   return " [across ranks: " + own + peers + "]";
 }
 

@@ -46,7 +46,9 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -169,13 +171,13 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
     std::atomic<int64_t> startNs{0};
   };
   static constexpr uint64_t kSlotTicket = uint64_t{1} << 63;
+  static constexpr uint64_t kClaimed = ~uint64_t{0};
   std::array<Slot, 4> slots_;
   // The oldest call in flight, slots and calls_ alike (mutex_ held).
   std::optional<Call> oldestLocked() const;
   uint64_t nextTicket_ = 1;            // by mutex_
-  uint64_t settleSeq_ = 0;             // by mutex_: the refused call to settle
-  std::string settleOp_;               // by mutex_
-  std::vector<uint64_t> ownRefusals_;  // by mutex_: the latest, oldest first
+  std::map<uint64_t, std::string> toSettle_;  // by mutex_: refused calls (seq -> op) to settle
+  std::set<uint64_t> ownRefusals_;            // by mutex_: every collective refused here
   std::vector<std::string> outbox_;    // by mutex_: lines for the watchdog to append
   std::atomic<uint64_t> startedSeq_{0};  // the highest collective entered or refused
   std::atomic<uint64_t> lastSeq_{0};     // the last collective that left
@@ -185,8 +187,14 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   std::function<void(const std::string&)> releaser_;  // by releaseMutex_
   GlooSockets sockets_;  // by mutex_
   bool released_ = false;  // by mutex_
-  // Publishes the queued lines, then release()s.
+  // Publishes the queued lines (waiting at most a second for the store),
+  // then release()s.
   void flush();
+  // The cause a peer published: a break, or a refusal of a call this rank
+  // made ("" when none). mutex_ not held.
+  std::pair<std::string, bool> causeIn(const std::vector<Line>& lines);
+  // The peers' part of positions() once the group broke (read once).
+  mutable std::string brokenPositions_;  // by mutex_
   // Once the group broke: shuts its Gloo connections down, runs the
   // releaser and interrupts the calls in flight (once).
   void release();

@@ -304,6 +304,9 @@ tensors through the device backend (NCCL), created on first use.)")
       "_fr_rename_internal", [] { backend::FlightRecord::get().renameInternal(); },
       "Renames the flight recorder's entries of tpcomm's own Gloo groups for torchfrtrace.");
   m.def(
+      "_calls_on_this_thread", [] { return backend::ProcessGroupTpcomm::callsOnThisThread(); },
+      "How many calls this thread has made on tpcomm groups (refused ones too).");
+  m.def(
       "_tcp_sockets",
       [] {
         std::vector<std::pair<int, uint64_t>> out;

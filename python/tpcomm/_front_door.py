@@ -5,9 +5,10 @@ a rank that is not the source, a tensor list of the wrong type, a group rank
 out of range) and raise before the call reaches any backend. On a tpcomm
 group the peers that made the call would then wait for this rank until the
 group's timeout. So each collective function of ``torch.distributed`` is
-wrapped: when it raises an error that did not come from tpcomm (tpcomm's own
-refusals tell the peers themselves) on a tpcomm group, the group's backend is
-told (``ProcessGroupTpcomm._refuse``), the call takes its number in the
+wrapped: when it raises before reaching tpcomm (tpcomm's own refusals tell
+the peers themselves) on a tpcomm group, the group's backend is
+told (``ProcessGroupTpcomm._refuse``; an error raised after the call reached
+tpcomm, which counts its calls per thread, is tpcomm's own business), the call takes its number in the
 group's sequence, and a peer that made it raises within a second naming this
 rank, the call and the error; a peer that refused the same call breaks
 nothing (see the README's "Faults" section). The error raised here is the
@@ -52,10 +53,10 @@ def _tpcomm_backend(group):
     return backend if isinstance(backend, _C.ProcessGroupTpcomm) else None
 
 
-def _report(name, signature, args, kwargs, error):
+def _report(name, signature, args, kwargs, error, calls_before):
     """Tells the group's peers that this rank refused the call `name`."""
-    if "tpcomm" in str(error):
-        return  # raised by tpcomm, which told the peers itself
+    if _C._calls_on_this_thread() != calls_before:
+        return  # the call reached tpcomm, which told the peers itself
     try:
         bound = signature.bind(*args, **kwargs)
         group = bound.arguments.get("group")
@@ -74,10 +75,11 @@ def _wrap(name, original):
 
     @functools.wraps(original)
     def collective(*args, **kwargs):
+        calls_before = _C._calls_on_this_thread()
         try:
             return original(*args, **kwargs)
         except Exception as error:
-            _report(name, signature, args, kwargs, error)
+            _report(name, signature, args, kwargs, error, calls_before)
             raise
 
     collective._tpcomm_front_door = original
