@@ -229,8 +229,10 @@ bool TpcommWork::wait(std::chrono::milliseconds timeout) {
     auto pause = std::chrono::microseconds(50);
     while (!future_->completed()) {
       if (std::chrono::steady_clock::now() >= deadline) {
-        C10_THROW_ERROR(DistBackendError, "tpcomm: " + state_->id.what + " did not finish within " +
-                                              std::to_string(timeout.count()) + " ms");
+        C10_THROW_ERROR(DistBackendError,
+                        "tpcomm: " + state_->id.what + " did not finish within " +
+                            std::to_string(timeout.count()) + " ms" +
+                            state_->fault->positions(state_->id.op, state_->id.seq));
       }
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::microseconds(5000));
