@@ -150,8 +150,6 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   void publish(const std::string& line);
   // Breaks from a peer's line (nothing to publish: it is in the store).
   void breakFrom(const std::string& why, bool publish);
-  // The oldest collective this rank is in, or 0.
-  uint64_t oldestCollectiveLocked() const;
   bool refusedHereLocked(uint64_t seq) const;
 
   const c10::intrusive_ptr<c10d::Store> store_;
