@@ -449,12 +449,13 @@ void GroupFault::checkBeforeCall(const char* op) {
 void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAfter) {
   flush();
   bool stuck = false;
-  std::string position;
+  std::string position, stuckIn;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const std::optional<Call> oldest = oldestLocked();
     if (oldest && now - oldest->start >= stuckAfter) {
       stuck = true;
+      stuckIn = detail::concat(oldest->op, " #", oldest->seq);
       const int64_t sinceMs =
           wallMs() -
           std::chrono::duration_cast<std::chrono::milliseconds>(now - oldest->start).count();
@@ -464,15 +465,31 @@ void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAft
       position = detail::concat("after ", lastOp_.load(), " #", lastSeq_.load());
     }
   }
-  if (!store_) return;
-  if (!position.empty() && position != publishedPosition_) {
-    store_->set(positionKey(rank_), std::vector<uint8_t>(position.begin(), position.end()));
-    publishedPosition_ = position;
+  if (!store_ || storeLost_) return;
+  std::pair<std::string, bool> found;
+  try {
+    if (!position.empty() && position != publishedPosition_) {
+      store_->set(positionKey(rank_), std::vector<uint8_t>(position.begin(), position.end()));
+      publishedPosition_ = position;
+    }
+    if (!stuck || broken()) return;
+    found = causeIn(readLines());
+  } catch (const std::exception& e) {
+    // The store's host (usually rank 0) is gone: nothing will answer this
+    // rank's call either. Asked once (the store logs every failed request).
+    storeLost_ = true;
+    if (stuck && !broken()) {
+      std::string what = e.what();
+      what = what.substr(0, what.find('\n'));
+      breakFrom(detail::concat("the group's store stopped answering (", what, ") while rank ",
+                               rank_, " was in ", stuckIn,
+                               ": the rank that hosts it may be gone"),
+                false);
+    }
+    return;
   }
-  if (!stuck || broken()) return;
-  const auto [cause, refusal] = causeIn(readLines());
   // A peer's break is in the store already; a refusal found here is news.
-  if (!cause.empty()) breakFrom(cause, refusal);
+  if (!found.first.empty()) breakFrom(found.first, found.second);
 }
 
 std::pair<std::string, bool> GroupFault::causeIn(const std::vector<Line>& lines) {

@@ -196,8 +196,10 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // Once the group broke: shuts its Gloo connections down, runs the
   // releaser and interrupts the calls in flight (once).
   void release();
-  // The watchdog thread's own: the position this rank last published.
+  // The watchdog thread's own: the position this rank last published, and
+  // whether the store stopped answering (then it is not asked again).
   std::string publishedPosition_;
+  bool storeLost_ = false;
 };
 
 // The group whose call this thread runs (the backend sets it around each

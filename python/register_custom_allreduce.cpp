@@ -206,7 +206,8 @@ void registerCustomAllreduce(py::module_& m) {
         if (!result.available) return py::make_tuple(false, result.reason, py::none());
         return py::make_tuple(
             true, "",
-            py::cast(Rank(rank, worldSize, device, gpu, result.bases, maxBytes, timeoutMs)));
+            py::cast(std::make_unique<Rank>(rank, worldSize, device, gpu, result.bases, maxBytes,
+                                            timeoutMs)));
       },
       py::arg("cpu_backend"), py::arg("rank"), py::arg("world_size"), py::arg("device"),
       py::arg("max_bytes"), py::arg("timeout_ms"),

@@ -8,6 +8,8 @@
 //
 // Library code never calls exit() or abort(): a failed check throws.
 
+#include <cstdint>
+#include <cstdio>
 #include <iterator>
 #include <stdexcept>
 #include <string>
@@ -41,13 +43,20 @@ namespace detail {
 // Message formatting without iostreams: torch's libc10 exports its own weak
 // copies of std::ostringstream, and an extension built by another compiler
 // that binds to them crashes (seen with gcc 13). Supported pieces: strings,
-// characters, booleans, numbers, anything with str() (c10::Device), and
+// characters, booleans, numbers, addresses, anything with str() (c10::Device), and
 // ranges of those (IntArrayRef, std::vector) printed as "[a, b]".
 inline void append(std::string& out, const std::string& s) { out += s; }
 inline void append(std::string& out, std::string_view s) { out.append(s); }
 inline void append(std::string& out, const char* s) { out += s; }
 inline void append(std::string& out, char c) { out += c; }
 inline void append(std::string& out, bool b) { out += b ? "true" : "false"; }
+// Addresses in hex ("0x7f..."); without this a pointer would print as a bool.
+inline void append(std::string& out, const void* p) {
+  char text[2 + 2 * sizeof(void*) + 1];
+  std::snprintf(text, sizeof(text), "0x%llx",
+                static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(p)));
+  out += text;
+}
 
 template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
 void append(std::string& out, T value) {

@@ -61,3 +61,14 @@ TEST(Error, CheckKeepsItsCode) {
 
 }  // namespace
 }  // namespace tpcomm
+
+TEST(Error, AddressesPrintInHexNotAsBooleans) {
+  int value = 0;
+  const void* p = &value;
+  char want[32];
+  std::snprintf(want, sizeof(want), "0x%llx",
+                static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(p)));
+  EXPECT_EQ(tpcomm::detail::concat("at ", p), std::string("at ") + want);
+  EXPECT_EQ(tpcomm::detail::concat(static_cast<void*>(nullptr)), "0x0");
+  EXPECT_EQ(tpcomm::detail::concat(true, " ", "text"), "true text");  // still a bool, a string
+}

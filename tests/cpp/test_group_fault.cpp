@@ -1,6 +1,7 @@
 // GroupFault (coordinator/group_fault.hpp): two ranks of one group in one
 // process, sharing a HashStore, with the process's real watchdog.
 #include <atomic>
+#include <stdexcept>
 #include <chrono>
 #include <thread>
 
@@ -137,6 +138,49 @@ TEST(GroupFault, PositionsNameWhereAStuckPeerWaits) {
   ASSERT_TRUE(eventually([&] {
     return g.r0->positions().find("rank 1: after all_to_all #7") != std::string::npos;
   }));
+}
+
+// A store whose host went away: every request fails, as TCPStore's do once
+// the rank that serves it exited.
+struct LostStore : c10d::HashStore {
+  std::atomic<bool> lost{false};
+  std::atomic<int> requests{0};
+  void fail() {
+    if (!lost) return;
+    ++requests;
+    throw std::runtime_error("Connection reset by peer\nand a long trace");
+  }
+  void set(const std::string& key, const std::vector<uint8_t>& value) override {
+    fail();
+    HashStore::set(key, value);
+  }
+  std::vector<uint8_t> get(const std::string& key) override {
+    fail();
+    return HashStore::get(key);
+  }
+  bool check(const std::vector<std::string>& keys) override {
+    fail();
+    return HashStore::check(keys);
+  }
+};
+
+TEST(GroupFault, AStoreThatStopsAnsweringBreaksAStuckCallOnce) {
+  auto store = c10::make_intrusive<LostStore>();
+  auto r1 = GroupFault::create(store, "g", 1, 2, 2000ms);
+  auto waiter = std::make_shared<Flag>();
+  store->lost = true;
+  const uint64_t ticket = r1->enter(1, "allreduce", false, waiter);
+  ASSERT_TRUE(eventually([&] { return r1->broken(); }));
+  EXPECT_EQ(r1->reason(),
+            "the group's store stopped answering (Connection reset by peer) while rank 1 was in "
+            "allreduce #1: the rank that hosts it may be gone");
+  ASSERT_TRUE(eventually([&] { return waiter->calls.load() == 1; }));
+  r1->leave(ticket);
+  // Asked once, not at every visit of the watchdog.
+  const int asked = store->requests.load();
+  std::this_thread::sleep_for(watchdogInterval() * 3);
+  EXPECT_EQ(store->requests.load(), asked);
+  EXPECT_LE(asked, 2);
 }
 
 TEST(GroupFault, WithoutAStoreOrPeersNothingIsPublished) {
