@@ -6,10 +6,9 @@
 #include <algorithm>
 #include <cctype>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
@@ -65,37 +64,48 @@ std::string autotunePath(const std::string& key) {
   return dir + "/" + key + ".txt";
 }
 
+// No iostreams here (see common/error.hpp): an extension built by gcc 13
+// that uses std::ostringstream or std::ifstream binds to libc10's weak
+// copies and crashes (seen on the GPU machine at the first cache write).
+namespace {
+
+std::string number(double v) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%g", v);
+  return text;
+}
+
+}  // namespace
+
 std::string formatTuned(const TunedRoutes& tuned, const RouteTimings& t) {
-  std::ostringstream out;
-  out << "# tpcomm autotune: CUDA allreduce crossovers measured on this machine\n";
-  out << "# bytes oneshot_us twoshot_us nccl_us\n";
+  std::string out = "# tpcomm autotune: CUDA allreduce crossovers measured on this machine\n";
+  out += "# bytes oneshot_us twoshot_us nccl_us\n";
   for (size_t i = 0; i < t.sizes.size(); ++i) {
-    out << "# " << t.sizes[i] << " " << t.oneShotUs[i] << " " << t.twoShotUs[i] << " ";
-    if (t.ncclUs.empty()) {
-      out << "-";
-    } else {
-      out << t.ncclUs[i];
-    }
-    out << "\n";
+    out += detail::concat("# ", t.sizes[i], " ", number(t.oneShotUs[i]), " ",
+                          number(t.twoShotUs[i]), " ",
+                          t.ncclUs.empty() ? std::string("-") : number(t.ncclUs[i]), "\n");
   }
-  out << "oneshot_max_bytes=" << tuned.oneShotMaxBytes << "\n";
-  out << "custom_max_bytes=" << tuned.customMaxBytes << "\n";
-  return out.str();
+  out += detail::concat("oneshot_max_bytes=", tuned.oneShotMaxBytes, "\n");
+  out += detail::concat("custom_max_bytes=", tuned.customMaxBytes, "\n");
+  return out;
 }
 
 std::optional<TunedRoutes> parseTuned(const std::string& text, int64_t maxBytes) {
-  std::istringstream in(text);
-  std::string line;
   std::optional<int64_t> oneShot, custom;
-  while (std::getline(in, line)) {
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find('\n', at);
+    if (end == std::string::npos) end = text.size();
+    const std::string line = text.substr(at, end - at);
+    at = end + 1;
     if (line.empty() || line[0] == '#') continue;
     const size_t eq = line.find('=');
     if (eq == std::string::npos) return std::nullopt;
     const std::string key = line.substr(0, eq), value = line.substr(eq + 1);
-    char* end = nullptr;
+    char* stop = nullptr;
     errno = 0;
-    const long long v = std::strtoll(value.c_str(), &end, 10);
-    if (value.empty() || *end != '\0' || errno != 0 || v < 0 || v > maxBytes) return std::nullopt;
+    const long long v = std::strtoll(value.c_str(), &stop, 10);
+    if (value.empty() || *stop != '\0' || errno != 0 || v < 0 || v > maxBytes) return std::nullopt;
     if (key == "oneshot_max_bytes") {
       oneShot = v;
     } else if (key == "custom_max_bytes") {
@@ -109,11 +119,16 @@ std::optional<TunedRoutes> parseTuned(const std::string& text, int64_t maxBytes)
 }
 
 std::optional<TunedRoutes> readTuned(const std::string& path, int64_t maxBytes) {
-  std::ifstream in(path);
-  if (!in) return std::nullopt;
-  std::stringstream text;
-  text << in.rdbuf();
-  return parseTuned(text.str(), maxBytes);
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (f == nullptr) return std::nullopt;
+  std::string text;
+  char chunk[4096];
+  size_t got = 0;
+  while ((got = std::fread(chunk, 1, sizeof(chunk), f)) > 0) text.append(chunk, got);
+  const bool failed = std::ferror(f) != 0;
+  std::fclose(f);
+  if (failed) return std::nullopt;
+  return parseTuned(text, maxBytes);
 }
 
 std::string writeTuned(const std::string& path, const std::string& text) {
@@ -130,9 +145,12 @@ std::string writeTuned(const std::string& path, const std::string& text) {
     }
   }
   const std::string tmp = path + ".tmp" + std::to_string(::getpid());
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    if (!(out << text)) return "cannot write " + tmp;
+  FILE* f = std::fopen(tmp.c_str(), "w");
+  if (f == nullptr) return "cannot write " + tmp + ": " + std::strerror(errno);
+  const bool written = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+  if (std::fclose(f) != 0 || !written) {
+    std::remove(tmp.c_str());
+    return "cannot write " + tmp;
   }
   if (std::rename(tmp.c_str(), path.c_str()) != 0) {
     const std::string why = std::strerror(errno);

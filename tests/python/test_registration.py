@@ -47,6 +47,29 @@ def test_settings_are_documented():
         assert name in readme, f"{name} is not listed in the README"
 
 
+def test_the_extension_uses_no_iostreams():
+    # torch's libc10 exports weak copies of the iostream classes; an extension
+    # built by another gcc that uses them binds to those copies and crashes
+    # (the GPU machine's gcc 13 build segfaulted in message formatting, and
+    # later at the first autotune cache write). Messages go through
+    # detail::concat, files through stdio.
+    root = __file__.rsplit("/tests/", 1)[0]
+    banned = re.compile(r"#include <(sstream|fstream|iostream)>|std::(o|i)?(string|f)stream\b"
+                        r"|std::(cout|cerr|clog)\b")
+    found = []
+    for top in ("backend", "coordinator", "custom_allreduce", "message_queue", "python"):
+        for dirpath, _, files in os.walk(os.path.join(root, top)):
+            for name in files:
+                if not name.endswith((".cpp", ".hpp", ".cu", ".cuh", ".h")):
+                    continue
+                path = os.path.join(dirpath, name)
+                with open(path) as f:
+                    for number, line in enumerate(f, 1):
+                        if banned.search(line) and not line.lstrip().startswith("//"):
+                            found.append(f"{os.path.relpath(path, root)}:{number}: {line.strip()}")
+    assert not found, "iostreams in the extension:\n" + "\n".join(found)
+
+
 def test_build_targets_a100_and_h100():
     """Without TORCH_CUDA_ARCH_LIST the build targets sm_80 and sm_90; a machine
     that sets it (some GPU images do) gets what it asked for."""
