@@ -15,6 +15,8 @@ set -uo pipefail
 out="${OUT:-$PWD/out}"
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+# A worker that dies (a segfault) prints its Python stack instead of an EOF.
+export PYTHONFAULTHANDLER=1
 py="${PYTHON:-python3}"
 deadline=$(( $(date +%s) + ${TPCOMM_DEVICE_BUDGET_S:-570} ))
 
@@ -60,13 +62,16 @@ gpu_tests test_custom_allreduce.py 90
 step bench_car 45 "$py" -m tpcomm.bench car --png "$out/car.png"
 step bench_allreduce 45 "$py" -m tpcomm.bench allreduce
 gpu_tests test_cuda_routing.py 100
-gpu_tests test_car_hardening.py 90
+# Its last test replays 4,297 captured calls of 2 processes time-sliced on
+# one GPU (about 4.4 ms a call): give it room.
+gpu_tests test_car_hardening.py 150
 gpu_tests test_cuda_nccl.py 40
 gpu_tests test_coordinator_cuda.py 45
 gpu_tests test_fused_norm_gpu.py 45
 gpu_tests test_flight_recorder_gpu.py 45
-# 2 and 4 ranks sharing GPU 0 (custom kernel), against the three separate ops.
-step bench_fused 40 "$py" -m tpcomm.bench fused --device cuda --world-sizes 2 4
+# 2 ranks sharing GPU 0 (custom kernel), against the three separate ops
+# (time-slice bound on one GPU: it shows the path works, not its speed).
+step bench_fused 40 "$py" -m tpcomm.bench fused --device cuda --world-sizes 2 --quick --rounds 1
 # The CPU suite on this image (its gcc and Python differ from the CPU
 # machine's); TPCOMM_DEVICE_CPU_SUITE=0 leaves it to the CPU machine.
 if [[ "${TPCOMM_DEVICE_CPU_SUITE:-1}" != 0 ]]; then

@@ -22,6 +22,12 @@ from tpcomm._net import run_ranks
 ROUTES = ("oneshot", "twoshot", "nccl")
 
 
+TIME_SLICE_NOTE = (
+    "ranks are processes sharing one GPU: without MPS the GPU runs one process's kernels at a "
+    "time, so a collective's kernels wait for the time slice between processes (about 4.4 ms a "
+    "call on an H100); these times measure that scheduling, not the kernel. The kernel alone: "
+    "`python -m tpcomm.bench car` (ranks as streams of one process)")
+
 def _time_us(fn, iters):
     fn()
     torch.cuda.synchronize()
@@ -124,6 +130,9 @@ def run(max_mib, quick):
         s *= 4 if quick else 2
     print(f"GPUs: {gpus} x {torch.cuda.get_device_name(0)}; "
           + ("ranks share GPU 0 (NCCL left out)" if shared else "one rank per GPU"))
+    if shared:
+        print("note: " + TIME_SLICE_NOTE + "; so only up to 1 MiB, few iterations")
+        sizes, quick = [s for s in sizes if s <= 1 << 20], True
     for world in worlds:
         result = run_ranks(_worker, world, lambda r: (0 if shared else r, sizes, quick, shared),
                            1800)
