@@ -10,6 +10,7 @@
 #include "coordinator/common/settings.hpp"
 #include "coordinator/cuda_util.hpp"
 #include "custom_allreduce/cuda_check.hpp"
+#include "custom_allreduce/signal.hpp"
 
 namespace tpcomm::coord {
 
@@ -91,10 +92,24 @@ void CustomPath::checkError() const {
   if (!car_) return;
   const uint32_t code = car_->errorCode();
   if (code == 0) return;
+  TPCOMM_CHECK(!car::isAbort(code), kPeerLost, "custom allreduce on group '", groupName_,
+               "' (rank ", rank_, " of ", size_, "): ", car::describeError(code));
   TPCOMM_THROW(kTimeout, "custom allreduce on group '", groupName_, "' (rank ", rank_, " of ",
                size_, "): ", car::describeError(code), " within ", car_->timeout().count(),
                " ms (the group's timeout, or TPCOMM_CAR_TIMEOUT_MS when set)");
 }
+
+void CustomPath::abort() {
+  if (!car_) return;
+  try {
+    const c10::cuda::CUDAGuard guard(device_);
+    car_->abort();
+  } catch (...) {
+    // Best effort (no usable device): the error word is written first.
+  }
+}
+
+bool CustomPath::launchesPending() const { return car_ && car_->launchesPending(); }
 
 void CustomPath::setTimeout(std::chrono::milliseconds timeout) {
   if (car_) car_->setTimeout(timeout);

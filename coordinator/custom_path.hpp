@@ -100,6 +100,13 @@ class CustomPath {
   void reset(c10d::Backend& cpu);
   // How long the kernel waits for a peer (calls enqueued afterwards).
   void setTimeout(std::chrono::milliseconds timeout);
+  // The group broke: stops this rank's kernels and every peer's at once
+  // (car::CustomAllreduce::abort). Any thread, never throws; only reset()
+  // makes the path usable again.
+  void abort();
+  // Whether this rank's last kernel (eager or replayed) has not ended: a
+  // call that may be waiting for a peer. Any thread; never blocks.
+  bool launchesPending() const;
 
   // While graph_capture() is open and a call is being captured: the table
   // slot the call's kernel reads its sources from (null when the table is

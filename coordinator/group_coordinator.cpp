@@ -47,6 +47,11 @@ GroupCoordinator::GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d
     if (auto* shm = shmFast_.load()) shm->abort(why);
     if (auto* hier = hierFast_.load()) hier->abort(why);
     if (auto device = deviceBackendIfCreated()) device->abort();
+    if (auto* custom = customFast_.load()) custom->abort();
+  });
+  fault_->setDeviceProbe([this] {
+    auto* custom = customFast_.load();
+    return custom != nullptr && custom->launchesPending();
   });
   if (options_.debugChecks && store_) {
     p2p_ = std::make_unique<P2pChecker>(store_, options_.groupName, options_.rank, options_.size,
@@ -57,6 +62,8 @@ GroupCoordinator::GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d
 GroupCoordinator::~GroupCoordinator() {
   withoutInterpreterLock([this] {
     fault_->setReleaser({});
+    fault_->setDeviceProbe({});
+    customFast_.store(nullptr);
     shmFast_.store(nullptr);
     shm_.reset();
     hierFast_.store(nullptr);

@@ -324,6 +324,10 @@ class GroupCoordinator {
   CustomDeviceFactory customDeviceFactory_;
   std::optional<at::Device> cudaDevice_;             // guarded by deviceMutex_
   std::shared_ptr<CustomPath> custom_;               // guarded by deviceMutex_
+  // custom_.get() once set up and available: the fault releaser's and the
+  // watchdog's (they never take deviceMutex_, which a set-up holds while it
+  // waits for the peers).
+  std::atomic<CustomPath*> customFast_{nullptr};
   std::optional<c10::cuda::CUDAStream> commStream_;  // async custom calls
   mutable std::mutex shmMutex_;
   bool shmTried_ = false;                        // guarded by shmMutex_

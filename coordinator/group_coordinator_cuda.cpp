@@ -81,6 +81,7 @@ std::shared_ptr<CustomPath> GroupCoordinator::ensureCustom(at::Device device) {
         config.mode == "nccl" ? "TPCOMM_ROUTE=nccl" : "");
     routing_.setCustomAvailability(created->available(), created->reason());
     custom_ = created;
+    if (created->available()) customFast_.store(created.get());
   }
   // Outside the lock: the measurement may create the device backend.
   if (settings().autotune && created->available()) tuneRouting(*created);

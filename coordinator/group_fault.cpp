@@ -186,6 +186,11 @@ void GroupFault::setReleaser(std::function<void(const std::string&)> releaser) {
   releaser_ = std::move(releaser);
 }
 
+void GroupFault::setDeviceProbe(std::function<bool()> probe) {
+  std::lock_guard<std::mutex> lock(releaseMutex_);
+  deviceProbe_ = std::move(probe);
+}
+
 namespace {
 
 // A coarse monotonic clock (a few ns; its ms resolution is plenty for a
@@ -463,6 +468,28 @@ void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAft
                                 " since ", sinceMs);
     } else if (!publishedPosition_.empty() && publishedPosition_.rfind("in ", 0) == 0) {
       position = detail::concat("after ", lastOp_.load(), " #", lastSeq_.load());
+    }
+  }
+  if (!stuck && !broken()) {
+    // Device work (the custom kernel) that may wait for a peer: its host
+    // call returned at once, so only the GPU says whether it is stuck.
+    bool pending = false;
+    {
+      std::lock_guard<std::mutex> lock(releaseMutex_);
+      pending = deviceProbe_ && deviceProbe_();
+    }
+    if (!pending) {
+      devicePendingSince_.reset();
+    } else if (!devicePendingSince_) {
+      devicePendingSince_ = now;
+    } else if (now - *devicePendingSince_ >= stuckAfter) {
+      stuck = true;
+      stuckIn = detail::concat("the custom kernel's call (#", startedSeq_.load(), " or before)");
+      position = detail::concat("in ", lastOp_.load(), " #", lastSeq_.load(),
+                                " (on the GPU, custom kernel) since ",
+                                wallMs() - std::chrono::duration_cast<std::chrono::milliseconds>(
+                                               now - *devicePendingSince_)
+                                               .count());
     }
   }
   if (!store_ || storeLost_) return;

@@ -105,6 +105,11 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // coordinator's shared-memory paths and device backend). Cleared with an
   // empty function before they go away.
   void setReleaser(std::function<void(const std::string&)> releaser);
+  // Whether the group has device work that may be waiting for a peer (the
+  // custom kernel's last launch has not ended): the watchdog treats such
+  // work, once older than its interval, as a call in flight (its host call
+  // returned long ago). Cleared with an empty function, as the releaser.
+  void setDeviceProbe(std::function<bool()> probe);
   void setTimeout(std::chrono::milliseconds timeout);
   // Connections of the group's Gloo groups (its own, those between hosts):
   // shut down once the group broke (after the break is published, so that
@@ -183,6 +188,7 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // Held while the releaser runs, so that clearing it waits for a release.
   std::mutex releaseMutex_;
   std::function<void(const std::string&)> releaser_;  // by releaseMutex_
+  std::function<bool()> deviceProbe_;                 // by releaseMutex_
   GlooSockets sockets_;  // by mutex_
   bool released_ = false;  // by mutex_
   // Publishes the queued lines (waiting at most a second for the store),
@@ -200,6 +206,9 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // whether the store stopped answering (then it is not asked again).
   std::string publishedPosition_;
   bool storeLost_ = false;
+  // Since when the device probe has said "pending" without a break (the
+  // watchdog's own; unset while it says "ended").
+  std::optional<Clock::time_point> devicePendingSince_;
 };
 
 // The group whose call this thread runs (the backend sets it around each

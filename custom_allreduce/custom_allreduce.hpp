@@ -186,6 +186,9 @@ class LaunchOrder {
   // ended; throws on a CUDA error. Touches no other stream, so it is safe
   // while another stream of the device is being captured.
   virtual void synchronize() = 0;
+  // Whether the last launch has not ended yet (never blocks, never throws;
+  // any thread). The emulation's launches end before they return.
+  virtual bool pending() { return false; }
 };
 
 // The product's order: one CUDA event per rank of a group (as NCCL orders a
@@ -272,6 +275,18 @@ class CustomAllreduce {
   // reset() to make the group usable again.
   void clearError();
 
+  // Stops the group's kernels at once, this rank's and every peer's, running
+  // and queued (signal.hpp, "Abort"): for a group that broke. Only the
+  // collective reset makes the group usable again. Any thread, never throws,
+  // never waits for the GPU. `writePoison(word, value)` stores one word of a
+  // rank's signal area; by default a 4-byte copy on a private stream of the
+  // current device (the group's), which the caller must have made current.
+  using PoisonWriter = std::function<void(uint32_t* word, uint32_t value)>;
+  void abort(const PoisonWriter& writePoison = {});
+  // Whether this rank's last launch (eager or replayed) has not ended yet:
+  // a kernel that may be waiting for a peer. Never blocks on the GPU.
+  bool launchesPending();
+
   // The collective reset after a failure; every rank of the group calls it,
   // and the group is usable again when it returns:
   //   1. synchronize(): every kernel this rank launched has ended (each ends
@@ -302,6 +317,7 @@ class CustomAllreduce {
   uint32_t* errorDevice_;
   std::mutex launchMutex_;
   std::unique_ptr<LaunchOrder> order_;  // guarded by launchMutex_
+  std::atomic<LaunchOrder*> queryableOrder_{nullptr};  // order_ once made (launchesPending)
   std::mutex resetMutex_;
 
   // The checks every call makes (eligibility, an earlier failure).

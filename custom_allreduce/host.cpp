@@ -3,6 +3,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -96,6 +97,7 @@ void CustomAllreduce::launch(LaunchParams& p, cudaStream_t stream, size_t bytes,
   p.errorDevice = errorDevice_;
   std::lock_guard<std::mutex> lock(launchMutex_);
   if (!order_) order_ = makeEventLaunchOrder();
+  queryableOrder_.store(order_.get(), std::memory_order_release);
   order_->before(stream);
   launchAllreduce(p, stream);
   order_->after(stream);
@@ -230,6 +232,14 @@ class EventLaunchOrder : public LaunchOrder {
   void synchronize() override {
     if (event_ != nullptr) TPCOMM_CUDA_CHECK(cudaEventSynchronize(event_));
   }
+  bool pending() override {
+    cudaEvent_t event = queryable_.load(std::memory_order_acquire);
+    if (event == nullptr) return false;
+    const cudaError_t state = cudaEventQuery(event);
+    if (state == cudaSuccess) return false;
+    cudaGetLastError();  // cudaErrorNotReady, or an error the next call reports
+    return state == cudaErrorNotReady;
+  }
 
  private:
   // Both events, and one record of `event_` on a private stream (complete at
@@ -245,9 +255,11 @@ class EventLaunchOrder : public LaunchOrder {
     const cudaError_t recorded = cudaEventRecord(event_, quiet);
     cudaStreamDestroy(quiet);
     TPCOMM_CUDA_CHECK(recorded);
+    queryable_.store(event_, std::memory_order_release);
   }
 
   cudaEvent_t event_ = nullptr;       // the rank's last launch, eager or replayed
+  std::atomic<cudaEvent_t> queryable_{nullptr};  // event_ once created (pending(), any thread)
   cudaEvent_t inCapture_ = nullptr;   // the last launch captured in the current capture
   unsigned long long captureId_ = 0;  // the capture inCapture_ was recorded in
   bool inCaptureValid_ = false;
@@ -270,13 +282,64 @@ uint32_t CustomAllreduce::errorCode() const {
 
 void CustomAllreduce::checkError() const {
   const uint32_t code = errorCode();
-  if (code != 0) {
-    TPCOMM_THROW(kTimeout, "custom allreduce on rank ", rank_, " of ", worldSize_, ": ",
-                 describeError(code), " within ", timeoutMs_.load(), " ms");
-  }
+  if (code == 0) return;
+  TPCOMM_CHECK(!isAbort(code), kPeerLost, "custom allreduce on rank ", rank_, " of ", worldSize_,
+               ": ", describeError(code));
+  TPCOMM_THROW(kTimeout, "custom allreduce on rank ", rank_, " of ", worldSize_, ": ",
+               describeError(code), " within ", timeoutMs_.load(), " ms");
 }
 
 void CustomAllreduce::clearError() { *reinterpret_cast<volatile uint32_t*>(errorHost_) = 0; }
+
+namespace {
+
+// A 4-byte copy into device memory (a peer's through its IPC mapping) on a
+// private non-blocking stream: it runs beside the kernels that spin, and a
+// pageable source is staged before cudaMemcpyAsync returns, so nothing here
+// waits for the GPU. Errors are dropped (the abort is best effort).
+void copyWord(uint32_t* word, uint32_t value) {
+  RelaxedCaptureMode relaxed;  // another thread may be capturing
+  cudaStream_t stream = nullptr;
+  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
+    cudaGetLastError();
+    return;
+  }
+  const uint32_t source = value;
+  if (cudaMemcpyAsync(word, &source, sizeof(source), cudaMemcpyHostToDevice, stream) !=
+      cudaSuccess) {
+    cudaGetLastError();
+  }
+  if (cudaStreamDestroy(stream) != cudaSuccess) cudaGetLastError();
+}
+
+}  // namespace
+
+void CustomAllreduce::abort(const PoisonWriter& writePoison) {
+  // This rank's waiting kernels read the error word while they spin.
+  if (__atomic_load_n(errorHost_, __ATOMIC_ACQUIRE) == 0) {
+    __atomic_store_n(errorHost_, abortCode(rank_), __ATOMIC_SEQ_CST);
+  }
+  const uint32_t poison = poisonCode(abortCode(rank_), rank_);
+  for (int r = 0; r < worldSize_; ++r) {
+    uint32_t* word = &reinterpret_cast<Signal*>(buffers_[r])->poison.value;
+    try {
+      if (writePoison) {
+        writePoison(word, poison);
+      } else {
+        copyWord(word, poison);
+      }
+    } catch (...) {
+      // Best effort: the other ranks' words are still written.
+    }
+  }
+}
+
+bool CustomAllreduce::launchesPending() {
+  // Without launchMutex_: a launch that holds it may block while the GPU's
+  // launch queue is full of kernels that wait.
+  LaunchOrder* order = queryableOrder_.load(std::memory_order_acquire);
+  return order != nullptr && order->pending();
+}
 
 void CustomAllreduce::reset(const ResetOps& ops) {
   TPCOMM_CHECK(ops.synchronize && ops.barrier && ops.zeroSignals, kInvalidUsage,

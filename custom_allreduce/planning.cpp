@@ -175,6 +175,10 @@ std::string describeError(uint32_t code) {
   const int block = static_cast<int>((code >> 8) & 0xff);
   const int phase = static_cast<int>((code >> 16) & 0x7f);
   const int reporter = reporterOf(code);
+  if (phase == kAborted) {
+    if (reporter < 0) return detail::concat("rank ", peer, " aborted the group");
+    return detail::concat("the group is poisoned: rank ", reporter, " aborted it");
+  }
   if (phase == kNotRegistered) {
     return "a graph captured inside graph_capture() was replayed before the context exited "
            "(its zero-copy buffers were never registered)";

@@ -56,6 +56,13 @@
 // peer wrong data or waiting out their own timeout. Poison stays until the
 // group's collective reset (every rank synchronised, CPU barrier, signals
 // zeroed, CPU barrier).
+//
+// Abort (the group broke: an abort, a peer's refusal or failure on another
+// route): the host writes abortCode(rank) into its own error word (mapped
+// host memory, so its kernels that wait see it at once) and the poisoned
+// form into every rank's poison word (a 4-byte copy per rank on a private
+// stream; the copy engines run beside the spinning kernels). Running kernels
+// of every rank stop in their barrier, queued ones at entry.
 
 #include <cstdint>
 
@@ -68,6 +75,10 @@ enum Phase : int { kStart = 0, kMiddle = 1, kEnd = 2 };
 // Not a barrier: the "phase" of the error code a kernel writes when its
 // zero-copy table was never filled.
 inline constexpr int kNotRegistered = 3;
+// Not a barrier either: the "phase" of the code the host writes when the
+// group is aborted (CustomAllreduce::abort); its peer field is the rank that
+// aborted.
+inline constexpr int kAborted = 4;
 
 struct alignas(128) FlagSlot {
   uint32_t value;
@@ -92,6 +103,10 @@ inline constexpr uint32_t errorCode(int peer, int phase, int block) {
 inline constexpr uint32_t poisonCode(uint32_t code, int reporter) {
   return (code & ~(0xfu << 24)) | (static_cast<uint32_t>(reporter + 1) << 24);
 }
+// The code a rank's abort writes into its own error word (and, with itself
+// as reporter, into every rank's poison word).
+inline constexpr uint32_t abortCode(int rank) { return errorCode(rank, kAborted, 0); }
+inline constexpr bool isAbort(uint32_t code) { return ((code >> 16) & 0x7f) == kAborted; }
 // Which rank gave up (-1: this rank's own code).
 inline constexpr int reporterOf(uint32_t code) { return static_cast<int>((code >> 24) & 0xf) - 1; }
 

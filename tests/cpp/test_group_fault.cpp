@@ -140,6 +140,39 @@ TEST(GroupFault, PositionsNameWhereAStuckPeerWaits) {
   }));
 }
 
+// A custom-kernel call: the host call returned at once, the kernel waits on
+// the GPU. The device probe stands for the GPU; once it has said "pending"
+// for longer than the watchdog's interval, rank 0's refusal of that call
+// breaks rank 1's group and its releaser runs (which aborts the kernel).
+// Work that is pending with no fault published breaks nothing.
+TEST(GroupFault, DeviceWorkThatWaitsIsWatchedLikeACallInFlight) {
+  TwoRanks g;
+  std::atomic<bool> pending{true};
+  std::atomic<int> released{0};
+  g.r1->setDeviceProbe([&] { return pending.load(); });
+  g.r1->setReleaser([&](const std::string&) { ++released; });
+  g.r1->leave(g.r1->enter(1, "allreduce", false));  // launched; returned at once
+  std::this_thread::sleep_for(watchdogInterval() * 3);
+  EXPECT_FALSE(g.r1->broken()) << g.r1->reason();
+  g.r0->refused(1, "allreduce", "bad op");
+  ASSERT_TRUE(eventually([&] { return g.r1->broken(); }));
+  EXPECT_EQ(g.r1->reason(), "rank 0 refused allreduce #1 (bad op) while rank 1 made that call");
+  ASSERT_TRUE(eventually([&] { return released.load() == 1; }));
+  g.r1->setReleaser({});
+  g.r1->setDeviceProbe({});
+}
+
+TEST(GroupFault, DeviceWorkThatEndedIsNotWatched) {
+  TwoRanks g;
+  g.r1->setDeviceProbe([] { return false; });
+  g.r1->leave(g.r1->enter(1, "allreduce", false));
+  g.r0->refused(1, "allreduce", "bad op");
+  std::this_thread::sleep_for(watchdogInterval() * 4);
+  // Nothing of rank 1's waits: it learns at its next call (settle, store).
+  EXPECT_FALSE(g.r1->broken()) << g.r1->reason();
+  g.r1->setDeviceProbe({});
+}
+
 // A store whose host went away: every request fails, as TCPStore's do once
 // the rank that serves it exited.
 struct LostStore : c10d::HashStore {

@@ -19,6 +19,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/cpp/emulation_support.hpp"
@@ -574,6 +575,78 @@ TEST(KernelEmulationFailure, UnfilledZeroCopyTableRefusesToRun) {
     const auto* out = static_cast<const unsigned char*>(g.calls()[0].out[r]);
     for (size_t i = 0; i < 100 * 4; ++i) ASSERT_EQ(out[i], 0xA5);
   }
+}
+
+// The group broke (an abort on rank 0, or a peer's refusal on another route):
+// rank 0's host writes the abort into every rank's poison word while ranks 1
+// and 2 wait for it at the start barrier with a minute's timeout. Their
+// waiting kernels and the ones queued behind them stop at once, name rank 0,
+// and leave every output alone; their next call through the host API is
+// refused naming the abort.
+TEST(KernelEmulationFailure, AnAbortStopsEveryRanksWaitingAndQueuedKernels) {
+  Call first;
+  first.count = 300;
+  first.blocks = 2;
+  Call second = first;
+  second.algorithm = Algorithm::kTwoShot;
+  EmulatedGroup g(3, 32 << 10, {first, second});
+  const BufferLayout layout = BufferLayout::forMaxBytes(32 << 10);
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    CustomAllreduce car(0, 3, g.bases(), layout.maxBytes, std::chrono::milliseconds(60000),
+                        g.errorWord(0), g.errorWord(0), std::make_unique<CheckedOrder>());
+    car.abort([](uint32_t* word, uint32_t value) {
+      __atomic_store_n(word, value, __ATOMIC_RELEASE);
+    });
+  });
+  const auto start = std::chrono::steady_clock::now();
+  const bool ran = g.run({1, 2}, kGenerousNs, 30);
+  aborter.join();
+  ASSERT_TRUE(ran) << "a rank waited out its timeout";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(g.error(0), abortCode(0));
+  EXPECT_EQ(describeError(g.error(0)), "rank 0 aborted the group");
+  for (int r = 1; r < 3; ++r) {
+    EXPECT_EQ(g.error(r), poisonCode(abortCode(0), 0)) << describeError(g.error(r));
+    EXPECT_EQ(describeError(g.error(r)), "the group is poisoned: rank 0 aborted it");
+    for (const Call& c : g.calls()) {
+      const auto* out = static_cast<const unsigned char*>(c.out[r]);
+      for (size_t i = 0; i < c.count * 4; ++i) ASSERT_EQ(out[i], 0xA5) << "rank " << r;
+    }
+  }
+  CustomAllreduce car(1, 3, g.bases(), layout.maxBytes, std::chrono::milliseconds(60000),
+                      g.errorWord(1), g.errorWord(1), std::make_unique<CheckedOrder>());
+  try {
+    car.checkError();
+    FAIL() << "no error after the abort";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kPeerLost);
+    EXPECT_NE(std::string(e.what()).find("rank 0 aborted it"), std::string::npos) << e.what();
+  }
+}
+
+// This rank's own abort, from another thread, stops its waiting kernel
+// through the error word alone (mapped host memory), even when the poison
+// copies do not land (a writer that drops them).
+TEST(KernelEmulationFailure, AnAbortStopsThisRanksKernelThroughItsErrorWord) {
+  Call c;
+  c.count = 300;
+  EmulatedGroup g(2, 32 << 10, {c});
+  const BufferLayout layout = BufferLayout::forMaxBytes(32 << 10);
+  std::thread aborter([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    CustomAllreduce car(1, 2, g.bases(), layout.maxBytes, std::chrono::milliseconds(60000),
+                        g.errorWord(1), g.errorWord(1), std::make_unique<CheckedOrder>());
+    car.abort([](uint32_t*, uint32_t) {});
+  });
+  const auto start = std::chrono::steady_clock::now();
+  const bool ran = g.run({1}, kGenerousNs, 30);  // rank 0 never comes
+  aborter.join();
+  ASSERT_TRUE(ran) << "the kernel waited out its timeout";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));
+  EXPECT_EQ(g.error(1), abortCode(1)) << describeError(g.error(1));
+  const auto* out = static_cast<const unsigned char*>(g.calls()[0].out[1]);
+  for (size_t i = 0; i < 300 * 4; ++i) ASSERT_EQ(out[i], 0xA5);
 }
 
 }  // namespace

@@ -69,6 +69,7 @@ gpu_tests test_cuda_nccl.py 40
 gpu_tests test_coordinator_cuda.py 45
 gpu_tests test_fused_norm_gpu.py 45
 gpu_tests test_flight_recorder_gpu.py 45
+gpu_tests test_faults_gpu.py 60
 # 2 ranks sharing GPU 0 (custom kernel), against the three separate ops
 # (time-slice bound on one GPU: it shows the path works, not its speed).
 step bench_fused 40 "$py" -m tpcomm.bench fused --device cuda --world-sizes 2 --quick --rounds 1

@@ -1,0 +1,111 @@
+"""A broken group ends the custom kernel's waits: 2 processes sharing this GPU
+through CUDA IPC, a kernel of one rank waiting for a peer that will never
+launch its part (the kernel's own timeout is a minute). A peer's abort() and
+a peer's refused call must end that wait within a second or two (the
+watchdog's interval, then a 4-byte poison copy per rank), and every rank's
+next call must raise naming the cause."""
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA GPU on this machine: the custom kernel's fault tests need one",
+                allow_module_level=True)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+from harness import Group  # noqa: E402
+
+ENV = {"TPCOMM_CAR_MAX_BYTES": str(1 << 20), "TPCOMM_CAR_TIMEOUT_MS": "60000"}
+# Processes time-slice one GPU (about 4.4 ms a slice), on top of the
+# watchdog's 200 ms: generous, and far below the kernel's minute.
+WITHIN_S = 5.0
+
+
+def _set_up():
+    import torch.distributed as dist
+    torch.cuda.set_device(0)
+    group = dist.new_group(backend="tpcomm")
+    x = torch.ones(4096, device="cuda")
+    dist.all_reduce(x, group=group)  # the custom kernel's set-up, on both ranks
+    torch.cuda.synchronize()
+    assert torch.equal(x, torch.full_like(x, 2.0))
+    return group, x
+
+
+def _peer_abort(ctx):
+    import torch.distributed as dist
+    group, x = _set_up()
+    dist.barrier(group=ctx.ref)
+    if ctx.rank == 0:
+        time.sleep(0.5)  # rank 1's kernel is waiting by now
+        group._get_backend(torch.device("cpu")).abort()
+        error = None
+        try:
+            dist.all_reduce(x, group=group)
+        except RuntimeError as e:
+            error = str(e)
+        return None, error
+    start = time.monotonic()
+    dist.all_reduce(x, group=group)  # rank 0 never launches its part
+    torch.cuda.synchronize()
+    waited = time.monotonic() - start
+    error = None
+    try:
+        dist.all_reduce(x, group=group)
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        error = str(e)
+    return waited, error
+
+
+def test_a_peers_abort_ends_a_waiting_kernel():
+    group = Group(2, env=ENV, extra_paths=[HERE], start_timeout_s=240)
+    try:
+        (_, own), (waited, peer) = group.run(_peer_abort, timeout_s=120)
+    finally:
+        group.close(kill=True)
+    assert own is not None and "abort" in own, own
+    assert waited < WITHIN_S, f"rank 1's kernel waited {waited:.2f} s"
+    assert peer is not None and "rank 0" in peer and "abort" in peer, peer
+
+
+def _peer_refusal(ctx):
+    import torch.distributed as dist
+    group, x = _set_up()
+    dist.barrier(group=ctx.ref)
+    if ctx.rank == 1:
+        with pytest.raises(RuntimeError, match="ReduceOp.BAND needs an integer or bool tensor"):
+            dist.all_reduce(x, op=dist.ReduceOp.BAND, group=group)  # refused: float
+        error = None
+        try:
+            dist.all_reduce(x, group=group)
+        except RuntimeError as e:
+            error = str(e)
+        return None, error
+    start = time.monotonic()
+    dist.all_reduce(x, group=group)  # rank 1 refused its part
+    torch.cuda.synchronize()
+    waited = time.monotonic() - start
+    error = None
+    try:
+        dist.all_reduce(x, group=group)
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        error = str(e)
+    return waited, error
+
+
+def test_a_peers_refused_call_ends_a_waiting_kernel():
+    group = Group(2, env=ENV, extra_paths=[HERE], start_timeout_s=240)
+    try:
+        (waited, mine), (_, theirs) = group.run(_peer_refusal, timeout_s=120)
+    finally:
+        group.close(kill=True)
+    assert waited < WITHIN_S, f"rank 0's kernel waited {waited:.2f} s"
+    for error in (mine, theirs):
+        assert error is not None and "rank 1 refused allreduce" in error, error
