@@ -109,7 +109,17 @@ void CustomPath::abort() {
   }
 }
 
-bool CustomPath::launchesPending() const { return car_ && car_->launchesPending(); }
+bool CustomPath::launchesPending() const {
+  if (!car_ || !car_->launchedOnce()) return false;
+  try {
+    // The watchdog's thread: on the group's device (not device 0, whose
+    // context the query would otherwise create in every rank's process).
+    const c10::cuda::CUDAGuard guard(device_);
+    return car_->launchesPending();
+  } catch (...) {
+    return false;
+  }
+}
 
 void CustomPath::setTimeout(std::chrono::milliseconds timeout) {
   if (car_) car_->setTimeout(timeout);

@@ -46,8 +46,8 @@ GroupCoordinator::GroupCoordinator(GroupOptions options, c10::intrusive_ptr<c10d
     }
     if (auto* shm = shmFast_.load()) shm->abort(why);
     if (auto* hier = hierFast_.load()) hier->abort(why);
+    if (auto* custom = customFast_.load()) custom->abort();  // cheap: before NCCL's
     if (auto device = deviceBackendIfCreated()) device->abort();
-    if (auto* custom = customFast_.load()) custom->abort();
   });
   fault_->setDeviceProbe([this] {
     auto* custom = customFast_.load();

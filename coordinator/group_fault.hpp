@@ -209,6 +209,7 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // Since when the device probe has said "pending" without a break (the
   // watchdog's own; unset while it says "ended").
   std::optional<Clock::time_point> devicePendingSince_;
+  int64_t devicePendingWallMs_ = 0;  // the same moment, wall clock (for positions)
 };
 
 // The group whose call this thread runs (the backend sets it around each

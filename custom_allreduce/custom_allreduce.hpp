@@ -284,8 +284,11 @@ class CustomAllreduce {
   using PoisonWriter = std::function<void(uint32_t* word, uint32_t value)>;
   void abort(const PoisonWriter& writePoison = {});
   // Whether this rank's last launch (eager or replayed) has not ended yet:
-  // a kernel that may be waiting for a peer. Never blocks on the GPU.
+  // a kernel that may be waiting for a peer. Never blocks on the GPU; call it
+  // with the group's device current. False before the first launch, without
+  // any CUDA call (launchedOnce()).
   bool launchesPending();
+  bool launchedOnce() const { return queryableOrder_.load(std::memory_order_acquire) != nullptr; }
 
   // The collective reset after a failure; every rank of the group calls it,
   // and the group is usable again when it returns:

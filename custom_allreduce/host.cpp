@@ -235,6 +235,9 @@ class EventLaunchOrder : public LaunchOrder {
   bool pending() override {
     cudaEvent_t event = queryable_.load(std::memory_order_acquire);
     if (event == nullptr) return false;
+    // An event query is one of the calls a global-mode capture on another
+    // thread forbids (and is invalidated by): this thread asks in relaxed mode.
+    RelaxedCaptureMode relaxed;
     const cudaError_t state = cudaEventQuery(event);
     if (state == cudaSuccess) return false;
     cudaGetLastError();  // cudaErrorNotReady, or an error the next call reports

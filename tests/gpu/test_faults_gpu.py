@@ -3,7 +3,8 @@ through CUDA IPC, a kernel of one rank waiting for a peer that will never
 launch its part (the kernel's own timeout is a minute). A peer's abort() and
 a peer's refused call must end that wait within a second or two (the
 watchdog's interval, then a 4-byte poison copy per rank), and every rank's
-next call must raise naming the cause."""
+next call must raise naming the cause. A graph capture must survive the
+watchdog's questions to the GPU."""
 
 import os
 import sys
@@ -28,12 +29,15 @@ WITHIN_S = 5.0
 
 def _set_up():
     import torch.distributed as dist
+
+    import tpcomm
     torch.cuda.set_device(0)
     group = dist.new_group(backend="tpcomm")
     x = torch.ones(4096, device="cuda")
     dist.all_reduce(x, group=group)  # the custom kernel's set-up, on both ranks
     torch.cuda.synchronize()
     assert torch.equal(x, torch.full_like(x, 2.0))
+    assert tpcomm.stats(group)["custom_oneshot"]["calls"] == 1, tpcomm.stats(group)
     return group, x
 
 
@@ -64,14 +68,44 @@ def _peer_abort(ctx):
 
 
 def test_a_peers_abort_ends_a_waiting_kernel():
-    group = Group(2, env=ENV, extra_paths=[HERE], start_timeout_s=240)
+    # A watchdog that never looks: rank 1's kernel can only end through the
+    # poison rank 0's abort copies into its buffer.
+    env = dict(ENV, TPCOMM_WATCHDOG_MS="60000")
+    group = Group(2, env=env, extra_paths=[HERE], start_timeout_s=240)
     try:
         (_, own), (waited, peer) = group.run(_peer_abort, timeout_s=120)
     finally:
         group.close(kill=True)
-    assert own is not None and "abort" in own, own
+    assert own is not None and "rank 0 aborted the group" in own, own
     assert waited < WITHIN_S, f"rank 1's kernel waited {waited:.2f} s"
-    assert peer is not None and "rank 0" in peer and "abort" in peer, peer
+    assert peer is not None and "the group is poisoned: rank 0 aborted it" in peer, peer
+
+
+def _capture_while_the_watchdog_probes(ctx):
+    import torch.distributed as dist
+    group, x = _set_up()
+    # The watchdog asks the GPU about the eager launch every interval; a
+    # capture in global mode (torch.cuda.graph's default) that outlasts a
+    # few intervals must survive those questions.
+    y = torch.full((4096,), float(ctx.rank + 1), device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.all_reduce(y, group=group)
+        time.sleep(1.0)
+    for i in range(10):
+        y.fill_(float(ctx.rank + 1 + i))
+        graph.replay()
+    torch.cuda.synchronize()
+    want = float(sum(r + 1 + 9 for r in range(ctx.world_size)))
+    assert torch.equal(y, torch.full_like(y, want)), y[:4]
+
+
+def test_a_capture_survives_the_watchdogs_device_probe():
+    group = Group(2, env=ENV, extra_paths=[HERE], start_timeout_s=240)
+    try:
+        group.run(_capture_while_the_watchdog_probes, timeout_s=120)
+    finally:
+        group.close()
 
 
 def _peer_refusal(ctx):
