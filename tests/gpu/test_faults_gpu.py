@@ -41,6 +41,28 @@ def _set_up():
     return group, x
 
 
+def _next_call_error(group, x):
+    """The error of this rank's next allreduce on `group` (None: none)."""
+    import torch.distributed as dist
+    try:
+        dist.all_reduce(x, group=group)
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _waiting_call(group, x):
+    """An allreduce whose peer never launches its part: how long it took to
+    end, and the error of the call after it."""
+    import torch.distributed as dist
+    start = time.monotonic()
+    dist.all_reduce(x, group=group)
+    torch.cuda.synchronize()
+    waited = time.monotonic() - start
+    return waited, _next_call_error(group, x)
+
+
 def _peer_abort(ctx):
     import torch.distributed as dist
     group, x = _set_up()
@@ -48,23 +70,8 @@ def _peer_abort(ctx):
     if ctx.rank == 0:
         time.sleep(0.5)  # rank 1's kernel is waiting by now
         group._get_backend(torch.device("cpu")).abort()
-        error = None
-        try:
-            dist.all_reduce(x, group=group)
-        except RuntimeError as e:
-            error = str(e)
-        return None, error
-    start = time.monotonic()
-    dist.all_reduce(x, group=group)  # rank 0 never launches its part
-    torch.cuda.synchronize()
-    waited = time.monotonic() - start
-    error = None
-    try:
-        dist.all_reduce(x, group=group)
-        torch.cuda.synchronize()
-    except RuntimeError as e:
-        error = str(e)
-    return waited, error
+        return None, _next_call_error(group, x)
+    return _waiting_call(group, x)  # rank 0 never launches its part
 
 
 def test_a_peers_abort_ends_a_waiting_kernel():
@@ -115,23 +122,8 @@ def _peer_refusal(ctx):
     if ctx.rank == 1:
         with pytest.raises(RuntimeError, match="ReduceOp.BAND needs an integer or bool tensor"):
             dist.all_reduce(x, op=dist.ReduceOp.BAND, group=group)  # refused: float
-        error = None
-        try:
-            dist.all_reduce(x, group=group)
-        except RuntimeError as e:
-            error = str(e)
-        return None, error
-    start = time.monotonic()
-    dist.all_reduce(x, group=group)  # rank 1 refused its part
-    torch.cuda.synchronize()
-    waited = time.monotonic() - start
-    error = None
-    try:
-        dist.all_reduce(x, group=group)
-        torch.cuda.synchronize()
-    except RuntimeError as e:
-        error = str(e)
-    return waited, error
+        return None, _next_call_error(group, x)
+    return _waiting_call(group, x)  # rank 1 refused its part
 
 
 def test_a_peers_refused_call_ends_a_waiting_kernel():
