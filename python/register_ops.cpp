@@ -17,6 +17,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <atomic>
 #include <unordered_map>
 
 #include "backend/process_group_tpcomm.hpp"
@@ -40,6 +41,7 @@ class OpGroups {
     OpGroup entry{c10::weak_intrusive_ptr<c10d::ProcessGroup>(group), {}};
     std::lock_guard<std::mutex> lock(mutex_);
     groups_.insert_or_assign(name, std::move(entry));
+    generation_.fetch_add(1, std::memory_order_release);
   }
 
   void remove(const std::string& name) {
@@ -49,12 +51,39 @@ class OpGroups {
     if (it == groups_.end()) return;
     gone.emplace(std::move(it->second));
     groups_.erase(it);
+    generation_.fetch_add(1, std::memory_order_release);
   }
 
+  using Found =
+      std::pair<c10::intrusive_ptr<c10d::ProcessGroup>, c10::intrusive_ptr<c10d::Backend>>;
+
   // The group of a live coordinator, and its tpcomm backend for CPU tensors
-  // (null on another backend); throws naming the live ones otherwise.
-  std::pair<c10::intrusive_ptr<c10d::ProcessGroup>, c10::intrusive_ptr<c10d::Backend>> find(
-      c10::string_view name) {
+  // (null on another backend); throws naming the live ones otherwise. Each
+  // thread remembers its last answer while no group was added or removed
+  // (a per-token call then takes no lock and no map lookup).
+  Found find(c10::string_view name) {
+    struct Last {
+      uint64_t generation = 0;
+      std::string name;
+      c10::weak_intrusive_ptr<c10d::ProcessGroup> group{
+          c10::intrusive_ptr<c10d::ProcessGroup>()};
+      c10::weak_intrusive_ptr<c10d::Backend> backend{c10::intrusive_ptr<c10d::Backend>()};
+    };
+    thread_local Last last;
+    const uint64_t generation = generation_.load(std::memory_order_acquire);
+    if (last.generation == generation && generation != 0 && last.name == name) {
+      if (auto group = last.group.lock()) return {std::move(group), last.backend.lock()};
+    }
+    Found found = findLocked(name);
+    last.generation = generation;
+    last.name.assign(name.data(), name.size());
+    last.group = c10::weak_intrusive_ptr<c10d::ProcessGroup>(found.first);
+    last.backend = c10::weak_intrusive_ptr<c10d::Backend>(found.second);
+    return found;
+  }
+
+ private:
+  Found findLocked(c10::string_view name) {
     c10::intrusive_ptr<c10d::ProcessGroup> group;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -83,6 +112,7 @@ class OpGroups {
     return {group, backend};
   }
 
+ public:
   void setFusedPath(const std::string& name, const std::string& path) {
     std::lock_guard<std::mutex> lock(mutex_);
     auto it = groups_.find(name);
@@ -98,6 +128,7 @@ class OpGroups {
  private:
   std::mutex mutex_;
   std::unordered_map<std::string, OpGroup> groups_;
+  std::atomic<uint64_t> generation_{1};  // bumped by add() and remove()
 };
 
 OpGroups& opGroups() {
@@ -189,7 +220,9 @@ at::Tensor allReduceCpu(const at::Tensor& tensor, c10::string_view groupName) {
   at::Tensor input = tensor.contiguous();
   at::Tensor out = emptyLike(input);
   if (tpcomm != nullptr) {
-    finish(tpcomm->allreduceInto(input, out, c10d::AllreduceOptions()));
+    c10d::AllreduceOptions opts;
+    opts.asyncOp = false;  // waited for here: no Work for a call done in this thread
+    finish(tpcomm->allreduceInto(input, out, opts));
     return out;
   }
   out.copy_(input);
