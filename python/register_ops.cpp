@@ -11,13 +11,13 @@
 #include <torch/library.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
-#include <atomic>
 #include <unordered_map>
 
 #include "backend/process_group_tpcomm.hpp"
