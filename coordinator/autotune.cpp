@@ -92,12 +92,7 @@ std::string formatTuned(const TunedRoutes& tuned, const RouteTimings& t) {
 
 std::optional<TunedRoutes> parseTuned(const std::string& text, int64_t maxBytes) {
   std::optional<int64_t> oneShot, custom;
-  size_t at = 0;
-  while (at < text.size()) {
-    size_t end = text.find('\n', at);
-    if (end == std::string::npos) end = text.size();
-    const std::string line = text.substr(at, end - at);
-    at = end + 1;
+  for (const std::string& line : detail::splitLines(text)) {
     if (line.empty() || line[0] == '#') continue;
     const size_t eq = line.find('=');
     if (eq == std::string::npos) return std::nullopt;

@@ -41,14 +41,9 @@ std::string encodeSettings(const LaunchSettings& settings) {
 
 LaunchSettings decodeSettings(const std::string& text) {
   LaunchSettings out;
-  size_t begin = 0;
-  while (begin < text.size()) {
-    const size_t end = text.find('\n', begin);
-    const std::string line = text.substr(begin, end - begin);
+  for (const std::string& line : detail::splitLines(text)) {
     const size_t eq = line.find('=');
     out.emplace_back(line.substr(0, eq), eq == std::string::npos ? "" : line.substr(eq + 1));
-    if (end == std::string::npos) break;
-    begin = end + 1;
   }
   return out;
 }

@@ -367,13 +367,7 @@ std::vector<GroupFault::Line> GroupFault::readLines() const {
   std::vector<Line> lines;
   if (!store_ || !store_->check({kFaultsKey})) return lines;
   const auto bytes = store_->get(kFaultsKey);
-  const std::string text(bytes.begin(), bytes.end());
-  size_t at = 0;
-  while (at < text.size()) {
-    size_t end = text.find('\n', at);
-    if (end == std::string::npos) end = text.size();
-    const std::string row = text.substr(at, end - at);
-    at = end + 1;
+  for (const std::string& row : detail::splitLines(std::string(bytes.begin(), bytes.end()))) {
     // "B <rank> <why>" or "R <rank> <seq> <op> <why>"
     Line line{};
     if (row.size() < 3 || (row[0] != 'B' && row[0] != 'R') || row[1] != ' ') continue;

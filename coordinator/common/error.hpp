@@ -15,6 +15,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 namespace tpcomm {
 
@@ -79,6 +80,19 @@ auto append(std::string& out, const T& range)
     append(out, item);
   }
   out += ']';
+}
+
+// The lines of `text` (split at '\n'; a final newline adds no empty line).
+inline std::vector<std::string> splitLines(const std::string& text) {
+  std::vector<std::string> lines;
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find('\n', at);
+    if (end == std::string::npos) end = text.size();
+    lines.push_back(text.substr(at, end - at));
+    at = end + 1;
+  }
+  return lines;
 }
 
 template <typename... Args>

@@ -72,3 +72,10 @@ TEST(Error, AddressesPrintInHexNotAsBooleans) {
   EXPECT_EQ(tpcomm::detail::concat(static_cast<void*>(nullptr)), "0x0");
   EXPECT_EQ(tpcomm::detail::concat(true, " ", "text"), "true text");  // still a bool, a string
 }
+
+TEST(Error, SplitLinesKeepsEmptyLinesButNoTrailingOne) {
+  using tpcomm::detail::splitLines;
+  EXPECT_EQ(splitLines(""), std::vector<std::string>{});
+  EXPECT_EQ(splitLines("a\nb"), (std::vector<std::string>{"a", "b"}));
+  EXPECT_EQ(splitLines("a\n\nb\n"), (std::vector<std::string>{"a", "", "b"}));
+}
