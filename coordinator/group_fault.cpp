@@ -1,18 +1,15 @@
 #include "coordinator/group_fault.hpp"
 
-#include <pthread.h>
 #include <time.h>
-#include <unistd.h>
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstdlib>
 #include <future>
 #include <optional>
 #include <thread>
 
 #include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "coordinator/fault_watchdog.hpp"
 
 namespace tpcomm::coord {
 
@@ -58,99 +55,7 @@ std::optional<std::string> withinOneSecond(Read read) {
   return future.get();
 }
 
-// The process's one watchdog thread: visits every live group's fault state
-// every half interval. Leaked on purpose: its thread may still run while
-// the process's static objects are destroyed, so it touches none of them.
-class Watchdog {
- public:
-  static Watchdog& get() {
-    static Watchdog* watchdog = new Watchdog();
-    return *watchdog;
-  }
-
-  void add(std::weak_ptr<GroupFault> group) {
-    if (interval_.count() == 0) return;
-    std::lock_guard<std::mutex> lock(mutex_);
-    groups_.push_back(std::move(group));
-    if (threadPid_ != getpid()) {
-      threadPid_ = getpid();
-      std::thread([this] { loop(); }).detach();
-    }
-  }
-
-  // `keep`: a group with a break to publish, held until the visit (its
-  // owner may destroy it at once, e.g. abort() then destroy_process_group).
-  void wake(std::shared_ptr<GroupFault> keep) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      woken_ = true;
-      if (keep) pending_.push_back(std::move(keep));
-    }
-    cv_.notify_one();
-  }
-
-  bool running() const { return interval_.count() > 0; }
-  std::chrono::milliseconds interval() const { return interval_; }
-
- private:
-  Watchdog() : interval_(std::chrono::milliseconds(settings().watchdogMs)) {
-    // A fork while the thread holds the lock would leave it locked in the
-    // child; the child starts its own thread on its first group.
-    pthread_atfork([] { Watchdog::get().mutex_.lock(); },
-                   [] { Watchdog::get().mutex_.unlock(); },
-                   [] {
-                     Watchdog& w = Watchdog::get();
-                     w.mutex_.unlock();
-                     w.groups_.clear();
-                     w.pending_.clear();
-                   });
-    std::atexit([] { Watchdog::get().exiting_.store(true); });
-  }
-
-  void loop() {
-    const pid_t self = getpid();
-    const auto step = std::max(interval_ / 2, std::chrono::milliseconds(1));
-    while (!exiting_.load()) {
-      std::vector<std::shared_ptr<GroupFault>> live;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait_for(lock, step, [&] { return woken_; });
-        woken_ = false;
-        if (threadPid_ != self) return;  // a forked child's copy of the state
-        groups_.erase(std::remove_if(groups_.begin(), groups_.end(),
-                                     [](const auto& g) { return g.expired(); }),
-                      groups_.end());
-        for (const auto& g : groups_) {
-          if (auto group = g.lock()) live.push_back(std::move(group));
-        }
-        for (auto& group : pending_) live.push_back(std::move(group));
-        pending_.clear();
-      }
-      const auto now = GroupFault::Clock::now();
-      for (const auto& group : live) {
-        if (exiting_.load()) return;
-        try {
-          group->visit(now, interval_);
-        } catch (...) {
-          // A store that went away: the group's own calls report it.
-        }
-      }
-    }
-  }
-
-  const std::chrono::milliseconds interval_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool woken_ = false;                           // by mutex_
-  pid_t threadPid_ = 0;                          // by mutex_
-  std::vector<std::weak_ptr<GroupFault>> groups_;  // by mutex_
-  std::vector<std::shared_ptr<GroupFault>> pending_;  // by mutex_
-  std::atomic<bool> exiting_{false};
-};
-
 }  // namespace
-
-std::chrono::milliseconds watchdogInterval() { return Watchdog::get().interval(); }
 
 std::shared_ptr<GroupFault> GroupFault::create(c10::intrusive_ptr<c10d::Store> store,
                                                std::string groupName, int rank, int size,

@@ -1,6 +1,6 @@
 #pragma once
 // GroupFault: what has gone wrong on one group, made known to every rank,
-// and the one watchdog that carries it, for every route.
+// and the one watchdog that carries it (fault_watchdog.hpp), for every route.
 //
 // A group breaks (for good: every current and later call raises naming the
 // cause) when
