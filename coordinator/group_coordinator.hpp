@@ -258,6 +258,9 @@ class GroupCoordinator {
   const std::shared_ptr<GroupFault>& faultState() const { return fault_; }
 
  private:
+  // Hands the fault state what a break releases (the routes' paths, the
+  // Gloo group kept alive) and the device probe (the custom kernel).
+  void watchFaults();
   // The backend for `route`, counting the call and its bytes in stats_.
   c10d::Backend& backendFor(Route route, uint64_t bytes);
   c10d::Backend& deviceBackend();
