@@ -58,18 +58,19 @@ gpu_tests() {
   echo "== tests/gpu/$file" >> "$out/pytest_gpu.txt"
   step pytest_gpu "$cap" "$py" -m pytest -q -rs -p no:cacheprovider "tests/gpu/$file"
 }
+# What the last GPU session left unverified comes first.
+gpu_tests test_faults_gpu.py 60
+gpu_tests test_cuda_routing.py 100
 gpu_tests test_custom_allreduce.py 90
 step bench_car 45 "$py" -m tpcomm.bench car --png "$out/car.png"
 step bench_allreduce 45 "$py" -m tpcomm.bench allreduce
-gpu_tests test_cuda_routing.py 100
 # Its last test replays 4,297 captured calls of 2 processes time-sliced on
 # one GPU (about 4.4 ms a call): give it room.
 gpu_tests test_car_hardening.py 150
+gpu_tests test_flight_recorder_gpu.py 45
 gpu_tests test_cuda_nccl.py 40
 gpu_tests test_coordinator_cuda.py 45
 gpu_tests test_fused_norm_gpu.py 45
-gpu_tests test_flight_recorder_gpu.py 45
-gpu_tests test_faults_gpu.py 60
 # 2 ranks sharing GPU 0 (custom kernel), against the three separate ops
 # (time-slice bound on one GPU: it shows the path works, not its speed).
 step bench_fused 40 "$py" -m tpcomm.bench fused --device cuda --world-sizes 2 --quick --rounds 1

@@ -3,7 +3,9 @@ the tpcomm backend, per route (custom one-shot, custom two-shot, NCCL), eager
 and graph-replayed, with nccl-tests columns, on whatever GPUs are present:
 one process per GPU when there are several, else 2 and 4 processes sharing
 the one GPU (then NCCL, which refuses two ranks on one GPU, is left out and
-the custom routes run in time slices of the shared GPU).
+the custom routes run in time slices of the shared GPU, unless an MPS
+control daemon runs: then the processes' kernels run at once and the figures
+are the kernel's across processes, as on separate GPUs but for the links).
 
 Also the host overhead per call: the CPU time of enqueuing one 4 KiB
 allreduce through dist.all_reduce, and through tpcomm.all_reduce_into,
@@ -11,6 +13,7 @@ against launching the custom kernel directly (tpcomm.custom_allreduce).
 Goal: at most 3 us more than the direct launch.
 """
 
+import os
 import time
 from datetime import timedelta
 
@@ -27,6 +30,23 @@ TIME_SLICE_NOTE = (
     "time, so a collective's kernels wait for the time slice between processes (about 4.4 ms a "
     "call on an H100); these times measure that scheduling, not the kernel. The kernel alone: "
     "`python -m tpcomm.bench car` (ranks as streams of one process)")
+
+MPS_NOTE = (
+    "ranks are processes sharing one GPU through MPS: their kernels run at once, so these are "
+    "the kernels' times across processes (IPC memory, flags in the GPU's own memory), as on "
+    "separate GPUs but without the links between them")
+
+
+def mps_running():
+    """Whether an MPS control daemon serves this process's CUDA clients (its
+    control pipe exists where CUDA looks for it)."""
+    pipes = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
+    return os.path.exists(os.path.join(pipes, "control"))
+
+
+def shared_gpu_note():
+    return MPS_NOTE if mps_running() else TIME_SLICE_NOTE
+
 
 def _time_us(fn, iters):
     fn()
@@ -130,7 +150,9 @@ def run(max_mib, quick):
         s *= 4 if quick else 2
     print(f"GPUs: {gpus} x {torch.cuda.get_device_name(0)}; "
           + ("ranks share GPU 0 (NCCL left out)" if shared else "one rank per GPU"))
-    if shared:
+    if shared and mps_running():
+        print("note: " + MPS_NOTE)
+    elif shared:
         print("note: " + TIME_SLICE_NOTE + "; so only up to 1 MiB, few iterations")
         sizes, quick = [s for s in sizes if s <= 1 << 20], True
     for world in worlds:

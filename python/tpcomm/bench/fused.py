@@ -89,8 +89,8 @@ def run(world_sizes=(2,), device="cpu", dtype="bfloat16", quick=False, rounds=3)
     print(f"all_reduce_add_rms_norm vs all_reduce + add + rms_norm, {dtype}, {device} "
           f"({os.cpu_count()} cores); best of {rounds} interleaved rounds; max over ranks")
     if device == "cuda" and torch.cuda.device_count() < max(world_sizes):
-        from tpcomm.bench.allreduce import TIME_SLICE_NOTE
-        print("note: " + TIME_SLICE_NOTE.replace("`python -m tpcomm.bench car`",
+        from tpcomm.bench.allreduce import shared_gpu_note
+        print("note: " + shared_gpu_note().replace("`python -m tpcomm.bench car`",
                                                  "tests/gpu/test_fused_norm_gpu.py"))
     worst = 0.0
     for world in world_sizes:
