@@ -8,6 +8,7 @@ void registerBackend(pybind11::module_& m);
 void registerMessageQueue(pybind11::module_& m);
 void registerCustomAllreduce(pybind11::module_& m);
 void registerOps(pybind11::module_& m);
+void registerFastCalls(pybind11::module_& m);
 }  // namespace tpcomm::python
 
 namespace {
@@ -34,4 +35,5 @@ PYBIND11_MODULE(_C, m) {
   tpcomm::python::registerMessageQueue(m);
   tpcomm::python::registerCustomAllreduce(m);
   tpcomm::python::registerOps(m);
+  tpcomm::python::registerFastCalls(m);
 }

@@ -21,6 +21,7 @@
 #include <unordered_map>
 
 #include "backend/process_group_tpcomm.hpp"
+#include "python/op_outputs.hpp"
 
 namespace py = pybind11;
 
@@ -329,6 +330,8 @@ at::Tensor allReduceAddRmsNormInPlaceCpu(const at::Tensor& tensor, at::Tensor& r
 }
 
 }  // namespace
+
+at::Tensor emptyOpOutput(const at::Tensor& t) { return emptyLike(t); }
 
 void registerOps(py::module_& m) {
   m.def(

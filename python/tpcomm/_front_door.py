@@ -30,7 +30,8 @@ from tpcomm import _C
 
 # The collectives of torch.distributed whose front door checks more than the
 # argument's type: lists on the right ranks and of the right length, split
-# sizes. The per-token calls (all_reduce, broadcast, all_gather_into_tensor,
+# sizes. all_reduce has a function of its own (_fast_calls), which reports
+# refusals too. The other per-token calls (broadcast, all_gather_into_tensor,
 # reduce_scatter_tensor, barrier), whose front door refuses only a
 # non-tensor argument, are left unwrapped: a Python frame costs them about
 # 0.1 us per call (python -m tpcomm.bench fr). Point-to-point calls are not
@@ -53,21 +54,28 @@ def _tpcomm_backend(group):
     return backend if isinstance(backend, _C.ProcessGroupTpcomm) else None
 
 
-def _report(name, signature, args, kwargs, error, calls_before):
-    """Tells the group's peers that this rank refused the call `name`."""
+def report_refusal(name, group, error, calls_before):
+    """Tells the peers of `group` (None: the default group) that this rank
+    refused the call `name` with `error`, unless the call reached tpcomm
+    (which told them itself) or the group is not a tpcomm group."""
     if _C._calls_on_this_thread() != calls_before:
         return  # the call reached tpcomm, which told the peers itself
-    try:
-        bound = signature.bind(*args, **kwargs)
-        group = bound.arguments.get("group")
-    except TypeError:
-        group = None  # a call torch could not even bind: the default group's
     try:
         backend = _tpcomm_backend(group)
         if backend is not None:
             backend._refuse(name, f"{type(error).__name__}: {error}")
     except Exception:  # noqa: BLE001 - the caller gets its own error, unchanged
         pass
+
+
+def _report(name, signature, args, kwargs, error, calls_before):
+    """Tells the group's peers that this rank refused the call `name`."""
+    try:
+        bound = signature.bind(*args, **kwargs)
+        group = bound.arguments.get("group")
+    except TypeError:
+        group = None  # a call torch could not even bind: the default group's
+    report_refusal(name, group, error, calls_before)
 
 
 def _wrap(name, original):

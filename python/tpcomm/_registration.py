@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from tpcomm import _C, _front_door
+from tpcomm import _C, _fast_calls, _front_door
 from tpcomm._net import gloo_devices
 
 BACKEND_NAME = "tpcomm"
@@ -115,4 +115,5 @@ def register():
         )
     _patch_monitored_barrier()
     _front_door.install()
+    _fast_calls.install()
     _patch_flight_recorder_dumps()

@@ -25,6 +25,9 @@ from tpcomm._registration import BACKEND_NAME
 from tpcomm._tensor_dict import TensorMetadata  # noqa: F401  (re-exported)
 from tpcomm.message_queue import MessageQueue
 
+_is_compiling = torch.compiler.is_compiling
+_fast_all_reduce_out = _C._fast_all_reduce_out
+
 
 @dataclass
 class GraphCaptureContext:
@@ -80,6 +83,9 @@ class GroupCoordinator:
         _ops.register_coordinator(self)
         self.backend = backend
         self._tpcomm = backend == BACKEND_NAME
+        # The direct route of all_reduce on CPU tensors (a handle on the
+        # group's tpcomm backend), taken outside torch.compile's tracing.
+        self._direct = _C._fast_handle(self.device_group) if self._tpcomm else None
         self.device = self._choose_device(device)
         self.use_device_communicator = use_device_communicator
         self.mq_broadcaster = None
@@ -149,6 +155,17 @@ class GroupCoordinator:
         """Sum over the group; a new tensor (torch.ops.tpcomm.all_reduce)."""
         if self.world_size == 1:
             return input_
+        return self._all_reduce_op(input_)
+
+    def _all_reduce_op(self, input_):
+        """torch.ops.tpcomm.all_reduce, whatever the group's size. Outside
+        torch.compile's tracing a plain CPU tensor goes straight to the backend
+        call of the op's CPU kernel (no dispatcher: about 1 us less a call);
+        what _C._fast_all_reduce_out does not take, the op does."""
+        if self._direct is not None and not _is_compiling():
+            out = _fast_all_reduce_out(self._direct, input_)
+            if out is not None:
+                return out
         return torch.ops.tpcomm.all_reduce(input_, self.unique_name)
 
     def _all_reduce_out_place(self, input_):
@@ -533,6 +550,7 @@ class GroupCoordinator:
         for pg in {id(g): g for g in (self.device_group, self.cpu_group) if g}.values():
             dist.destroy_process_group(pg)
         self.device_group = self.cpu_group = None
+        self._direct = None
         _ops.unregister_coordinator(self.unique_name)
 
     def __repr__(self):

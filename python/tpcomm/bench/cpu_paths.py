@@ -2,7 +2,8 @@
 callers reach it, side by side: dist.all_reduce, with async_op=True and
 wait(), the functional collective (_c10d_functional.all_reduce +
 wait_tensor, what DTensor and compiled code call), GroupCoordinator.all_reduce
-(its op, torch.ops.tpcomm.all_reduce, on a world-size-1 group), the
+(on a world-size-1 group, which all_reduce returns as it is, the route it
+takes at larger sizes: the direct call, else torch.ops.tpcomm.all_reduce), the
 ProcessGroup's and the Backend's own allreduce([t]).wait(); at 2 ranks and on
 a world-size-1 group of each rank.
 """
@@ -24,8 +25,7 @@ def _call_paths(x, group, coordinator):
     functional = torch.ops._c10d_functional
     backend = group._get_backend(torch.device("cpu"))
     name = group.group_name
-    op = (coordinator.all_reduce if coordinator.world_size > 1 else
-          lambda t: torch.ops.tpcomm.all_reduce(t, coordinator.unique_name))
+    op = coordinator._all_reduce_op  # all_reduce's route, also at world size 1
     return {
         "dist": lambda: dist.all_reduce(x, group=group),
         "async_op": lambda: dist.all_reduce(x, group=group, async_op=True).wait(),

@@ -1,0 +1,223 @@
+// The shortest route from Python to a tpcomm group for the per-token calls:
+// torch.distributed.all_reduce (tpcomm/_fast_calls.py puts its function in
+// torch.distributed's place) and GroupCoordinator.all_reduce.
+//
+// torch's route to the backend costs about 2 us before any byte moves: its
+// Python function (argument checks, AllreduceOptions made and filled through
+// pybind), ProcessGroup.allreduce's binding, the dispatcher's c10d::allreduce_
+// op and a Work handed back to Python to wait on. The group engine itself
+// takes 0.1-0.2 us at world size 1. These functions call the group's backend
+// as that op does (ProcessGroupTpcomm::allreduce, the same checks, routing,
+// recording and fault handling) when the call needs nothing else of torch's
+// route: a plain dense CPU tensor, a plain reduce op, no torch function or
+// dispatch mode, no profiler, no functorch or functionalization layer. Any
+// other call answers "not taken" before it did anything, and the caller goes
+// through torch's route.
+//
+// They are raw METH_FASTCALL functions (a pybind call costs more than the
+// engine); errors reach Python through torch's own translation, as from any
+// torch function.
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <array>
+#include <utility>
+
+#include "backend/process_group_tpcomm.hpp"
+#include "python/op_outputs.hpp"
+
+namespace py = pybind11;
+
+namespace tpcomm::python {
+
+namespace {
+
+constexpr const char* kHandleName = "tpcomm.fast_handle";
+
+// What a capsule made by _fast_handle holds: the group's tpcomm backend,
+// weakly (a destroyed group's calls go torch's way, which says so).
+struct Handle {
+  c10::weak_intrusive_ptr<backend::ProcessGroupTpcomm> backend;
+};
+
+// torch's ReduceOp.RedOpType objects, by identity (set once by
+// _fast_set_ops): comparing pointers costs nothing, converting through
+// pybind does.
+std::array<std::pair<PyObject*, c10d::ReduceOp::RedOpType>, 8> reduceOps{};
+int reduceOpCount = 0;
+
+thread_local uint64_t callsTaken = 0;
+
+bool opOf(PyObject* object, c10d::ReduceOp::RedOpType* op) {
+  for (int i = 0; i < reduceOpCount; ++i) {
+    if (reduceOps[i].first == object) {
+      *op = reduceOps[i].second;
+      return true;
+    }
+  }
+  return false;
+}
+
+// The group's backend, or null when `capsule` is not a live handle.
+c10::intrusive_ptr<backend::ProcessGroupTpcomm> backendOf(PyObject* capsule) {
+  if (!PyCapsule_CheckExact(capsule)) return {};
+  auto* handle = static_cast<Handle*>(PyCapsule_GetPointer(capsule, kHandleName));
+  if (handle == nullptr) {
+    PyErr_Clear();
+    return {};
+  }
+  return handle->backend.lock();
+}
+
+// A torch.Tensor (or Parameter, the same to C++) whose only dispatch keys are
+// a dense CPU tensor's, in a thread where nothing intercepts torch calls: the
+// dispatcher would go straight to the c10d op's CPU kernel with it.
+const at::Tensor* plainCpuTensor(PyObject* object) {
+  if (!THPVariable_CheckExact(object)) return nullptr;
+  const at::Tensor& tensor = THPVariable_Unpack(object);
+  if (!tensor.defined()) return nullptr;
+  static const c10::DispatchKeySet plain({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
+                                          c10::DispatchKey::ADInplaceOrView,
+                                          c10::DispatchKey::AutocastCPU});
+  if ((tensor.key_set().raw_repr() & ~plain.raw_repr()) != 0) return nullptr;
+  if (tensor.requires_grad() || at::isComplexType(tensor.scalar_type())) return nullptr;
+  const auto local = c10::impl::tls_local_dispatch_key_set();
+  static const c10::DispatchKeySet usual = c10::default_included_set | c10::autocast_dispatch_keyset;
+  if ((local.included_.raw_repr() & ~usual.raw_repr()) != 0) {
+    return nullptr;
+  }
+  if (c10::impl::TorchDispatchModeTLS::any_modes_set() || at::impl::torch_function_mode_enabled()) {
+    return nullptr;
+  }
+  // A profiler (or any observer of torch ops) would see c10d::allreduce_.
+  if (at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION)) return nullptr;
+  return &tensor;
+}
+
+void waitFor(const c10::intrusive_ptr<c10d::Work>& work) {
+  if (work) work->wait();
+}
+
+// _fast_all_reduce(handle, tensor, op, async_op) -> the call's result:
+// dist.all_reduce(tensor, op, group, async_op) done as torch's route does it
+// (ProcessGroup::allreduce, then the c10d op's CPU kernel): True for a
+// synchronous call (done), the Work (or None) for async_op. False when the
+// call was not taken (nothing happened).
+PyObject* fastAllReduce(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 4, "_fast_all_reduce takes (handle, tensor, op, async_op)");
+  c10d::ReduceOp::RedOpType op;
+  const at::Tensor* tensor = plainCpuTensor(args[1]);
+  if (tensor == nullptr || !opOf(args[2], &op)) Py_RETURN_FALSE;
+  const int asyncOp = PyObject_IsTrue(args[3]);
+  if (asyncOp < 0) return nullptr;
+  auto backend = backendOf(args[0]);
+  if (!backend) Py_RETURN_FALSE;
+  std::vector<at::Tensor> tensors{*tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp(op);
+  opts.asyncOp = asyncOp != 0;
+  c10::intrusive_ptr<c10d::Work> work;
+  {
+    py::gil_scoped_release released;  // peers may need this process's other threads
+    work = backend->allreduce(tensors, opts);
+    if (!asyncOp) {
+      waitFor(work);
+    } else if (work && c10d::allow_inflight_collective_as_graph_input()) {
+      c10d::register_work(tensors[0], work);
+    }
+  }
+  ++callsTaken;
+  if (!asyncOp) Py_RETURN_TRUE;
+  return py::cast(work).release().ptr();
+  END_HANDLE_TH_ERRORS
+}
+
+// _fast_all_reduce_out(handle, tensor) -> Tensor | None: the sum over the
+// group in a new tensor, as torch.ops.tpcomm.all_reduce's CPU kernel makes
+// it; None when the call was not taken.
+PyObject* fastAllReduceOut(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 2, "_fast_all_reduce_out takes (handle, tensor)");
+  const at::Tensor* tensor = plainCpuTensor(args[1]);
+  if (tensor == nullptr) Py_RETURN_NONE;
+  auto backend = backendOf(args[0]);
+  if (!backend) Py_RETURN_NONE;
+  at::Tensor out;
+  {
+    py::gil_scoped_release released;
+    at::Tensor input = tensor->contiguous();
+    out = emptyOpOutput(input);
+    c10d::AllreduceOptions opts;
+    opts.asyncOp = false;
+    waitFor(backend->allreduceInto(input, out, opts));
+  }
+  ++callsTaken;
+  return THPVariable_Wrap(std::move(out));
+  END_HANDLE_TH_ERRORS
+}
+
+PyMethodDef methods[] = {
+    {"_fast_all_reduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&fastAllReduce)),
+     METH_FASTCALL,
+     "_fast_all_reduce(handle, tensor, op, async_op): dist.all_reduce's direct route (True: "
+     "done; a Work or None: async_op's result; False: not taken, nothing happened)."},
+    {"_fast_all_reduce_out",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&fastAllReduceOut)), METH_FASTCALL,
+     "_fast_all_reduce_out(handle, tensor) -> Tensor | None: GroupCoordinator.all_reduce's "
+     "direct route (None: not taken)."},
+    {nullptr, nullptr, 0, nullptr}};
+
+}  // namespace
+
+void registerFastCalls(py::module_& m) {
+  m.def(
+      "_fast_handle",
+      [](const c10::intrusive_ptr<c10d::ProcessGroup>& group) -> py::object {
+        if (!group || !group->hasBackends()) return py::none();
+        c10::intrusive_ptr<c10d::Backend> cpu;
+        try {
+          cpu = group->getBackend(c10::DeviceType::CPU);
+        } catch (const std::exception&) {
+          return py::none();  // no CPU backend
+        }
+        auto tpcomm = c10::dynamic_intrusive_pointer_cast<backend::ProcessGroupTpcomm>(cpu);
+        if (!tpcomm) return py::none();
+        auto* handle = new Handle{c10::weak_intrusive_ptr<backend::ProcessGroupTpcomm>(tpcomm)};
+        return py::reinterpret_steal<py::object>(
+            PyCapsule_New(handle, kHandleName, [](PyObject* capsule) {
+              delete static_cast<Handle*>(PyCapsule_GetPointer(capsule, kHandleName));
+            }));
+      },
+      py::arg("group"),
+      "A handle on the group's tpcomm CPU backend for the direct calls, or None when its CPU "
+      "backend is another.");
+  m.def(
+      "_fast_set_ops",
+      [](const py::sequence& ops) {
+        TORCH_CHECK_VALUE(ops.size() <= reduceOps.size(), "_fast_set_ops: at most ",
+                          reduceOps.size(), " ops");
+        reduceOpCount = 0;
+        for (const auto& op : ops) {
+          auto pair = op.cast<py::tuple>();
+          PyObject* object = pair[0].ptr();
+          Py_INCREF(object);  // kept for the process's life: compared by identity
+          reduceOps[reduceOpCount++] = {
+              object, static_cast<c10d::ReduceOp::RedOpType>(pair[1].cast<int>())};
+        }
+      },
+      py::arg("ops"),
+      "The (ReduceOp.RedOpType object, its value) pairs the direct calls accept.");
+  m.def(
+      "_fast_calls_taken", [] { return callsTaken; },
+      "How many direct calls this thread made (for tests).");
+  PyModule_AddFunctions(m.ptr(), methods);
+}
+
+}  // namespace tpcomm::python
