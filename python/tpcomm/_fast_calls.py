@@ -33,18 +33,20 @@ _ReduceOp = c10d.ReduceOp
 
 # ProcessGroup -> its handle (a capsule), or False: the group's CPU backend is
 # not tpcomm. Emptied when groups are destroyed (a handle holds its backend
-# weakly, so a stale one only sends the call torch's way).
+# weakly: a stale one sends the call torch's way).
 _handles = {}
 
 
 def _handle_of(group):
+    """The group's handle, remembered while torch knows the group (a destroyed
+    one is never remembered: its calls take torch's route)."""
     handle = None
     try:
-        if not c10d._rank_not_in_group(group):
+        if group in c10d._world.pg_map and not c10d._rank_not_in_group(group):
             handle = _C._fast_handle(group)
+            _handles[group] = handle if handle is not None else False
     except Exception:  # noqa: BLE001 - not a group tpcomm serves: torch's route decides
         handle = None
-    _handles[group] = handle if handle is not None else False
     return handle
 
 
