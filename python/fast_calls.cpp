@@ -30,6 +30,7 @@
 #include <utility>
 
 #include "backend/process_group_tpcomm.hpp"
+#include "coordinator/common/settings.hpp"
 #include "python/op_outputs.hpp"
 
 namespace py = pybind11;
@@ -214,6 +215,9 @@ void registerFastCalls(py::module_& m) {
       },
       py::arg("ops"),
       "The (ReduceOp.RedOpType object, its value) pairs the direct calls accept.");
+  m.def(
+      "_direct_calls_enabled", [] { return settings().directCalls; },
+      "TPCOMM_DIRECT_CALLS: whether the direct calls are used.");
   m.def(
       "_fast_calls_taken", [] { return callsTaken; },
       "How many direct calls this thread made (for tests).");

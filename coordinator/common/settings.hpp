@@ -22,6 +22,10 @@ struct Settings {
   // TPCOMM_DEBUG: before each collective, compare op, shapes and dtypes
   // across ranks through the CPU group and raise naming the ranks that differ.
   bool debug = false;
+  // TPCOMM_DIRECT_CALLS: dist.all_reduce and GroupCoordinator.all_reduce on
+  // plain CPU tensors call the backend directly (python/fast_calls.cpp), not
+  // through torch's Python function, binding and dispatcher.
+  bool directCalls = true;
   // TPCOMM_HOST_ID: this process's host identity for shared-memory paths
   // (empty: the host name). Ranks with different ids never share memory;
   // tests use it to simulate several hosts on one machine.

@@ -99,7 +99,10 @@ def _make_destroy(original):
 
 def install():
     """Puts the direct all_reduce in torch.distributed's place (once); not on a
-    torch whose internals it reads are laid out otherwise."""
+    torch whose internals it reads are laid out otherwise, nor with
+    TPCOMM_DIRECT_CALLS=0."""
+    if not _C._direct_calls_enabled():
+        return
     if not hasattr(c10d._world, "_default_pg") or not hasattr(c10d._world, "pg_coalesce_state"):
         return
     _C._fast_set_ops([(op, int(op)) for op in (

@@ -358,3 +358,28 @@ def test_coordinator_all_reduce_takes_the_direct_route(groups):
     for rank, results in enumerate(groups(2).run(_coordinator)):
         for i, flags in enumerate(results):
             assert all(flags), f"rank {rank} case {i}: {flags}"
+
+
+def _switched_off(ctx):
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    from tpcomm.coordinator import GroupCoordinator
+
+    coord = GroupCoordinator([list(range(ctx.world_size))], ctx.rank, "tpcomm",
+                             group_name="switched_off")
+    try:
+        out = coord.all_reduce(torch.ones(3))
+        return (not hasattr(dist.all_reduce, "_tpcomm_direct"), coord._direct is None,
+                _fast_calls.calls_taken() == 0, torch.equal(t, torch.full((3,), 2.0)),
+                torch.equal(out, torch.full((3,), 2.0)))
+    finally:
+        coord.destroy()
+
+
+def test_tpcomm_direct_calls_0_leaves_torchs_route():
+    g = Group(2, env={**ENV, "TPCOMM_DIRECT_CALLS": "0"})
+    try:
+        for rank, flags in enumerate(g.run(_switched_off)):
+            assert all(flags), f"rank {rank}: {flags}"
+    finally:
+        g.close()
