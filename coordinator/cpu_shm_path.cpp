@@ -59,6 +59,11 @@ class Fields {
 
 // Round 1's verdict on the settings: empty when every rank can share one
 // region, hosts aside.
+// A chunk size as a message shows it (0: chosen from the threads).
+std::string bufferSetting(int64_t bytes) {
+  return bytes == 0 ? std::string("0 (auto)") : detail::concat(bytes);
+}
+
 std::string agreement(const std::vector<std::string>& modes, const std::vector<int64_t>& buffers,
                       const std::vector<int64_t>& twoPhase) {
   std::string off;
@@ -68,8 +73,9 @@ std::string agreement(const std::vector<std::string>& modes, const std::vector<i
   if (!off.empty()) return detail::concat("TPCOMM_CPU_SHM=0 on rank(s) ", off);
   for (size_t r = 1; r < buffers.size(); ++r) {
     if (buffers[r] != buffers[0])
-      return detail::concat("ranks disagree on TPCOMM_CPU_SHM_BUFFER_BYTES (rank 0: ", buffers[0],
-                            ", rank ", r, ": ", buffers[r], ")");
+      return detail::concat("ranks disagree on TPCOMM_CPU_SHM_BUFFER_BYTES (rank 0: ",
+                            bufferSetting(buffers[0]), ", rank ", r, ": ",
+                            bufferSetting(buffers[r]), ")");
     if (twoPhase[r] != twoPhase[0])
       return detail::concat("ranks disagree on TPCOMM_CPU_SHM_TWO_PHASE_BYTES (rank 0: ",
                             twoPhase[0], ", rank ", r, ": ", twoPhase[r], ")");
@@ -133,14 +139,20 @@ CpuShmConfig CpuShmConfig::fromSettings() {
 CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::string& hostId,
                         const CpuShmConfig& config, std::chrono::milliseconds timeout) {
   CpuShmSetup result;
-  // Round 1: settings, host, pid.
+  // The ranks that share this machine's cores: this group's, or more (a
+  // group across namespaced hosts of one machine).
+  const int sharing = std::max(size, config.machineRanks);
+  const int threads = threadsFor(config.threads, sharing);
+  // Round 1: settings, host, pid, the chunk this rank would choose.
   Record mine;
   mine.put(config.mode, kModeWidth).put(hostId, kHostWidth).put(::getpid());
   mine.put(config.bufferBytes).put(config.twoPhaseBytes);
+  mine.put(kAutoBufferBytesPerThread * threads);
   mine.put(static_cast<int64_t>(reduceIsaOf(config.reduceIsa)));
   const auto records = allgatherBytes(cpu, size, mine.bytes());
   std::vector<std::string> modes(size), hosts(size);
   std::vector<int64_t> pids(size), buffers(size), twoPhase(size);
+  int64_t autoBuffer = 0;  // the largest any rank would choose: every rank's threads get 256 KiB
   // The reductions' kernel level: the lowest any rank asks for or runs, so
   // that every rank computes the same bits (a SUM of two NaNs keeps the NaN
   // the instruction order picks, which may differ between levels).
@@ -152,6 +164,7 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
     pids[r] = f.number();
     buffers[r] = f.number();
     twoPhase[r] = f.number();
+    autoBuffer = std::max(autoBuffer, f.number());
     isaLevel = std::min(isaLevel, f.number());
   }
   // TPCOMM_CPU_SHM=1 on any rank makes a refusal an error on every rank, so
@@ -182,16 +195,13 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   mq::ShmGroupOptions options;
   options.rank = rank;
   options.size = size;
-  options.bufferBytes = static_cast<uint64_t>(config.bufferBytes);
+  options.bufferBytes = static_cast<uint64_t>(buffers[0] != 0 ? buffers[0] : autoBuffer);
   options.twoPhaseMinBytes = static_cast<uint64_t>(config.twoPhaseBytes);
-  // The ranks that share this machine's cores: this group's, or more (a
-  // group across namespaced hosts of one machine).
-  const int sharing = std::max(size, config.machineRanks);
   const SpinPolicy policy = spinPolicy(config.spinUs, sharing);
   options.spin = policy.spin;
   options.yield = policy.yield;
   options.reduceIsa = static_cast<mq::ReduceIsa>(std::max<int64_t>(0, isaLevel));
-  options.threads = threadsFor(config.threads, sharing);
+  options.threads = threads;
   options.timeout = timeout;
 
   // Round 2: rank 0 creates the region; the others map it.

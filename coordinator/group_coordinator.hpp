@@ -210,6 +210,7 @@ class GroupCoordinator {
     int64_t spinUs = -1;    // the waits' polling window (set up only)
     bool yields = true;     // whether they yield the core while polling
     int threads = 1;        // threads per rank for large calls (set up only)
+    uint64_t bufferBytes = 0;  // the chunk in force (set up only)
     // A group across hosts (set up only): the hosts, and why the
     // hierarchical path is or is not used.
     bool hierarchical = false;

@@ -145,6 +145,7 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
     state.spinUs = shm_->spin().count();
     state.yields = shm_->yields();
     state.threads = shm_->threads();
+    state.bufferBytes = shm_->options().bufferBytes;
     state.memfd = shm_->execSealed()
                       ? "sealed against execution (MFD_NOEXEC_SEAL)"
                       : "not sealed against execution (the kernel refused MFD_NOEXEC_SEAL: "
@@ -159,6 +160,7 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
       state.spinUs = hier_->local()->spin().count();
       state.yields = hier_->local()->yields();
       state.threads = hier_->local()->threads();
+      state.bufferBytes = hier_->local()->options().bufferBytes;
     }
     if (!hier_->failure().empty()) state.reason = hier_->failure();
   }

@@ -179,7 +179,10 @@ tensors through the device backend (NCCL), created on first use.)")
             shm["set_up"] = shmState.setUp;
             shm["available"] = shmState.available;
             shm["reason"] = shmState.reason;
-            shm["buffer_bytes"] = shmConfig.bufferBytes;
+            // The chunk in force once set up, else the setting (0: auto).
+            shm["buffer_bytes"] = shmState.bufferBytes != 0
+                                      ? static_cast<int64_t>(shmState.bufferBytes)
+                                      : shmConfig.bufferBytes;
             shm["two_phase_bytes"] = shmConfig.twoPhaseBytes;
             shm["spin_us"] = shmState.spinUs;
             shm["yields"] = shmState.yields;

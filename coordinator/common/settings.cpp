@@ -57,9 +57,11 @@ const std::vector<SettingInfo> kSettingTable = {
      "CPU collectives (allreduce, all-gather, reduce-scatter, broadcast, barrier) of groups whose "
      "ranks share a host go through shared memory: auto (where set-up works on every rank, else "
      "Gloo), 0 (always Gloo), 1 (like auto, but a failed set-up is an error)."},
-    {"TPCOMM_CPU_SHM_BUFFER_BYTES", "int", "1048576",
-     "Chunk size of the shared-memory CPU collectives (a multiple of 64; each rank maps twice "
-     "this); larger calls stream through in chunks. Must be equal on every rank."},
+    {"TPCOMM_CPU_SHM_BUFFER_BYTES", "int", "0",
+     "Chunk size of the shared-memory CPU collectives (a multiple of 64, at least 4096; each "
+     "rank maps twice this); larger calls stream through in chunks. 0: 256 KiB per worker "
+     "thread of a rank (TPCOMM_CPU_SHM_THREADS), the largest any rank asks for, so that each "
+     "thread's part stays in its core's L2 cache. Must be equal on every rank."},
     {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "int", "16384",
      "CPU allreduces from this size on reduce-scatter then all-gather inside shared memory "
      "(each rank reduces a slice); smaller ones are reduced whole by every rank. Must be equal "
@@ -169,9 +171,11 @@ Settings Settings::parse(const Lookup& lookup) {
     }
   }
   if (auto v = lookup("TPCOMM_CPU_SHM_BUFFER_BYTES")) {
-    s.cpuShmBufferBytes = parseInt("TPCOMM_CPU_SHM_BUFFER_BYTES", *v, 4096, int64_t{1} << 30);
-    TPCOMM_CHECK(s.cpuShmBufferBytes % 64 == 0, kInvalidUsage,
-                 "setting TPCOMM_CPU_SHM_BUFFER_BYTES=", *v, " is not a multiple of 64");
+    s.cpuShmBufferBytes = parseInt("TPCOMM_CPU_SHM_BUFFER_BYTES", *v, 0, int64_t{1} << 30);
+    TPCOMM_CHECK(s.cpuShmBufferBytes == 0 ||
+                     (s.cpuShmBufferBytes >= 4096 && s.cpuShmBufferBytes % 64 == 0),
+                 kInvalidUsage, "setting TPCOMM_CPU_SHM_BUFFER_BYTES=", *v,
+                 " is neither 0 (auto) nor a multiple of 64 of at least 4096");
   }
   if (auto v = lookup("TPCOMM_CPU_HIER_SLICE_BYTES")) {
     s.cpuHierSliceBytes = parseInt("TPCOMM_CPU_HIER_SLICE_BYTES", *v, 0, int64_t{1} << 62);

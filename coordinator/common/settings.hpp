@@ -56,8 +56,9 @@ struct Settings {
   // "1" (like auto, but a failed set-up on a group is an error).
   std::string cpuShm = "auto";
   // TPCOMM_CPU_SHM_BUFFER_BYTES: each rank's chunk buffer (twice this per
-  // rank); larger calls stream through it in chunks.
-  int64_t cpuShmBufferBytes = 1 << 20;
+  // rank); larger calls stream through it in chunks. 0: 256 KiB per worker
+  // thread (coordinator/cpu_shm_path.hpp).
+  int64_t cpuShmBufferBytes = 0;
   // TPCOMM_CPU_SHM_TWO_PHASE_BYTES: allreduces from this size on reduce-
   // scatter then all-gather inside shared memory.
   int64_t cpuShmTwoPhaseBytes = 16 << 10;

@@ -74,7 +74,7 @@ TEST(Settings, CustomAllreduceIntegers) {
 TEST(Settings, CpuSharedMemory) {
   Settings d = Settings::parse(fakeEnv({}));
   EXPECT_EQ(d.cpuShm, "auto");
-  EXPECT_EQ(d.cpuShmBufferBytes, 1 << 20);
+  EXPECT_EQ(d.cpuShmBufferBytes, 0);  // 256 KiB per worker thread (coord::setUpCpuShm)
   EXPECT_EQ(d.cpuShmTwoPhaseBytes, 16 << 10);
   EXPECT_EQ(d.cpuShmSpinUs, -1);  // the group's policy (coord::spinPolicy)
   EXPECT_EQ(d.cpuReduceIsa, "auto");
@@ -93,7 +93,8 @@ TEST(Settings, CpuSharedMemory) {
   EXPECT_EQ(s.cpuShmSpinUs, 0);
   const std::vector<std::pair<const char*, const char*>> bad = {
       {"TPCOMM_CPU_SHM", "sometimes"},         {"TPCOMM_CPU_SHM_BUFFER_BYTES", "4100"},
-      {"TPCOMM_CPU_SHM_BUFFER_BYTES", "1024"}, {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "-1"},
+      {"TPCOMM_CPU_SHM_BUFFER_BYTES", "1024"}, {"TPCOMM_CPU_SHM_BUFFER_BYTES", "-64"},
+      {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "-1"},
       {"TPCOMM_CPU_SHM_SPIN_US", "2000000"},   {"TPCOMM_CPU_SHM_SPIN_US", "-2"},
       {"TPCOMM_CPU_REDUCE_ISA", "sse9"},       {"TPCOMM_CPU_HIER_SLICE_BYTES", "-1"}};
   expectEachRefused(bad);

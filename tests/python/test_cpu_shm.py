@@ -438,7 +438,7 @@ def _two_hosts(ctx):
     ({0: {"TPCOMM_HOST_ID": "host-a"}, 1: {"TPCOMM_HOST_ID": "host-b"}}, "different hosts"),
     ({1: {"TPCOMM_CPU_SHM": "0"}}, "TPCOMM_CPU_SHM=0 on rank(s) 1"),
     ({0: {"TPCOMM_CPU_SHM_BUFFER_BYTES": "8192"}},
-     "ranks disagree on TPCOMM_CPU_SHM_BUFFER_BYTES (rank 0: 8192, rank 1: 1048576)"),
+     "ranks disagree on TPCOMM_CPU_SHM_BUFFER_BYTES (rank 0: 8192, rank 1: 0 (auto))"),
 ], ids=["two-hosts", "off-on-one-rank", "settings-differ"])
 def test_groups_the_path_cannot_serve_use_gloo_on_every_rank(per_rank, why):
     group = Group(2, env_per_rank=per_rank)
@@ -449,6 +449,34 @@ def test_groups_the_path_cannot_serve_use_gloo_on_every_rank(per_rank, why):
     for value, available, reason, gloo_calls in results:
         assert value == 3.0 and not available and gloo_calls == 1
         assert why in reason, reason
+
+
+def _chunk_in_force(ctx):
+    import tpcomm
+    n = 300_000  # 1.2 MB of float32: several chunks of 256 or 512 KiB
+    x = make(ctx.rank, n, torch.float32)
+    dist.all_reduce(x)
+    d = tpcomm.describe()["cpu_shm"]
+    want = rank_order([make(r, n, torch.float32) for r in range(ctx.world_size)], R.SUM,
+                      torch.float32, ctx.world_size)
+    return d["available"], d["buffer_bytes"], d["threads"], torch.equal(x, want)
+
+
+@pytest.mark.parametrize("per_rank, chunk", [
+    ({0: {"TPCOMM_CPU_SHM_THREADS": "1"}, 1: {"TPCOMM_CPU_SHM_THREADS": "1"}}, 256 << 10),
+    ({0: {"TPCOMM_CPU_SHM_THREADS": "1"}, 1: {"TPCOMM_CPU_SHM_THREADS": "2"}}, 512 << 10),
+    ({0: {"TPCOMM_CPU_SHM_BUFFER_BYTES": "65536"}, 1: {"TPCOMM_CPU_SHM_BUFFER_BYTES": "65536"}},
+     65536),
+], ids=["auto-1-thread", "auto-threads-differ", "explicit"])
+def test_the_default_chunk_is_256_kib_per_thread_of_the_largest_rank(per_rank, chunk):
+    group = Group(2, env_per_rank={r: {"TPCOMM_CPU_SHM": "1", **e} for r, e in per_rank.items()})
+    try:
+        results = group.run(_chunk_in_force)
+    finally:
+        group.close()
+    for available, buffer_bytes, _, exact in results:
+        assert available and exact
+        assert buffer_bytes == chunk
 
 
 def _required_but_refused(ctx):
