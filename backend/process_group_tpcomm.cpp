@@ -1,5 +1,6 @@
 #include "backend/process_group_tpcomm.hpp"
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/exception.h>
 
 #include "backend/boundary.hpp"
@@ -7,6 +8,7 @@
 #include "backend/validation.hpp"
 #include "backend/work.hpp"
 #include "coordinator/common/error.hpp"
+#include "coordinator/cpu_shm_path.hpp"
 #include "coordinator/route_stats.hpp"
 
 namespace tpcomm::backend {
@@ -144,11 +146,17 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
     }
     if (pending.done || !pending.work) {
       if (ticket) fault.leave(ticket);
-      if (pending.done) return pending.work;  // completed in this thread: nothing to watch
-      // A synchronous call (asyncOp=false) that the routed backend already
-      // ordered on the current stream returns no Work (ProcessGroupNCCL does
-      // this); torch's Python API then skips wait(). Mirror it.
-      if (pending.finish) pending.finish();
+      if (pending.done && pending.work) return pending.work;  // completed in this thread
+      // A synchronous call (asyncOp=false) completed in this thread, or
+      // already ordered on the current stream by the routed backend, returns
+      // no Work (ProcessGroupNCCL does this); torch's Python API then skips
+      // wait(). Mirror it, except where torch keeps each call's Work for
+      // wait_tensor (allow_inflight_collective_as_graph_input): there it
+      // gets a completed one, as waiting on nothing would crash.
+      if (!pending.done && pending.finish) pending.finish();
+      if (c10d::allow_inflight_collective_as_graph_input()) {
+        return coord::completedWork(std::move(pending.outputs));
+      }
       return WorkPtr();
     }
     auto work = c10::make_intrusive<TpcommWork>(std::move(pending), type, identity(),

@@ -348,6 +348,10 @@ class CompletedWork : public c10d::Work {
 
 }  // namespace
 
+c10::intrusive_ptr<c10d::Work> completedWork(std::vector<at::Tensor> outputs) {
+  return c10::make_intrusive<CompletedWork>(std::move(outputs));
+}
+
 Pending completedCall(std::vector<at::Tensor> outputs, bool asyncOp) {
   Pending pending;
   if (asyncOp) {

@@ -112,5 +112,7 @@ mq::ReduceSpec shmReduction(const c10d::ReduceOp& op, int size);
 // Work whose result is the outputs; its future (holding the outputs) is made
 // only when asked for.
 Pending completedCall(std::vector<at::Tensor> outputs, bool asyncOp);
+// A Work that completed already (wait() returns at once), holding `outputs`.
+c10::intrusive_ptr<c10d::Work> completedWork(std::vector<at::Tensor> outputs);
 
 }  // namespace tpcomm::coord

@@ -27,6 +27,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <array>
+#include <memory>
 #include <utility>
 
 #include "backend/process_group_tpcomm.hpp"
@@ -128,11 +129,10 @@ PyObject* fastAllReduce(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
   {
     py::gil_scoped_release released;  // peers may need this process's other threads
     work = backend->allreduce(tensors, opts);
-    if (!asyncOp) {
-      waitFor(work);
-    } else if (work && c10d::allow_inflight_collective_as_graph_input()) {
-      c10d::register_work(tensors[0], work);
+    if (c10d::allow_inflight_collective_as_graph_input()) {
+      c10d::register_work(tensors[0], work);  // as ProcessGroup::allreduce does
     }
+    if (!asyncOp) waitFor(work);
   }
   ++callsTaken;
   if (!asyncOp) Py_RETURN_TRUE;
@@ -190,11 +190,14 @@ void registerFastCalls(py::module_& m) {
         }
         auto tpcomm = c10::dynamic_intrusive_pointer_cast<backend::ProcessGroupTpcomm>(cpu);
         if (!tpcomm) return py::none();
-        auto* handle = new Handle{c10::weak_intrusive_ptr<backend::ProcessGroupTpcomm>(tpcomm)};
-        return py::reinterpret_steal<py::object>(
-            PyCapsule_New(handle, kHandleName, [](PyObject* capsule) {
-              delete static_cast<Handle*>(PyCapsule_GetPointer(capsule, kHandleName));
-            }));
+        auto handle = std::make_unique<Handle>(
+            Handle{c10::weak_intrusive_ptr<backend::ProcessGroupTpcomm>(tpcomm)});
+        PyObject* capsule = PyCapsule_New(handle.get(), kHandleName, [](PyObject* c) {
+          delete static_cast<Handle*>(PyCapsule_GetPointer(c, kHandleName));
+        });
+        if (capsule == nullptr) throw py::error_already_set();
+        handle.release();  // the capsule owns it
+        return py::reinterpret_steal<py::object>(capsule);
       },
       py::arg("group"),
       "A handle on the group's tpcomm CPU backend for the direct calls, or None when its CPU "
@@ -204,14 +207,17 @@ void registerFastCalls(py::module_& m) {
       [](const py::sequence& ops) {
         TORCH_CHECK_VALUE(ops.size() <= reduceOps.size(), "_fast_set_ops: at most ",
                           reduceOps.size(), " ops");
-        reduceOpCount = 0;
-        for (const auto& op : ops) {
+        std::array<std::pair<PyObject*, c10d::ReduceOp::RedOpType>, 8> table{};
+        int count = 0;
+        for (const auto& op : ops) {  // converted whole before the table changes
           auto pair = op.cast<py::tuple>();
-          PyObject* object = pair[0].ptr();
-          Py_INCREF(object);  // kept for the process's life: compared by identity
-          reduceOps[reduceOpCount++] = {
-              object, static_cast<c10d::ReduceOp::RedOpType>(pair[1].cast<int>())};
+          table[count++] = {pair[0].ptr(),
+                            static_cast<c10d::ReduceOp::RedOpType>(pair[1].cast<int>())};
         }
+        for (int i = 0; i < count; ++i) Py_INCREF(table[i].first);  // compared by identity
+        for (int i = 0; i < reduceOpCount; ++i) Py_DECREF(reduceOps[i].first);
+        reduceOps = table;
+        reduceOpCount = count;
       },
       py::arg("ops"),
       "The (ReduceOp.RedOpType object, its value) pairs the direct calls accept.");

@@ -3,9 +3,10 @@
 torch's ``all_reduce`` reaches a backend through its Python checks,
 ``ProcessGroup.allreduce``'s binding and the dispatcher, about 2 us per call
 before any byte moves (the shared-memory engine then takes 0.1-0.2 us at
-world size 1). ``install()`` puts ``all_reduce`` below in torch.distributed's
-place: a call on a plain CPU tensor of a group whose CPU backend
-is tpcomm goes straight to that backend (``_C._fast_all_reduce``: the same
+world size 1). ``install()`` puts ``all_reduce`` below in place of torch's
+function, inside the error logger that wraps it (``torch.distributed.all_reduce``
+stays the same object): a call on a plain CPU tensor of a group whose CPU
+backend is tpcomm goes straight to that backend (``_C._fast_all_reduce``: the same
 checks, routing, flight recording and fault handling as torch's route, which
 ends in the same backend call), and so does one with ``async_op=True``,
 which returns the backend's Work as torch's would. Every other call (another
@@ -18,11 +19,12 @@ non-tensor argument): on a tpcomm group such a refusal is reported to the
 group's peers, as the front door does for the other collectives
 (``_front_door``), so their matching call raises instead of waiting.
 
-torch.compile maps this function to the functional collective as it maps
-torch's own (``traceable_collective_remaps``).
+torch.compile, export and the coalescing manager see torch's own function
+object, as without tpcomm.
 """
 
 import functools
+import weakref
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -31,20 +33,28 @@ from tpcomm import _C, _front_door
 
 _ReduceOp = c10d.ReduceOp
 
-# ProcessGroup -> its handle (a capsule), or False: the group's CPU backend is
-# not tpcomm. Emptied when groups are destroyed (a handle holds its backend
-# weakly: a stale one sends the call torch's way).
+# id(ProcessGroup) -> (a weak reference to it, its handle (a capsule) or
+# False: its CPU backend is not tpcomm). Weak: a group dropped by torch and
+# the caller leaves nothing behind; its entry goes with it.
 _handles = {}
+
+# torch's own all_reduce (the function its error logger wraps), once the
+# direct one took its place.
+_torch_all_reduce = None
 
 
 def _handle_of(group):
-    """The group's handle, remembered while torch knows the group (a destroyed
-    one is never remembered: its calls take torch's route)."""
+    """The group's handle (None: the call takes torch's route), remembered
+    from the first call on a group torch knows."""
+    if group is None:
+        return None
     handle = None
     try:
         if group in c10d._world.pg_map and not c10d._rank_not_in_group(group):
             handle = _C._fast_handle(group)
-            _handles[group] = handle if handle is not None else False
+            key = id(group)
+            _handles[key] = (weakref.ref(group, lambda _, key=key: _handles.pop(key, None)),
+                             handle if handle is not None else False)
     except Exception:  # noqa: BLE001 - not a group tpcomm serves: torch's route decides
         handle = None
     return handle
@@ -57,16 +67,11 @@ def _make_all_reduce(original):
     coalescing = world.pg_coalesce_state
     handles = _handles
 
-    @functools.wraps(original)
     def all_reduce(tensor, op=_ReduceOp.SUM, group=None, async_op=False):
         if not coalescing:
             pg = group if group is not None else world._default_pg
-            try:
-                handle = handles.get(pg)
-            except TypeError:  # an unhashable group: torch's function says what is wrong
-                handle = False
-            if handle is None and pg is not None:
-                handle = _handle_of(pg)
+            entry = handles.get(id(pg))
+            handle = entry[1] if entry is not None and entry[0]() is pg else _handle_of(pg)
             if handle:
                 result = fast(handle, tensor, op, async_op)
                 if result is True:
@@ -80,49 +85,58 @@ def _make_all_reduce(original):
             _front_door.report_refusal("allreduce", group, error, calls_before)
             raise
 
+    functools.update_wrapper(all_reduce, original)
     all_reduce._tpcomm_direct = original
     return all_reduce
 
 
-def _make_destroy(original):
-    @functools.wraps(original)
-    def destroy_process_group(*args, **kwargs):
-        _handles.clear()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _handles.clear()
-
-    destroy_process_group._tpcomm_direct = original
-    return destroy_process_group
-
-
 def install():
-    """Puts the direct all_reduce in torch.distributed's place (once); not on a
-    torch whose internals it reads are laid out otherwise, nor with
-    TPCOMM_DIRECT_CALLS=0."""
-    if not _C._direct_calls_enabled():
+    """Puts the direct all_reduce in place of torch's (once): inside the error
+    logger that wraps torch's function, so that torch.distributed.all_reduce
+    stays the very object torch.compile, export and the coalescing manager
+    recognise, and names imported before tpcomm take the direct route too.
+    Where torch's function is laid out otherwise, the direct function takes
+    its place in torch.distributed (and in torch.compile's remapping). Not
+    with TPCOMM_DIRECT_CALLS=0, nor on a torch whose internals it reads
+    differ."""
+    global _torch_all_reduce
+    if not _C._direct_calls_enabled() or _torch_all_reduce is not None:
         return
     if not hasattr(c10d._world, "_default_pg") or not hasattr(c10d._world, "pg_coalesce_state"):
         return
     _C._fast_set_ops([(op, int(op)) for op in (
         _ReduceOp.SUM, _ReduceOp.AVG, _ReduceOp.PRODUCT, _ReduceOp.MIN, _ReduceOp.MAX,
         _ReduceOp.BAND, _ReduceOp.BOR, _ReduceOp.BXOR)])
+    outer = c10d.all_reduce
+    cells = getattr(outer, "__closure__", None) or ()
+    inner = getattr(outer, "__wrapped__", None)
+    if (getattr(outer, "__code__", None) is not None and outer.__code__.co_freevars == ("func",)
+            and len(cells) == 1 and inner is not None and cells[0].cell_contents is inner):
+        _torch_all_reduce = inner
+        cells[0].cell_contents = _make_all_reduce(inner)
+        return
     try:
         from torch.distributed._functional_collectives import traceable_collective_remaps
     except ImportError:  # pragma: no cover - torch without functional collectives
         traceable_collective_remaps = {}
-    for name, make in (("all_reduce", _make_all_reduce),
-                       ("destroy_process_group", _make_destroy)):
-        original = getattr(c10d, name)
-        if hasattr(original, "_tpcomm_direct"):
-            continue
-        replacement = make(original)
-        setattr(c10d, name, replacement)
-        if getattr(dist, name, None) is original:
-            setattr(dist, name, replacement)
-        if original in traceable_collective_remaps:
-            traceable_collective_remaps[replacement] = traceable_collective_remaps[original]
+    _torch_all_reduce = outer
+    replacement = _make_all_reduce(outer)
+    c10d.all_reduce = replacement
+    if dist.all_reduce is outer:
+        dist.all_reduce = replacement
+    if outer in traceable_collective_remaps:
+        traceable_collective_remaps[replacement] = traceable_collective_remaps[outer]
+
+
+def installed():
+    """Whether the direct route is in place."""
+    return _torch_all_reduce is not None
+
+
+def torch_route():
+    """torch's own all_reduce, which never takes the direct route (tests,
+    benchmarks)."""
+    return _torch_all_reduce if _torch_all_reduce is not None else c10d.all_reduce
 
 
 def calls_taken():
