@@ -181,7 +181,10 @@ void registerFastCalls(py::module_& m) {
   m.def(
       "_fast_handle",
       [](const c10::intrusive_ptr<c10d::ProcessGroup>& group) -> py::object {
-        if (!group || !group->hasBackends()) return py::none();
+        // TPCOMM_DIRECT_CALLS=0: no handle, every call takes torch's route.
+        // (Asked here, at a group's first call, not at import: settings
+        // are read once, after the program had its chance to set them.)
+        if (!settings().directCalls || !group || !group->hasBackends()) return py::none();
         c10::intrusive_ptr<c10d::Backend> cpu;
         try {
           cpu = group->getBackend(c10::DeviceType::CPU);
@@ -201,7 +204,7 @@ void registerFastCalls(py::module_& m) {
       },
       py::arg("group"),
       "A handle on the group's tpcomm CPU backend for the direct calls, or None when its CPU "
-      "backend is another.");
+      "backend is another or TPCOMM_DIRECT_CALLS=0.");
   m.def(
       "_fast_set_ops",
       [](const py::sequence& ops) {
@@ -221,9 +224,6 @@ void registerFastCalls(py::module_& m) {
       },
       py::arg("ops"),
       "The (ReduceOp.RedOpType object, its value) pairs the direct calls accept.");
-  m.def(
-      "_direct_calls_enabled", [] { return settings().directCalls; },
-      "TPCOMM_DIRECT_CALLS: whether the direct calls are used.");
   m.def(
       "_fast_calls_taken", [] { return callsTaken; },
       "How many direct calls this thread made (for tests).");

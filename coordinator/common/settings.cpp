@@ -25,7 +25,7 @@ const std::vector<SettingInfo> kSettingTable = {
      "call the backend directly, as torch's route ends up doing, without torch's Python "
      "checks, binding and dispatcher (about 2 us less a call); calls with tensor subclasses, "
      "torch function or dispatch modes or a profiler take torch's route anyway. 0: every call "
-     "takes torch's route. Read at import."},
+     "takes torch's route."},
     {"TPCOMM_HOST_ID", "string", "",
      "This process's host identity (empty: the host name with a hash of the kernel's boot id "
      "and the pid and mount namespaces): ranks with equal ids share memory (message queue, CPU "

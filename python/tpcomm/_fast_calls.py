@@ -53,7 +53,7 @@ def _handle_of(group):
         if group in c10d._world.pg_map and not c10d._rank_not_in_group(group):
             handle = _C._fast_handle(group)
             key = id(group)
-            _handles[key] = (weakref.ref(group, lambda _, key=key: _handles.pop(key, None)),
+            _handles[key] = (weakref.ref(group, lambda _, key=key, handles=_handles: handles.pop(key, None)),
                              handle if handle is not None else False)
     except Exception:  # noqa: BLE001 - not a group tpcomm serves: torch's route decides
         handle = None
@@ -97,10 +97,12 @@ def install():
     recognise, and names imported before tpcomm take the direct route too.
     Where torch's function is laid out otherwise, the direct function takes
     its place in torch.distributed (and in torch.compile's remapping). Not
-    with TPCOMM_DIRECT_CALLS=0, nor on a torch whose internals it reads
-    differ."""
+    on a torch whose internals it reads differ. TPCOMM_DIRECT_CALLS=0 is
+    honoured by the groups' handles (_C._fast_handle), made at each group's
+    first call: reading settings here, at import, would freeze them before
+    the program set its environment."""
     global _torch_all_reduce
-    if not _C._direct_calls_enabled() or _torch_all_reduce is not None:
+    if _torch_all_reduce is not None:
         return
     if not hasattr(c10d._world, "_default_pg") or not hasattr(c10d._world, "pg_coalesce_state"):
         return
@@ -126,11 +128,6 @@ def install():
         dist.all_reduce = replacement
     if outer in traceable_collective_remaps:
         traceable_collective_remaps[replacement] = traceable_collective_remaps[outer]
-
-
-def installed():
-    """Whether the direct route is in place."""
-    return _torch_all_reduce is not None
 
 
 def torch_route():

@@ -85,8 +85,7 @@ class GroupCoordinator:
         self._tpcomm = backend == BACKEND_NAME
         # The direct route of all_reduce on CPU tensors (a handle on the
         # group's tpcomm backend), taken outside torch.compile's tracing.
-        self._direct = (_C._fast_handle(self.device_group)
-                        if self._tpcomm and _C._direct_calls_enabled() else None)
+        self._direct = _C._fast_handle(self.device_group) if self._tpcomm else None
         self.device = self._choose_device(device)
         self.use_device_communicator = use_device_communicator
         self.mq_broadcaster = None

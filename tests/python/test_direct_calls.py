@@ -428,7 +428,7 @@ def _switched_off(ctx):
                              group_name="switched_off")
     try:
         out = coord.all_reduce(torch.ones(3))
-        return (not _fast_calls.installed(), coord._direct is None,
+        return (not any(h for _, h in _fast_calls._handles.values()), coord._direct is None,
                 _fast_calls.calls_taken() == 0, torch.equal(t, torch.full((3,), 2.0)),
                 torch.equal(out, torch.full((3,), 2.0)))
     finally:
