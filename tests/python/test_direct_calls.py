@@ -24,23 +24,10 @@ R = dist.ReduceOp
 ENV = {"TPCOMM_CPU_SHM": "1"}
 
 
-@pytest.fixture(scope="module")
-def groups():
-    made = {}
-
-    def get(world_size):
-        if world_size not in made:
-            made[world_size] = Group(world_size, env=ENV)
-        return made[world_size]
-
-    yield get
-    for g in made.values():
-        g.close()
-
-
+# The shared-memory groups of conftest (small chunks: calls cross chunks).
 @pytest.fixture(params=[1, 2, 3], ids=lambda n: f"ws{n}")
-def group(request, groups):
-    return groups(request.param)
+def group(request, shm_groups):
+    return shm_groups(request.param)
 
 
 def _torch_route():
@@ -274,8 +261,8 @@ def _coalescing_and_inflight(ctx):
     return coalesced, sizes
 
 
-def test_coalescing_and_inflight_registration_as_torchs_route(groups):
-    for coalesced, sizes in groups(2).run(_coalescing_and_inflight):
+def test_coalescing_and_inflight_registration_as_torchs_route(shm_groups):
+    for coalesced, sizes in shm_groups(2).run(_coalescing_and_inflight):
         assert all(coalesced), coalesced
         assert sizes[0] == sizes[1], sizes
 
@@ -296,12 +283,12 @@ def _errors(ctx):
     return got
 
 
-def test_errors_match_torchs_route(groups):
-    for per_rank in groups(2).run(_errors):
+def test_errors_match_torchs_route(shm_groups):
+    for per_rank in shm_groups(2).run(_errors):
         for direct, via_torch in per_rank:
             assert direct == via_torch
     # BAND on float32 is refused on both routes
-    assert groups(2).run(_errors)[0][0][0] is not None
+    assert shm_groups(2).run(_errors)[0][0][0] is not None
 
 
 def _gil_released(ctx):
@@ -333,8 +320,8 @@ def _gil_released(ctx):
     return during
 
 
-def test_the_gil_is_released_while_waiting(groups):
-    during = groups(2).run(_gil_released)[0]
+def test_the_gil_is_released_while_waiting(shm_groups):
+    during = shm_groups(2).run(_gil_released)[0]
     assert during > 50, f"another Python thread ran only {during} times in 0.45 s"
 
 
@@ -351,8 +338,8 @@ def _front_door_refusal(ctx):
     return None
 
 
-def test_a_refusal_by_torchs_function_is_reported_to_the_peers(groups):
-    refused, peer = groups(2).run(_front_door_refusal, timeout_s=60)
+def test_a_refusal_by_torchs_function_is_reported_to_the_peers(shm_groups):
+    refused, peer = shm_groups(2).run(_front_door_refusal, timeout_s=60)
     assert refused is not None and refused[0] in ("TypeError", "ValueError")
     assert peer is not None, "the peer's call succeeded"
     assert "rank 0 refused allreduce" in peer[1], peer[1]
@@ -381,8 +368,8 @@ def _compiled(ctx):
             torch.equal(u, x * ctx.world_size))
 
 
-def test_torch_compile_maps_it_like_torchs_function(groups):
-    for flags in groups(2).run(_compiled):
+def test_torch_compile_maps_it_like_torchs_function(shm_groups):
+    for flags in shm_groups(2).run(_compiled):
         assert all(flags), flags
 
 
@@ -413,8 +400,8 @@ def _coordinator(ctx):
         coord.destroy()
 
 
-def test_coordinator_all_reduce_takes_the_direct_route(groups):
-    for rank, results in enumerate(groups(2).run(_coordinator)):
+def test_coordinator_all_reduce_takes_the_direct_route(shm_groups):
+    for rank, results in enumerate(shm_groups(2).run(_coordinator)):
         for i, flags in enumerate(results):
             assert all(flags), f"rank {rank} case {i}: {flags}"
 
