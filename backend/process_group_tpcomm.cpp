@@ -1,7 +1,7 @@
 #include "backend/process_group_tpcomm.hpp"
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/exception.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include "backend/boundary.hpp"
 #include "backend/flight_record.hpp"

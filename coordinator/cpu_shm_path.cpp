@@ -73,9 +73,9 @@ std::string agreement(const std::vector<std::string>& modes, const std::vector<i
   if (!off.empty()) return detail::concat("TPCOMM_CPU_SHM=0 on rank(s) ", off);
   for (size_t r = 1; r < buffers.size(); ++r) {
     if (buffers[r] != buffers[0])
-      return detail::concat("ranks disagree on TPCOMM_CPU_SHM_BUFFER_BYTES (rank 0: ",
-                            bufferSetting(buffers[0]), ", rank ", r, ": ",
-                            bufferSetting(buffers[r]), ")");
+      return detail::concat(
+          "ranks disagree on TPCOMM_CPU_SHM_BUFFER_BYTES (rank 0: ", bufferSetting(buffers[0]),
+          ", rank ", r, ": ", bufferSetting(buffers[r]), ")");
     if (twoPhase[r] != twoPhase[0])
       return detail::concat("ranks disagree on TPCOMM_CPU_SHM_TWO_PHASE_BYTES (rank 0: ",
                             twoPhase[0], ", rank ", r, ": ", twoPhase[r], ")");

@@ -41,7 +41,7 @@ inline constexpr int64_t kAutoBufferBytesPerThread = 256 << 10;
 
 struct CpuShmConfig {
   std::string mode = "auto";  // TPCOMM_CPU_SHM: auto, 0, 1
-  int64_t bufferBytes = 0;    // TPCOMM_CPU_SHM_BUFFER_BYTES (0: kAutoBufferBytesPerThread x threads)
+  int64_t bufferBytes = 0;  // TPCOMM_CPU_SHM_BUFFER_BYTES (0: kAutoBufferBytesPerThread x threads)
   int64_t twoPhaseBytes = 16 << 10;
   int64_t spinUs = -1;             // -1: spinPolicy's choice
   std::string reduceIsa = "auto";  // TPCOMM_CPU_REDUCE_ISA

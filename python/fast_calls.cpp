@@ -23,8 +23,8 @@
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <array>
 #include <memory>
@@ -90,7 +90,8 @@ const at::Tensor* plainCpuTensor(PyObject* object) {
   if ((tensor.key_set().raw_repr() & ~plain.raw_repr()) != 0) return nullptr;
   if (tensor.requires_grad() || at::isComplexType(tensor.scalar_type())) return nullptr;
   const auto local = c10::impl::tls_local_dispatch_key_set();
-  static const c10::DispatchKeySet usual = c10::default_included_set | c10::autocast_dispatch_keyset;
+  static const c10::DispatchKeySet usual =
+      c10::default_included_set | c10::autocast_dispatch_keyset;
   if ((local.included_.raw_repr() & ~usual.raw_repr()) != 0) {
     return nullptr;
   }
@@ -222,8 +223,7 @@ void registerFastCalls(py::module_& m) {
         reduceOps = table;
         reduceOpCount = count;
       },
-      py::arg("ops"),
-      "The (ReduceOp.RedOpType object, its value) pairs the direct calls accept.");
+      py::arg("ops"), "The (ReduceOp.RedOpType object, its value) pairs the direct calls accept.");
   m.def(
       "_fast_calls_taken", [] { return callsTaken; },
       "How many direct calls this thread made (for tests).");

@@ -172,10 +172,10 @@ Settings Settings::parse(const Lookup& lookup) {
   }
   if (auto v = lookup("TPCOMM_CPU_SHM_BUFFER_BYTES")) {
     s.cpuShmBufferBytes = parseInt("TPCOMM_CPU_SHM_BUFFER_BYTES", *v, 0, int64_t{1} << 30);
-    TPCOMM_CHECK(s.cpuShmBufferBytes == 0 ||
-                     (s.cpuShmBufferBytes >= 4096 && s.cpuShmBufferBytes % 64 == 0),
-                 kInvalidUsage, "setting TPCOMM_CPU_SHM_BUFFER_BYTES=", *v,
-                 " is neither 0 (auto) nor a multiple of 64 of at least 4096");
+    TPCOMM_CHECK(
+        s.cpuShmBufferBytes == 0 || (s.cpuShmBufferBytes >= 4096 && s.cpuShmBufferBytes % 64 == 0),
+        kInvalidUsage, "setting TPCOMM_CPU_SHM_BUFFER_BYTES=", *v,
+        " is neither 0 (auto) nor a multiple of 64 of at least 4096");
   }
   if (auto v = lookup("TPCOMM_CPU_HIER_SLICE_BYTES")) {
     s.cpuHierSliceBytes = parseInt("TPCOMM_CPU_HIER_SLICE_BYTES", *v, 0, int64_t{1} << 62);

@@ -43,6 +43,12 @@ _handles = {}
 _torch_all_reduce = None
 
 
+def _forget(handles, key, _ref):
+    """A remembered group was collected: its entry goes (bound to the dict
+    itself, which outlives the module's globals at interpreter exit)."""
+    handles.pop(key, None)
+
+
 def _handle_of(group):
     """The group's handle (None: the call takes torch's route), remembered
     from the first call on a group torch knows."""
@@ -53,8 +59,8 @@ def _handle_of(group):
         if group in c10d._world.pg_map and not c10d._rank_not_in_group(group):
             handle = _C._fast_handle(group)
             key = id(group)
-            _handles[key] = (weakref.ref(group, lambda _, key=key, handles=_handles: handles.pop(key, None)),
-                             handle if handle is not None else False)
+            gone = functools.partial(_forget, _handles, key)
+            _handles[key] = (weakref.ref(group, gone), handle if handle is not None else False)
     except Exception:  # noqa: BLE001 - not a group tpcomm serves: torch's route decides
         handle = None
     return handle

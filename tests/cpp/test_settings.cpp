@@ -92,11 +92,11 @@ TEST(Settings, CpuSharedMemory) {
   EXPECT_EQ(s.cpuShmTwoPhaseBytes, 0);
   EXPECT_EQ(s.cpuShmSpinUs, 0);
   const std::vector<std::pair<const char*, const char*>> bad = {
-      {"TPCOMM_CPU_SHM", "sometimes"},         {"TPCOMM_CPU_SHM_BUFFER_BYTES", "4100"},
-      {"TPCOMM_CPU_SHM_BUFFER_BYTES", "1024"}, {"TPCOMM_CPU_SHM_BUFFER_BYTES", "-64"},
-      {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "-1"},
-      {"TPCOMM_CPU_SHM_SPIN_US", "2000000"},   {"TPCOMM_CPU_SHM_SPIN_US", "-2"},
-      {"TPCOMM_CPU_REDUCE_ISA", "sse9"},       {"TPCOMM_CPU_HIER_SLICE_BYTES", "-1"}};
+      {"TPCOMM_CPU_SHM", "sometimes"},          {"TPCOMM_CPU_SHM_BUFFER_BYTES", "4100"},
+      {"TPCOMM_CPU_SHM_BUFFER_BYTES", "1024"},  {"TPCOMM_CPU_SHM_BUFFER_BYTES", "-64"},
+      {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "-1"}, {"TPCOMM_CPU_SHM_SPIN_US", "2000000"},
+      {"TPCOMM_CPU_SHM_SPIN_US", "-2"},         {"TPCOMM_CPU_REDUCE_ISA", "sse9"},
+      {"TPCOMM_CPU_HIER_SLICE_BYTES", "-1"}};
   expectEachRefused(bad);
   for (const char* level : {"avx512", "avx2", "portable", "auto"}) {
     EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_CPU_REDUCE_ISA", level}})).cpuReduceIsa, level);

@@ -42,7 +42,8 @@ from torch.distributed import all_reduce as _imported_all_reduce  # noqa: E402
 def _inputs(rank, n, dtype, small):
     g = torch.Generator().manual_seed(1009 * rank + n)
     if small:  # products exact: values in {-2, -1, 1, 2}
-        v = torch.randint(1, 3, (n,), generator=g) * (torch.randint(0, 2, (n,), generator=g) * 2 - 1)
+        signs = torch.randint(0, 2, (n,), generator=g) * 2 - 1
+        v = torch.randint(1, 3, (n,), generator=g) * signs
         return v.to(dtype)
     if dtype.is_floating_point:
         return (torch.rand(n, generator=g, dtype=torch.float64) * 4 - 2).to(dtype)
