@@ -103,10 +103,6 @@ const at::Tensor* plainCpuTensor(PyObject* object) {
   return &tensor;
 }
 
-void waitFor(const c10::intrusive_ptr<c10d::Work>& work) {
-  if (work) work->wait();
-}
-
 // _fast_all_reduce(handle, tensor, op, async_op) -> the call's result:
 // dist.all_reduce(tensor, op, group, async_op) done as torch's route does it
 // (ProcessGroup::allreduce, then the c10d op's CPU kernel): True for a
@@ -133,7 +129,7 @@ PyObject* fastAllReduce(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
     if (c10d::allow_inflight_collective_as_graph_input()) {
       c10d::register_work(tensors[0], work);  // as ProcessGroup::allreduce does
     }
-    if (!asyncOp) waitFor(work);
+    if (!asyncOp && work) work->wait();
   }
   ++callsTaken;
   if (!asyncOp) Py_RETURN_TRUE;
@@ -154,11 +150,7 @@ PyObject* fastAllReduceOut(PyObject* /*module*/, PyObject* const* args, Py_ssize
   at::Tensor out;
   {
     py::gil_scoped_release released;
-    at::Tensor input = tensor->contiguous();
-    out = emptyOpOutput(input);
-    c10d::AllreduceOptions opts;
-    opts.asyncOp = false;
-    waitFor(backend->allreduceInto(input, out, opts));
+    out = allReduceOutOfPlace(*backend, *tensor);
   }
   ++callsTaken;
   return THPVariable_Wrap(std::move(out));

@@ -1,12 +1,16 @@
 #pragma once
-// The GroupCoordinator ops' output allocation (register_ops.cpp), shared with
-// the direct calls of fast_calls.cpp.
+// The body of torch.ops.tpcomm.all_reduce's CPU kernel on a tpcomm group
+// (register_ops.cpp), shared with GroupCoordinator.all_reduce's direct call
+// (fast_calls.cpp).
 #include <ATen/core/Tensor.h>
+
+#include "backend/process_group_tpcomm.hpp"
 
 namespace tpcomm::python {
 
-// A new contiguous tensor shaped and typed as `t`; a large one reuses a kept
-// block of the same size (see OutputCache in register_ops.cpp).
-at::Tensor emptyOpOutput(const at::Tensor& t);
+// The sum over the group of `tensor` in a new contiguous tensor (a large
+// one reuses a kept block of the same size: OutputCache in register_ops.cpp).
+// Waits for the call; the caller does not hold the GIL.
+at::Tensor allReduceOutOfPlace(backend::ProcessGroupTpcomm& tpcomm, const at::Tensor& tensor);
 
 }  // namespace tpcomm::python

@@ -218,15 +218,9 @@ at::Tensor allReduceCpu(const at::Tensor& tensor, c10::string_view groupName) {
   const WithoutGil released;
   auto [group, backend] = opGroups().find(groupName);
   auto* tpcomm = static_cast<backend::ProcessGroupTpcomm*>(backend.get());
-  at::Tensor input = tensor.contiguous();
-  at::Tensor out = emptyLike(input);
-  if (tpcomm != nullptr) {
-    c10d::AllreduceOptions opts;
-    opts.asyncOp = false;  // waited for here: no Work for a call done in this thread
-    finish(tpcomm->allreduceInto(input, out, opts));
-    return out;
-  }
-  out.copy_(input);
+  if (tpcomm != nullptr) return allReduceOutOfPlace(*tpcomm, tensor);
+  at::Tensor out = emptyLike(tensor);  // contiguous, shaped as `tensor`
+  out.copy_(tensor);
   std::vector<at::Tensor> tensors{out};
   finish(group->allreduce(tensors));
   return out;
@@ -331,7 +325,14 @@ at::Tensor allReduceAddRmsNormInPlaceCpu(const at::Tensor& tensor, at::Tensor& r
 
 }  // namespace
 
-at::Tensor emptyOpOutput(const at::Tensor& t) { return emptyLike(t); }
+at::Tensor allReduceOutOfPlace(backend::ProcessGroupTpcomm& tpcomm, const at::Tensor& tensor) {
+  at::Tensor input = tensor.contiguous();
+  at::Tensor out = emptyLike(input);
+  c10d::AllreduceOptions opts;
+  opts.asyncOp = false;  // waited for here: no Work for a call done in this thread
+  finish(tpcomm.allreduceInto(input, out, opts));
+  return out;
+}
 
 void registerOps(py::module_& m) {
   m.def(

@@ -26,7 +26,6 @@ object, as without tpcomm.
 import functools
 import weakref
 
-import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from tpcomm import _C, _front_door
@@ -92,7 +91,6 @@ def _make_all_reduce(original):
             raise
 
     functools.update_wrapper(all_reduce, original)
-    all_reduce._tpcomm_direct = original
     return all_reduce
 
 
@@ -101,9 +99,9 @@ def install():
     logger that wraps torch's function, so that torch.distributed.all_reduce
     stays the very object torch.compile, export and the coalescing manager
     recognise, and names imported before tpcomm take the direct route too.
-    Where torch's function is laid out otherwise, the direct function takes
-    its place in torch.distributed (and in torch.compile's remapping). Not
-    on a torch whose internals it reads differ. TPCOMM_DIRECT_CALLS=0 is
+    Not on a torch laid out otherwise (replacing torch's function object
+    instead would break torch.compile for names imported earlier): its calls
+    keep torch's route. TPCOMM_DIRECT_CALLS=0 is
     honoured by the groups' handles (_C._fast_handle), made at each group's
     first call: reading settings here, at import, would freeze them before
     the program set its environment."""
@@ -122,18 +120,6 @@ def install():
             and len(cells) == 1 and inner is not None and cells[0].cell_contents is inner):
         _torch_all_reduce = inner
         cells[0].cell_contents = _make_all_reduce(inner)
-        return
-    try:
-        from torch.distributed._functional_collectives import traceable_collective_remaps
-    except ImportError:  # pragma: no cover - torch without functional collectives
-        traceable_collective_remaps = {}
-    _torch_all_reduce = outer
-    replacement = _make_all_reduce(outer)
-    c10d.all_reduce = replacement
-    if dist.all_reduce is outer:
-        dist.all_reduce = replacement
-    if outer in traceable_collective_remaps:
-        traceable_collective_remaps[replacement] = traceable_collective_remaps[outer]
 
 
 def torch_route():
