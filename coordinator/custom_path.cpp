@@ -56,6 +56,7 @@ CustomPath::CustomPath(c10d::Backend& cpu, int rank, int size, at::Device device
     car_ = std::make_unique<car::CustomAllreduce>(rank, size, setup.bases, maxBytes, timeout,
                                                   gpu_->errorHost(), gpu_->errorDevice(),
                                                   gpu_->makeLaunchOrder());
+    car_->setDeviceScope(car::deviceScopeFor(devices_, settings().carFlagScope));
   }
 }
 

@@ -13,7 +13,10 @@
 //   | Signal: flag slots written by |  flags[block][phase][peer], one 128-byte
 //   | peers, this rank's epochs     |  slot each; epoch[block]
 //   +-------------------------------+ stagingOffset
-//   | staging: this rank's input    |  maxBytes (copied in by the kernel)
+//   | staging of even calls: this   |  maxBytes (copied in by the kernel)
+//   | rank's input                  |
+//   +-------------------------------+ stagingOffset + stagingBytes
+//   | staging of odd calls          |  maxBytes (signal.hpp, "Staging parity")
 //   +-------------------------------+ resultOffset
 //   | result: this rank's reduced   |  maxBytes (two-shot only)
 //   | part                          |
@@ -66,7 +69,8 @@ const char* algorithmName(Algorithm algorithm);
 
 struct BufferLayout {
   size_t signalBytes = 0;
-  size_t stagingOffset = 0;
+  size_t stagingOffset = 0;  // staging of even calls
+  size_t stagingBytes = 0;   // odd calls' staging is at stagingOffset + stagingBytes
   size_t resultOffset = 0;
   size_t maxBytes = 0;
   size_t totalBytes = 0;
@@ -95,6 +99,12 @@ int sharedGpuBlocks(int worldSize, int requested, int chosen, int residentTotal)
 // the add + RMSNorm kernel) the current GPU holds at once (SMs x blocks per
 // SM by occupancy). GPU only.
 int maxResidentBlocks(DType dtype, Algorithm algorithm, int worldSize, bool fused = false);
+
+// Whether a group's kernels may use GPU-scope flags: `setting` (TPCOMM_CAR_
+// FLAG_SCOPE) is "auto" and every rank's GPU (`devices`, one index per rank,
+// as the set-up numbers them) is the same. Every rank decides from the same
+// data, so all agree.
+bool deviceScopeFor(const std::vector<int>& devices, const std::string& setting);
 
 // Whether [a, a + bytes) and [b, b + bytes) share a byte.
 bool rangesOverlap(const void* a, const void* b, size_t bytes);
@@ -234,6 +244,13 @@ class CustomAllreduce {
   // value (every rank of a group should use the same one).
   std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeoutMs_.load()); }
   void setTimeout(std::chrono::milliseconds timeout);
+  // Flags at GPU scope (true) or system scope (false, the default). GPU
+  // scope is correct only when every rank of the group runs on this GPU
+  // (ranks as streams of one process, processes sharing one GPU): decided by
+  // the set-up, the same on every rank (deviceScopeFor). Calls
+  // enqueued afterwards use the new value.
+  void setDeviceScope(bool deviceScope) { deviceScope_.store(deviceScope); }
+  bool deviceScope() const { return deviceScope_.load(); }
 
   // Enqueues out = scale x sum over ranks of in (count elements) on
   // `stream`. `in` may equal `out`. Capturable in a CUDA graph: the copy into
@@ -262,8 +279,13 @@ class CustomAllreduce {
   };
   Algorithm allreduceAddRmsNorm(const void* in, const AddRmsNorm& norm, DType dtype,
                                 cudaStream_t stream, const CallOptions& options = {});
+  // One call that moves no data: the start barrier alone (one flag round
+  // trip per block between every pair of ranks), on `blocks` blocks. For the
+  // benchmark's breakdown of a call's time; ordered and checked like a call.
+  void barrierOnly(cudaStream_t stream, int blocks);
   // Rank r's staging region as this process reaches it (a zero-copy table
-  // entry for a rank that copies).
+  // entry for a rank that copies; the kernel reads the region of the call's
+  // parity).
   const void* stagingOf(int rank) const;
 
   // After the stream's work is done: throws Timeout naming the peer a kernel
@@ -316,10 +338,11 @@ class CustomAllreduce {
   std::vector<void*> buffers_;
   BufferLayout layout_;
   std::atomic<int64_t> timeoutMs_;
+  std::atomic<bool> deviceScope_{false};
   uint32_t* errorHost_;
   uint32_t* errorDevice_;
   std::mutex launchMutex_;
-  std::unique_ptr<LaunchOrder> order_;  // guarded by launchMutex_
+  std::unique_ptr<LaunchOrder> order_;                 // guarded by launchMutex_
   std::atomic<LaunchOrder*> queryableOrder_{nullptr};  // order_ once made (launchesPending)
   std::mutex resetMutex_;
 

@@ -68,7 +68,9 @@ inline KernelArgs kernelArgsOf(const LaunchParams& p) {
   for (int r = 0; r < p.worldSize; ++r) a.buffers[r] = static_cast<char*>(p.buffers[r]);
   a.registered = p.registered;
   a.stagingOffset = p.stagingOffset;
+  a.stagingBytes = p.stagingBytes;
   a.resultOffset = p.resultOffset;
+  a.deviceScope = p.deviceScope ? 1 : 0;
   a.rank = p.rank;
   a.stage = p.stage ? 1 : 0;
   a.scale = p.scale;

@@ -14,8 +14,9 @@
 // and a row's statistics are one block's reduction with no extra barrier.
 //
 //   one-shot  rows b, b + G, ... (G blocks): stage, start barrier, sum every
-//             rank's staging into the epilogue, end barrier (peers read our
-//             staging until then)
+//             rank's staging into the epilogue; no end barrier (the next
+//             call stages into the other region: signal.hpp, "Staging
+//             parity")
 //   two-shot  rows split into N parts as packs are in twoShotKernel; in each
 //             part, block b owns rows b, b + G, ... of it. Stage every part's
 //             rows of block b, start barrier, sum our part's rows into our
@@ -40,11 +41,11 @@ __device__ __forceinline__ size_t rowPartBegin(size_t rows, int n, int p) {
   return partBegin(rows, n, p);
 }
 
-// Copies row `row` of the input into this rank's staging.
+// Copies row `row` of the input into `staging` (this rank's region for the
+// call).
 template <typename T>
-__device__ __forceinline__ void stageRow(const KernelArgs& a, size_t row) {
+__device__ __forceinline__ void stageRow(const KernelArgs& a, char* staging, size_t row) {
   constexpr int kPer = Elements<T>::kPerPack;
-  char* staging = a.buffers[a.rank] + a.stagingOffset;
   if (a.packed) {
     const size_t per = a.hidden / kPer;
     const Pack* in = reinterpret_cast<const Pack*>(a.input) + row * per;
@@ -189,38 +190,42 @@ __device__ void normRow(const KernelArgs& a, const Sums& sums, size_t row) {
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) fusedOneShotKernel(KernelArgs a) {
   const size_t rows = a.count / a.hidden;
-  __shared__ uint32_t epoch;  // set by thread 0, read after __syncthreads_or
+  const uint32_t epoch = nextEpoch(a);
   int refused = 0;
-  if (threadIdx.x == 0) refused = openCall<N>(a, &epoch);
-  if (a.stage) {
-    for (size_t row = blockIdx.x; row < rows; row += gridDim.x) stageRow<T>(a, row);
+  if (threadIdx.x == 0) refused = openCall<N>(a);
+  if (mayStage(a)) {
+    char* staging = stagingOf(a, a.rank, epoch);
+    for (size_t row = blockIdx.x; row < rows; row += gridDim.x) stageRow<T>(a, staging, row);
   }
   if (__syncthreads_or(refused)) return;
+  if (threadIdx.x == 0) commitEpoch(a, epoch);
   StagedSums<T, N> sums;
-  sourcesOf<N>(a, sums.src);
+  sourcesOf<N>(a, epoch, sums.src);
   sums.scale = a.scale;
   if (!barrier<N>(a, kStart, epoch)) return;
   for (size_t row = blockIdx.x; row < rows; row += gridDim.x) normRow<T>(a, sums, row);
-  barrier<N>(a, kEnd, epoch);
+  // No end barrier: the input is always staged (see oneShotKernel).
 }
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) fusedTwoShotKernel(KernelArgs a) {
   const size_t rows = a.count / a.hidden;
-  __shared__ uint32_t epoch;  // set by thread 0, read after __syncthreads_or
+  const uint32_t epoch = nextEpoch(a);
   int refused = 0;
-  if (threadIdx.x == 0) refused = openCall<N>(a, &epoch);
-  if (a.stage) {
+  if (threadIdx.x == 0) refused = openCall<N>(a);
+  if (mayStage(a)) {
+    char* staging = stagingOf(a, a.rank, epoch);
     for (int p = 0; p < N; ++p) {
       const size_t end = rowPartBegin(rows, N, p + 1);
       for (size_t row = rowPartBegin(rows, N, p) + blockIdx.x; row < end; row += gridDim.x) {
-        stageRow<T>(a, row);
+        stageRow<T>(a, staging, row);
       }
     }
   }
   if (__syncthreads_or(refused)) return;
+  if (threadIdx.x == 0) commitEpoch(a, epoch);
   StagedSums<T, N> sums;
-  sourcesOf<N>(a, sums.src);
+  sourcesOf<N>(a, epoch, sums.src);
   sums.scale = a.scale;
   if (!barrier<N>(a, kStart, epoch)) return;
   const size_t ownEnd = rowPartBegin(rows, N, a.rank + 1);

@@ -92,7 +92,9 @@ void CustomAllreduce::launch(LaunchParams& p, cudaStream_t stream, size_t bytes,
   p.stage = options.stageInput;
   p.scale = options.scale;
   p.stagingOffset = layout_.stagingOffset;
+  p.stagingBytes = layout_.stagingBytes;
   p.resultOffset = layout_.resultOffset;
+  p.deviceScope = deviceScope_.load(std::memory_order_relaxed);
   p.timeoutNs = static_cast<uint64_t>(timeoutMs_.load()) * 1000000ull;
   p.errorDevice = errorDevice_;
   std::lock_guard<std::mutex> lock(launchMutex_);
@@ -125,6 +127,20 @@ Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DT
   p.algorithm = algorithm;
   launch(p, stream, bytes, options);
   return algorithm;
+}
+
+void CustomAllreduce::barrierOnly(cudaStream_t stream, int blocks) {
+  TPCOMM_CHECK(blocks >= 1 && blocks <= kMaxBlocks, kInvalidUsage, "custom allreduce: ", blocks,
+               " blocks asked for; 1 to ", kMaxBlocks);
+  const uint32_t failed = errorCode();
+  TPCOMM_CHECK(failed == 0, kPeerLost, "custom allreduce on rank ", rank_,
+               ": an earlier call failed (", describeError(failed), ")");
+  LaunchParams p;  // a one-shot of no elements: open, the start barrier, done
+  p.count = 0;
+  p.algorithm = Algorithm::kOneShot;
+  CallOptions options;
+  options.blocks = blocks;
+  launch(p, stream, 0, options);
 }
 
 Algorithm CustomAllreduce::allreduceAddRmsNorm(const void* in, const AddRmsNorm& norm, DType dtype,
@@ -261,10 +277,10 @@ class EventLaunchOrder : public LaunchOrder {
     queryable_.store(event_, std::memory_order_release);
   }
 
-  cudaEvent_t event_ = nullptr;       // the rank's last launch, eager or replayed
+  cudaEvent_t event_ = nullptr;                  // the rank's last launch, eager or replayed
   std::atomic<cudaEvent_t> queryable_{nullptr};  // event_ once created (pending(), any thread)
-  cudaEvent_t inCapture_ = nullptr;   // the last launch captured in the current capture
-  unsigned long long captureId_ = 0;  // the capture inCapture_ was recorded in
+  cudaEvent_t inCapture_ = nullptr;              // the last launch captured in the current capture
+  unsigned long long captureId_ = 0;             // the capture inCapture_ was recorded in
   bool inCaptureValid_ = false;
   bool capturing_ = false;  // of the launch between before() and after()
 };

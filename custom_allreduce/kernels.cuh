@@ -79,45 +79,52 @@ __device__ __forceinline__ T sumElement(const char* const (&src)[N], size_t inde
   return fromFloat<T>(acc * scale);
 }
 
-// Copies [begin, end) packs of the input into this rank's staging with the
-// block/thread partition every step uses.
-__device__ __forceinline__ void stagePacks(const KernelArgs& a, size_t begin, size_t end) {
+// Copies [begin, end) packs of the input into `staging` (this rank's
+// region for the call) with the block/thread partition every step uses.
+__device__ __forceinline__ void stagePacks(const KernelArgs& a, char* staging, size_t begin,
+                                           size_t end) {
   const Pack* in = reinterpret_cast<const Pack*>(a.input);
-  Pack* staging = reinterpret_cast<Pack*>(a.buffers[a.rank] + a.stagingOffset);
+  Pack* to = reinterpret_cast<Pack*>(staging);
   for (size_t i = begin + blockIdx.x * blockDim.x + threadIdx.x; i < end;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    staging[i] = in[i];
+    to[i] = in[i];
   }
 }
 
 template <typename T>
-__device__ __forceinline__ void stageTail(const KernelArgs& a, size_t first, size_t tail) {
+__device__ __forceinline__ void stageTail(const KernelArgs& a, char* staging, size_t first,
+                                          size_t tail) {
   if (blockIdx.x == 0 && threadIdx.x < tail) {
     const T* in = reinterpret_cast<const T*>(a.input);
-    T* staging = reinterpret_cast<T*>(a.buffers[a.rank] + a.stagingOffset);
-    staging[first + threadIdx.x] = in[first + threadIdx.x];
+    reinterpret_cast<T*>(staging)[first + threadIdx.x] = in[first + threadIdx.x];
   }
 }
 
-// Zero-copy with an output that overlaps the input on a one-shot call is
-// never asked for (the host stages such inputs): peers would read this rank's
-// input while it writes. The end barrier keeps our staging intact until
-// every peer has summed it.
+// One synchronisation: stage, start barrier, sum every rank's staging. No
+// end barrier when every input is staged: the next call stages into the
+// other region (signal.hpp, "Staging parity"), and the call after it
+// starts only once every peer is done with this one. Zero-copy keeps the
+// end barrier: peers read this rank's own input, which the caller may
+// rewrite as soon as this kernel ends. (An output that overlaps the input
+// on a zero-copy one-shot call is never asked for: the host stages such
+// inputs, since peers would read this rank's input while it writes.)
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) oneShotKernel(KernelArgs a) {
   constexpr int kPer = Elements<T>::kPerPack;
   const size_t packs = a.count / kPer;
   const size_t tail = a.count % kPer;
-  __shared__ uint32_t epoch;  // set by thread 0, read after __syncthreads_or
+  const uint32_t epoch = nextEpoch(a);
   int refused = 0;
-  if (threadIdx.x == 0) refused = openCall<N>(a, &epoch);
-  if (a.stage) {
-    stagePacks(a, 0, packs);
-    stageTail<T>(a, packs * kPer, tail);
+  if (threadIdx.x == 0) refused = openCall<N>(a);
+  if (mayStage(a)) {
+    char* staging = stagingOf(a, a.rank, epoch);
+    stagePacks(a, staging, 0, packs);
+    stageTail<T>(a, staging, packs * kPer, tail);
   }
   if (__syncthreads_or(refused)) return;
+  if (threadIdx.x == 0) commitEpoch(a, epoch);
   const char* src[N];
-  sourcesOf<N>(a, src);
+  sourcesOf<N>(a, epoch, src);
   if (!barrier<N>(a, kStart, epoch)) return;
   Pack* out = reinterpret_cast<Pack*>(a.output);
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < packs;
@@ -128,7 +135,7 @@ __global__ void __launch_bounds__(kThreads) oneShotKernel(KernelArgs a) {
     const size_t i = packs * kPer + threadIdx.x;
     reinterpret_cast<T*>(a.output)[i] = sumElement<T, N>(src, i, a.scale);
   }
-  barrier<N>(a, kEnd, epoch);
+  if (a.registered != nullptr) barrier<N>(a, kEnd, epoch);
 }
 
 // Part p of the packs: [partBegin(p), partBegin(p + 1)).
@@ -145,18 +152,22 @@ __global__ void __launch_bounds__(kThreads) twoShotKernel(KernelArgs a) {
   const size_t tail = a.count % kPer;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t thread = blockIdx.x * blockDim.x + threadIdx.x;
-  __shared__ uint32_t epoch;  // set by thread 0, read after __syncthreads_or
+  const uint32_t epoch = nextEpoch(a);
   int refused = 0;
-  if (threadIdx.x == 0) refused = openCall<N>(a, &epoch);
+  if (threadIdx.x == 0) refused = openCall<N>(a);
   // Stage part by part, so that block b stages exactly the packs block b of
   // part p's owner reduces.
-  if (a.stage) {
-    for (int p = 0; p < N; ++p) stagePacks(a, partBegin(packs, N, p), partBegin(packs, N, p + 1));
-    stageTail<T>(a, packs * kPer, tail);
+  if (mayStage(a)) {
+    char* staging = stagingOf(a, a.rank, epoch);
+    for (int p = 0; p < N; ++p) {
+      stagePacks(a, staging, partBegin(packs, N, p), partBegin(packs, N, p + 1));
+    }
+    stageTail<T>(a, staging, packs * kPer, tail);
   }
   if (__syncthreads_or(refused)) return;
+  if (threadIdx.x == 0) commitEpoch(a, epoch);
   const char* src[N];
-  sourcesOf<N>(a, src);
+  sourcesOf<N>(a, epoch, src);
   if (!barrier<N>(a, kStart, epoch)) return;
   // Reduce this rank's part into its result region (the tail belongs to
   // the last rank).

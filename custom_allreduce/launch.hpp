@@ -22,7 +22,9 @@ struct LaunchParams {
   bool stage = true;
   float scale = 1.f;
   size_t stagingOffset = 0;
+  size_t stagingBytes = 0;
   size_t resultOffset = 0;
+  bool deviceScope = false;  // every rank on one GPU: flags at GPU scope
   uint64_t timeoutNs = 0;
   uint32_t* errorDevice = nullptr;
   // Fused residual add + RMSNorm (hidden > 0): `output` receives the normed

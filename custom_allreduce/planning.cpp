@@ -17,8 +17,10 @@ size_t alignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 }  // namespace
 
 std::string protocolId() {
-  return detail::concat("signal ", sizeof(Signal), " B, ", kMaxBlocks, " blocks of ", kThreads,
-                        " threads, poisoned flags, two-shot without end barrier");
+  return detail::concat(
+      "signal ", sizeof(Signal), " B, ", kMaxBlocks, " blocks of ", kThreads,
+      " threads, poisoned flags, staging by call parity, one-shot with one barrier, "
+      "two-shot without end barrier");
 }
 
 const char* dtypeName(DType dtype) {
@@ -47,7 +49,8 @@ BufferLayout BufferLayout::forMaxBytes(size_t maxBytes) {
   l.maxBytes = maxBytes;
   l.signalBytes = alignUp(sizeof(Signal), kAlign);
   l.stagingOffset = l.signalBytes;
-  l.resultOffset = l.stagingOffset + alignUp(maxBytes, kAlign);
+  l.stagingBytes = alignUp(maxBytes, kAlign);
+  l.resultOffset = l.stagingOffset + 2 * l.stagingBytes;
   l.totalBytes = l.resultOffset + alignUp(maxBytes, kAlign);
   return l;
 }
@@ -80,6 +83,11 @@ int chooseBlocks(Algorithm algorithm, int worldSize, size_t bytes, int override)
   return static_cast<int>(std::clamp<size_t>(wanted, 1, kDefaultCap));
 }
 
+bool deviceScopeFor(const std::vector<int>& devices, const std::string& setting) {
+  if (setting != "auto" || devices.empty()) return false;
+  return std::all_of(devices.begin(), devices.end(), [&](int d) { return d == devices[0]; });
+}
+
 bool rangesOverlap(const void* a, const void* b, size_t bytes) {
   if (bytes == 0) return false;
   const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);
@@ -87,13 +95,13 @@ bool rangesOverlap(const void* a, const void* b, size_t bytes) {
 }
 
 int sharedGpuBlocks(int worldSize, int requested, int chosen, int residentTotal) {
-  TPCOMM_CHECK(worldSize >= 1 && residentTotal >= 1, kInvalidUsage, "custom allreduce: ",
-               worldSize, " ranks on a GPU holding ", residentTotal, " blocks");
+  TPCOMM_CHECK(worldSize >= 1 && residentTotal >= 1, kInvalidUsage, "custom allreduce: ", worldSize,
+               " ranks on a GPU holding ", residentTotal, " blocks");
   const int fit = std::max(1, residentTotal / worldSize);
   if (requested > 0) {
     TPCOMM_CHECK(static_cast<int64_t>(requested) * worldSize <= residentTotal, kInvalidUsage,
-                 "custom allreduce: ", worldSize, " ranks x ", requested, " blocks = ",
-                 static_cast<int64_t>(requested) * worldSize,
+                 "custom allreduce: ", worldSize, " ranks x ", requested,
+                 " blocks = ", static_cast<int64_t>(requested) * worldSize,
                  " blocks must all be resident at once on one GPU (they wait for each other), "
                  "but it holds at most ",
                  residentTotal, " of this kernel: ask for at most ", fit, " blocks per rank");
@@ -137,10 +145,11 @@ Eligibility groupEligibility(const Topology& t) {
     for (int i = 0; i < n; ++i) {
       for (int j = 0; j < n; ++j) {
         if (i == j || t.devices[i] == t.devices[j] || at(t.links, i, j) != 'p') continue;
-        e.reason = detail::concat("ranks ", i, " and ", j, " (GPUs ", t.devices[i], " and ",
-                                  t.devices[j], ") are not linked by NVLink; past 2 GPUs the "
-                                  "custom kernel needs NVLink between every pair (over PCIe "
-                                  "NCCL is faster)");
+        e.reason =
+            detail::concat("ranks ", i, " and ", j, " (GPUs ", t.devices[i], " and ", t.devices[j],
+                           ") are not linked by NVLink; past 2 GPUs the "
+                           "custom kernel needs NVLink between every pair (over PCIe "
+                           "NCCL is faster)");
         return e;
       }
     }

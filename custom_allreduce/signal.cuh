@@ -1,6 +1,6 @@
 #pragma once
 // Device side of the signal protocol described in signal.hpp: release/acquire
-// flag accesses at system scope and the bounded per-block barrier.
+// flag accesses (system or GPU scope) and the bounded per-block barrier.
 
 #include <cstdint>
 
@@ -20,11 +20,13 @@ struct KernelArgs {
   // device memory, filled when graph_capture() exits): where each rank's
   // input is read from.
   const RegisteredInputs* registered;
-  size_t stagingOffset;
+  size_t stagingOffset;  // staging of even calls; odd calls' follows at + stagingBytes
+  size_t stagingBytes;
   size_t resultOffset;
   int rank;
-  int stage;    // copy the input into this rank's staging first
-  float scale;  // the result is scale x the sum (AVG: 1/N)
+  int deviceScope;  // every rank on this GPU: flags at GPU scope (else system scope)
+  int stage;        // copy the input into this rank's staging first
+  float scale;      // the result is scale x the sum (AVG: 1/N)
   uint64_t timeoutNs;
   uint32_t* error;  // mapped host memory
   // The fused residual add + RMSNorm kernels only (fused_kernels.cuh):
@@ -54,6 +56,20 @@ __device__ __forceinline__ uint32_t loadAcquire(const uint32_t* p) {
   return v;
 }
 
+// The same at GPU scope: enough when every rank runs on this GPU (ranks as
+// streams of one process, or processes sharing the GPU), where L2 is the
+// point of coherence; a system-scope release also flushes towards the host
+// and the peers over NVLink, which costs microseconds per barrier.
+__device__ __forceinline__ void storeReleaseGpu(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ uint32_t loadAcquireGpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
 // A word another agent may write at any time (the error word in mapped host
 // memory, the poison word, the zero-copy table's `ready`): a plain load that
 // the compiler must not cache or hoist.
@@ -72,6 +88,8 @@ inline uint32_t loadAcquire(const uint32_t* p) {
   std::this_thread::yield();  // spinning ranks share the CPU with working ones
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);
 }
+inline void storeReleaseGpu(uint32_t* p, uint32_t v) { storeRelease(p, v); }
+inline uint32_t loadAcquireGpu(const uint32_t* p) { return loadAcquire(p); }
 inline uint32_t loadRelaxed(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 // Counted, so that the emulation can check that one thread per block reads it.
 inline uint32_t loadReady(const uint32_t* p) {
@@ -105,21 +123,45 @@ __device__ __forceinline__ void poisonGroup(const KernelArgs& a, uint32_t code) 
   __threadfence_system();
 }
 
-// The start of a call, on thread 0 of each block (steps 0 of signal.hpp):
-// whether the call may run, and if so its epoch in `*epoch`. Refused (1)
-// when the group is poisoned or the zero-copy table was never filled (a graph
-// replayed before graph_capture() exited); the error word then says why and
-// the epoch stays, so nothing of this call reaches a peer. An unfilled table
-// poisons the group: this rank's epoch no longer matches its peers', so its
-// next call must not pair with theirs, and they must not wait out their
-// timeout for this one. The three loads are independent, so their latencies
-// overlap (and overlap the staging copy the other threads start meanwhile).
+// This call's epoch, read by every thread of the block before any thread
+// may write it (commitEpoch runs after the block's first __syncthreads_or):
+// every thread knows the call's staging parity at once, so the staging copy
+// starts without waiting for thread 0.
+__device__ __forceinline__ uint32_t nextEpoch(const KernelArgs& a) {
+  return signalOf(a, a.rank)->epoch[blockIdx.x] + 1;
+}
+
+// Whether this thread may stage its share: not once the group is poisoned
+// (every thread reads its rank's poison word, in device memory). A refused
+// call would stage into the region of the next call's parity, which is the
+// region a slow peer may still read for the call before: a poisoned group's
+// queued kernels must leave it alone. A thread that sees the poison makes the
+// block's barrier see it too (it reads the word after the block's barrier).
+__device__ __forceinline__ bool mayStage(const KernelArgs& a) {
+  return a.stage && loadRelaxed(&signalOf(a, a.rank)->poison.value) == 0;
+}
+
+// This rank's staging region for call `epoch`: even and odd calls alternate
+// between two regions (signal.hpp, "Staging parity").
+__device__ __forceinline__ char* stagingOf(const KernelArgs& a, int rank, uint32_t epoch) {
+  return a.buffers[rank] + a.stagingOffset + (epoch & 1u) * a.stagingBytes;
+}
+
+// The start of a call, on thread 0 of each block (step 0 of signal.hpp):
+// whether the call may run. Refused (1) when the group is poisoned or the
+// zero-copy table was never filled (a graph replayed before graph_capture()
+// exited); the error word then says why and the epoch stays, so nothing of
+// this call reaches a peer's flags (its staging, if any, went to the region a
+// healthy call would use next: see mayStage). An unfilled table poisons the group: this rank's
+// epoch no longer matches its peers', so its next call must not pair with
+// theirs, and they must not wait out their timeout for this one. The loads
+// are independent, so their latencies overlap (and overlap the staging copy
+// the other threads start meanwhile).
 template <int N>
-__device__ __forceinline__ int openCall(const KernelArgs& a, uint32_t* epoch) {
+__device__ __forceinline__ int openCall(const KernelArgs& a) {
   Signal* own = signalOf(a, a.rank);
   const uint32_t poison = loadRelaxed(&own->poison.value);
   const uint32_t ready = a.registered == nullptr ? 1u : loadReady(&a.registered->ready);
-  const uint32_t next = own->epoch[blockIdx.x] + 1;
   if (poison != 0) {
     recordError(a, poison);
     return 1;
@@ -130,19 +172,40 @@ __device__ __forceinline__ int openCall(const KernelArgs& a, uint32_t* epoch) {
     poisonGroup<N>(a, code);
     return 1;
   }
-  own->epoch[blockIdx.x] = next;
-  *epoch = next;
   return 0;
 }
 
+// After the call was accepted, on thread 0 of each block: stores the epoch
+// (in device memory: each graph replay is a new call). Block 0 also advances
+// the epochs of the block indices this call does not use, so that every
+// block index's epoch is the number of calls made: a call's staging parity
+// is then the same in every block and on every rank, whatever block counts
+// earlier calls used. A flag of an unused block index stays behind its
+// epoch, so it can never pass for a fresh one.
+__device__ __forceinline__ void commitEpoch(const KernelArgs& a, uint32_t epoch) {
+  Signal* own = signalOf(a, a.rank);
+  own->epoch[blockIdx.x] = epoch;
+  if (blockIdx.x == 0) {
+    for (unsigned b = gridDim.x; b < static_cast<unsigned>(kMaxBlocks); ++b) own->epoch[b] = epoch;
+  }
+}
+
 // Where each rank's input is read from (after openCall accepted the call:
-// the zero-copy table, when there is one, is filled).
+// the zero-copy table, when there is one, is filled). A table entry that
+// names a rank's staging (CustomAllreduce::stagingOf, the even region) means
+// that rank's staging of this call's parity.
 template <int N>
-__device__ __forceinline__ void sourcesOf(const KernelArgs& a, const char* (&src)[N]) {
+__device__ __forceinline__ void sourcesOf(const KernelArgs& a, uint32_t epoch,
+                                          const char* (&src)[N]) {
 #pragma unroll
   for (int r = 0; r < N; ++r) {
-    src[r] = a.registered == nullptr ? a.buffers[r] + a.stagingOffset
-                                     : static_cast<const char*>(a.registered->input[r]);
+    const char* staged = stagingOf(a, r, epoch);
+    if (a.registered == nullptr) {
+      src[r] = staged;
+    } else {
+      const char* entry = static_cast<const char*>(a.registered->input[r]);
+      src[r] = entry == a.buffers[r] + a.stagingOffset ? staged : entry;
+    }
   }
 }
 
@@ -160,12 +223,18 @@ __device__ bool barrier(const KernelArgs& a, int phase, uint32_t epoch) {
   __syncthreads();  // this block's writes before the release below
   if (threadIdx.x < N) {
     const int peer = threadIdx.x;
-    storeRelease(&signalOf(a, peer)->flags[blockIdx.x][phase][a.rank].value, epoch);
+    uint32_t* theirs = &signalOf(a, peer)->flags[blockIdx.x][phase][a.rank].value;
     const uint32_t* mine = &signalOf(a, a.rank)->flags[blockIdx.x][phase][peer].value;
     const uint32_t* poison = &signalOf(a, a.rank)->poison.value;
+    if (a.deviceScope) {
+      storeReleaseGpu(theirs, epoch);
+    } else {
+      storeRelease(theirs, epoch);
+    }
     const uint64_t start = globalTimer();
     uint32_t spins = 0;
-    while (static_cast<int32_t>(loadAcquire(mine) - epoch) < 0) {
+    while (static_cast<int32_t>((a.deviceScope ? loadAcquireGpu(mine) : loadAcquire(mine)) -
+                                epoch) < 0) {
       if ((++spins & 1023) == 0) {
         const bool late = globalTimer() - start > a.timeoutNs;
         const uint32_t poisoned = loadRelaxed(poison);
@@ -176,6 +245,12 @@ __device__ bool barrier(const KernelArgs& a, int phase, uint32_t epoch) {
             const uint32_t code = errorCode(peer, phase, blockIdx.x);
             recordError(a, code);
             poisonGroup<N>(a, code);
+          } else {
+            // This rank's host aborted the group (its error word): poison
+            // this rank's own word at once (the host's copies may still be on
+            // their way), so that its queued kernels neither stage nor run.
+            uint32_t* own = &signalOf(a, a.rank)->poison.value;
+            if (loadRelaxed(own) == 0) storeRelease(own, poisonCode(loadRelaxed(a.error), a.rank));
           }
           failed = 1;
           break;

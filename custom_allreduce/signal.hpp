@@ -2,9 +2,11 @@
 // The signal area at the start of every rank's buffer, and the protocol the
 // kernels run over it (host-visible layout; device code in signal.cuh).
 //
-//   flags[block][phase][peer]   written by `peer` (st.release.sys), read by
-//                               this rank (ld.acquire.sys); one 128-byte slot
-//                               each, so no two writers share a cache line
+//   flags[block][phase][peer]   written by `peer` (a release store), read by
+//                               this rank (an acquire load); one 128-byte slot
+//                               each, so no two writers share a cache line.
+//                               System scope, or GPU scope when every rank
+//                               of the group runs on one GPU (deviceScopeFor)
 //   probe[peer]                 the eligibility check's write probe
 //   poison                      nonzero once any rank's kernel gave up: the
 //                               failure code, written by the rank that gave up
@@ -15,19 +17,21 @@
 //
 //   step | does                                          | then
 //   -----+-----------------------------------------------+--------------------
-//   0    | thread 0 reads poison, the zero-copy table's  |
-//        | `ready` and epoch[b] (once per block; the     |
-//        | verdict reaches every thread through          |
-//        | __syncthreads_or); e = epoch[b] + 1 is stored |
-//        | back (in device memory: each graph replay is  |
-//        | a new call) unless the call is refused        |
+//   0    | every thread reads e = epoch[b] + 1; thread 0 |
+//        | reads poison and the zero-copy table's        |
+//        | `ready` (once per block; the verdict reaches  |
+//        | every thread through __syncthreads_or); then  |
+//        | thread 0 stores e back (in device memory:     |
+//        | each graph replay is a new call), block 0 for |
+//        | the unused block indices too, unless refused  |
 //   1    | copies its share of the input to its staging  |
-//        | (overlapping step 0's loads)                  |
+//        | of parity e & 1 (overlapping step 0's loads)  |
 //   2    | start: writes e to flags[b][start][me] of     | peers' staging
 //        | every peer; waits flags[b][start][p] >= e     | shares are complete
-//   3    | one-shot: sums all stagings -> output, then   |
-//        | end barrier (peers are done reading our       |
-//        | staging before our next call rewrites it)     |
+//   3    | one-shot: sums all stagings -> output; done   |
+//        | (zero-copy: end barrier, as peers read this   |
+//        | rank's own input, which its caller may        |
+//        | rewrite once the kernel ends)                 |
 //        | two-shot: sums part `me` -> own result,       |
 //        | middle barrier, gathers parts -> output; no   |
 //        | end barrier (see below)                       |
@@ -38,13 +42,28 @@
 // reset between calls), so a stale flag cannot pass for a fresh one. Every
 // wait is bounded by %globaltimer.
 //
-// Why two-shot needs no end barrier: a rank's launches of one group are
-// serialised (host side, launch order), so a peer's block reaching the start
+// Staging parity. Each rank has two staging regions; call e stages into
+// region e & 1. Every block index's epoch is the number of calls made (block
+// 0 advances the indices a call does not use), so the parity is the same in
+// every block and on every rank whatever block counts the calls use. A
+// rank's launches are serialised (host side, launch order), so when its call
+// e + 1 starts staging, its kernel e has passed call e's start barrier in
+// every block: each peer had started its kernel e, so each peer's kernel
+// e - 1, the last one that read region (e + 1) & 1 of ours, had ended.
+// Call e's readers of region e & 1 are never disturbed by call e + 1, which
+// writes the other region. Hence the one-shot needs no end barrier, and the
+// two-shot's staging is safe without one too (its result region: below).
+// This assumes that call e passed its start barrier: a kernel whose call
+// failed or was refused leaves the group poisoned (this rank's own poison
+// word at least, written by the kernel that gave up), and a poisoned rank's
+// kernels stage nothing. Zero-copy or not is the same on every rank of a
+// call (only a zero-copy one-shot waits at the end barrier).
+//
+// Why two-shot needs no end barrier: a peer's block reaching the start
 // barrier of call k+1 means that peer's whole kernel k has finished,
 // including its gather of our result region. Our result region is rewritten
-// only after that start barrier; our staging is rewritten before it, but
-// every peer's reads of it ended before call k's middle barrier, which every
-// block of our kernel k passed. Both hold whatever block counts k and k+1 use.
+// only after that start barrier. Both hold whatever block counts k and k+1
+// use.
 //
 // Failure: a block that waits in vain writes an error code (bit 31 |
 // phase << 16 | block << 8 | peer) to its rank's error word (mapped host

@@ -43,6 +43,9 @@ class Rank {
               own->errorDevice()) {
     TPCOMM_CHECK(reinterpret_cast<uintptr_t>(ownBase_) == buffers.at(rank), kInvalidUsage,
                  "custom allreduce: buffers[", rank, "] is not this rank's own buffer");
+    // Ranks of one process sharing buffers directly (LocalGroup): GPU-scope
+    // flags when every buffer is on one GPU (TPCOMM_CAR_FLAG_SCOPE=auto).
+    impl_.setDeviceScope(car::deviceScopeFor(devicesOf(buffers), settings().carFlagScope));
   }
 
   // A rank of a group the shared set-up made (coordinator/custom_setup.hpp):
@@ -58,8 +61,11 @@ class Rank {
 
   // out = sum of every rank's `input`, enqueued on `stream` (default: the
   // current stream of the input's device).
+  // `registered` nonzero: zero-copy, the device address of a RegisteredInputs
+  // table naming every rank's input (filled, ready set); this rank's input is
+  // then read where it lies, not staged.
   void allReduce(const at::Tensor& input, at::Tensor& output, const std::string& algorithm,
-                 int blocks, std::optional<int64_t> stream) {
+                 int blocks, std::optional<int64_t> stream, uintptr_t registered) {
     TPCOMM_CHECK(input.is_cuda() && output.is_cuda(), kInvalidUsage,
                  "custom allreduce: tensors must be CUDA tensors");
     TPCOMM_CHECK(input.device() == output.device(), kInvalidUsage,
@@ -79,6 +85,14 @@ class Rank {
     options.chooseAlgorithm = algorithm.empty();
     if (!algorithm.empty()) options.algorithm = toAlgorithm(algorithm);
     options.blocks = blocks;
+    if (registered != 0) {
+      // One-shot peers read this rank's input while it writes its output.
+      TPCOMM_CHECK(
+          !car::rangesOverlap(input.data_ptr(), output.data_ptr(), count * car::dtypeSize(dtype)),
+          kInvalidUsage, "custom allreduce: zero-copy needs an output apart from the input");
+      options.registered = reinterpret_cast<const car::RegisteredInputs*>(registered);
+      options.stageInput = false;
+    }
     impl_.allreduce(input.data_ptr(), output.data_ptr(), count, dtype, s, options);
   }
 
@@ -126,6 +140,21 @@ class Rank {
   int device() const { return device_; }
 
  private:
+  // The GPU each buffer lives on (-1 where the driver does not say).
+  static std::vector<int> devicesOf(const std::vector<uintptr_t>& buffers) {
+    std::vector<int> out;
+    for (uintptr_t p : buffers) {
+      cudaPointerAttributes attributes{};
+      if (cudaPointerGetAttributes(&attributes, reinterpret_cast<void*>(p)) != cudaSuccess) {
+        cudaGetLastError();
+        out.push_back(-1 - static_cast<int>(out.size()));  // unknown: never "the same GPU"
+        continue;
+      }
+      out.push_back(attributes.device);
+    }
+    return out;
+  }
+
   static std::vector<void*> toPointers(const std::vector<uintptr_t>& in) {
     std::vector<void*> out;
     for (uintptr_t p : in) out.push_back(reinterpret_cast<void*>(p));
@@ -160,13 +189,26 @@ void registerCustomAllreduce(py::module_& m) {
            py::arg("timeout_ms"))
       .def("all_reduce", &Rank::allReduce, py::arg("input"), py::arg("output"),
            py::arg("algorithm") = "", py::arg("blocks") = 0, py::arg("stream") = py::none(),
-           "Enqueues output = sum of every rank's input (algorithm '' chooses by size).")
+           py::arg("registered") = 0,
+           "Enqueues output = sum of every rank's input (algorithm '' chooses by size); "
+           "`registered`: the device address of a zero-copy table of every rank's input "
+           "(zero-copy or not must be the same on every rank of a call).")
       .def("all_reduce_add_rms_norm", &Rank::allReduceAddRmsNorm, py::arg("input"),
            py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("normed"),
            py::arg("residual_out"), py::arg("algorithm") = "", py::arg("blocks") = 0,
            py::arg("stream") = py::none(),
            "Enqueues residual_out = sum of every rank's input + residual and normed = "
            "RMSNorm(residual_out) x weight (the fused kernel).")
+      .def(
+          "barrier_only",
+          [](Rank& r, int blocks, int64_t stream) {
+            const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(r.device()));
+            r.impl().barrierOnly(reinterpret_cast<cudaStream_t>(stream), blocks);
+          },
+          py::arg("blocks"), py::arg("stream"),
+          "Enqueues a call that moves no data: the start barrier alone (the benchmark's flag "
+          "round trip).")
+      .def_property_readonly("device_scope", [](Rank& r) { return r.impl().deviceScope(); })
       .def("check_error", [](Rank& r) { r.impl().checkError(); })
       .def_property_readonly("error_code", [](Rank& r) { return r.impl().errorCode(); })
       .def("clear_error", [](Rank& r) { r.impl().clearError(); })
@@ -201,13 +243,14 @@ void registerCustomAllreduce(py::module_& m) {
           py::gil_scoped_release release;  // the exchange waits on the peers
           result = coord::setUpCustomAllreduce(
               *cpu, rank, worldSize, *gpu, hostIdentity(), maxBytes,
-              {{"TPCOMM_CAR_BLOCKS", std::to_string(settings().carBlocks)}});
+              {{"TPCOMM_CAR_BLOCKS", std::to_string(settings().carBlocks)},
+               {"TPCOMM_CAR_FLAG_SCOPE", settings().carFlagScope}});
         }
         if (!result.available) return py::make_tuple(false, result.reason, py::none());
-        return py::make_tuple(
-            true, "",
-            py::cast(std::make_unique<Rank>(rank, worldSize, device, gpu, result.bases, maxBytes,
-                                            timeoutMs)));
+        auto made =
+            std::make_unique<Rank>(rank, worldSize, device, gpu, result.bases, maxBytes, timeoutMs);
+        made->impl().setDeviceScope(car::deviceScopeFor(result.devices, settings().carFlagScope));
+        return py::make_tuple(true, "", py::cast(std::move(made)));
       },
       py::arg("cpu_backend"), py::arg("rank"), py::arg("world_size"), py::arg("device"),
       py::arg("max_bytes"), py::arg("timeout_ms"),

@@ -32,7 +32,8 @@ const std::vector<SettingInfo> kSettingTable = {
      "collectives), others talk through Gloo."},
     {"TPCOMM_CAR_MAX_BYTES", "int", "8388608",
      "The largest allreduce the custom peer-to-peer kernel takes (bytes, a multiple of 16); "
-     "each rank's staging buffer is twice this."},
+     "each rank's buffer holds three times this (two stagings used by call parity and the "
+     "two-shot's result region)."},
     {"TPCOMM_CAR_TIMEOUT_MS", "int", "0",
      "How long a custom-allreduce kernel waits for a peer before it stops and the host raises "
      "an error naming that peer. 0: the group's timeout (init_process_group's, as for any "
@@ -40,6 +41,10 @@ const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_CAR_BLOCKS", "int", "0",
      "Thread blocks per custom-allreduce kernel, 1 to 64 (0: chosen from the size and world "
      "size)."},
+    {"TPCOMM_CAR_FLAG_SCOPE", "string", "auto",
+     "Memory scope of the custom-allreduce kernel's flags: auto (GPU scope when every rank of "
+     "the group runs on one GPU, as ranks on streams of one process or processes sharing a GPU "
+     "do; system scope across GPUs), system (always system scope). Equal on every rank."},
     {"TPCOMM_ROUTE", "string", "auto",
      "Where CUDA allreduces go: auto (the routing table by world size and bytes), nccl (never the "
      "custom kernel), oneshot or twoshot (that custom algorithm whenever the kernel can take "
@@ -148,6 +153,11 @@ Settings Settings::parse(const Lookup& lookup) {
     s.carTimeoutMs = parseInt("TPCOMM_CAR_TIMEOUT_MS", *v, 0, int64_t{24} * 3600 * 1000);
   }
   if (auto v = lookup("TPCOMM_CAR_BLOCKS")) s.carBlocks = parseInt("TPCOMM_CAR_BLOCKS", *v, 0, 64);
+  if (auto v = lookup("TPCOMM_CAR_FLAG_SCOPE")) {
+    s.carFlagScope = v->empty() ? "auto" : *v;
+    TPCOMM_CHECK(s.carFlagScope == "auto" || s.carFlagScope == "system", kInvalidUsage,
+                 "setting TPCOMM_CAR_FLAG_SCOPE='", *v, "' is not one of auto, system");
+  }
   if (auto v = lookup("TPCOMM_ROUTE")) {
     s.route = v->empty() ? "auto" : *v;
     TPCOMM_CHECK(

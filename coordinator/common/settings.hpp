@@ -31,7 +31,8 @@ struct Settings {
   // tests use it to simulate several hosts on one machine.
   std::string hostId;
   // TPCOMM_CAR_MAX_BYTES: the largest allreduce the custom kernel takes; its
-  // staging buffers are sized from it (twice this per rank).
+  // buffers are sized from it (three times this per rank: two stagings
+  // used by call parity and the two-shot's result region).
   int64_t carMaxBytes = 8 << 20;
   // TPCOMM_CAR_TIMEOUT_MS: how long a custom-allreduce kernel waits for a
   // peer before it gives up and the host raises naming that peer. 0: the
@@ -41,6 +42,9 @@ struct Settings {
   // TPCOMM_CAR_BLOCKS: thread blocks per custom-allreduce kernel (0: chosen
   // from the size).
   int64_t carBlocks = 0;
+  // TPCOMM_CAR_FLAG_SCOPE: "auto" (flags at GPU scope when every rank of a
+  // group runs on one GPU, else system scope) or "system" (always).
+  std::string carFlagScope = "auto";
   // TPCOMM_ROUTE: auto (the routing table), nccl (never the custom kernel),
   // oneshot or twoshot (the custom kernel whenever it can take the call).
   std::string route = "auto";

@@ -56,12 +56,27 @@ class LocalGroup:
         self._resident = {}  # (dtype, algorithm) -> blocks the GPU holds at once
         self._default_blocks = _C.car_defaults()["blocks"]  # TPCOMM_CAR_BLOCKS
 
-    def all_reduce(self, inputs, outputs=None, algorithm=None, blocks=0, ranks=None, streams=None):
+    def register(self, inputs):
+        """A zero-copy table of these inputs (one per rank, in rank order) for
+        all_reduce(..., registered=table): every rank's kernel then reads the
+        peers' inputs where they lie instead of staging its own. The inputs
+        must stay alive and unmoved while the table is used. Every rank of a
+        call gets the table or none does (a one-shot call waits at its end
+        barrier only with a table)."""
+        if len(inputs) != self.world_size:
+            raise ValueError(f"{len(inputs)} inputs for {self.world_size} ranks")
+        entries = [x.data_ptr() for x in inputs] + [0] * (8 - self.world_size)
+        # RegisteredInputs: 8 pointers, then `ready` (1) and padding: 80 bytes.
+        return torch.tensor(entries + [1, 0], dtype=torch.int64, device="cuda")
+
+    def all_reduce(self, inputs, outputs=None, algorithm=None, blocks=0, ranks=None, streams=None,
+                   registered=None):
         """Rank r's result into outputs[r] (new tensors when None), each rank's
         kernel on its own stream (`streams[r]`, default the group's), ordered
         after the current stream and joined back into it. `ranks` launches
         only those ranks (the others withheld). `blocks` more than the GPU
-        holds for every rank at once raises ValueError."""
+        holds for every rank at once raises ValueError. `registered`: a table
+        from register(inputs) (zero-copy)."""
         if len(inputs) != self.world_size:
             raise ValueError(f"{len(inputs)} inputs for {self.world_size} ranks")
         if outputs is None:
@@ -85,10 +100,32 @@ class LocalGroup:
         for r in (range(self.world_size) if ranks is None else ranks):
             s = streams[r]
             s.wait_stream(current)
-            self.ranks[r].all_reduce(inputs[r], outputs[r], algo, blocks, s.cuda_stream)
+            self.ranks[r].all_reduce(inputs[r], outputs[r], algo, blocks, s.cuda_stream,
+                                     0 if registered is None else registered.data_ptr())
         for r in (range(self.world_size) if ranks is None else ranks):
             current.wait_stream(streams[r])
         return outputs
+
+    def barrier_only(self, blocks=1):
+        """Every rank's call that moves no data: the start barrier alone (one
+        flag round trip per block), ordered like all_reduce."""
+        key = ("float32", "oneshot")
+        if key not in self._resident:
+            self._resident[key] = _C.car_max_resident_blocks(*key, self.world_size)
+        blocks = _C.car_shared_gpu_blocks(self.world_size, int(blocks), int(blocks),
+                                          self._resident[key])
+        current = torch.cuda.current_stream()
+        for r in range(self.world_size):
+            s = self.streams[r]
+            s.wait_stream(current)
+            self.ranks[r].barrier_only(blocks, s.cuda_stream)
+        for s in self.streams:
+            current.wait_stream(s)
+
+    @property
+    def device_scope(self):
+        """Whether the kernels' flags are at GPU scope (TPCOMM_CAR_FLAG_SCOPE)."""
+        return self.ranks[0].device_scope
 
     def all_reduce_add_rms_norm(self, inputs, residuals, weights, eps=1e-6, algorithm=None,
                                 blocks=0, in_place=False):

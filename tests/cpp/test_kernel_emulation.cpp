@@ -148,6 +148,7 @@ class EmulatedGroup {
     for (int r = 0; r < n_; ++r) a.buffers[r] = buffers_[r];
     a.registered = c.zeroCopy ? c.tables[rank] : nullptr;
     a.stagingOffset = layout_.stagingOffset;
+    a.stagingBytes = layout_.stagingBytes;
     a.resultOffset = layout_.resultOffset;
     a.rank = rank;
     a.stage = c.zeroCopy ? (c.stages[rank] ? 1 : 0) : 1;
@@ -399,6 +400,39 @@ TEST(KernelEmulationFull, ProductBlockSize) {
   expectResults(g);
 }
 
+// One-shot with one barrier (signal.hpp, "Staging parity"): a rank is slow
+// to read after the start barrier while its peers run ahead into the next
+// call and stage into their other region. Every call has fresh inputs, so a
+// peer that rewrote a region still being read shows in the result (with one
+// staging region this fails). Block counts change from call to call, so the
+// parity must follow the call count on every block; two-shot and zero-copy
+// one-shot calls (which keep their end barrier) come in between.
+TEST(KernelEmulationFull, OneBarrierOneShotSurvivesASlowReader) {
+  constexpr int kRanks = 3;
+  const int blocks[] = {1, 3, 2, 1};
+  std::vector<Call> calls;
+  for (int i = 0; i < 16; ++i) {
+    Call c;
+    c.algorithm = i % 5 == 4 ? Algorithm::kTwoShot : Algorithm::kOneShot;
+    c.dtype = i % 2 == 0 ? DType::kFloat32 : DType::kBFloat16;
+    c.count = 901;
+    c.blocks = blocks[i % 4];
+    c.slowRank = 1 + i % 2;
+    c.slowPhase = kStart;
+    c.slowMs = 25;
+    if (i == 6 || i == 11) {
+      c.zeroCopy = true;
+      c.stages.assign(kRanks, false);
+      c.stages[0] = true;  // rank 0's entry names its staging
+    }
+    calls.push_back(c);
+  }
+  EmulatedGroup g(kRanks, 32 << 10, calls);
+  ASSERT_TRUE(g.run(allRanks(kRanks), kGenerousNs));
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
+  expectResults(g);
+}
+
 // A withheld rank: the others stop within the timeout, name it in the error
 // word, leave the output alone; a rank that took part in an earlier call got
 // that call's result.
@@ -595,9 +629,8 @@ TEST(KernelEmulationFailure, AnAbortStopsEveryRanksWaitingAndQueuedKernels) {
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     CustomAllreduce car(0, 3, g.bases(), layout.maxBytes, std::chrono::milliseconds(60000),
                         g.errorWord(0), g.errorWord(0), std::make_unique<CheckedOrder>());
-    car.abort([](uint32_t* word, uint32_t value) {
-      __atomic_store_n(word, value, __ATOMIC_RELEASE);
-    });
+    car.abort(
+        [](uint32_t* word, uint32_t value) { __atomic_store_n(word, value, __ATOMIC_RELEASE); });
   });
   const auto start = std::chrono::steady_clock::now();
   const bool ran = g.run({1, 2}, kGenerousNs, 30);

@@ -8,27 +8,16 @@
 #
 #   bash tests/gpu/device_mps.sh
 set -uo pipefail
-out="${OUT:-$PWD/out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
-py="${PYTHON:-python3}"
+source "$(dirname "$0")/device_lib.sh"
 "$py" -m pip install --no-build-isolation --no-deps -q -C build-dir=build/gpu \
   -C cmake.define.Python_EXECUTABLE="$(command -v "$py")" . > "$out/mps_build.txt" 2>&1 \
   || { tail -20 "$out/mps_build.txt"; exit 1; }
-export CUDA_MPS_PIPE_DIRECTORY="${CUDA_MPS_PIPE_DIRECTORY:-/tmp/tpcomm-mps-pipe}"
-export CUDA_MPS_LOG_DIRECTORY="${CUDA_MPS_LOG_DIRECTORY:-/tmp/tpcomm-mps-log}"
-mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-nvidia-cuda-mps-control -d || { echo "no MPS control daemon on this machine"; exit 1; }
-trap 'echo quit | nvidia-cuda-mps-control' EXIT
-timeout 150 "$py" -m tpcomm.bench allreduce --quick --max-mib 64 > "$out/mps_bench_allreduce.txt" 2>&1
-echo "rc=$?" >> "$out/mps_bench_allreduce.txt"
-timeout 60 "$py" -m tpcomm.bench fused --device cuda --world-sizes 2 --quick --rounds 3 \
-  > "$out/mps_bench_fused.txt" 2>&1
-echo "rc=$?" >> "$out/mps_bench_fused.txt"
-timeout 200 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_faults_gpu.py \
+start_mps || { echo "no MPS control daemon on this machine"; exit 1; }
+trap stop_mps EXIT
+step mps_bench_allreduce 150 "$py" -m tpcomm.bench allreduce --quick --max-mib 64
+step mps_bench_fused 60 "$py" -m tpcomm.bench fused --device cuda --world-sizes 2 --quick \
+  --rounds 3
+step mps_pytest 200 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_faults_gpu.py \
   tests/gpu/test_car_hardening.py tests/gpu/test_coordinator_cuda.py \
   tests/gpu/test_fused_norm_gpu.py tests/gpu/test_cuda_routing.py \
-  "tests/gpu/test_custom_allreduce.py::test_processes_sharing_the_gpu_through_ipc_and_graph_replays" \
-  > "$out/mps_pytest.txt" 2>&1
-echo "rc=$?" >> "$out/mps_pytest.txt"
-tail -n 40 "$out/mps_bench_allreduce.txt" "$out/mps_bench_fused.txt" "$out/mps_pytest.txt"
+  "tests/gpu/test_custom_allreduce.py::test_processes_sharing_the_gpu_through_ipc_and_graph_replays"

@@ -12,44 +12,14 @@
 # or at what is left of the budget, whichever comes first, so a step that
 # hangs costs its cap and the logs of every step still come back.
 set -uo pipefail
-out="${OUT:-$PWD/out}"
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1
-# A worker that dies (a segfault) prints its Python stack instead of an EOF.
-export PYTHONFAULTHANDLER=1
-py="${PYTHON:-python3}"
-deadline=$(( $(date +%s) + ${TPCOMM_DEVICE_BUDGET_S:-570} ))
-
-# step NAME CAP_S COMMAND...: runs COMMAND into $out/NAME.txt (its tail on
-# the console) for at most CAP_S seconds or what is left of the budget.
-step() {
-  local name="$1" cap="$2"
-  shift 2
-  local left=$(( deadline - $(date +%s) ))
-  (( left < cap )) && cap=$left
-  if (( cap < 5 )); then
-    echo "== $name: skipped, the budget is spent" | tee "$out/$name.txt"
-    return
-  fi
-  local start rc
-  start=$(date +%s)
-  timeout --kill-after=5 "$cap" "$@" >> "$out/$name.txt" 2>&1
-  rc=$?
-  local took=$(( $(date +%s) - start ))
-  (( rc == 124 || rc == 137 )) && echo "stopped at its cap of ${cap}s" >> "$out/$name.txt"
-  echo "== $name: rc=$rc in ${took}s" >> "$out/$name.txt"
-  tail -n 12 "$out/$name.txt"
-}
+source "$(dirname "$0")/device_lib.sh"
 
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   nvcc --version | tail -2
 } 2>&1 | tee "$out/build.txt"  # the device returns at most 8 files: 7 logs and the plot
-step build 240 "$py" -m pip install --no-build-isolation --no-deps -q \
-  -C build-dir=build/gpu -C cmake.define.TPCOMM_BUILD_TESTS=ON \
-  -C cmake.define.TPCOMM_GTEST_DIR="$PWD/.gtest" \
-  -C cmake.define.Python_EXECUTABLE="$(command -v "$py")" .
+build_tpcomm
 step ctest 60 ctest --test-dir build/gpu -j 8 --output-on-failure
 # Each GPU test file has its own cap, so one that hangs costs only its cap;
 # the kernel's own tests and the two benchmarks come first.

@@ -19,6 +19,14 @@ def main(argv=None):
     car.add_argument("--max-mib", type=int, default=64, help="largest size (default 64 MiB)")
     car.add_argument("--quick", action="store_true", help="fewer iterations")
     car.add_argument("--png", default="car_bench.png", help="plot of time vs size")
+    car.add_argument("--peer-vllm", default=None, metavar="DIR",
+                     help="also vLLM's kernel, built against custom_all_reduce.cuh and "
+                          "custom_collective_common.cuh in DIR")
+    car.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    car.add_argument("--blocks-sweep", type=int, nargs="*", default=[],
+                     help="from 1 MiB, also time these block counts")
+    car.add_argument("--fused", action="store_true",
+                     help="also the fused allreduce + add + RMSNorm against the allreduce alone")
     ar = sub.add_parser("allreduce", help="dist.all_reduce per route on the GPUs present")
     ar.add_argument("--max-mib", type=int, default=64, help="largest size (default 64 MiB)")
     ar.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
@@ -84,7 +92,8 @@ def main(argv=None):
     if args.what == "car":
         from tpcomm.bench.car import run
 
-        return run(args.world_sizes, args.max_mib, args.quick, args.png)
+        return run(args.world_sizes, args.max_mib, args.quick, args.png, args.peer_vllm,
+                   args.dtype, args.blocks_sweep, args.fused)
     if args.what == "allreduce":
         from tpcomm.bench.allreduce import run as run_allreduce
 

@@ -1,8 +1,12 @@
 """`python -m tpcomm.bench car`: the custom allreduce on one GPU, N ranks as
-N streams of this process, eager and graph-replayed, with nccl-tests columns,
-and in the same run the two baselines its goals are stated against:
-(i) a graph replay of N empty kernels on the same N streams and (ii)
-device-to-device copy bandwidth.
+N streams of this process, eager and graph-replayed (staged, and zero-copy
+from a table of the inputs: the `zc` column), with nccl-tests columns, and in
+the same run the baselines its goals are stated against: (i) a graph replay
+of N empty kernels on the same N streams, (ii) one flag round trip (a call
+that moves no data), (iii) device-to-device copy bandwidth, and with
+`--peer-vllm DIR` (iv) vLLM's custom allreduce graph-replayed on the same
+streams, sizes and inputs (tpcomm.bench.peer_vllm), every result checked
+bit for bit.
 
 Goals: up to 8 KB within 1.3x of (i); from 4 MiB at least 85% of (ii),
 counting the bytes the algorithm reads and writes (one-shot per rank: the
@@ -65,61 +69,194 @@ def _traffic(algorithm, n, nbytes):
     return staging + nbytes + nbytes // n + 2 * nbytes
 
 
-def run(world_sizes=(2, 4, 8), max_mib=64, quick=False, png="car_bench.png"):
+def _reference(xs):
+    """The rank-order float32 sum, rounded to the inputs' dtype: the bits
+    tpcomm's kernel gives on every rank."""
+    acc = xs[0].float()
+    for x in xs[1:]:
+        acc = acc + x.float()
+    return acc.to(xs[0].dtype)
+
+
+def _best_ms(fns, iters, rounds=2):
+    """Each fn's best time of `rounds` alternated runs (ms per call)."""
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], _time_ms(fn, iters))
+    return best
+
+
+def run(world_sizes=(2, 4, 8), max_mib=64, quick=False, png="car_bench.png", peer_vllm=None,
+        dtype="float32", blocks_sweep=(), fused=False):
     if not torch.cuda.is_available():
         print("no CUDA GPU: the custom allreduce benchmark needs one")
         return 1
+    dt = getattr(torch, dtype)
+    peer_lib = None
+    if peer_vllm:
+        from tpcomm.bench import peer_vllm as pv
+
+        peer_lib = pv.build(peer_vllm)
+        print(f"vLLM's kernel: harness built against {peer_vllm} ({peer_lib})")
     copy_gbs = _copy_bandwidth()
     print(f"device: {torch.cuda.get_device_name()}; D2D copy {copy_gbs:.0f} GB/s "
-          f"(read + write)")
+          f"(read + write); dtype {dtype}")
     sizes = [16 << (2 * i) for i in range(20) if 16 << (2 * i) <= max_mib << 20]
-    rows, plot = [], {}
+    rows, plot, breakdown = [], {}, []
     for n in world_sizes:
         group = LocalGroup(n, max_bytes=max_mib << 20, timeout_ms=10000)
+        vgroup = None
+        if peer_lib is not None and n in (2, 4, 6, 8):
+            vgroup = pv.VllmGroup(peer_lib, n, max_mib << 20)
         empty_graph = _graph_of(lambda: _empty_kernels(group.streams), reps=10)
-        empty_us = _time_ms(empty_graph.replay, 20 if quick else 200) * 1e3 / 10
-        print(f"\nN={n}: graph replay of {n} empty kernels: {empty_us:.2f} us")
-        print(f"{'size':>10} {'count':>10} {'type':>6} {'algo':>8} {'eager us':>9} "
-              f"{'graph us':>9} {'algbw':>7} {'busbw':>7} {'vs empty':>8} {'% copy':>7}")
+        flag_graph = _graph_of(lambda: group.barrier_only(1), reps=10)
+        iters = 20 if quick else 200
+        empty_ms, flag_ms = _best_ms([empty_graph.replay, flag_graph.replay], iters)
+        empty_us, flag_us = empty_ms * 1e3 / 10, flag_ms * 1e3 / 10
+        group.check()
+        scope = "GPU" if group.device_scope else "system"
+        print(f"\nN={n} (flags at {scope} scope): graph replay of {n} empty kernels "
+              f"{empty_us:.2f} us; of {n} barrier-only calls (one flag round trip, 1 block) "
+              f"{flag_us:.2f} us")
+        head = (f"{'size':>10} {'algo':>8} {'eager us':>9} {'graph us':>9} {'zc us':>7} "
+                f"{'busbw':>7} {'vs empty':>8} {'% copy':>7}")
+        if vgroup is not None:
+            head += f" {'vllm':>7} {'vllm us':>8} {'vllm/us':>8}"
+        print(head)
         for nbytes in sizes:
-            count = nbytes // 4
-            xs = [torch.randn(count, device="cuda") for _ in range(n)]
+            count = nbytes // torch.tensor([], dtype=dt).element_size()
+            xs = [torch.randn(count, device="cuda").to(dt) for _ in range(n)]
             outs = [torch.empty_like(x) for x in xs]
+            zc_outs = [torch.empty_like(x) for x in xs]
             algorithm = _C.car_choose_algorithm(n, nbytes, max_mib << 20)
             iters = 5 if quick else (200 if nbytes <= 1 << 20 else 20)
+            table = group.register(xs)
 
             def call():
                 group.all_reduce(xs, outs)
 
+            def zero_copy():
+                group.all_reduce(xs, zc_outs, registered=table)
+
             eager_ms = _time_ms(call, iters)
             graph = _graph_of(call, reps=10)
-            graph_ms = _time_ms(graph.replay, iters) / 10
+            zc_graph = _graph_of(zero_copy, reps=10)
+            fns = [graph.replay, zc_graph.replay]
+            v_outs = None
+            if vgroup is not None:
+                v_outs = [torch.empty_like(x) for x in xs]
+                vgroup.register(xs)  # the eager warm-up call of _graph_of
+                v_graph = _graph_of(lambda: vgroup.all_reduce(xs, v_outs), reps=10)
+                vgroup.register_graph()
+                fns.append(v_graph.replay)
+            times = _best_ms(fns, iters)
+            graph_ms, zc_ms = times[0] / 10, times[1] / 10
             group.check()
-            want = xs[0].clone()
-            for x in xs[1:]:
-                want += x
-            assert torch.equal(outs[0], want), f"wrong result at N={n}, {nbytes} B"
+            want = _reference(xs)
+            for r in range(n):
+                assert torch.equal(outs[r], want), f"wrong result on rank {r} at N={n}, {nbytes} B"
+                assert torch.equal(zc_outs[r], want), f"zero-copy: wrong result on rank {r}"
             algbw = nbytes / (graph_ms * 1e-3) / 1e9
             busbw = algbw * 2 * (n - 1) / n
             # All N ranks share this GPU's memory: count every rank's traffic.
             moved = n * _traffic(algorithm, n, nbytes) / (graph_ms * 1e-3) / 1e9
-            row = (n, nbytes, count, algorithm, eager_ms * 1e3, graph_ms * 1e3, algbw, busbw,
-                   graph_ms * 1e3 / empty_us, 100 * moved / copy_gbs)
+            row = {"n": n, "bytes": nbytes, "algo": algorithm, "eager": eager_ms * 1e3,
+                   "graph": graph_ms * 1e3, "zc": zc_ms * 1e3, "empty": empty_us,
+                   "flag": flag_us, "copy": 100 * moved / copy_gbs}
+            line = (f"{nbytes:>10} {algorithm:>8} {row['eager']:>9.2f} {row['graph']:>9.2f} "
+                    f"{row['zc']:>7.2f} {busbw:>7.2f} {row['graph'] / empty_us:>7.2f}x "
+                    f"{row['copy']:>6.0f}%")
+            if vgroup is not None:
+                torch.cuda.synchronize()
+                v_us = times[2] / 10 * 1e3
+                v_algo = pv.vllm_algorithm(n, nbytes)
+                agree = all(torch.equal(v_outs[r], v_outs[0]) for r in range(n))
+                assert agree, f"vLLM's kernel: ranks disagree at N={n}, {nbytes} B"
+                exact = torch.equal(v_outs[0], want)
+                if not exact:  # its two-stage adds in another order: close, not equal
+                    torch.testing.assert_close(v_outs[0].float(), want.float(), rtol=2e-2,
+                                               atol=1e-2)
+                row.update(vllm=v_us, vllm_algo=v_algo, vllm_exact=exact)
+                line += f" {v_algo:>7} {v_us:>8.2f} {v_us / row['graph']:>7.2f}x"
+                if not exact:
+                    line += " (vLLM: ranks agree, not the rank-order bits)"
+            print(line)
             rows.append(row)
-            plot.setdefault(n, []).append((nbytes, graph_ms * 1e3, eager_ms * 1e3))
-            print(f"{nbytes:>10} {count:>10} {'float':>6} {algorithm:>8} {row[4]:>9.2f} "
-                  f"{row[5]:>9.2f} {algbw:>7.2f} {busbw:>7.2f} {row[8]:>7.2f}x {row[9]:>6.0f}%")
+            plot.setdefault(n, []).append((nbytes, row["graph"], row["eager"], row.get("vllm")))
+            if blocks_sweep and nbytes >= 1 << 20:
+                _sweep_blocks(group, xs, outs, n, nbytes, iters, blocks_sweep, copy_gbs)
+        if fused:
+            _fused_vs_allreduce(group, n)
+        breakdown.append((n, empty_us, flag_us,
+                          min(r["graph"] for r in rows if r["n"] == n and r["bytes"] <= 8 << 10)))
+        if vgroup is not None:
+            vgroup.close()
         group = None  # frees the buffers before the next world size
-    small = [r for r in rows if r[1] <= 8 << 10]
-    large = [r for r in rows if r[1] >= 4 << 20]
-    if small:
-        print(f"\n<=8 KB: worst graph time / empty-kernel replay = "
-              f"{max(r[8] for r in small):.2f}x (goal <= 1.3x)")
-    if large:
-        print(f">=4 MiB: lowest share of copy bandwidth = {min(r[9] for r in large):.0f}% "
-              f"(goal >= 85%)")
+    _summary(rows, breakdown)
     _save_plot(plot, png)
     return 0
+
+
+def _fused_vs_allreduce(group, n, hidden=4096, dtype=torch.bfloat16):
+    """Graph replay of the fused allreduce + add + RMSNorm against the
+    allreduce alone (both staged, same rows): goal at most 1.1x up to 64 KB."""
+    print(f"{'':>10} fused allreduce + add + RMSNorm vs allreduce alone, hidden {hidden}, bf16:")
+    for tokens in (1, 2, 4, 8, 16, 32):
+        xs = [torch.randn(tokens, hidden, device="cuda").to(dtype) for _ in range(n)]
+        res = [torch.randn(tokens, hidden, device="cuda").to(dtype) for _ in range(n)]
+        ws = [torch.randn(hidden, device="cuda").to(dtype) for _ in range(n)]
+        outs = [torch.empty_like(x) for x in xs]
+        ar = _graph_of(lambda: group.all_reduce(xs, outs), reps=10)
+        fu = _graph_of(lambda: group.all_reduce_add_rms_norm(xs, res, ws), reps=10)
+        ar_ms, fu_ms = _best_ms([ar.replay, fu.replay], 100)
+        group.check()
+        nbytes = tokens * hidden * 2
+        print(f"{'':>10}   {tokens:>3} tokens ({nbytes // 1024} KB): allreduce "
+              f"{ar_ms * 100:.2f} us, fused {fu_ms * 100:.2f} us, {fu_ms / ar_ms:.2f}x")
+
+
+def _sweep_blocks(group, xs, outs, n, nbytes, iters, counts, copy_gbs):
+    """The graph time of one size at each block count that fits."""
+    results = []
+    algorithm = _C.car_choose_algorithm(n, nbytes, group.max_bytes)
+    for blocks in counts:
+        try:
+            graph = _graph_of(lambda: group.all_reduce(xs, outs, blocks=blocks), reps=10)
+        except ValueError:  # more than the GPU holds for every rank at once
+            continue
+        us = _time_ms(graph.replay, iters) / 10 * 1e3
+        share = 100 * n * _traffic(algorithm, n, nbytes) / (us * 1e-6) / 1e9 / copy_gbs
+        results.append(f"{blocks}: {us:.1f} us ({share:.0f}%)")
+    print(f"{'':>10} blocks sweep, {algorithm}: " + ", ".join(results))
+
+
+def _summary(rows, breakdown):
+    print("\nwhere the time goes (graph replay, us): N, empty kernels, one flag round trip, "
+          "the fastest call up to 8 KB")
+    for n, empty, flag, call in breakdown:
+        print(f"  N={n}: {empty:.2f}, {flag:.2f}, {call:.2f}")
+    small = [r for r in rows if r["bytes"] <= 8 << 10]
+    large = [r for r in rows if r["bytes"] >= 4 << 20]
+    if small:
+        worst = max(small, key=lambda r: r["graph"] / r["empty"])
+        print(f"<=8 KB: worst graph time / empty-kernel replay = "
+              f"{worst['graph'] / worst['empty']:.2f}x at N={worst['n']} (goal <= 1.3x)")
+    if large:
+        low = min(large, key=lambda r: r["copy"])
+        print(f">=4 MiB: lowest share of copy bandwidth = {low['copy']:.0f}% at N={low['n']}, "
+              f"{low['bytes']} B (goal >= 85%)")
+    peer = [r for r in rows if "vllm" in r and r["bytes"] <= 1 << 20]
+    if peer:
+        slow = min(peer, key=lambda r: r["vllm"] / r["graph"])
+        print(f"16 B-1 MiB: lowest vLLM time / tpcomm time = {slow['vllm'] / slow['graph']:.2f}x "
+              f"at N={slow['n']}, {slow['bytes']} B (goal >= 1.0x)")
+        mid = [r for r in peer if 8 << 10 <= r["bytes"] <= 256 << 10]
+        if mid:
+            slow = min(mid, key=lambda r: r["vllm"] / r["graph"])
+            print(f"8 KB-256 KB: lowest vLLM time / tpcomm time = "
+                  f"{slow['vllm'] / slow['graph']:.2f}x at N={slow['n']}, {slow['bytes']} B "
+                  f"(goal >= 1.2x)")
 
 
 def _save_plot(plot, png):
@@ -136,6 +273,9 @@ def _save_plot(plot, png):
         sizes = [p[0] for p in points]
         ax.loglog(sizes, [p[1] for p in points], marker="o", label=f"N={n} graph")
         ax.loglog(sizes, [p[2] for p in points], linestyle="--", label=f"N={n} eager")
+        if all(p[3] is not None for p in points):
+            ax.loglog(sizes, [p[3] for p in points], linestyle=":", marker="x",
+                      label=f"N={n} vLLM graph")
     ax.set_xlabel("bytes per rank")
     ax.set_ylabel("time per allreduce (us)")
     ax.set_title("tpcomm custom allreduce, N ranks on one GPU")

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The custom allreduce's speed on a GPU, every measurement of one run, with
+# the kernel's correctness checks first (within TPCOMM_DEVICE_BUDGET_S,
+# default 480 s). Carry .gtest/ (a copy of /usr/src/googletest) and .peer/
+# (vLLM's custom_all_reduce.cuh and custom_collective_common.cuh in
+# .peer/vllm/, from the vllm sdist's csrc/; .peer/build/ may hold the harness
+# built here, which is used when its key matches). Logs under $OUT:
+#
+#   build.txt     GPU, toolkit, build, the kernels' emulation and host tests (ctest)
+#   tests.txt     the one-barrier and kernel tests (streams), then under MPS the
+#                 processes' tests (IPC, hardening, faults, fused)
+#   car.txt       bench car, float32, N = 2, 4, 8, 16 B-64 MiB: empty kernels, one
+#                 flag round trip, the call eager / graph / zero-copy, vLLM's
+#                 kernel beside it, block sweeps from 1 MiB, fused vs allreduce
+#   car_bf16.txt  the same in bfloat16 up to 1 MiB
+#   car_scope.txt the system-scope flags (TPCOMM_CAR_FLAG_SCOPE=system) up to 1 MiB
+#   mps.txt       under MPS: bench allreduce (processes through IPC; host time
+#                 per call), bench fused
+#   car.png       the plot of car.txt
+#
+#   bash tests/gpu/device_speed.sh
+set -uo pipefail
+export TPCOMM_DEVICE_BUDGET_S="${TPCOMM_DEVICE_BUDGET_S:-480}"
+source "$(dirname "$0")/device_lib.sh"
+export TPCOMM_PEER_BUILD_DIR="$PWD/.peer/build"
+peer=()
+[[ -f .peer/vllm/custom_all_reduce.cuh ]] && peer=(--peer-vllm .peer/vllm)
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
+  nvcc --version | tail -2
+} > "$out/build.txt" 2>&1
+build_tpcomm
+step build 40 ctest --test-dir build/gpu -j 8 --output-on-failure \
+  -R "KernelEmulation|FusedEmulation|Car|CustomSetup|Settings"
+step tests 60 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_car_one_barrier.py \
+  tests/gpu/test_custom_allreduce.py -k "not processes"
+step car 130 "$py" -m tpcomm.bench car "${peer[@]}" --fused --png "$out/car.png" \
+  --blocks-sweep 8 16 24 32 48 64
+step car_bf16 45 "$py" -m tpcomm.bench car "${peer[@]}" --dtype bfloat16 --max-mib 1
+step car_scope 30 env TPCOMM_CAR_FLAG_SCOPE=system "$py" -m tpcomm.bench car --max-mib 1 \
+  --world-sizes 2 8 --quick
+if start_mps >> "$out/mps.txt" 2>&1; then
+  step tests 100 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_faults_gpu.py \
+    tests/gpu/test_fused_norm_gpu.py tests/gpu/test_car_hardening.py \
+    "tests/gpu/test_custom_allreduce.py::test_processes_sharing_the_gpu_through_ipc_and_graph_replays"
+  step mps 60 "$py" -m tpcomm.bench allreduce --quick --max-mib 1
+  step mps 30 "$py" -m tpcomm.bench fused --device cuda --world-sizes 2 --quick --rounds 2
+  stop_mps
+else
+  echo "no MPS control daemon: the processes' figures are missing" >> "$out/mps.txt"
+fi
+tail -n 40 "$out/car.txt"
