@@ -199,17 +199,26 @@ class LaunchOrder {
   // Whether the last launch has not ended yet (never blocks, never throws;
   // any thread). The emulation's launches end before they return.
   virtual bool pending() { return false; }
+  // Whether captured launches also order themselves against launches
+  // outside their graph (external event nodes; see makeEventLaunchOrder).
+  virtual void setCaptureEvents(bool) {}
 };
 
 // The product's order: one CUDA event per rank of a group (as NCCL orders a
 // communicator's operations). Eagerly, each launch's stream waits on the
-// event and records it after the launch. Under graph capture, the wait and
-// the record are captured as external event nodes, so that every replay
-// waits for whichever launch (eager or replayed) recorded the event last and
-// then records it itself; launches within one capture (which external nodes
-// do not order among themselves) are chained by a second event inside the
-// graph. Created on the device current at the first launch, and recorded
-// once there, so that no wait ever meets an event never recorded.
+// event and records it after the launch. Under graph capture, launches
+// within one capture are chained by a second event inside the graph (an edge,
+// whatever branch each is on). Against launches outside the graph (eager
+// calls, other graphs) a replay is ordered by the stream it runs on, as
+// NCCL's kernels with its graph mixing off and vLLM's are: external event
+// nodes that would order it against launches on other streams cost more than
+// the kernel (on an H200, 7 us per call at 2 ranks, 46 us at 8; tests/gpu/
+// NOTES.md). With setCaptureEvents(true) (TPCOMM_CAR_GRAPH_ORDER=event) the
+// wait and the record are captured as external event nodes too, so that
+// every replay waits for whichever launch (eager or replayed) recorded the
+// event last and then records it itself. Created on the device current at
+// the first launch, and recorded once there, so that no wait ever meets an
+// event never recorded.
 std::unique_ptr<LaunchOrder> makeEventLaunchOrder();
 
 // One rank's view of the group: what a kernel launch needs. Calls on one
@@ -251,6 +260,13 @@ class CustomAllreduce {
   // enqueued afterwards use the new value.
   void setDeviceScope(bool deviceScope) { deviceScope_.store(deviceScope); }
   bool deviceScope() const { return deviceScope_.load(); }
+  // Whether captured launches carry external event nodes (makeEventLaunchOrder;
+  // TPCOMM_CAR_GRAPH_ORDER): true, a replay may run beside this rank's eager
+  // calls or other replays on other streams; false (the default), a replay is
+  // ordered against them by its stream only. Captures made afterwards use
+  // the new value.
+  void setCaptureEvents(bool events);
+  bool captureEvents() const { return captureEvents_.load(); }
 
   // Enqueues out = scale x sum over ranks of in (count elements) on
   // `stream`. `in` may equal `out`. Capturable in a CUDA graph: the copy into
@@ -339,6 +355,7 @@ class CustomAllreduce {
   BufferLayout layout_;
   std::atomic<int64_t> timeoutMs_;
   std::atomic<bool> deviceScope_{false};
+  std::atomic<bool> captureEvents_{false};
   uint32_t* errorHost_;
   uint32_t* errorDevice_;
   std::mutex launchMutex_;

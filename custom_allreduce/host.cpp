@@ -98,7 +98,10 @@ void CustomAllreduce::launch(LaunchParams& p, cudaStream_t stream, size_t bytes,
   p.timeoutNs = static_cast<uint64_t>(timeoutMs_.load()) * 1000000ull;
   p.errorDevice = errorDevice_;
   std::lock_guard<std::mutex> lock(launchMutex_);
-  if (!order_) order_ = makeEventLaunchOrder();
+  if (!order_) {
+    order_ = makeEventLaunchOrder();
+    order_->setCaptureEvents(captureEvents_.load());
+  }
   queryableOrder_.store(order_.get(), std::memory_order_release);
   order_->before(stream);
   launchAllreduce(p, stream);
@@ -127,6 +130,12 @@ Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DT
   p.algorithm = algorithm;
   launch(p, stream, bytes, options);
   return algorithm;
+}
+
+void CustomAllreduce::setCaptureEvents(bool events) {
+  std::lock_guard<std::mutex> lock(launchMutex_);
+  captureEvents_.store(events);
+  if (order_) order_->setCaptureEvents(events);
 }
 
 void CustomAllreduce::barrierOnly(cudaStream_t stream, int blocks) {
@@ -227,8 +236,11 @@ class EventLaunchOrder : public LaunchOrder {
       TPCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, cudaEventWaitDefault));
       return;
     }
-    // Across graph launches and eager calls: an external wait node.
-    TPCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, cudaEventWaitExternal));
+    // Across graph launches and eager calls on other streams: an external
+    // wait node (when asked for).
+    if (captureEvents_) {
+      TPCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, cudaEventWaitExternal));
+    }
     // Within this capture: after the capture's previous launch, whatever
     // branch of the graph it is on.
     if (inCaptureValid_ && captureId_ == id) {
@@ -243,8 +255,11 @@ class EventLaunchOrder : public LaunchOrder {
     }
     TPCOMM_CUDA_CHECK(cudaEventRecord(inCapture_, stream));
     inCaptureValid_ = true;
-    TPCOMM_CUDA_CHECK(cudaEventRecordWithFlags(event_, stream, cudaEventRecordExternal));
+    if (captureEvents_) {
+      TPCOMM_CUDA_CHECK(cudaEventRecordWithFlags(event_, stream, cudaEventRecordExternal));
+    }
   }
+  void setCaptureEvents(bool events) override { captureEvents_ = events; }
   void synchronize() override {
     if (event_ != nullptr) TPCOMM_CUDA_CHECK(cudaEventSynchronize(event_));
   }
@@ -282,7 +297,8 @@ class EventLaunchOrder : public LaunchOrder {
   cudaEvent_t inCapture_ = nullptr;              // the last launch captured in the current capture
   unsigned long long captureId_ = 0;             // the capture inCapture_ was recorded in
   bool inCaptureValid_ = false;
-  bool capturing_ = false;  // of the launch between before() and after()
+  bool capturing_ = false;      // of the launch between before() and after()
+  bool captureEvents_ = false;  // external event nodes in captures
 };
 
 }  // namespace

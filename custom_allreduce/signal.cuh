@@ -50,13 +50,7 @@ __device__ __forceinline__ void storeRelease(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-__device__ __forceinline__ uint32_t loadAcquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// The same at GPU scope: enough when every rank runs on this GPU (ranks as
+// A release store at GPU scope: enough when every rank runs on this GPU (ranks as
 // streams of one process, or processes sharing the GPU), where L2 is the
 // point of coherence; a system-scope release also flushes towards the host
 // and the peers over NVLink, which costs microseconds per barrier.
@@ -64,10 +58,24 @@ __device__ __forceinline__ void storeReleaseGpu(uint32_t* p, uint32_t v) {
   asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
-__device__ __forceinline__ uint32_t loadAcquireGpu(const uint32_t* p) {
+// A flag poll: relaxed loads while waiting, then one fence once the flag
+// was seen (the PTX model's acquire pattern: ld.relaxed, then fence.acq_rel
+// at the same scope), so the spin does not pay an acquire per iteration.
+__device__ __forceinline__ uint32_t pollFlag(const uint32_t* p, int deviceScope) {
   uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  if (deviceScope) {
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  } else {
+    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  }
   return v;
+}
+__device__ __forceinline__ void acquireFence(int deviceScope) {
+  if (deviceScope) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  } else {
+    asm volatile("fence.acq_rel.sys;" ::: "memory");
+  }
 }
 
 // A word another agent may write at any time (the error word in mapped host
@@ -84,12 +92,12 @@ __device__ __forceinline__ void storeError(uint32_t* p, uint32_t code) {
 #else
 inline uint64_t globalTimer() { return emu::nowNs(); }
 inline void storeRelease(uint32_t* p, uint32_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
-inline uint32_t loadAcquire(const uint32_t* p) {
-  std::this_thread::yield();  // spinning ranks share the CPU with working ones
-  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
-}
 inline void storeReleaseGpu(uint32_t* p, uint32_t v) { storeRelease(p, v); }
-inline uint32_t loadAcquireGpu(const uint32_t* p) { return loadAcquire(p); }
+inline uint32_t pollFlag(const uint32_t* p, int) {
+  std::this_thread::yield();  // spinning ranks share the CPU with working ones
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+}
+inline void acquireFence(int) { std::atomic_thread_fence(std::memory_order_acquire); }
 inline uint32_t loadRelaxed(const uint32_t* p) { return __atomic_load_n(p, __ATOMIC_RELAXED); }
 // Counted, so that the emulation can check that one thread per block reads it.
 inline uint32_t loadReady(const uint32_t* p) {
@@ -233,8 +241,7 @@ __device__ bool barrier(const KernelArgs& a, int phase, uint32_t epoch) {
     }
     const uint64_t start = globalTimer();
     uint32_t spins = 0;
-    while (static_cast<int32_t>((a.deviceScope ? loadAcquireGpu(mine) : loadAcquire(mine)) -
-                                epoch) < 0) {
+    while (static_cast<int32_t>(pollFlag(mine, a.deviceScope) - epoch) < 0) {
       if ((++spins & 1023) == 0) {
         const bool late = globalTimer() - start > a.timeoutNs;
         const uint32_t poisoned = loadRelaxed(poison);
@@ -258,6 +265,7 @@ __device__ bool barrier(const KernelArgs& a, int phase, uint32_t epoch) {
       }
     }
     if (!failed) {
+      acquireFence(a.deviceScope);  // the peer's writes before its flag are visible now
       const uint32_t poisoned = loadRelaxed(poison);
       if (poisoned != 0) {
         recordError(a, poisoned);

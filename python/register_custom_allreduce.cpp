@@ -46,6 +46,7 @@ class Rank {
     // Ranks of one process sharing buffers directly (LocalGroup): GPU-scope
     // flags when every buffer is on one GPU (TPCOMM_CAR_FLAG_SCOPE=auto).
     impl_.setDeviceScope(car::deviceScopeFor(devicesOf(buffers), settings().carFlagScope));
+    impl_.setCaptureEvents(settings().carGraphOrder == "event");
   }
 
   // A rank of a group the shared set-up made (coordinator/custom_setup.hpp):
@@ -57,7 +58,9 @@ class Rank {
         device_(device),
         impl_(rank, worldSize, bases, maxBytes,
               std::chrono::milliseconds(static_cast<int64_t>(timeoutMs)), gpu->errorHost(),
-              gpu->errorDevice()) {}
+              gpu->errorDevice()) {
+    impl_.setCaptureEvents(settings().carGraphOrder == "event");
+  }
 
   // out = sum of every rank's `input`, enqueued on `stream` (default: the
   // current stream of the input's device).
@@ -209,6 +212,11 @@ void registerCustomAllreduce(py::module_& m) {
           "Enqueues a call that moves no data: the start barrier alone (the benchmark's flag "
           "round trip).")
       .def_property_readonly("device_scope", [](Rank& r) { return r.impl().deviceScope(); })
+      .def_property(
+          "capture_events", [](Rank& r) { return r.impl().captureEvents(); },
+          [](Rank& r, bool events) { r.impl().setCaptureEvents(events); },
+          "Whether captured calls carry external event nodes (TPCOMM_CAR_GRAPH_ORDER=event): "
+          "replays then also order against this rank's calls on other streams.")
       .def("check_error", [](Rank& r) { r.impl().checkError(); })
       .def_property_readonly("error_code", [](Rank& r) { return r.impl().errorCode(); })
       .def("clear_error", [](Rank& r) { r.impl().clearError(); })

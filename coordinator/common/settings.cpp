@@ -45,6 +45,12 @@ const std::vector<SettingInfo> kSettingTable = {
      "Memory scope of the custom-allreduce kernel's flags: auto (GPU scope when every rank of "
      "the group runs on one GPU, as ranks on streams of one process or processes sharing a GPU "
      "do; system scope across GPUs), system (always system scope). Equal on every rank."},
+    {"TPCOMM_CAR_GRAPH_ORDER", "string", "stream",
+     "How a CUDA graph's custom-allreduce calls are ordered against the group's calls outside "
+     "that graph: stream (by the stream the graph replays on, as NCCL's and vLLM's kernels "
+     "are: replay on the stream of the eager calls, or synchronise), event (external event "
+     "nodes in the graph: a replay may also run beside eager calls or other replays on other "
+     "streams, at several microseconds per call). Calls within one graph are always ordered."},
     {"TPCOMM_ROUTE", "string", "auto",
      "Where CUDA allreduces go: auto (the routing table by world size and bytes), nccl (never the "
      "custom kernel), oneshot or twoshot (that custom algorithm whenever the kernel can take "
@@ -157,6 +163,11 @@ Settings Settings::parse(const Lookup& lookup) {
     s.carFlagScope = v->empty() ? "auto" : *v;
     TPCOMM_CHECK(s.carFlagScope == "auto" || s.carFlagScope == "system", kInvalidUsage,
                  "setting TPCOMM_CAR_FLAG_SCOPE='", *v, "' is not one of auto, system");
+  }
+  if (auto v = lookup("TPCOMM_CAR_GRAPH_ORDER")) {
+    s.carGraphOrder = v->empty() ? "stream" : *v;
+    TPCOMM_CHECK(s.carGraphOrder == "stream" || s.carGraphOrder == "event", kInvalidUsage,
+                 "setting TPCOMM_CAR_GRAPH_ORDER='", *v, "' is not one of stream, event");
   }
   if (auto v = lookup("TPCOMM_ROUTE")) {
     s.route = v->empty() ? "auto" : *v;

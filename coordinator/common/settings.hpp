@@ -45,6 +45,10 @@ struct Settings {
   // TPCOMM_CAR_FLAG_SCOPE: "auto" (flags at GPU scope when every rank of a
   // group runs on one GPU, else system scope) or "system" (always).
   std::string carFlagScope = "auto";
+  // TPCOMM_CAR_GRAPH_ORDER: "stream" (a captured custom-allreduce call is
+  // ordered against calls outside its graph by the stream it replays on) or
+  // "event" (external event nodes: also against other streams).
+  std::string carGraphOrder = "stream";
   // TPCOMM_ROUTE: auto (the routing table), nccl (never the custom kernel),
   // oneshot or twoshot (the custom kernel whenever it can take the call).
   std::string route = "auto";

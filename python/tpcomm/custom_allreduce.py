@@ -41,9 +41,11 @@ class LocalGroup:
     """N ranks driven by this process on N streams of the current GPU (a
     process cannot open its own IPC handles, so the buffers are shared
     directly). The kernels of all ranks must run at once, so N x blocks must
-    fit on the GPU."""
+    fit on the GPU. `graph_order` ("stream" or "event", default
+    TPCOMM_CAR_GRAPH_ORDER): how captured calls order against calls outside
+    their graph."""
 
-    def __init__(self, world_size, max_bytes=None, timeout_ms=None):
+    def __init__(self, world_size, max_bytes=None, timeout_ms=None, graph_order=None):
         if not torch.cuda.is_available():
             raise RuntimeError("the custom allreduce needs a CUDA GPU")
         self.world_size = world_size
@@ -53,6 +55,11 @@ class LocalGroup:
         self.ranks = [_C.CarRank(r, world_size, self.buffers[r], bases, self.timeout_ms)
                       for r in range(world_size)]
         self.streams = [torch.cuda.Stream() for _ in range(world_size)]
+        if graph_order is not None:  # else TPCOMM_CAR_GRAPH_ORDER
+            if graph_order not in ("stream", "event"):
+                raise ValueError(f"graph_order {graph_order!r} is not 'stream' or 'event'")
+            for rank in self.ranks:
+                rank.capture_events = graph_order == "event"
         self._resident = {}  # (dtype, algorithm) -> blocks the GPU holds at once
         self._default_blocks = _C.car_defaults()["blocks"]  # TPCOMM_CAR_BLOCKS
 

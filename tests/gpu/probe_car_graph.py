@@ -2,7 +2,8 @@
 GPU: the kernels' own durations (the profiler's CUDA activity) against the
 replay's wall time, for tpcomm's kernel, vLLM's (with --peer-vllm DIR) and
 empty kernels, with and without an external event wait and record around each
-launch (what tpcomm's launch order adds to a captured call).
+launch (what tpcomm's launch order adds to a captured call with
+TPCOMM_CAR_GRAPH_ORDER=event).
 
     python tests/gpu/probe_car_graph.py [--peer-vllm DIR] [--world-sizes 2 4 8]
 """
@@ -58,6 +59,7 @@ def main():
         vlib = pv.build(args.peer_vllm)
     for n in args.world_sizes:
         group = LocalGroup(n, max_bytes=1 << 20, timeout_ms=10000)
+        ordered = LocalGroup(n, max_bytes=1 << 20, timeout_ms=10000, graph_order="event")
         xs = [torch.randn(4, device="cuda") for _ in range(n)]
         outs = [torch.empty_like(x) for x in xs]
         ext = [torch.cuda.Event(external=True) for _ in range(n)]
@@ -68,6 +70,7 @@ def main():
                 group.streams, lambda r, s: _C.car_launch_empty_kernel(s.cuda_stream), ext),
             "tpcomm 16 B": lambda: group.all_reduce(xs, outs),
             "tpcomm barrier-only": lambda: group.barrier_only(1),
+            "tpcomm 16 B, event order": lambda: ordered.all_reduce(xs, outs),
         }
         if vlib is not None and n in (2, 4, 8):
             vg = pv.VllmGroup(vlib, n, 1 << 20, streams=group.streams)

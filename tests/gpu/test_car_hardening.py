@@ -62,8 +62,10 @@ def test_two_streams_per_rank_without_joins_are_serialised():
 
 
 def test_graph_replays_beside_eager_calls_are_serialised():
+    """With external event nodes (TPCOMM_CAR_GRAPH_ORDER=event) a replay on
+    one stream and eager calls on others are serialised."""
     n = 2
-    group = LocalGroup(n, max_bytes=MAX_BYTES, timeout_ms=5000)
+    group = LocalGroup(n, max_bytes=MAX_BYTES, timeout_ms=5000, graph_order="event")
     static = [torch.zeros(8192, device="cuda") for _ in range(n)]
     static_out = [torch.zeros(8192, device="cuda") for _ in range(n)]
     group.all_reduce(static, static_out)  # warm-up outside the capture
