@@ -17,6 +17,8 @@
 #   mps.txt       under MPS: bench allreduce (processes through IPC; host time
 #                 per call), bench fused
 #   car.png       the plot of car.txt
+#   probe.txt     the kernels' own durations against the replay time, with and
+#                 without external event nodes (tests/gpu/probe_car_graph.py)
 #
 #   bash tests/gpu/device_speed.sh
 set -uo pipefail
@@ -42,8 +44,9 @@ step car_bf16 45 "$py" -m tpcomm.bench car "${peer[@]}" --dtype bfloat16 --max-m
 step car_scope 30 env TPCOMM_CAR_FLAG_SCOPE=system "$py" -m tpcomm.bench car --max-mib 1 \
   --world-sizes 2 8 --quick
 if start_mps >> "$out/mps.txt" 2>&1; then
-  step tests 100 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_faults_gpu.py \
+  step tests 140 "$py" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_faults_gpu.py \
     tests/gpu/test_fused_norm_gpu.py tests/gpu/test_car_hardening.py \
+    tests/gpu/test_coordinator_cuda.py tests/gpu/test_cuda_routing.py \
     "tests/gpu/test_custom_allreduce.py::test_processes_sharing_the_gpu_through_ipc_and_graph_replays"
   step mps 60 "$py" -m tpcomm.bench allreduce --quick --max-mib 1
   step mps 30 "$py" -m tpcomm.bench fused --device cuda --world-sizes 2 --quick --rounds 2
@@ -51,4 +54,5 @@ if start_mps >> "$out/mps.txt" 2>&1; then
 else
   echo "no MPS control daemon: the processes' figures are missing" >> "$out/mps.txt"
 fi
+step probe 40 "$py" tests/gpu/probe_car_graph.py "${peer[@]}"
 tail -n 40 "$out/car.txt"
