@@ -58,6 +58,7 @@ CustomPath::CustomPath(c10d::Backend& cpu, int rank, int size, at::Device device
                                                   gpu_->makeLaunchOrder());
     car_->setDeviceScope(car::deviceScopeFor(devices_, settings().carFlagScope));
     car_->setCaptureEvents(settings().carGraphOrder == "event");
+    car_->setSharedGpu(!distinctGpus());
   }
 }
 

@@ -85,8 +85,15 @@ struct BufferLayout {
 size_t oneShotLimit(int worldSize, size_t maxBytes);
 Algorithm chooseAlgorithm(int worldSize, size_t bytes, size_t maxBytes);
 // Thread blocks for a call: `override` when positive (1..kMaxBlocks), else
-// enough blocks of kThreads threads for the packs one block handles, capped.
-int chooseBlocks(Algorithm algorithm, int worldSize, size_t bytes, int override);
+// enough blocks of kThreads threads for the packs one block handles, at most
+// `cap` (kMaxBlocks; kSharedGpuBlocks when ranks share a GPU).
+int chooseBlocks(Algorithm algorithm, int worldSize, size_t bytes, int override,
+                 int cap = kMaxBlocks);
+// The most blocks chosen by size when ranks of a group share a GPU: all of
+// their blocks must be resident at once, and 8 ranks x 36 blocks of 512
+// threads fit on an A100 as on an H100 (a larger explicit count is checked
+// against the GPU by sharedGpuBlocks where the ranks share a process).
+inline constexpr int kSharedGpuBlocks = 36;
 
 // Blocks per rank when all `worldSize` ranks of a group run on one GPU
 // (LocalGroup, processes sharing a GPU): every rank's blocks wait for each
@@ -259,6 +266,9 @@ class CustomAllreduce {
   // the set-up, the same on every rank (deviceScopeFor). Calls
   // enqueued afterwards use the new value.
   void setDeviceScope(bool deviceScope) { deviceScope_.store(deviceScope); }
+  // Whether two ranks of the group share a GPU (decided by the set-up): the
+  // blocks chosen by size are then at most kSharedGpuBlocks.
+  void setSharedGpu(bool shared) { sharedGpu_.store(shared); }
   bool deviceScope() const { return deviceScope_.load(); }
   // Whether captured launches carry external event nodes (makeEventLaunchOrder;
   // TPCOMM_CAR_GRAPH_ORDER): true, a replay may run beside this rank's eager
@@ -355,6 +365,7 @@ class CustomAllreduce {
   BufferLayout layout_;
   std::atomic<int64_t> timeoutMs_;
   std::atomic<bool> deviceScope_{false};
+  std::atomic<bool> sharedGpu_{false};
   std::atomic<bool> captureEvents_{false};
   uint32_t* errorHost_;
   uint32_t* errorDevice_;

@@ -78,7 +78,8 @@ void CustomAllreduce::launch(LaunchParams& p, cudaStream_t stream, size_t bytes,
                              const CallOptions& options) {
   p.blocks =
       chooseBlocks(p.algorithm, worldSize_, bytes,
-                   options.blocks > 0 ? options.blocks : static_cast<int>(settings().carBlocks));
+                   options.blocks > 0 ? options.blocks : static_cast<int>(settings().carBlocks),
+                   sharedGpu_.load() ? kSharedGpuBlocks : kMaxBlocks);
   if (p.hidden > 0) {
     // A fused kernel's block owns whole rows: no more blocks than a part has rows.
     const size_t rows = p.count / p.hidden;

@@ -68,7 +68,7 @@ Algorithm chooseAlgorithm(int worldSize, size_t bytes, size_t maxBytes) {
   return bytes <= oneShotLimit(worldSize, maxBytes) ? Algorithm::kOneShot : Algorithm::kTwoShot;
 }
 
-int chooseBlocks(Algorithm algorithm, int worldSize, size_t bytes, int override) {
+int chooseBlocks(Algorithm algorithm, int worldSize, size_t bytes, int override, int cap) {
   if (override > 0) {
     TPCOMM_CHECK(override <= kMaxBlocks, kInvalidUsage, "custom allreduce: ", override,
                  " blocks asked for; at most ", kMaxBlocks);
@@ -79,8 +79,12 @@ int chooseBlocks(Algorithm algorithm, int worldSize, size_t bytes, int override)
   size_t packs = (bytes + kPackBytes - 1) / kPackBytes;
   if (algorithm == Algorithm::kTwoShot) packs = (packs + worldSize - 1) / worldSize;
   const size_t wanted = (packs + kThreads - 1) / kThreads;
-  constexpr int kDefaultCap = 36;
-  return static_cast<int>(std::clamp<size_t>(wanted, 1, kDefaultCap));
+  // Up to the most a rank may use: on an H200 (ranks as streams, block
+  // sweeps of tests/gpu/NOTES.md row 41) 64 blocks beat 36 at every N from
+  // 4 MiB (two-shot at N=2, 64 MiB: 76% of the copy bandwidth against 53%;
+  // N=4: 102% against 83%) and one-shot at N=2, 1 MiB (6.3 against 7.1 us).
+  // Ranks sharing a GPU are capped further to what fits (sharedGpuBlocks).
+  return static_cast<int>(std::clamp<size_t>(wanted, 1, std::clamp(cap, 1, kMaxBlocks)));
 }
 
 bool deviceScopeFor(const std::vector<int>& devices, const std::string& setting) {

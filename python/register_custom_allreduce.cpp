@@ -9,6 +9,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <memory>
 
 #include "coordinator/common/error.hpp"
@@ -258,6 +259,9 @@ void registerCustomAllreduce(py::module_& m) {
         auto made =
             std::make_unique<Rank>(rank, worldSize, device, gpu, result.bases, maxBytes, timeoutMs);
         made->impl().setDeviceScope(car::deviceScopeFor(result.devices, settings().carFlagScope));
+        std::vector<int> gpus = result.devices;
+        std::sort(gpus.begin(), gpus.end());
+        made->impl().setSharedGpu(std::adjacent_find(gpus.begin(), gpus.end()) != gpus.end());
         return py::make_tuple(true, "", py::cast(std::move(made)));
       },
       py::arg("cpu_backend"), py::arg("rank"), py::arg("world_size"), py::arg("device"),

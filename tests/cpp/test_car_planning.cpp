@@ -104,7 +104,10 @@ TEST(CarAlgorithm, BlocksGrowWithSizeAndAreCapped) {
   EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 2, 0, 0), 1);
   EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 2, 8 << 10, 0), 1);  // 512 packs
   EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 2, (8 << 10) + 16, 0), 2);
-  EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 8, 64 << 20, 0), 36);
+  EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 8, 64 << 20, 0), kMaxBlocks);
+  EXPECT_EQ(chooseBlocks(Algorithm::kTwoShot, 2, 4 << 20, 0), kMaxBlocks);
+  EXPECT_EQ(chooseBlocks(Algorithm::kTwoShot, 8, 64 << 20, 0, kSharedGpuBlocks), 36);
+  EXPECT_EQ(chooseBlocks(Algorithm::kTwoShot, 8, 64 << 20, 40, kSharedGpuBlocks), 40);
   // Two-shot reduces a 1/N part per rank: N times fewer packs per block.
   EXPECT_EQ(chooseBlocks(Algorithm::kTwoShot, 4, 128 << 10, 0), 4);
   EXPECT_EQ(chooseBlocks(Algorithm::kOneShot, 4, 128 << 10, 0), 16);
