@@ -9,7 +9,10 @@
 // takes 0.1-0.2 us at world size 1. These functions call the group's backend
 // as that op does (ProcessGroupTpcomm::allreduce, the same checks, routing,
 // recording and fault handling) when the call needs nothing else of torch's
-// route: a plain dense CPU tensor, a plain reduce op, no torch function or
+// route: a plain dense CPU tensor, or CUDA tensor of a group whose CUDA
+// backend is the same tpcomm backend (torch's op kernel for CUDA makes the
+// same backend call; the kernel launch or NCCL call is ordered on the current
+// stream either way), a plain reduce op, no torch function or
 // dispatch mode, no profiler, no functorch or functionalization layer. Any
 // other call answers "not taken" before it did anything, and the caller goes
 // through torch's route.
@@ -43,9 +46,12 @@ namespace {
 constexpr const char* kHandleName = "tpcomm.fast_handle";
 
 // What a capsule made by _fast_handle holds: the group's tpcomm backend,
-// weakly (a destroyed group's calls go torch's way, which says so).
+// weakly (a destroyed group's calls go torch's way, which says so), and
+// whether it is also the group's CUDA backend (else CUDA calls go torch's
+// way: "cpu:tpcomm,cuda:nccl", or no CUDA backend).
 struct Handle {
   c10::weak_intrusive_ptr<backend::ProcessGroupTpcomm> backend;
+  bool servesCuda = false;
 };
 
 // torch's ReduceOp.RedOpType objects, by identity (set once by
@@ -66,28 +72,36 @@ bool opOf(PyObject* object, c10d::ReduceOp::RedOpType* op) {
   return false;
 }
 
-// The group's backend, or null when `capsule` is not a live handle.
-c10::intrusive_ptr<backend::ProcessGroupTpcomm> backendOf(PyObject* capsule) {
+// The group's backend for `tensor`'s device, or null when `capsule` is not a
+// live handle or the backend does not serve that device.
+c10::intrusive_ptr<backend::ProcessGroupTpcomm> backendOf(PyObject* capsule,
+                                                          const at::Tensor& tensor) {
   if (!PyCapsule_CheckExact(capsule)) return {};
   auto* handle = static_cast<Handle*>(PyCapsule_GetPointer(capsule, kHandleName));
   if (handle == nullptr) {
     PyErr_Clear();
     return {};
   }
+  if (tensor.is_cuda() && !handle->servesCuda) return {};
   return handle->backend.lock();
 }
 
 // A torch.Tensor (or Parameter, the same to C++) whose only dispatch keys are
-// a dense CPU tensor's, in a thread where nothing intercepts torch calls: the
-// dispatcher would go straight to the c10d op's CPU kernel with it.
-const at::Tensor* plainCpuTensor(PyObject* object) {
+// a dense CPU or CUDA tensor's, in a thread where nothing intercepts torch
+// calls: the dispatcher would go straight to the c10d op's CPU or CUDA kernel
+// with it.
+const at::Tensor* plainTensor(PyObject* object) {
   if (!THPVariable_CheckExact(object)) return nullptr;
   const at::Tensor& tensor = THPVariable_Unpack(object);
   if (!tensor.defined()) return nullptr;
-  static const c10::DispatchKeySet plain({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
-                                          c10::DispatchKey::ADInplaceOrView,
-                                          c10::DispatchKey::AutocastCPU});
-  if ((tensor.key_set().raw_repr() & ~plain.raw_repr()) != 0) return nullptr;
+  static const c10::DispatchKeySet cpu({c10::DispatchKey::CPU, c10::DispatchKey::AutogradCPU,
+                                        c10::DispatchKey::ADInplaceOrView,
+                                        c10::DispatchKey::AutocastCPU});
+  static const c10::DispatchKeySet cuda({c10::DispatchKey::CUDA, c10::DispatchKey::AutogradCUDA,
+                                         c10::DispatchKey::ADInplaceOrView,
+                                         c10::DispatchKey::AutocastCUDA});
+  const uint64_t keys = tensor.key_set().raw_repr();
+  if ((keys & ~cpu.raw_repr()) != 0 && (keys & ~cuda.raw_repr()) != 0) return nullptr;
   if (tensor.requires_grad() || at::isComplexType(tensor.scalar_type())) return nullptr;
   const auto local = c10::impl::tls_local_dispatch_key_set();
   static const c10::DispatchKeySet usual =
@@ -105,18 +119,18 @@ const at::Tensor* plainCpuTensor(PyObject* object) {
 
 // _fast_all_reduce(handle, tensor, op, async_op) -> the call's result:
 // dist.all_reduce(tensor, op, group, async_op) done as torch's route does it
-// (ProcessGroup::allreduce, then the c10d op's CPU kernel): True for a
+// (ProcessGroup::allreduce, then the c10d op's CPU or CUDA kernel): True for a
 // synchronous call (done), the Work (or None) for async_op. False when the
 // call was not taken (nothing happened).
 PyObject* fastAllReduce(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 4, "_fast_all_reduce takes (handle, tensor, op, async_op)");
   c10d::ReduceOp::RedOpType op;
-  const at::Tensor* tensor = plainCpuTensor(args[1]);
+  const at::Tensor* tensor = plainTensor(args[1]);
   if (tensor == nullptr || !opOf(args[2], &op)) Py_RETURN_FALSE;
   const int asyncOp = PyObject_IsTrue(args[3]);
   if (asyncOp < 0) return nullptr;
-  auto backend = backendOf(args[0]);
+  auto backend = backendOf(args[0], *tensor);
   if (!backend) Py_RETURN_FALSE;
   std::vector<at::Tensor> tensors{*tensor};
   c10d::AllreduceOptions opts;
@@ -139,13 +153,14 @@ PyObject* fastAllReduce(PyObject* /*module*/, PyObject* const* args, Py_ssize_t 
 
 // _fast_all_reduce_out(handle, tensor) -> Tensor | None: the sum over the
 // group in a new tensor, as torch.ops.tpcomm.all_reduce's CPU kernel makes
-// it; None when the call was not taken.
+// it (a CUDA tensor: as its CUDA kernel, tpcomm/_ops.py); None when the call
+// was not taken.
 PyObject* fastAllReduceOut(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(nargs == 2, "_fast_all_reduce_out takes (handle, tensor)");
-  const at::Tensor* tensor = plainCpuTensor(args[1]);
+  const at::Tensor* tensor = plainTensor(args[1]);
   if (tensor == nullptr) Py_RETURN_NONE;
-  auto backend = backendOf(args[0]);
+  auto backend = backendOf(args[0], *tensor);
   if (!backend) Py_RETURN_NONE;
   at::Tensor out;
   {
@@ -186,8 +201,14 @@ void registerFastCalls(py::module_& m) {
         }
         auto tpcomm = c10::dynamic_intrusive_pointer_cast<backend::ProcessGroupTpcomm>(cpu);
         if (!tpcomm) return py::none();
+        bool servesCuda = false;
+        try {
+          servesCuda = group->getBackend(c10::DeviceType::CUDA).get() == tpcomm.get();
+        } catch (const std::exception&) {
+          servesCuda = false;  // no CUDA backend on this group
+        }
         auto handle = std::make_unique<Handle>(
-            Handle{c10::weak_intrusive_ptr<backend::ProcessGroupTpcomm>(tpcomm)});
+            Handle{c10::weak_intrusive_ptr<backend::ProcessGroupTpcomm>(tpcomm), servesCuda});
         PyObject* capsule = PyCapsule_New(handle.get(), kHandleName, [](PyObject* c) {
           delete static_cast<Handle*>(PyCapsule_GetPointer(c, kHandleName));
         });
@@ -196,8 +217,8 @@ void registerFastCalls(py::module_& m) {
         return py::reinterpret_steal<py::object>(capsule);
       },
       py::arg("group"),
-      "A handle on the group's tpcomm CPU backend for the direct calls, or None when its CPU "
-      "backend is another or TPCOMM_DIRECT_CALLS=0.");
+      "A handle on the group's tpcomm CPU backend (and CUDA backend, when it is the same) for "
+      "the direct calls, or None when its CPU backend is another or TPCOMM_DIRECT_CALLS=0.");
   m.def(
       "_fast_set_ops",
       [](const py::sequence& ops) {
@@ -216,6 +237,21 @@ void registerFastCalls(py::module_& m) {
         reduceOpCount = count;
       },
       py::arg("ops"), "The (ReduceOp.RedOpType object, its value) pairs the direct calls accept.");
+  m.def(
+      "_fast_handle_devices",
+      [](const py::object& capsule) {
+        std::vector<std::string> out;
+        if (!PyCapsule_CheckExact(capsule.ptr())) return out;
+        auto* handle = static_cast<Handle*>(PyCapsule_GetPointer(capsule.ptr(), kHandleName));
+        if (handle == nullptr) {
+          PyErr_Clear();
+          return out;
+        }
+        out.push_back("cpu");
+        if (handle->servesCuda) out.push_back("cuda");
+        return out;
+      },
+      py::arg("handle"), "The device types a direct-call handle serves (for tests).");
   m.def(
       "_fast_calls_taken", [] { return callsTaken; },
       "How many direct calls this thread made (for tests).");

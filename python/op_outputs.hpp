@@ -9,8 +9,9 @@
 namespace tpcomm::python {
 
 // The sum over the group of `tensor` in a new contiguous tensor (a large
-// one reuses a kept block of the same size: OutputCache in register_ops.cpp).
-// Waits for the call; the caller does not hold the GIL.
+// CPU one reuses a kept block of the same size: OutputCache in
+// register_ops.cpp). Waits for a CPU call; a CUDA call is ordered on the
+// current stream. The caller does not hold the GIL.
 at::Tensor allReduceOutOfPlace(backend::ProcessGroupTpcomm& tpcomm, const at::Tensor& tensor);
 
 }  // namespace tpcomm::python

@@ -66,8 +66,7 @@ class OpGroups {
     struct Last {
       uint64_t generation = 0;
       std::string name;
-      c10::weak_intrusive_ptr<c10d::ProcessGroup> group{
-          c10::intrusive_ptr<c10d::ProcessGroup>()};
+      c10::weak_intrusive_ptr<c10d::ProcessGroup> group{c10::intrusive_ptr<c10d::ProcessGroup>()};
       c10::weak_intrusive_ptr<c10d::Backend> backend{c10::intrusive_ptr<c10d::Backend>()};
     };
     thread_local Last last;
@@ -327,7 +326,10 @@ at::Tensor allReduceAddRmsNormInPlaceCpu(const at::Tensor& tensor, at::Tensor& r
 
 at::Tensor allReduceOutOfPlace(backend::ProcessGroupTpcomm& tpcomm, const at::Tensor& tensor) {
   at::Tensor input = tensor.contiguous();
-  at::Tensor out = emptyLike(input);
+  // A CUDA output from torch's allocator on the current stream (as the op's
+  // CUDA kernel, tpcomm/_ops.py, makes it), a CPU one from the cache.
+  at::Tensor out =
+      input.is_cuda() ? at::empty_like(input, at::MemoryFormat::Contiguous) : emptyLike(input);
   c10d::AllreduceOptions opts;
   opts.asyncOp = false;  // waited for here: no Work for a call done in this thread
   finish(tpcomm.allreduceInto(input, out, opts));

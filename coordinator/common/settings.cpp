@@ -22,7 +22,7 @@ const std::vector<SettingInfo> kSettingTable = {
      "that differ (costs one extra CPU round trip per call)."},
     {"TPCOMM_DIRECT_CALLS", "bool", "1",
      "dist.all_reduce and GroupCoordinator.all_reduce on plain CPU tensors of a tpcomm group "
-     "call the backend directly, as torch's route ends up doing, without torch's Python "
+     "(and CUDA tensors where tpcomm is also its CUDA backend) call the backend directly, as torch's route ends up doing, without torch's Python "
      "checks, binding and dispatcher (about 2 us less a call); calls with tensor subclasses, "
      "torch function or dispatch modes or a profiler take torch's route anyway. 0: every call "
      "takes torch's route."},

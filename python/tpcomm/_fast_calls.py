@@ -6,11 +6,13 @@ before any byte moves (the shared-memory engine then takes 0.1-0.2 us at
 world size 1). ``install()`` puts ``all_reduce`` below in place of torch's
 function, inside the error logger that wraps it (``torch.distributed.all_reduce``
 stays the same object): a call on a plain CPU tensor of a group whose CPU
-backend is tpcomm goes straight to that backend (``_C._fast_all_reduce``: the same
-checks, routing, flight recording and fault handling as torch's route, which
-ends in the same backend call), and so does one with ``async_op=True``,
-which returns the backend's Work as torch's would. Every other call (another
-backend, a CUDA tensor, a tensor subclass, a complex or grad-requiring
+backend is tpcomm, or on a plain CUDA tensor of a group whose CUDA backend is
+that same tpcomm backend, goes straight to that backend
+(``_C._fast_all_reduce``: the same checks, routing, flight recording and
+fault handling as torch's route, which ends in the same backend call; a CUDA
+call is ordered on the current stream either way), and so does one with
+``async_op=True``, which returns the backend's Work as torch's would. Every
+other call (another backend, a tensor subclass, a complex or grad-requiring
 tensor, torch function or dispatch modes, a profiler, coalescing) goes
 through torch's function unchanged.
 

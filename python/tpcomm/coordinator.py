@@ -160,7 +160,8 @@ class GroupCoordinator:
     def _all_reduce_op(self, input_):
         """torch.ops.tpcomm.all_reduce, whatever the group's size. Outside
         torch.compile's tracing a plain CPU tensor goes straight to the backend
-        call of the op's CPU kernel (no dispatcher: about 1 us less a call);
+        call of the op's CPU kernel (no dispatcher: about 1 us less a call),
+        and a plain CUDA tensor to the backend call its CUDA kernel makes;
         what _C._fast_all_reduce_out does not take, the op does."""
         if self._direct is not None and not _is_compiling():
             out = _fast_all_reduce_out(self._direct, input_)

@@ -68,3 +68,24 @@ def test_demo_replays_a_cuda_graph_and_passes_its_check():
                           "--device", "cuda"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "CUDA graph replays" in out.stdout and out.stdout.rstrip().endswith("OK")
+
+
+def test_cuda_tensors_take_the_direct_route(coordinator):
+    """dist.all_reduce and GroupCoordinator.all_reduce on a CUDA tensor of a
+    tpcomm group go straight to the backend (python/fast_calls.cpp), sync and
+    async, with torch's route's results."""
+    from tpcomm import _fast_calls
+
+    x = torch.randn(1000, device="cuda")
+    before = _fast_calls.calls_taken()
+    direct = x.clone()
+    assert dist.all_reduce(direct) is None
+    work = dist.all_reduce(direct, async_op=True)
+    work.wait()
+    out = coordinator._all_reduce_op(x)
+    assert _fast_calls.calls_taken() == before + 3
+    via_torch = x.clone()
+    _fast_calls.torch_route()(via_torch)
+    assert _fast_calls.calls_taken() == before + 3
+    torch.cuda.synchronize()
+    assert torch.equal(direct, via_torch) and torch.equal(out, x)

@@ -430,3 +430,30 @@ def test_tpcomm_direct_calls_0_leaves_torchs_route():
             assert all(flags), f"rank {rank}: {flags}"
     finally:
         g.close()
+
+
+def _devices_served(ctx):
+    from tpcomm import _C
+
+    world = _C._fast_handle_devices(_fast_calls._handle_of(dist.group.WORLD))
+    cpu_only = dist.new_group(backend="cpu:tpcomm")
+    only = _C._fast_handle_devices(_fast_calls._handle_of(cpu_only))
+    t = torch.ones(2)
+    before = _fast_calls.calls_taken()
+    dist.all_reduce(t, group=cpu_only)  # CPU calls still go direct on it
+    return world, only, _fast_calls.calls_taken() == before + 1, t.tolist()
+
+
+def test_cuda_calls_go_direct_only_where_tpcomm_is_the_cuda_backend():
+    """A group made with backend "tpcomm" serves CUDA tensors with the same
+    backend: its direct handle takes them (the GPU run of
+    tests/gpu/test_coordinator_cuda.py checks the call); a "cpu:tpcomm"
+    group has no CUDA backend, so CUDA calls keep torch's route there."""
+    g = Group(2, env=ENV)
+    try:
+        for rank, (world, only, taken, t) in enumerate(g.run(_devices_served)):
+            assert world == ["cpu", "cuda"], (rank, world)
+            assert only == ["cpu"], (rank, only)
+            assert taken and t == [2.0, 2.0], rank
+    finally:
+        g.close()
