@@ -198,11 +198,11 @@ __global__ void __launch_bounds__(kThreads) fusedOneShotKernel(KernelArgs a) {
     for (size_t row = blockIdx.x; row < rows; row += gridDim.x) stageRow<T>(a, staging, row);
   }
   if (__syncthreads_or(refused)) return;
-  if (threadIdx.x == 0) commitEpoch(a, epoch);
   StagedSums<T, N> sums;
   sourcesOf<N>(a, epoch, sums.src);
   sums.scale = a.scale;
-  if (!barrier<N>(a, kStart, epoch)) return;
+  if (!barrier<N>(a, kStart, epoch, true)) return;
+  if (threadIdx.x == 0) commitEpoch(a, epoch);  // off the barrier's critical path
   for (size_t row = blockIdx.x; row < rows; row += gridDim.x) normRow<T>(a, sums, row);
   // No end barrier: the input is always staged (see oneShotKernel).
 }
@@ -223,11 +223,11 @@ __global__ void __launch_bounds__(kThreads) fusedTwoShotKernel(KernelArgs a) {
     }
   }
   if (__syncthreads_or(refused)) return;
-  if (threadIdx.x == 0) commitEpoch(a, epoch);
   StagedSums<T, N> sums;
   sourcesOf<N>(a, epoch, sums.src);
   sums.scale = a.scale;
-  if (!barrier<N>(a, kStart, epoch)) return;
+  if (!barrier<N>(a, kStart, epoch, true)) return;
+  if (threadIdx.x == 0) commitEpoch(a, epoch);  // off the barrier's critical path
   const size_t ownEnd = rowPartBegin(rows, N, a.rank + 1);
   for (size_t row = rowPartBegin(rows, N, a.rank) + blockIdx.x; row < ownEnd; row += gridDim.x) {
     sumRow<T, N>(a, sums, row);

@@ -122,10 +122,10 @@ __global__ void __launch_bounds__(kThreads) oneShotKernel(KernelArgs a) {
     stageTail<T>(a, staging, packs * kPer, tail);
   }
   if (__syncthreads_or(refused)) return;
-  if (threadIdx.x == 0) commitEpoch(a, epoch);
   const char* src[N];
   sourcesOf<N>(a, epoch, src);
-  if (!barrier<N>(a, kStart, epoch)) return;
+  if (!barrier<N>(a, kStart, epoch, true)) return;
+  if (threadIdx.x == 0) commitEpoch(a, epoch);  // off the barrier's critical path
   Pack* out = reinterpret_cast<Pack*>(a.output);
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < packs;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
@@ -165,10 +165,10 @@ __global__ void __launch_bounds__(kThreads) twoShotKernel(KernelArgs a) {
     stageTail<T>(a, staging, packs * kPer, tail);
   }
   if (__syncthreads_or(refused)) return;
-  if (threadIdx.x == 0) commitEpoch(a, epoch);
   const char* src[N];
   sourcesOf<N>(a, epoch, src);
-  if (!barrier<N>(a, kStart, epoch)) return;
+  if (!barrier<N>(a, kStart, epoch, true)) return;
+  if (threadIdx.x == 0) commitEpoch(a, epoch);  // off the barrier's critical path
   // Reduce this rank's part into its result region (the tail belongs to
   // the last rank).
   Pack* result = reinterpret_cast<Pack*>(a.buffers[a.rank] + a.resultOffset);

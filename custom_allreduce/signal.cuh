@@ -183,8 +183,11 @@ __device__ __forceinline__ int openCall(const KernelArgs& a) {
   return 0;
 }
 
-// After the call was accepted, on thread 0 of each block: stores the epoch
-// (in device memory: each graph replay is a new call). Block 0 also advances
+// Once the call passed its start barrier, on thread 0 of each block (off the
+// barrier's critical path: nothing reads the epochs before the rank's next
+// kernel): stores the epoch (in device memory: each graph replay is a new
+// call). A call that fails leaves the group poisoned, and only the reset,
+// which zeroes every epoch, makes it usable again. Block 0 also advances
 // the epochs of the block indices this call does not use, so that every
 // block index's epoch is the number of calls made: a call's staging parity
 // is then the same in every block and on every rank, whatever block counts
@@ -226,9 +229,11 @@ __device__ __forceinline__ void sourcesOf(const KernelArgs& a, uint32_t epoch,
 // shared flag reset by the next barrier could be reset before a slow thread
 // of this one read it (a race the CPU emulation's thread checker found).
 template <int N>
-__device__ bool barrier(const KernelArgs& a, int phase, uint32_t epoch) {
+__device__ bool barrier(const KernelArgs& a, int phase, uint32_t epoch, bool synced = false) {
   int failed = 0;
-  __syncthreads();  // this block's writes before the release below
+  // This block's writes before the release below (`synced`: the caller's
+  // __syncthreads_or just did that, and the block wrote nothing since).
+  if (!synced) __syncthreads();
   if (threadIdx.x < N) {
     const int peer = threadIdx.x;
     uint32_t* theirs = &signalOf(a, peer)->flags[blockIdx.x][phase][a.rank].value;
@@ -239,11 +244,15 @@ __device__ bool barrier(const KernelArgs& a, int phase, uint32_t epoch) {
     } else {
       storeRelease(theirs, epoch);
     }
-    const uint64_t start = globalTimer();
+    // The clock is read only once a wait is long (its first check starts the
+    // timeout, a few microseconds into the wait).
+    uint64_t start = 0;
     uint32_t spins = 0;
     while (static_cast<int32_t>(pollFlag(mine, a.deviceScope) - epoch) < 0) {
       if ((++spins & 1023) == 0) {
-        const bool late = globalTimer() - start > a.timeoutNs;
+        const uint64_t now = globalTimer();
+        if (start == 0) start = now;
+        const bool late = now - start > a.timeoutNs;
         const uint32_t poisoned = loadRelaxed(poison);
         if (late || poisoned != 0 || loadRelaxed(a.error) != 0) {
           if (poisoned != 0) {

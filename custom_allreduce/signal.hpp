@@ -20,10 +20,11 @@
 //   0    | every thread reads e = epoch[b] + 1; thread 0 |
 //        | reads poison and the zero-copy table's        |
 //        | `ready` (once per block; the verdict reaches  |
-//        | every thread through __syncthreads_or); then  |
-//        | thread 0 stores e back (in device memory:     |
-//        | each graph replay is a new call), block 0 for |
-//        | the unused block indices too, unless refused  |
+//        | every thread through __syncthreads_or); once  |
+//        | the start barrier passed, thread 0 stores e   |
+//        | back (in device memory: each graph replay is  |
+//        | a new call), block 0 for the unused block     |
+//        | indices too                                   |
 //   1    | copies its share of the input to its staging  |
 //        | of parity e & 1 (overlapping step 0's loads)  |
 //   2    | start: writes e to flags[b][start][me] of     | peers' staging
