@@ -69,7 +69,10 @@ CustomPath::~CustomPath() {
   // destroy first. A kernel still in flight would touch the peers' buffers
   // (unmapped when gpu_ goes) and the table: a sticky illegal-address error.
   if (!gpu_) return;
-  car_.reset();  // waits for this rank's launches (eager and replayed)
+  // Waits for this rank's launches: eager and replayed (the whole device once
+  // a call was captured without external event nodes, whose replays record
+  // nothing to wait on).
+  car_.reset();
   for (car::RegisteredInputs* table : tables_) gpu_->freeTable(table);
 }
 

@@ -201,10 +201,13 @@ class LaunchOrder {
   virtual void after(cudaStream_t stream) = 0;
   // Returns when the last launch (eager, or in the last graph replay) has
   // ended; throws on a CUDA error. Touches no other stream, so it is safe
-  // while another stream of the device is being captured.
+  // while another stream of the device is being captured; but once a launch
+  // was captured without external event nodes (setCaptureEvents(false)), its
+  // replays can be waited for only by synchronising the whole device.
   virtual void synchronize() = 0;
   // Whether the last launch has not ended yet (never blocks, never throws;
-  // any thread). The emulation's launches end before they return.
+  // any thread; replays of graphs captured without external event nodes are
+  // not seen). The emulation's launches end before they return.
   virtual bool pending() { return false; }
   // Whether captured launches also order themselves against launches
   // outside their graph (external event nodes; see makeEventLaunchOrder).

@@ -258,11 +258,20 @@ class EventLaunchOrder : public LaunchOrder {
     inCaptureValid_ = true;
     if (captureEvents_) {
       TPCOMM_CUDA_CHECK(cudaEventRecordWithFlags(event_, stream, cudaEventRecordExternal));
+    } else {
+      capturedWithoutEvents_ = true;
     }
   }
   void setCaptureEvents(bool events) override { captureEvents_ = events; }
   void synchronize() override {
     if (event_ != nullptr) TPCOMM_CUDA_CHECK(cudaEventSynchronize(event_));
+    if (capturedWithoutEvents_) {
+      // Replays of graphs captured without external nodes record nothing
+      // this order can wait on, and may run on any stream: wait for the
+      // whole device (in relaxed mode: another thread may be capturing).
+      RelaxedCaptureMode relaxed;
+      TPCOMM_CUDA_CHECK(cudaDeviceSynchronize());
+    }
   }
   bool pending() override {
     cudaEvent_t event = queryable_.load(std::memory_order_acquire);
@@ -300,6 +309,9 @@ class EventLaunchOrder : public LaunchOrder {
   bool inCaptureValid_ = false;
   bool capturing_ = false;      // of the launch between before() and after()
   bool captureEvents_ = false;  // external event nodes in captures
+  // A launch was captured without them: its replays are invisible to event_
+  // (synchronize() then waits for the device; pending() does not see them).
+  std::atomic<bool> capturedWithoutEvents_{false};
 };
 
 }  // namespace

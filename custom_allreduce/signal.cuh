@@ -247,12 +247,16 @@ __device__ bool barrier(const KernelArgs& a, int phase, uint32_t epoch, bool syn
     // The clock is read only once a wait is long (its first check starts the
     // timeout, a few microseconds into the wait).
     uint64_t start = 0;
+    bool timing = false;
     uint32_t spins = 0;
     while (static_cast<int32_t>(pollFlag(mine, a.deviceScope) - epoch) < 0) {
       if ((++spins & 1023) == 0) {
         const uint64_t now = globalTimer();
-        if (start == 0) start = now;
-        const bool late = now - start > a.timeoutNs;
+        if (!timing) {
+          start = now;
+          timing = true;
+        }
+        const bool late = static_cast<int64_t>(now - start) > static_cast<int64_t>(a.timeoutNs);
         const uint32_t poisoned = loadRelaxed(poison);
         if (late || poisoned != 0 || loadRelaxed(a.error) != 0) {
           if (poisoned != 0) {

@@ -22,7 +22,8 @@ const std::vector<SettingInfo> kSettingTable = {
      "that differ (costs one extra CPU round trip per call)."},
     {"TPCOMM_DIRECT_CALLS", "bool", "1",
      "dist.all_reduce and GroupCoordinator.all_reduce on plain CPU tensors of a tpcomm group "
-     "(and CUDA tensors where tpcomm is also its CUDA backend) call the backend directly, as torch's route ends up doing, without torch's Python "
+     "(and CUDA tensors where tpcomm is also its CUDA backend) call the backend directly, as "
+     "torch's route ends up doing, without torch's Python "
      "checks, binding and dispatcher (about 2 us less a call); calls with tensor subclasses, "
      "torch function or dispatch modes or a profiler take torch's route anyway. 0: every call "
      "takes torch's route."},
@@ -48,7 +49,9 @@ const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_CAR_GRAPH_ORDER", "string", "stream",
      "How a CUDA graph's custom-allreduce calls are ordered against the group's calls outside "
      "that graph: stream (by the stream the graph replays on, as NCCL's and vLLM's kernels "
-     "are: replay on the stream of the eager calls, or synchronise), event (external event "
+     "are: replay on the stream of the eager calls, or synchronise; wait() an async call "
+     "before a replay; a reset or teardown of the group then waits for the whole GPU), event "
+     "(external event "
      "nodes in the graph: a replay may also run beside eager calls or other replays on other "
      "streams, at several microseconds per call). Calls within one graph are always ordered."},
     {"TPCOMM_ROUTE", "string", "auto",
