@@ -7,7 +7,8 @@
 
 namespace tpcomm::coord {
 
-std::string dtypeName(at::ScalarType dtype) { return c10::getDtypeNames(dtype).first; }
+// getDtypeNames gives std::string until torch 2.14 and string_view from 2.15.
+std::string dtypeName(at::ScalarType dtype) { return std::string(c10::getDtypeNames(dtype).first); }
 
 std::string describeTensor(const at::Tensor& tensor) {
   std::string out = dtypeName(tensor.scalar_type()) + "[";

@@ -245,7 +245,7 @@ void registerCustomAllreduce(py::module_& m) {
   m.def(
       "car_set_up",
       [](const c10::intrusive_ptr<c10d::Backend>& cpu, int rank, int worldSize, int device,
-         size_t maxBytes, double timeoutMs) {
+         size_t maxBytes, double timeoutMs) -> py::tuple {
         std::shared_ptr<coord::CustomDevice> gpu = coord::makeCudaDevice(device);
         coord::CustomSetupResult result;
         {
