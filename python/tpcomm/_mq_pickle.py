@@ -39,6 +39,8 @@ _received = threading.local()  # the tensors of the frame being unpickled
 _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _strided = torch.strided
+# Named tensors (pickled in band): gone from torch 2.15, with Tensor.has_names.
+_has_names = getattr(_Tensor, "has_names", None)
 
 
 def _tensor(i):
@@ -102,7 +104,8 @@ class Pickler(pickle.Pickler):
                 return _in_band(obj)  # a subclass
             return NotImplemented
         if obj.is_cpu:
-            if obj.layout != _strided or obj.is_quantized or obj.is_nested or obj.has_names():
+            if (obj.layout != _strided or obj.is_quantized or obj.is_nested
+                    or (_has_names is not None and _has_names(obj))):
                 if self.device_mode == COLLECT and obj.layout != _strided:
                     raise ValueError(f"a {obj.layout} tensor in a tensor dict: tensor dicts "
                                      "carry dense tensors")

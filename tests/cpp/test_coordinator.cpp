@@ -4,6 +4,7 @@
 
 #include "coordinator/common/error.hpp"
 #include "group_fixture.hpp"
+#include "torch_compat.hpp"
 
 namespace tpcomm::testing {
 namespace {
@@ -48,8 +49,8 @@ TEST_P(CoordinatorSizes, PremulSumScalarAndTensorFactor) {
     runRanks(group.size(), [&](int r) {
       std::vector<at::Tensor> t{rankInput(r, n, at::kDouble)};
       c10d::AllreduceOptions opts;
-      opts.reduceOp = tensorFactor ? c10d::makeNCCLPreMulSum(at::full({1}, 0.5, at::kDouble))
-                                   : c10d::makeNCCLPreMulSum(0.5);
+      opts.reduceOp = tensorFactor ? tpcomm::test::preMulSum(at::full({1}, 0.5, at::kDouble))
+                                   : tpcomm::test::preMulSum(0.5);
       Pending p = group.coordinators[r]->allreduce(t, opts);
       complete(p);
       EXPECT_TRUE(at::allclose(t[0], sum * 0.5)) << "rank " << r;
@@ -91,7 +92,7 @@ TEST_P(CoordinatorSizes, ReduceScatterAvgAndPremulLeaveInputUntouched) {
       at::Tensor before = input.clone();
       at::Tensor output = at::empty({chunk}, at::kDouble);
       c10d::ReduceScatterOptions opts;
-      opts.reduceOp = premul ? c10d::makeNCCLPreMulSum(2.0) : c10d::ReduceOp(c10d::ReduceOp::AVG);
+      opts.reduceOp = premul ? tpcomm::test::preMulSum(2.0) : c10d::ReduceOp(c10d::ReduceOp::AVG);
       Pending p = group.coordinators[r]->reduceScatterBase(output, input, opts);
       complete(p);
       at::Tensor full = premul ? sum * 2.0 : sum / group.size();

@@ -6,6 +6,7 @@
 
 #include "backend/process_group_tpcomm.hpp"
 #include "group_fixture.hpp"
+#include "torch_compat.hpp"
 
 namespace tpcomm::testing {
 namespace {
@@ -68,7 +69,7 @@ TEST_F(Validation, BitwiseOpOnFloat) {
 TEST_F(Validation, PremulSumOnInteger) {
   std::vector<at::Tensor> t{at::ones({4}, at::kInt)};
   c10d::AllreduceOptions opts;
-  opts.reduceOp = c10d::makeNCCLPreMulSum(2.0);
+  opts.reduceOp = tpcomm::test::preMulSum(2.0);
   expectArgumentError([&] { pg->allreduce(t, opts); },
                       "PREMUL_SUM needs a floating-point tensor, got int32");
 }
@@ -313,7 +314,7 @@ TEST(BackendWork, NoDeviceBackendIsAClearError) {
       coord::BackendFactory());
   auto pg = c10::make_intrusive<ProcessGroupTpcomm>(coordinator);
   expectArgumentErrorOn([&] { pg->eagerConnectSingleDevice(at::Device(at::kCUDA, 0)); },
-                      "group 'cpu-only' has no device backend (CUDA is not available)");
+                        "group 'cpu-only' has no device backend (CUDA is not available)");
 }
 
 }  // namespace
