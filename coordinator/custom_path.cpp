@@ -56,9 +56,7 @@ CustomPath::CustomPath(c10d::Backend& cpu, int rank, int size, at::Device device
     car_ = std::make_unique<car::CustomAllreduce>(rank, size, setup.bases, maxBytes, timeout,
                                                   gpu_->errorHost(), gpu_->errorDevice(),
                                                   gpu_->makeLaunchOrder());
-    car_->setDeviceScope(car::deviceScopeFor(devices_, settings().carFlagScope));
-    car_->setCaptureEvents(settings().carGraphOrder == "event");
-    car_->setSharedGpu(!distinctGpus());
+    car_->configureFor(devices_);
   }
 }
 
@@ -339,11 +337,7 @@ void CustomPath::finishGraphRegistration(c10d::Backend& cpu) {
   }
 }
 
-bool CustomPath::distinctGpus() const {
-  std::vector<int> sorted = devices_;
-  std::sort(sorted.begin(), sorted.end());
-  return !sorted.empty() && std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end();
-}
+bool CustomPath::distinctGpus() const { return !devices_.empty() && !car::sharesAGpu(devices_); }
 
 ZeroCopyStats CustomPath::zeroCopyStats() const {
   std::lock_guard<std::mutex> lock(mutex_);

@@ -7,7 +7,7 @@
 
 namespace tpcomm::coord {
 
-// getDtypeNames gives std::string until torch 2.14 and string_view from 2.15.
+// getDtypeNames gives std::string up to torch 2.12 and string_view from 2.13.
 std::string dtypeName(at::ScalarType dtype) { return std::string(c10::getDtypeNames(dtype).first); }
 
 std::string describeTensor(const at::Tensor& tensor) {

@@ -112,6 +112,8 @@ int maxResidentBlocks(DType dtype, Algorithm algorithm, int worldSize, bool fuse
 // as the set-up numbers them) is the same. Every rank decides from the same
 // data, so all agree.
 bool deviceScopeFor(const std::vector<int>& devices, const std::string& setting);
+// Whether two ranks of `devices` (one GPU index per rank) share a GPU.
+bool sharesAGpu(const std::vector<int>& devices);
 
 // Whether [a, a + bytes) and [b, b + bytes) share a byte.
 bool rangesOverlap(const void* a, const void* b, size_t bytes);
@@ -280,6 +282,11 @@ class CustomAllreduce {
   // the new value.
   void setCaptureEvents(bool events);
   bool captureEvents() const { return captureEvents_.load(); }
+  // The set-up's choices from every rank's GPU (`devices`, one index per
+  // rank, the same on every rank) and this process's settings: the flag
+  // scope (TPCOMM_CAR_FLAG_SCOPE), the block cap for a shared GPU, and the
+  // graph order (TPCOMM_CAR_GRAPH_ORDER).
+  void configureFor(const std::vector<int>& devices);
 
   // Enqueues out = scale x sum over ranks of in (count elements) on
   // `stream`. `in` may equal `out`. Capturable in a CUDA graph: the copy into

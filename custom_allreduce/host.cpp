@@ -133,6 +133,12 @@ Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DT
   return algorithm;
 }
 
+void CustomAllreduce::configureFor(const std::vector<int>& devices) {
+  setDeviceScope(deviceScopeFor(devices, settings().carFlagScope));
+  setSharedGpu(sharesAGpu(devices));
+  setCaptureEvents(settings().carGraphOrder == "event");
+}
+
 void CustomAllreduce::setCaptureEvents(bool events) {
   std::lock_guard<std::mutex> lock(launchMutex_);
   captureEvents_.store(events);

@@ -92,6 +92,12 @@ bool deviceScopeFor(const std::vector<int>& devices, const std::string& setting)
   return std::all_of(devices.begin(), devices.end(), [&](int d) { return d == devices[0]; });
 }
 
+bool sharesAGpu(const std::vector<int>& devices) {
+  std::vector<int> sorted = devices;
+  std::sort(sorted.begin(), sorted.end());
+  return std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end();
+}
+
 bool rangesOverlap(const void* a, const void* b, size_t bytes) {
   if (bytes == 0) return false;
   const auto x = reinterpret_cast<uintptr_t>(a), y = reinterpret_cast<uintptr_t>(b);

@@ -9,7 +9,6 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include <algorithm>
 #include <memory>
 
 #include "coordinator/common/error.hpp"
@@ -44,10 +43,9 @@ class Rank {
               own->errorDevice()) {
     TPCOMM_CHECK(reinterpret_cast<uintptr_t>(ownBase_) == buffers.at(rank), kInvalidUsage,
                  "custom allreduce: buffers[", rank, "] is not this rank's own buffer");
-    // Ranks of one process sharing buffers directly (LocalGroup): GPU-scope
-    // flags when every buffer is on one GPU (TPCOMM_CAR_FLAG_SCOPE=auto).
-    impl_.setDeviceScope(car::deviceScopeFor(devicesOf(buffers), settings().carFlagScope));
-    impl_.setCaptureEvents(settings().carGraphOrder == "event");
+    // Ranks of one process sharing buffers directly (LocalGroup): the GPUs
+    // are those of the buffers.
+    impl_.configureFor(devicesOf(buffers));
   }
 
   // A rank of a group the shared set-up made (coordinator/custom_setup.hpp):
@@ -59,9 +57,7 @@ class Rank {
         device_(device),
         impl_(rank, worldSize, bases, maxBytes,
               std::chrono::milliseconds(static_cast<int64_t>(timeoutMs)), gpu->errorHost(),
-              gpu->errorDevice()) {
-    impl_.setCaptureEvents(settings().carGraphOrder == "event");
-  }
+              gpu->errorDevice()) {}
 
   // out = sum of every rank's `input`, enqueued on `stream` (default: the
   // current stream of the input's device).
@@ -258,10 +254,7 @@ void registerCustomAllreduce(py::module_& m) {
         if (!result.available) return py::make_tuple(false, result.reason, py::none());
         auto made =
             std::make_unique<Rank>(rank, worldSize, device, gpu, result.bases, maxBytes, timeoutMs);
-        made->impl().setDeviceScope(car::deviceScopeFor(result.devices, settings().carFlagScope));
-        std::vector<int> gpus = result.devices;
-        std::sort(gpus.begin(), gpus.end());
-        made->impl().setSharedGpu(std::adjacent_find(gpus.begin(), gpus.end()) != gpus.end());
+        made->impl().configureFor(result.devices);
         return py::make_tuple(true, "", py::cast(std::move(made)));
       },
       py::arg("cpu_backend"), py::arg("rank"), py::arg("world_size"), py::arg("device"),
