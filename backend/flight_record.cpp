@@ -121,18 +121,22 @@ void* findRecorder(std::string& why) {
     why = "torch's flight recorder is not constructed";
     return nullptr;
   }
-  // What its constructor set: a recorder laid out as torch's header says.
-  std::lock_guard<std::mutex> lock(instance->mutex_);
-  if (instance->enabled_ != (instance->max_entries_ > 0) ||
-      instance->reset_epoch_start_idx_.count(instance->reset_epoch_) == 0 ||
-      instance->entries_.size() > instance->max_entries_) {
-    why = "torch's flight recorder does not look as its header says";
-    return nullptr;
-  }
-  return instance;
+  why = recorderLayoutProblem(instance);
+  return why.empty() ? instance : nullptr;
 }
 
 }  // namespace
+
+std::string recorderLayoutProblem(void* instance) {
+  // What its constructor set: a recorder laid out as torch's header says.
+  Recorder& r = recorder(instance);
+  std::lock_guard<std::mutex> lock(r.mutex_);
+  if (r.enabled_ != (r.max_entries_ > 0) || r.reset_epoch_start_idx_.count(r.reset_epoch_) == 0 ||
+      r.entries_.size() > r.max_entries_) {
+    return "torch's flight recorder does not look as its header says";
+  }
+  return {};
+}
 
 const char* flightOpName(const char* op) {
   static const std::map<std::string, const char*> names = {

@@ -48,6 +48,12 @@ struct FlightCall {
   std::string routed() const;
 };
 
+// Empty when `instance` (a c10d::FlightRecorder<c10::Event>) holds what its
+// constructor set (enabled by its size, its epoch's start index, no more
+// entries than its size), else why not: the check that the instance found
+// by name is the object torch's header describes.
+std::string recorderLayoutProblem(void* instance);
+
 class FlightRecord {
  public:
   // The process's recorder (found on first use).

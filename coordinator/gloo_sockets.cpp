@@ -1,5 +1,6 @@
 #include "coordinator/gloo_sockets.hpp"
 
+#include <arpa/inet.h>
 #include <dirent.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
@@ -7,7 +8,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
+
+#include "coordinator/common/error.hpp"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
@@ -55,19 +60,67 @@ int storePort(const c10::intrusive_ptr<c10d::Store>& store) {
 
 }  // namespace
 
+constexpr const char* kFdDir = "/proc/self/fd";
+
 std::vector<SocketFd> GlooSockets::snapshot() {
+  if (!ground().empty()) return {};
+  return snapshotOf(kFdDir).value_or(std::vector<SocketFd>{});
+}
+
+std::optional<std::vector<SocketFd>> GlooSockets::snapshotOf(const char* fdDir) {
   std::vector<SocketFd> out;
-  DIR* dir = opendir("/proc/self/fd");
-  if (dir == nullptr) return out;
+  DIR* dir = opendir(fdDir);
+  if (dir == nullptr) return std::nullopt;
   while (dirent* entry = readdir(dir)) {
     if (entry->d_name[0] == '.') continue;
-    const int fd = std::atoi(entry->d_name);
-    if (fd == dirfd(dir)) continue;
-    const uint64_t inode = inodeOf(fd);
-    if (inode != 0 && isTcpSocket(fd)) out.push_back(SocketFd{fd, inode});
+    char* end = nullptr;
+    const long fd = std::strtol(entry->d_name, &end, 10);
+    if (*end != '\0' || fd < 0 || fd == dirfd(dir)) continue;  // not a descriptor's name
+    const uint64_t inode = inodeOf(static_cast<int>(fd));
+    if (inode != 0 && isTcpSocket(static_cast<int>(fd))) {
+      out.push_back(SocketFd{static_cast<int>(fd), inode});
+    }
   }
   closedir(dir);
   return out;
+}
+
+std::string GlooSockets::groundOf(const char* fdDir) {
+  const int probe = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (probe < 0)
+    return detail::concat("cannot open a TCP socket to check ", fdDir, ": ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string why;
+  if (::bind(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+    why = detail::concat("cannot bind a TCP socket on 127.0.0.1 to check ", fdDir, ": ",
+                         std::strerror(errno));
+  } else {
+    const uint64_t inode = inodeOf(probe);
+    const auto listed = snapshotOf(fdDir);
+    if (!listed) {
+      why = detail::concat(fdDir, " cannot be read: ", std::strerror(errno));
+    } else if (inode == 0 || portOf(probe, false) <= 0 ||
+               std::none_of(listed->begin(), listed->end(),
+                            [&](const SocketFd& s) { return s.fd == probe && s.inode == inode; })) {
+      why = detail::concat(fdDir, " does not list a TCP socket this process just opened");
+    }
+  }
+  ::close(probe);
+  return why;
+}
+
+const std::string& GlooSockets::ground() {
+  static const std::string why = groundOf(kFdDir);
+  return why;
+}
+
+std::string GlooSockets::status() {
+  if (ground().empty()) return "on (a group's Gloo connections, from /proc/self/fd)";
+  return "off: " + ground() +
+         "; a broken group's connections are left open: its Gloo calls fail at their timeout "
+         "instead of at once";
 }
 
 GlooSockets GlooSockets::opened(const std::vector<SocketFd>& before,

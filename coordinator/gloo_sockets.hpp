@@ -14,11 +14,19 @@
 // with its inode: a descriptor Gloo closed and the process reused for
 // something else is never touched. A forked child never shuts down its
 // parent's connections.
+//
+// The finder checks its ground once per process (ground()): that
+// /proc/self/fd lists a TCP socket it just opened, with its inode and port.
+// Where it does not (no /proc, a sandbox that hides it), no connection is
+// ever recorded or shut down: a broken group's Gloo calls then fail at
+// their timeout instead of at once, and status() says why.
 
 #include <sys/types.h>
 
 #include <cstdint>
 #include <functional>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -35,6 +43,16 @@ class GlooSockets {
   GlooSockets() = default;
   // The process's TCP socket descriptors now.
   static std::vector<SocketFd> snapshot();
+  // Those listed in the descriptor folder `fdDir`; nullopt: it cannot be read.
+  static std::optional<std::vector<SocketFd>> snapshotOf(const char* fdDir);
+  // Empty when /proc/self/fd can serve the finder, else why not (checked
+  // once per process).
+  static const std::string& ground();
+  // The same check against another descriptor folder (tests).
+  static std::string groundOf(const char* fdDir);
+  // "on (...)" or "off: <why>; <what that means>", for describe() and
+  // python -m tpcomm.info.
+  static std::string status();
   // Those in `after` and not in `before`, less the store's own port.
   static GlooSockets opened(const std::vector<SocketFd>& before, const std::vector<SocketFd>& after,
                             const c10::intrusive_ptr<c10d::Store>& store);

@@ -98,8 +98,8 @@ tensors through the device backend (NCCL), created on first use.)")
           py::arg("before"), py::arg("after"), py::arg("store"),
           "The TCP sockets (_C._tcp_sockets() before and after) the group's Gloo group opened: "
           "shut down when the group breaks.")
-      .def("_refuse", &backend::ProcessGroupTpcomm::refuseFromPython, py::arg("op"),
-           py::arg("why"), py::call_guard<py::gil_scoped_release>(),
+      .def("_refuse", &backend::ProcessGroupTpcomm::refuseFromPython, py::arg("op"), py::arg("why"),
+           py::call_guard<py::gil_scoped_release>(),
            "torch.distributed's front door refused a collective on this group before it reached "
            "the backend: the peers learn it (see README, faults).")
       .def_property_readonly(
@@ -309,6 +309,17 @@ tensors through the device backend (NCCL), created on first use.)")
   m.def(
       "_calls_on_this_thread", [] { return backend::ProcessGroupTpcomm::callsOnThisThread(); },
       "How many calls this thread has made on tpcomm groups (refused ones too).");
+  m.def(
+      "_native_hooks",
+      [] {
+        py::dict out;
+        out["flight_recorder"] = backend::FlightRecord::get().status();
+        out["gloo_connections"] = coord::GlooSockets::status();
+        return out;
+      },
+      "The C++ hooks into torch's internals: 'on (...)' or 'off: <why>' each.");
+  m.def("_gloo_ground_of", &coord::GlooSockets::groundOf, py::arg("fd_dir"),
+        "The Gloo connection finder's check against a descriptor folder: '' or why it fails.");
   m.def(
       "_tcp_sockets",
       [] {

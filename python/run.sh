@@ -5,31 +5,57 @@
 #   bash python/run.sh test [pytest args...] every test: C++ (ctest), the decoder
 #                                             fuzzer (100,000 runs), then Python (pytest)
 #
-# Each creates .venv/ at the repository root, installs torch 2.11.0 and the
-# build tools into it, builds tpcomm (scikit-build-core over the CMake build,
-# without build isolation, into the persistent build/py), and runs. A second
-# call reinstalls nothing and rebuilds only what changed.
+# Each creates .venv/ at the repository root, installs torch 2.15.0 (the
+# newest release tpcomm supports) and the build tools into it, builds tpcomm
+# (scikit-build-core over the CMake build, without build isolation, into the
+# persistent build/torch-2.15.0), and runs. A second call reinstalls nothing
+# and rebuilds only what changed.
+#
+# TPCOMM_TORCH=<version> runs either against another torch of the supported
+# range (2.11 through 2.15), in an environment and build folder of its own
+# (.venv-torch-<version>/, build/torch-<version>/), so that switching back
+# and forth rebuilds nothing twice:
+#
+#   TPCOMM_TORCH=2.11.0 bash python/run.sh test
+#
+#   bash python/run.sh matrix [versions...]   the test command over every
+#                                             supported torch (or those named),
+#                                             then a table of the results
 set -euo pipefail
 
 mode="${1:-}"
 shift || true
 case "$mode" in
-  demo | test) ;;
+  demo | test | matrix) ;;
   *)
-    echo "usage: bash python/run.sh demo|test [args...]" >&2
+    echo "usage: bash python/run.sh demo|test|matrix [args...]" >&2
     exit 2
     ;;
 esac
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
-venv="$root/.venv"
+
+# The supported torch releases, newest first (pyproject.toml's dependency
+# line and CMakeLists.txt's range admit exactly these minors).
+supported_torch=(2.15.0 2.14.0 2.13.0 2.12.0 2.11.0)
+torch_version="${TPCOMM_TORCH:-${supported_torch[0]}}"
+if [[ ! "$torch_version" =~ ^2\.1[1-5]\.[0-9]+$ ]]; then
+  echo "[run.sh] TPCOMM_TORCH=$torch_version: tpcomm supports torch 2.11 through 2.15" \
+    "(e.g. TPCOMM_TORCH=2.11.0); unset, it uses ${supported_torch[0]}" >&2
+  exit 2
+fi
+if [[ "$torch_version" == "${supported_torch[0]}" ]]; then
+  venv="$root/.venv"
+else
+  venv="$root/.venv-torch-$torch_version"
+fi
 py="$venv/bin/python"
-build_dir="$root/build/py"
+build_dir="$root/build/torch-$torch_version"
 
 # Pinned so that every machine builds against the same toolchain.
 requirements=(
-  "torch==2.11.0"
+  "torch==$torch_version"
   "scikit-build-core==1.1.2"
   "cmake==4.4.4"
   "ninja==1.13.2"
@@ -61,7 +87,7 @@ ensure_venv() {
       fi
     done
     [[ -n "$base" ]] || { log "no Python 3.10+ with venv found"; exit 1; }
-    log "creating .venv with $base"
+    log "creating ${venv#"$root/"} with $base (torch $torch_version)"
     "$base" -m venv "$venv"
   fi
   install_once "$venv/.tpcomm-requirements" "${requirements[@]}"
@@ -109,16 +135,16 @@ ensure_build() {
   local build_tests="$1"
   local stamp="$venv/.tpcomm-build"
   local sources
-  sources="$(find CMakeLists.txt pyproject.toml backend coordinator custom_allreduce \
+  sources="$(find CMakeLists.txt pyproject.toml cmake backend coordinator custom_allreduce \
     message_queue python tests/cpp tests/fuzz -type f \
     \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \
-    -o -name '*.txt' -o -name '*.toml' -o -name '*.inl' \) -print0 | sort -z | xargs -0 sha1sum | sha1sum)"
+    -o -name '*.txt' -o -name '*.toml' -o -name '*.inl' -o -name '*.cmake' \) -print0 | sort -z | xargs -0 sha1sum | sha1sum)"
   local wanted="$sources tests=$build_tests"
   if [[ -f "$stamp" && "$(cat "$stamp")" == "$wanted" ]] \
     && { [[ "$build_tests" == OFF ]] || [[ -x "$build_dir/tests/cpp/tpcomm_cpp_tests" ]]; }; then
     return
   fi
-  log "building tpcomm (incremental in build/py)"
+  log "building tpcomm against torch $torch_version (incremental in ${build_dir#"$root/"})"
   PATH="$venv/bin:$PATH" "$py" -m pip install --quiet --disable-pip-version-check \
     --no-build-isolation --no-deps \
     -C build-dir="$build_dir" \
@@ -127,6 +153,42 @@ ensure_build() {
     "$root"
   echo "$wanted" > "$stamp"
 }
+
+# The test command once per torch (each in its own environment and build
+# folder), every run to the end, then one line per torch: what pytest
+# passed, skipped and failed, and whether the C++ tests and the fuzzer
+# passed. Logs: build/matrix/torch-<version>.log. Exits non-zero when any
+# torch failed.
+run_matrix() {
+  local versions=("$@")
+  [[ ${#versions[@]} -gt 0 ]] || versions=("${supported_torch[@]}")
+  local logs="$root/build/matrix" rows=() failed=0
+  mkdir -p "$logs"
+  for version in "${versions[@]}"; do
+    local log_file="$logs/torch-$version.log" start rc
+    start=$(date +%s)
+    log "torch $version: the test command (log: ${log_file#"$root/"})"
+    set +e
+    TPCOMM_TORCH="$version" bash "$root/python/run.sh" test > "$log_file" 2>&1
+    rc=$?
+    set -e
+    local took=$(( $(date +%s) - start ))
+    local ctest pytest
+    ctest="$(grep -Eo '[0-9]+% tests passed, [0-9]+ tests failed out of [0-9]+' "$log_file" | tail -n 1)"
+    pytest="$(grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$log_file" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')"
+    rows+=("| $version | ${ctest:-none} | ${pytest:-none} | $rc | ${took}s |")
+    (( rc == 0 )) || failed=1
+  done
+  echo "| torch | ctest | pytest | exit | time |"
+  echo "|---|---|---|---|---|"
+  printf '%s\n' "${rows[@]}"
+  return "$failed"
+}
+
+if [[ "$mode" == matrix ]]; then
+  run_matrix "$@"
+  exit $?
+fi
 
 ensure_venv
 export PATH="$venv/bin:$PATH"

@@ -26,7 +26,7 @@ def _check_build_torch(built, running):
         raise ImportError(
             f"tpcomm {__version__} was compiled against torch {built}, but this environment has "
             f"torch {running}: rebuild tpcomm against it (pip install --no-build-isolation "
-            f"--force-reinstall <tpcomm source or sdist>)")
+            f"--no-deps --force-reinstall <tpcomm source or sdist>; --no-deps keeps this torch)")
 
 
 try:
@@ -35,7 +35,7 @@ except ImportError:  # a source tree that was never built
     _BUILD_TORCH = None
 _check_build_torch(_BUILD_TORCH, torch.__version__)
 
-from tpcomm import _C, _ops  # noqa: E402
+from tpcomm import _C, _hooks, _ops  # noqa: E402
 from tpcomm._registration import BACKEND_NAME, register  # noqa: E402
 from tpcomm.message_queue import MessageQueue, PeerLostError
 
@@ -86,8 +86,19 @@ def stats(group=None):
 def describe(group=None):
     """A tpcomm group's configuration (default: the world): group name, rank,
     world size, backends, whether the custom allreduce is available and if
-    not why, and the CUDA allreduce routing table in force."""
-    return dict(_backend_of(group).describe())
+    not why, the CUDA allreduce routing table in force, and whether each of
+    tpcomm's hooks into torch's internals is on (``torch_hooks``: name ->
+    "on (...)" or "off: <why>")."""
+    out = dict(_backend_of(group).describe())
+    out["torch_hooks"] = torch_hooks()
+    return out
+
+
+def torch_hooks():
+    """Whether each of tpcomm's hooks into torch's internals found torch laid
+    out as it expects: name -> "on (...)" or "off: <why>" (an "off" hook's
+    calls take torch's own route; see tpcomm._hooks)."""
+    return _hooks.statuses()
 
 
 def reset_custom_allreduce(group=None):
@@ -114,4 +125,4 @@ __all__ = [
     "model_parallel_is_initialized", "model_parallel_layout", "register", "reset_custom_allreduce",
     "reset_stats",
     "settings", "stats", "tensor_model_parallel_all_gather", "tensor_model_parallel_all_reduce",
-    "tensor_model_parallel_gather", "tensor_model_parallel_reduce_scatter"]
+    "tensor_model_parallel_gather", "tensor_model_parallel_reduce_scatter", "torch_hooks"]

@@ -30,7 +30,7 @@ import weakref
 
 import torch.distributed.distributed_c10d as c10d
 
-from tpcomm import _C, _front_door
+from tpcomm import _C, _front_door, _hooks
 
 _ReduceOp = c10d.ReduceOp
 
@@ -101,27 +101,50 @@ def install():
     logger that wraps torch's function, so that torch.distributed.all_reduce
     stays the very object torch.compile, export and the coalescing manager
     recognise, and names imported before tpcomm take the direct route too.
-    Not on a torch laid out otherwise (replacing torch's function object
-    instead would break torch.compile for names imported earlier): its calls
-    keep torch's route. TPCOMM_DIRECT_CALLS=0 is
+    Not on a torch laid out otherwise (ground_problem; replacing torch's
+    function object instead would break torch.compile for names imported
+    earlier): its calls keep torch's route, and tpcomm's hooks say why. TPCOMM_DIRECT_CALLS=0 is
     honoured by the groups' handles (_C._fast_handle), made at each group's
     first call: reading settings here, at import, would freeze them before
     the program set its environment."""
     global _torch_all_reduce
     if _torch_all_reduce is not None:
         return
-    if not hasattr(c10d._world, "_default_pg") or not hasattr(c10d._world, "pg_coalesce_state"):
+    why = ground_problem(c10d)
+    if why:
+        _hooks.set_status("direct_route", f"off: {why}; all_reduce takes torch's route")
         return
     _C._fast_set_ops([(op, int(op)) for op in (
         _ReduceOp.SUM, _ReduceOp.AVG, _ReduceOp.PRODUCT, _ReduceOp.MIN, _ReduceOp.MAX,
         _ReduceOp.BAND, _ReduceOp.BOR, _ReduceOp.BXOR)])
     outer = c10d.all_reduce
+    inner = outer.__wrapped__
+    _torch_all_reduce = inner
+    outer.__closure__[0].cell_contents = _make_all_reduce(inner)
+    _hooks.set_status("direct_route", "on (all_reduce inside torch's error logger)")
+
+
+def ground_problem(module):
+    """Empty when `module` (torch.distributed.distributed_c10d) is laid out as
+    the direct route expects, else what differs: its world keeps the default
+    group, the group map and the coalescing state where they were, and
+    all_reduce is the error logger's wrapper around one function (a closure
+    over `func`, the function it wraps)."""
+    world = getattr(module, "_world", None)
+    missing = [name for name in ("_default_pg", "pg_map", "pg_coalesce_state")
+               if not hasattr(world, name)]
+    if missing:
+        return f"torch.distributed's world state has no {', '.join(missing)}"
+    if not callable(getattr(module, "_rank_not_in_group", None)):
+        return "torch.distributed has no _rank_not_in_group"
+    outer = getattr(module, "all_reduce", None)
     cells = getattr(outer, "__closure__", None) or ()
     inner = getattr(outer, "__wrapped__", None)
-    if (getattr(outer, "__code__", None) is not None and outer.__code__.co_freevars == ("func",)
-            and len(cells) == 1 and inner is not None and cells[0].cell_contents is inner):
-        _torch_all_reduce = inner
-        cells[0].cell_contents = _make_all_reduce(inner)
+    code = getattr(outer, "__code__", None)
+    if (code is None or code.co_freevars != ("func",) or len(cells) != 1 or inner is None
+            or cells[0].cell_contents is not inner):
+        return "torch.distributed.all_reduce is not an error logger's wrapper around one function"
+    return ""
 
 
 def torch_route():

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from tpcomm import _C
+from tpcomm import _C, _hooks
 
 # The collectives of torch.distributed whose front door checks more than the
 # argument's type: lists on the right ranks and of the right length, split
@@ -40,6 +40,10 @@ _COLLECTIVES = (
     "all_reduce_coalesced", "reduce", "all_gather", "all_gather_coalesced", "gather",
     "scatter", "reduce_scatter", "all_to_all", "all_to_all_single",
 )
+
+
+# install() ran (once per process).
+_installed = False
 
 
 def _tpcomm_backend(group):
@@ -94,15 +98,44 @@ def _wrap(name, original):
     return collective
 
 
+def ground_problem(module, name):
+    """Empty when `module` (torch.distributed.distributed_c10d) has the
+    collective `name` as the front door expects (a Python function with a
+    `group` argument, and the group helpers the refusal report uses), else
+    what differs."""
+    for helper in ("_rank_not_in_group", "_get_default_group"):
+        if not callable(getattr(module, helper, None)):
+            return f"torch.distributed has no {helper}"
+    original = getattr(module, name, None)
+    if original is None:
+        return f"torch.distributed has no {name}"
+    try:
+        parameters = inspect.signature(original).parameters
+    except (TypeError, ValueError):
+        return f"torch.distributed.{name} has no signature"
+    if "group" not in parameters:
+        return f"torch.distributed.{name} has no group argument"
+    return ""
+
+
 def install():
-    """Wraps torch.distributed's collectives once; calling it again does nothing."""
+    """Wraps torch.distributed's collectives once; calling it again does
+    nothing. A collective that torch lays out otherwise (ground_problem) is
+    left as it is, and tpcomm's hooks say which and why."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
     try:
         from torch.distributed._functional_collectives import traceable_collective_remaps
     except ImportError:  # pragma: no cover - torch without functional collectives
         traceable_collective_remaps = {}
+    unwrapped = []
     for name in _COLLECTIVES:
         original = getattr(c10d, name, None)
-        if original is None or hasattr(original, "_tpcomm_front_door"):
+        why = ground_problem(c10d, name)
+        if why:
+            unwrapped.append(why)
             continue
         wrapped = _wrap(name.lstrip("_"), original)
         setattr(c10d, name, wrapped)
@@ -110,3 +143,11 @@ def install():
             setattr(dist, name, wrapped)
         if original in traceable_collective_remaps:
             traceable_collective_remaps[wrapped] = traceable_collective_remaps[original]
+    if not unwrapped:
+        _hooks.set_status("front_door", f"on ({len(_COLLECTIVES)} collectives)")
+    elif len(unwrapped) == len(_COLLECTIVES):
+        _hooks.set_status("front_door", f"off: {'; '.join(unwrapped)}; refusals before tpcomm reach no peer")
+    else:
+        _hooks.set_status("front_door", (
+            f"on ({len(_COLLECTIVES) - len(unwrapped)} of {len(_COLLECTIVES)} collectives); off for "
+            f"the others: {'; '.join(unwrapped)}"))

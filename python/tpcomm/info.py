@@ -82,6 +82,9 @@ def main():
     _line("usable CPUs", _C.usable_cpus())
     _line("CPU reduction kernels", _C.cpu_reduce_isa())
     _line("autoload at import torch", _autoload())
+    print("hooks into torch's internals (off: the calls take torch's own route):")
+    for name, state in tpcomm.torch_hooks().items():
+        _line(f"  {name}", state)
     print("settings in force (set in the environment):")
     names = [s[0] for s in tpcomm.settings()] + [
         "GLOO_SOCKET_IFNAME", "TORCH_DEVICE_BACKEND_AUTOLOAD", "TPCOMM_AUTOLOAD"]

@@ -46,13 +46,16 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, env, pg_timeout_s, conn, paths):
+def _worker(rank, world_size, port, env, pg_timeout_s, conn, paths, before_import):
     os.environ.update(env)
     sys.path[:0] = paths
     try:
         import torch
         import torch.distributed as dist
 
+        if before_import is not None:
+            module, name = before_import
+            getattr(importlib.import_module(module), name)()
         import tpcomm  # noqa: F401  (registers the backend)
 
         torch.manual_seed(1234 + rank)
@@ -83,7 +86,10 @@ def _worker(rank, world_size, port, env, pg_timeout_s, conn, paths):
 
 class Group:
     def __init__(self, world_size, env=None, pg_timeout_s=60, start_timeout_s=120,
-                 env_per_rank=None, extra_paths=()):
+                 env_per_rank=None, extra_paths=(), before_import=None):
+        """`before_import`: (module, function name), called on every rank
+        after `import torch` and before `import tpcomm` (a test that changes
+        torch first)."""
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         port = _free_port()
@@ -95,7 +101,7 @@ class Group:
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, rank_env, pg_timeout_s, child, paths),
+                args=(rank, world_size, port, rank_env, pg_timeout_s, child, paths, before_import),
                 daemon=True,
             )
             p.start()

@@ -112,6 +112,8 @@ def test_another_torch_than_the_compiled_one_is_refused_at_import():
     assert done.returncode != 0
     assert f"compiled against torch {tpcomm._BUILD_TORCH}" in done.stderr, done.stderr
     assert "rebuild tpcomm" in done.stderr
+    # the rebuild it names keeps the environment's torch
+    assert "pip install --no-build-isolation --no-deps --force-reinstall" in done.stderr, done.stderr
 
 
 def test_info_reports_versions_host_settings_and_paths():
