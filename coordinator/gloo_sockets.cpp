@@ -91,11 +91,10 @@ std::string GlooSockets::groundOf(const char* fdDir) {
     return detail::concat("cannot open a TCP socket to check ", fdDir, ": ", std::strerror(errno));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);  // port 0: any free one, on any interface
   std::string why;
   if (::bind(probe, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
-    why = detail::concat("cannot bind a TCP socket on 127.0.0.1 to check ", fdDir, ": ",
-                         std::strerror(errno));
+    why = detail::concat("cannot bind a TCP socket to check ", fdDir, ": ", std::strerror(errno));
   } else {
     const uint64_t inode = inodeOf(probe);
     const auto listed = snapshotOf(fdDir);

@@ -173,14 +173,18 @@ run_matrix() {
     rc=$?
     set -e
     local took=$(( $(date +%s) - start ))
-    local ctest pytest
-    ctest="$(grep -Eo '[0-9]+% tests passed, [0-9]+ tests failed out of [0-9]+' "$log_file" | tail -n 1)"
-    pytest="$(grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$log_file" | tail -n 1 | sed -E 's/^=+ //; s/ =+$//')"
-    rows+=("| $version | ${ctest:-none} | ${pytest:-none} | $rc | ${took}s |")
+    local ctest fuzz pytest
+    # Each summary may be missing (a build that failed, a ctest failure
+    # before pytest ran): "none" then.
+    ctest="$({ grep -Eo '[0-9]+% tests passed(, [0-9]+ tests failed)? out of [0-9]+' "$log_file" || true; } | tail -n 1)"
+    fuzz="$({ grep -Eo 'Done [0-9]+ runs' "$log_file" || true; } | tail -n 1)"
+    pytest="$({ grep -E '^=+ .*(passed|failed|error).* in [0-9.]+s' "$log_file" || true; } | tail -n 1 \
+      | sed -E 's/^=+ //; s/ =+$//')"
+    rows+=("| $version | ${ctest:-none} | ${fuzz:-none} | ${pytest:-none} | $rc | ${took}s |")
     (( rc == 0 )) || failed=1
   done
-  echo "| torch | ctest | pytest | exit | time |"
-  echo "|---|---|---|---|---|"
+  echo "| torch | ctest | fuzzer | pytest | exit | time |"
+  echo "|---|---|---|---|---|---|"
   printf '%s\n' "${rows[@]}"
   return "$failed"
 }
@@ -207,6 +211,8 @@ ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
 log "fuzzing the shared-memory decoder (libFuzzer)"
 bash "$root/tests/fuzz/run_fuzz.sh" 100000
 log "Python tests (pytest)"
+# The build folder of this torch: a test that builds the wheel reuses it.
+export TPCOMM_TEST_BUILD_DIR="$build_dir"
 if [[ $# -gt 0 ]]; then
   exec "$py" -m pytest "$@"
 fi

@@ -26,6 +26,7 @@ object, as without tpcomm.
 """
 
 import functools
+import inspect
 import weakref
 
 import torch.distributed.distributed_c10d as c10d
@@ -33,6 +34,9 @@ import torch.distributed.distributed_c10d as c10d
 from tpcomm import _C, _front_door, _hooks
 
 _ReduceOp = c10d.ReduceOp
+
+# torch's all_reduce's parameters, in order (the direct function's own).
+_PARAMETERS = ("tensor", "op", "group", "async_op")
 
 # id(ProcessGroup) -> (a weak reference to it, its handle (a capsule) or
 # False: its CPU backend is not tpcomm). Weak: a group dropped by torch and
@@ -144,6 +148,15 @@ def ground_problem(module):
     if (code is None or code.co_freevars != ("func",) or len(cells) != 1 or inner is None
             or cells[0].cell_contents is not inner):
         return "torch.distributed.all_reduce is not an error logger's wrapper around one function"
+    # The direct function calls torch's by position when it does not serve
+    # the call itself.
+    try:
+        parameters = list(inspect.signature(inner).parameters)
+    except (TypeError, ValueError):
+        parameters = None
+    if parameters != list(_PARAMETERS):
+        return (f"torch's all_reduce takes ({', '.join(parameters or ['?'])}), "
+                f"not ({', '.join(_PARAMETERS)})")
     return ""
 
 

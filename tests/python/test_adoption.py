@@ -152,11 +152,13 @@ def test_torchrun_runs_a_gloo_script_on_tpcomm_by_the_backend_string_alone():
 
 def test_the_wheel_installs_apart_and_serves_a_group(tmp_path):
     """`pip wheel` over this tree's build (incremental: the test command
-    built it already), installed into a directory of its own that shadows
-    the development install; a script that never imports tpcomm gets the
-    backend from the wheel's entry point and runs a collective."""
+    built it already in the build folder of this torch, which it names in
+    TPCOMM_TEST_BUILD_DIR; else a build folder of the test's own), installed
+    into a directory of its own that shadows the development install; a
+    script that never imports tpcomm gets the backend from the wheel's entry
+    point and runs a collective."""
     root = os.path.join(os.path.dirname(__file__), "..", "..")
-    build_dir = os.path.join(root, "build", "py")
+    build_dir = os.environ.get("TPCOMM_TEST_BUILD_DIR") or str(tmp_path / "build")
     wheels, target = tmp_path / "wheels", tmp_path / "site"
     built = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-build-isolation", "--no-deps",

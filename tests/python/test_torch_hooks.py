@@ -91,6 +91,30 @@ def test_direct_route_stays_off_on_an_unexpected_all_reduce():
         assert all(v.startswith("on (") for v in others.values()), others
 
 
+def fake_all_reduce_with_its_parameters_reordered():
+    """torch.distributed.all_reduce inside an error logger as torch's, around
+    a function whose parameters come in another order."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from tpcomm_fakes import logged
+
+    torchs = c10d.all_reduce.__wrapped__
+
+    def all_reduce(tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
+        return torchs(tensor, op, group, async_op)
+
+    c10d.all_reduce = logged(all_reduce)
+    dist.all_reduce = c10d.all_reduce
+
+
+def test_direct_route_stays_off_when_all_reduces_parameters_differ():
+    for rank, seen in enumerate(_run(("test_torch_hooks", "fake_all_reduce_with_its_parameters_reordered"))):
+        state = seen["hooks"]["direct_route"]
+        assert state == ("off: torch's all_reduce takes (tensor, group, op, async_op), not "
+                         "(tensor, op, group, async_op); all_reduce takes torch's route"), state
+        assert seen["direct"] == 0 and seen["all_reduce"], seen
+
+
 def fake_all_to_all_without_group():
     """torch.distributed.all_to_all without a `group` argument."""
     import torch.distributed.distributed_c10d as c10d

@@ -10,3 +10,15 @@ def without_group(torchs):
 
     collective.__name__ = torchs.__name__
     return collective
+
+
+def logged(func):
+    """`func` inside a wrapper laid out as torch's error logger (a closure
+    over `func`, with __wrapped__)."""
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        return func(*args, **kwargs)
+
+    return wrapper
