@@ -6,10 +6,10 @@
 
 #include <torch/csrc/distributed/c10d/FlightRecorder.hpp>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdlib>
-#include <filesystem>
 #include <string>
 
 #include "backend/flight_record.hpp"
@@ -55,19 +55,24 @@ TEST(TorchHooks, GlooFinderChecksItsDescriptorFolder) {
   EXPECT_EQ(coord::GlooSockets::ground(), "");
   EXPECT_EQ(coord::GlooSockets::status().rfind("on (", 0), 0u) << coord::GlooSockets::status();
 
-  const auto dir =
-      std::filesystem::temp_directory_path() / ("tpcomm-hooks-" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir / "empty");
-  const std::string missing = (dir / "missing").string();
+  // POSIX calls, not std::filesystem: with torch 2.11 the test binary binds
+  // std::filesystem::remove_all to libtorch.so's own copy, which crashes (a
+  // call through a null pointer inside it).
+  char dirTemplate[] = "/tmp/tpcomm-hooks-XXXXXX";
+  ASSERT_NE(::mkdtemp(dirTemplate), nullptr);
+  const std::string dir = dirTemplate;
+  const std::string missing = dir + "/missing";
   EXPECT_EQ(coord::GlooSockets::groundOf(missing.c_str()).rfind(missing + " cannot be read: ", 0),
             0u);
   EXPECT_FALSE(coord::GlooSockets::snapshotOf(missing.c_str()).has_value());
-  const std::string empty = (dir / "empty").string();
+  const std::string empty = dir + "/empty";
+  ASSERT_EQ(::mkdir(empty.c_str(), 0700), 0);
   EXPECT_EQ(coord::GlooSockets::groundOf(empty.c_str()),
             empty + " does not list a TCP socket this process just opened");
   ASSERT_TRUE(coord::GlooSockets::snapshotOf(empty.c_str()).has_value());
   EXPECT_TRUE(coord::GlooSockets::snapshotOf(empty.c_str())->empty());
-  std::filesystem::remove_all(dir);
+  EXPECT_EQ(::rmdir(empty.c_str()), 0);
+  EXPECT_EQ(::rmdir(dir.c_str()), 0);
 }
 
 }  // namespace
