@@ -12,8 +12,10 @@ set(TPCOMM_TORCH_RANGE ">=${TPCOMM_TORCH_MIN},<${TPCOMM_TORCH_BELOW}")
 
 # Stops the configure with a message naming the torch found, where it is, the
 # range, and what to do, unless TPCOMM_TORCH_UNTESTED is on (then a warning).
+# Sets TPCOMM_TORCH_MINOR ("2.14") for the caller.
 function(tpcomm_check_torch_range version where)
   string(REGEX MATCH "^[0-9]+\\.[0-9]+" minor "${version}")
+  set(TPCOMM_TORCH_MINOR "${minor}" PARENT_SCOPE)
   if(minor AND minor VERSION_GREATER_EQUAL TPCOMM_TORCH_MIN AND minor VERSION_LESS TPCOMM_TORCH_BELOW)
     return()
   endif()

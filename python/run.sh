@@ -40,7 +40,9 @@ cd "$root"
 # line and CMakeLists.txt's range admit exactly these minors).
 supported_torch=(2.15.0 2.14.0 2.13.0 2.12.0 2.11.0)
 torch_version="${TPCOMM_TORCH:-${supported_torch[0]}}"
-if [[ ! "$torch_version" =~ ^2\.1[1-5]\.[0-9]+$ ]]; then
+# Any release of a supported minor (2.15.1 too).
+if [[ ! "$torch_version" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ \
+  || " ${supported_torch[*]%.*} " != *" ${torch_version%.*} "* ]]; then
   echo "[run.sh] TPCOMM_TORCH=$torch_version: tpcomm supports torch 2.11 through 2.15" \
     "(e.g. TPCOMM_TORCH=2.11.0); unset, it uses ${supported_torch[0]}" >&2
   exit 2

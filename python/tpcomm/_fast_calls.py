@@ -107,8 +107,8 @@ def install():
     recognise, and names imported before tpcomm take the direct route too.
     Not on a torch laid out otherwise (ground_problem; replacing torch's
     function object instead would break torch.compile for names imported
-    earlier): its calls keep torch's route, and tpcomm's hooks say why. TPCOMM_DIRECT_CALLS=0 is
-    honoured by the groups' handles (_C._fast_handle), made at each group's
+    earlier): its calls keep torch's route, and tpcomm's hooks say why.
+    TPCOMM_DIRECT_CALLS=0 is honoured by the groups' handles (_C._fast_handle), made at each group's
     first call: reading settings here, at import, would freeze them before
     the program set its environment."""
     global _torch_all_reduce

@@ -101,11 +101,7 @@ def _wrap(name, original):
 def ground_problem(module, name):
     """Empty when `module` (torch.distributed.distributed_c10d) has the
     collective `name` as the front door expects (a Python function with a
-    `group` argument, and the group helpers the refusal report uses), else
-    what differs."""
-    for helper in ("_rank_not_in_group", "_get_default_group"):
-        if not callable(getattr(module, helper, None)):
-            return f"torch.distributed has no {helper}"
+    `group` argument), else what differs."""
     original = getattr(module, name, None)
     if original is None:
         return f"torch.distributed has no {name}"
@@ -130,6 +126,12 @@ def install():
         from torch.distributed._functional_collectives import traceable_collective_remaps
     except ImportError:  # pragma: no cover - torch without functional collectives
         traceable_collective_remaps = {}
+    # The group helpers every refusal report uses.
+    for helper in ("_rank_not_in_group", "_get_default_group"):
+        if not callable(getattr(c10d, helper, None)):
+            _hooks.set_status("front_door", (
+                f"off: torch.distributed has no {helper}; refusals before tpcomm reach no peer"))
+            return
     unwrapped = []
     for name in _COLLECTIVES:
         original = getattr(c10d, name, None)
