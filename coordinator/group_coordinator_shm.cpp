@@ -62,13 +62,13 @@ void GroupCoordinator::setUpHierLocked(const CpuShmSetup& setup, const CpuShmCon
     BackendFactory factory = [this](const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                     int size, std::chrono::milliseconds timeout) {
       c10::intrusive_ptr<c10d::Backend> made;
-      fault_->addGlooSockets(
-          GlooSockets::around([&] { made = cpuFactory_(store, rank, size, timeout); }, store));
+      made = cpuFactory_(store, rank, size, timeout);
+      fault_->addGlooSockets(GlooSockets::ofGroup(store, rank, size));
       if (made) made->setGroupUid(options_.groupName + ":hosts:tpcomm-internal");
       return made;
     };
-    hier = setUpHier(*cpu_, factory, store_, rank(), size(), setup.hosts, agreed,
-                     options_.timeout, setup.requiredBy);
+    hier = setUpHier(*cpu_, factory, store_, rank(), size(), setup.hosts, agreed, options_.timeout,
+                     setup.requiredBy);
   } catch (const Error& e) {
     if (e.code() == ErrorCode::kInvalidUsage) shmError_ = shmReason_ = e.what();
     throw;

@@ -224,6 +224,11 @@ void GroupFault::addGlooSockets(const GlooSockets& sockets) {
   if (released_) sockets.shutdownAll();
 }
 
+GlooSockets GroupFault::glooSockets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return sockets_;
+}
+
 void GroupFault::flush() {
   std::vector<std::string> out;
   {

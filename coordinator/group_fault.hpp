@@ -14,7 +14,9 @@
 // mismatch the route found on every rank) breaks nothing.
 //
 // How the ranks learn it (one store key per group, `tpcomm/faults`, lines
-// appended; the group's store reaches every host):
+// appended; the group's store reaches every host, and is its life's
+// (group_life.hpp): the lines of an earlier group made under the same name
+// on the same store never reach this one):
 //  - "B <rank> <why>": the group broke on <rank>;
 //  - "R <rank> <seq> <op> <why>": <rank> refused collective #<seq>.
 // Once a rank knows the group broke it also shuts down the group's Gloo
@@ -44,9 +46,9 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
-#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -90,8 +92,7 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // A call in flight: `seq` its number in the group's collective (or p2p)
   // sequence, `op` a static name. `release` (may be null) is ended when the
   // group breaks. Returns the ticket leave() takes.
-  uint64_t enter(uint64_t seq, const char* op, bool p2p,
-                 std::weak_ptr<Interruptible> release = {});
+  uint64_t enter(uint64_t seq, const char* op, bool p2p, std::weak_ptr<Interruptible> release = {});
   void leave(uint64_t ticket);
 
   // This rank refused collective #seq before communicating: tells the peers
@@ -115,6 +116,8 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // shut down once the group broke (after the break is published, so that
   // a peer whose Gloo call fails at once finds the cause in the store).
   void addGlooSockets(const GlooSockets& sockets);
+  // A copy of the Gloo connections' finder (tests, describe()).
+  GlooSockets glooSockets() const;
 
   // After a call failed here: when a peer published that the group broke
   // (it aborted, its own call failed), that is the cause; reads the store
@@ -178,19 +181,19 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   std::array<Slot, 4> slots_;
   // The oldest call in flight, slots and calls_ alike (mutex_ held).
   std::optional<Call> oldestLocked() const;
-  uint64_t nextTicket_ = 1;            // by mutex_
+  uint64_t nextTicket_ = 1;                   // by mutex_
   std::map<uint64_t, std::string> toSettle_;  // by mutex_: refused calls (seq -> op) to settle
   std::set<uint64_t> ownRefusals_;            // by mutex_: every collective refused here
-  std::vector<std::string> outbox_;    // by mutex_: lines for the watchdog to append
-  std::atomic<uint64_t> startedSeq_{0};  // the highest collective entered or refused
-  std::atomic<uint64_t> lastSeq_{0};     // the last collective that left
+  std::vector<std::string> outbox_;           // by mutex_: lines for the watchdog to append
+  std::atomic<uint64_t> startedSeq_{0};       // the highest collective entered or refused
+  std::atomic<uint64_t> lastSeq_{0};          // the last collective that left
   std::atomic<const char*> lastOp_{""};
   // Held while the releaser runs, so that clearing it waits for a release.
   std::mutex releaseMutex_;
   std::function<void(const std::string&)> releaser_;  // by releaseMutex_
   std::function<bool()> deviceProbe_;                 // by releaseMutex_
-  GlooSockets sockets_;  // by mutex_
-  bool released_ = false;  // by mutex_
+  GlooSockets sockets_;                               // by mutex_
+  bool released_ = false;                             // by mutex_
   // Publishes the queued lines (waiting at most a second for the store),
   // then release()s.
   void flush();

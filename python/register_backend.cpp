@@ -8,6 +8,7 @@
 #include "backend/flight_record.hpp"
 #include "backend/process_group_tpcomm.hpp"
 #include "coordinator/common/settings.hpp"
+#include "coordinator/group_life.hpp"
 #include "custom_allreduce/custom_allreduce.hpp"
 
 namespace py = pybind11;
@@ -83,21 +84,21 @@ tensors through the device backend (NCCL), created on first use.)")
       .def("_set_global_ranks", &backend::ProcessGroupTpcomm::setGlobalRanks, py::arg("ranks"),
            "The group's global ranks (for the flight recorder's group table).")
       .def(
-          "_set_cpu_sockets",
-          [](backend::ProcessGroupTpcomm& self, const std::vector<std::pair<int, uint64_t>>& before,
-             const std::vector<std::pair<int, uint64_t>>& after,
-             const c10::intrusive_ptr<c10d::Store>& store) {
-            auto convert = [](const std::vector<std::pair<int, uint64_t>>& list) {
-              std::vector<coord::SocketFd> out;
-              for (const auto& [fd, inode] : list) out.push_back(coord::SocketFd{fd, inode});
-              return out;
-            };
+          "_set_gloo_store",
+          [](backend::ProcessGroupTpcomm& self, const c10::intrusive_ptr<c10d::Store>& store) {
             self.coordinator().fault().addGlooSockets(
-                coord::GlooSockets::opened(convert(before), convert(after), store));
+                coord::GlooSockets::ofGroup(store, self.getRank(), self.getSize()));
           },
-          py::arg("before"), py::arg("after"), py::arg("store"),
-          "The TCP sockets (_C._tcp_sockets() before and after) the group's Gloo group opened: "
-          "shut down when the group breaks.")
+          py::arg("store"), py::call_guard<py::gil_scoped_release>(),
+          "The store the group's Gloo group was made with: its ranks' listening addresses there "
+          "tell its connections, shut down when the group breaks.")
+      .def_property_readonly(
+          "_gloo_connections",
+          [](backend::ProcessGroupTpcomm& self) {
+            const auto sockets = self.coordinator().fault().glooSockets();
+            return py::make_tuple(sockets.connections(), sockets.problem());
+          },
+          "(descriptors of the group's Gloo connections open now, why some are not known or '').")
       .def("_refuse", &backend::ProcessGroupTpcomm::refuseFromPython, py::arg("op"), py::arg("why"),
            py::call_guard<py::gil_scoped_release>(),
            "torch.distributed's front door refused a collective on this group before it reached "
@@ -303,6 +304,10 @@ tensors through the device backend (NCCL), created on first use.)")
           "reset_stats", [](backend::ProcessGroupTpcomm& self) { self.coordinator().resetStats(); },
           "Sets every route's counters back to zero.");
 
+  m.def("_agree_on_life", &coord::agreeOnLife, py::arg("store"), py::arg("rank"), py::arg("size"),
+        py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
+        "Collective: the id every rank of a group being made agrees on, under which the "
+        "group's store keys live (coordinator/group_life.hpp).");
   m.def(
       "_fr_rename_internal", [] { backend::FlightRecord::get().renameInternal(); },
       "Renames the flight recorder's entries of tpcomm's own Gloo groups for torchfrtrace.");
@@ -320,14 +325,6 @@ tensors through the device backend (NCCL), created on first use.)")
       "The C++ hooks into torch's internals: 'on (...)' or 'off: <why>' each.");
   m.def("_gloo_ground_of", &coord::GlooSockets::groundOf, py::arg("fd_dir"),
         "The Gloo connection finder's check against a descriptor folder: '' or why it fails.");
-  m.def(
-      "_tcp_sockets",
-      [] {
-        std::vector<std::pair<int, uint64_t>> out;
-        for (const auto& s : coord::GlooSockets::snapshot()) out.emplace_back(s.fd, s.inode);
-        return out;
-      },
-      "This process's TCP socket descriptors and their inodes.");
   m.def(
       "settings",
       [] {

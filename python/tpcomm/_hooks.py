@@ -14,7 +14,9 @@ torch may lay out differently from one release to the next:
   its layout.
 - ``gloo_connections``: the finder of a Gloo group's connections, shut down
   when the group breaks (``coordinator/gloo_sockets``): the process's
-  descriptors under ``/proc/self/fd``.
+  descriptors under ``/proc/self/fd``, told by the listening addresses
+  the group's ranks exchanged through its store (checked per group too:
+  ``_gloo_connections`` of a group's backend says why where it is not).
 
 Each checks, when it is set up, that torch (or the system) is laid out as it
 expects. Where it is not, that feature stays off and says why here (in

@@ -32,9 +32,12 @@ def _route_source(host):
         return None
 
 
-def gloo_devices(store):
-    """The network devices of a tpcomm group's Gloo traffic (its CPU group,
-    and the sub-groups between hosts):
+def gloo_device_maker(store):
+    """Makes the network devices of a tpcomm group's Gloo traffic (its CPU
+    group, and the sub-groups between hosts or of a split), a new set per
+    call: every Gloo group has a listener of its own, by whose address its
+    connections are told apart (coordinator/gloo_sockets.hpp). The
+    interface is
     - GLOO_SOCKET_IFNAME (comma-separated interface names), as torch's gloo;
     - else, when the group's store is a TCPStore at an address other than
       loopback, this host's address on the route to that store: the address
@@ -43,15 +46,15 @@ def gloo_devices(store):
       and torch's default then falls back to loopback, which no other host
       can reach);
     - else torch's default (the host name's address, else loopback)."""
-    names = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    names = [n for n in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if n]
     if names:
-        return [dist.ProcessGroupGloo.create_device(interface=n) for n in names.split(",") if n]
+        return lambda: [dist.ProcessGroupGloo.create_device(interface=n) for n in names]
     host = _store_host(store)
     if host:
         source = _route_source(host)
         if source and not ipaddress.ip_address(source.split("%")[0]).is_loopback:
-            return [dist.ProcessGroupGloo.create_device(hostname=source)]
-    return [dist.ProcessGroupGloo.create_default_device()]
+            return lambda: [dist.ProcessGroupGloo.create_device(hostname=source)]
+    return lambda: [dist.ProcessGroupGloo.create_default_device()]
 
 
 def free_port():

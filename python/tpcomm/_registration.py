@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from tpcomm import _C, _fast_calls, _front_door
-from tpcomm._net import gloo_devices
+from tpcomm._net import gloo_device_maker
 
 BACKEND_NAME = "tpcomm"
 
@@ -22,37 +22,40 @@ def _make_device_backend(store, rank, size, timeout):
     return dist.ProcessGroupNCCL(store, rank, size, opts)
 
 
-def _gloo_factory(devices):
-    """Makes Gloo groups (store, rank, size, timeout) on `devices`: the Gloo
-    sub-groups of a group whose ranks sit on several hosts, on the network
-    interface of the group's own Gloo group."""
+def _gloo_factory(make_devices):
+    """Makes Gloo groups (store, rank, size, timeout), each on devices of its
+    own from `make_devices`: the Gloo sub-groups of a group whose ranks sit
+    on several hosts and of its splits, on the network interface of the
+    group's own Gloo group."""
     def make(store, rank, size, timeout):
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = timeout
-        opts._devices = devices
+        opts._devices = make_devices()
         return dist.ProcessGroupGloo(store, rank, size, opts)
     return make
 
 
 def _create_backend(dist_opts, backend_options):
     """Creator called by init_process_group / new_group (extended API)."""
-    store = dist_opts.store
     rank, size = dist_opts.group_rank, dist_opts.group_size
     timeout = dist_opts.timeout
-    opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
-    opts._devices = gloo_devices(store)
-    # The sockets Gloo opens are shut down if the group breaks (abort, a
-    # failure): the peers' Gloo calls then fail at once.
-    sockets_before = _C._tcp_sockets()
-    cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu/", store), rank, size, opts)
-    sockets_after = _C._tcp_sockets()
+    # Every key of the group (its Gloo group's rendezvous, its faults) under
+    # the prefix of this life of the group: nothing of a group made earlier
+    # under the same name on the same store reaches it.
+    life = _C._agree_on_life(dist_opts.store, rank, size, timeout)
+    store = dist.PrefixStore(f"tpcomm-life-{life}", dist_opts.store)
+    make_devices = gloo_device_maker(store)
+    cpu_store = dist.PrefixStore("cpu/", store)
+    cpu = _gloo_factory(make_devices)(cpu_store, rank, size, timeout)
     device_factory = _make_device_backend if dist.is_nccl_available() else None
     pg = _C.ProcessGroupTpcomm(
         store, rank, size, timeout, dist_opts.group_id or "", cpu, device_factory,
-        _gloo_factory(opts._devices),
+        _gloo_factory(make_devices),
     )
-    pg._set_cpu_sockets(sockets_before, sockets_after, store)
+    # The group's Gloo connections, told by the listening addresses its
+    # ranks exchanged there, are shut down if the group breaks (abort, a
+    # failure): the peers' Gloo calls then fail at once.
+    pg._set_gloo_store(cpu_store)
     pg._set_global_ranks([int(r) for r in (dist_opts.global_ranks_in_group or range(size))])
     return pg
 

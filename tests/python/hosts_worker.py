@@ -199,6 +199,44 @@ def case_ddp(out):
     out["stats"] = tpcomm.stats()
 
 
+def case_serving(out):
+    """A program's own connections (an echo server and a client thread that
+    keeps opening connections to it) while the first allreduce makes the
+    Gloo groups between hosts; then rank 0 aborts the group: only the
+    group's Gloo connections are shut down."""
+    from tpcomm.bench.serving import EchoTraffic, inode_of, shut_down
+
+    echo = EchoTraffic()
+    echo.start_clients(every_s=0.0005, limit=300)
+    time.sleep(0.02)
+    before = echo.opened
+    x = torch.ones(64)
+    dist.all_reduce(x)  # the lazy set-up across hosts
+    out["during"] = echo.opened - before
+    echo.stop_clients()
+    out["sum"] = x
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    fds, out["problem"] = backend._gloo_connections
+    inodes = {fd: inode_of(fd) for fd in fds}
+    out["gloo"] = len(fds)
+    out["overlap"] = sorted(set(fds) & echo.fds())
+    if RANK == 0:
+        time.sleep(0.3)
+        backend.abort()
+    else:
+        try:
+            dist.all_reduce(torch.ones(256))
+            out["error"] = None
+        except Exception as e:  # noqa: BLE001
+            out["error"] = f"{type(e).__name__}: {e}"
+    deadline = time.monotonic() + 10
+    while not all(shut_down(fd, i) for fd, i in inodes.items()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out["shut"] = all(shut_down(fd, i) for fd, i in inodes.items())
+    out["broken"] = echo.broken()
+    echo.close()
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

@@ -244,6 +244,24 @@ def test_a_rank_that_refuses_or_aborts_is_named_by_every_rank_across_hosts(case,
         assert o["later"] is not None and "the group is unusable" in o["later"], o
 
 
+def test_a_break_shuts_down_only_the_groups_connections_across_hosts(tmp_path):
+    """The lazy set-up across hosts while the program opens connections
+    (test_serving.py for the groups on one host)."""
+    outs = completed(LAYOUTS["2x2"], "serving", tmp_path)
+    for r, out in enumerate(outs):
+        assert out["during"] > 0, (r, out["during"])
+        assert out["problem"] == "", out["problem"]
+        # Its own Gloo group (3 peers) and the one between hosts of the
+        # ranks of its place on their host (1 peer).
+        assert out["gloo"] == 4, (r, out["gloo"])
+        assert out["overlap"] == [], (r, out["overlap"])
+        assert out["shut"], r
+        assert out["broken"] == [], (r, out["broken"])
+        if r:
+            assert out["error"] is not None and "rank 0 aborted the group" in out["error"], out
+        assert torch.equal(out["sum"], torch.full((64,), 4.0))
+
+
 def test_message_queue_with_readers_on_several_hosts(tmp_path):
     outs = completed(LAYOUTS["2x2"], "message_queue", tmp_path)
     for o in outs:

@@ -1,0 +1,42 @@
+#pragma once
+// A group's life: what tells one making of a group from an earlier one made
+// under the same name on the same store (a replica that rejoins, a second
+// init_process_group on the same store object). Every store key tpcomm and
+// its Gloo groups write lives under the life's prefix, so that nothing of
+// an earlier life (fault lines, positions, Gloo's rendezvous records, which
+// would connect a new group to an old one's listener) reaches a new one.
+//
+// The ranks agree on it through the group's store, before anything else of
+// the group is made:
+//   rank 0:   picks a random id, sets "tpcomm/life" to it, waits for
+//             "tpcomm/life-done/<id>", sets "tpcomm/life-ok/<id>", then
+//             deletes "tpcomm/life", "-read/<id>" and "-done/<id>";
+//   the rest: wait for "tpcomm/life", read the id, add 1 to
+//             "tpcomm/life-read/<id>" (the last to read sets
+//             "tpcomm/life-done/<id>"), and wait for "tpcomm/life-ok/<id>";
+//             an id that "tpcomm/life" no longer holds meanwhile (one a rank
+//             0 that died while making an earlier life left behind) is
+//             dropped for the one it holds now.
+// Rank 0 deletes the id only after every rank read it, and before it makes
+// the group's Gloo group, which no rank completes without it: so a rank
+// that asks for the next life (after it made this one) never reads this
+// life's id. Every wait is bounded by the group's timeout.
+
+#include <chrono>
+#include <string>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace tpcomm::coord {
+
+// The life every rank of a group of `size` made through `store` agrees on
+// (16 hex digits). Collective. Throws kTimeout when a rank does not take
+// part within `timeout`.
+std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                        std::chrono::milliseconds timeout);
+
+// `store` with every key under the life's prefix ("tpcomm-life-<life>/").
+c10::intrusive_ptr<c10d::Store> storeOfLife(const c10::intrusive_ptr<c10d::Store>& store,
+                                            const std::string& life);
+
+}  // namespace tpcomm::coord
