@@ -107,8 +107,8 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
         // rank called what.
         const bool routed = coord::RouteStats::lastRoute().has_value() ||
                             coord::GroupCoordinator::debugChecksOnThisThread() != checksBefore;
-        const std::string dumped = flight.id.id && routed ? FlightRecord::get().dumpAfterFailure()
-                                                          : std::string();
+        const std::string dumped =
+            flight.id.id && routed ? FlightRecord::get().dumpAfterFailure() : std::string();
         if (!p2p && !routed) {
           if (coordinator_->options().debugChecks) {
             // TPCOMM_DEBUG: the check runs with the refusal as this rank's
@@ -176,6 +176,7 @@ WorkPtr ProcessGroupTpcomm::broadcast(std::vector<at::Tensor>& tensors,
       [&] {
         checkSingle("broadcast", "tensors", tensors);
         checkRank("broadcast", "root rank", opts.rootRank, size_);
+        coordinator_->fault().noteRoot(opts.rootRank);
         checkRootTensor("broadcast", opts.rootTensor, tensors.size());
         return coordinator_->broadcast(tensors, opts);
       });
@@ -272,6 +273,7 @@ WorkPtr ProcessGroupTpcomm::reduce(std::vector<at::Tensor>& tensors,
       [&] {
         checkSingle("reduce", "tensors", tensors);
         checkRank("reduce", "root rank", opts.rootRank, size_);
+        coordinator_->fault().noteRoot(opts.rootRank);
         checkRootTensor("reduce", opts.rootTensor, tensors.size());
         checkReduceOp("reduce", opts.reduceOp, tensors[0].scalar_type());
         return coordinator_->reduce(tensors, opts);
@@ -380,6 +382,7 @@ WorkPtr ProcessGroupTpcomm::gather(std::vector<std::vector<at::Tensor>>& outputs
       [&] {
         checkSingle("gather", "input tensors", inputs);
         checkRank("gather", "root rank", opts.rootRank, size_);
+        coordinator_->fault().noteRoot(opts.rootRank);
         if (opts.rootRank == rank_) {
           checkLength("gather", "output tensor lists on the root", outputs.size(), 1);
           checkLength("gather", "the gather list", outputs[0].size(), size_);
@@ -409,6 +412,7 @@ WorkPtr ProcessGroupTpcomm::scatter(std::vector<at::Tensor>& outputs,
       [&] {
         checkSingle("scatter", "output tensors", outputs);
         checkRank("scatter", "root rank", opts.rootRank, size_);
+        coordinator_->fault().noteRoot(opts.rootRank);
         if (opts.rootRank == rank_) {
           checkLength("scatter", "input tensor lists on the root", inputs.size(), 1);
           checkLength("scatter", "the scatter list", inputs[0].size(), size_);

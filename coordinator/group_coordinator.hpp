@@ -204,12 +204,12 @@ class GroupCoordinator {
     bool setUp = false;
     bool available = false;
     std::string reason;
-    std::string mode;       // auto, 0, 1
-    std::string reduceIsa;  // the reductions' kernels (avx512, avx2, portable)
-    std::string memfd;      // how the region's memfd was made (set up only)
-    int64_t spinUs = -1;    // the waits' polling window (set up only)
-    bool yields = true;     // whether they yield the core while polling
-    int threads = 1;        // threads per rank for large calls (set up only)
+    std::string mode;          // auto, 0, 1
+    std::string reduceIsa;     // the reductions' kernels (avx512, avx2, portable)
+    std::string memfd;         // how the region's memfd was made (set up only)
+    int64_t spinUs = -1;       // the waits' polling window (set up only)
+    bool yields = true;        // whether they yield the core while polling
+    int threads = 1;           // threads per rank for large calls (set up only)
     uint64_t bufferBytes = 0;  // the chunk in force (set up only)
     // A group across hosts (set up only): the hosts, and why the
     // hierarchical path is or is not used.
@@ -259,6 +259,9 @@ class GroupCoordinator {
   const std::shared_ptr<GroupFault>& faultState() const { return fault_; }
 
  private:
+  // Breaks the group when a framed recv finds its send mismatched
+  // (framed_p2p.hpp); holds the fault weakly.
+  std::function<void(const std::string&)> mismatchBreaker() const;
   // Hands the fault state what a break releases (the routes' paths, the
   // Gloo group kept alive) and the device probe (the custom kernel).
   void watchFaults();
@@ -326,8 +329,8 @@ class GroupCoordinator {
   mutable std::mutex deviceMutex_;
   c10::intrusive_ptr<c10d::Backend> device_;
   CustomDeviceFactory customDeviceFactory_;
-  std::optional<at::Device> cudaDevice_;             // guarded by deviceMutex_
-  std::shared_ptr<CustomPath> custom_;               // guarded by deviceMutex_
+  std::optional<at::Device> cudaDevice_;  // guarded by deviceMutex_
+  std::shared_ptr<CustomPath> custom_;    // guarded by deviceMutex_
   // custom_.get() once set up and available: the fault releaser's and the
   // watchdog's (they never take deviceMutex_, which a set-up holds while it
   // waits for the peers).

@@ -1,5 +1,7 @@
 // GroupCoordinator: send and recv, through TPCOMM_DEBUG's check of both
-// sides (debug_p2p.hpp) on the CPU route when it is on.
+// sides (debug_p2p.hpp) on the CPU route when it is on, framed
+// (framed_p2p.hpp) on the CPU route otherwise.
+#include "coordinator/framed_p2p.hpp"
 #include "coordinator/group_coordinator.hpp"
 #include "coordinator/routed_call.hpp"
 
@@ -16,6 +18,12 @@ Pending checked(c10::intrusive_ptr<c10d::Work> work, std::vector<at::Tensor> out
 
 }  // namespace
 
+std::function<void(const std::string&)> GroupCoordinator::mismatchBreaker() const {
+  return [fault = std::weak_ptr<GroupFault>(fault_)](const std::string& why) {
+    if (auto f = fault.lock()) f->breakGroup(why);
+  };
+}
+
 Pending GroupCoordinator::send(std::vector<at::Tensor>& tensors, int dstRank, int tag) {
   const Route route = routeFor(tensors[0]);
   auto moved = carried(route, tensors);
@@ -26,6 +34,10 @@ Pending GroupCoordinator::send(std::vector<at::Tensor>& tensors, int dstRank, in
                                 return cpu->send(moved, peer, tag);
                               }),
                    {});
+  }
+  if (route == Route::kCpu) {
+    stats_.record(StatsRoute::kGloo, bytesOf(tensors));
+    return withoutFutureOnCpu(route, passThrough(framedSend(cpu_, tensors[0], dstRank, tag), {}));
   }
   return withoutFutureOnCpu(
       route, passThrough(backendFor(route, bytesOf(tensors)).send(moved, dstRank, tag), {}));
@@ -42,6 +54,12 @@ Pending GroupCoordinator::recv(std::vector<at::Tensor>& tensors, int srcRank, in
                               }),
                    tensors);
   }
+  if (route == Route::kCpu) {
+    stats_.record(StatsRoute::kGloo, bytesOf(tensors));
+    return withoutFutureOnCpu(
+        route, passThrough(framedRecv(cpu_, tensors[0], srcRank, tag, rank(), mismatchBreaker()),
+                           tensors));
+  }
   return withoutFutureOnCpu(
       route, passThrough(backendFor(route, bytesOf(tensors)).recv(moved, srcRank, tag), tensors));
 }
@@ -57,6 +75,12 @@ Pending GroupCoordinator::recvAnysource(std::vector<at::Tensor>& tensors, int ta
                                          return cpu->recv(moved, peer, tag);
                                        }),
                    tensors);
+  }
+  if (route == Route::kCpu) {
+    stats_.record(StatsRoute::kGloo, bytesOf(tensors));
+    return withoutFutureOnCpu(
+        route,
+        passThrough(framedRecv(cpu_, tensors[0], -1, tag, rank(), mismatchBreaker()), tensors));
   }
   return withoutFutureOnCpu(
       route, passThrough(backendFor(route, bytesOf(tensors)).recvAnysource(moved, tag), tensors));

@@ -167,7 +167,8 @@ std::optional<GroupFault::Call> GroupFault::oldestLocked() const {
   for (const auto& slot : slots_) {
     const uint64_t seq = slot.seq.load(std::memory_order_acquire);
     if (seq == 0 || seq == kClaimed) continue;
-    const auto start = Clock::time_point(Clock::duration(slot.startNs.load(std::memory_order_acquire)));
+    const auto start =
+        Clock::time_point(Clock::duration(slot.startNs.load(std::memory_order_acquire)));
     if (!oldest || start < oldest->start) {
       oldest = Call{0, seq, slot.op.load(std::memory_order_relaxed), false, start, {}};
     }
@@ -175,9 +176,7 @@ std::optional<GroupFault::Call> GroupFault::oldestLocked() const {
   return oldest;
 }
 
-bool GroupFault::refusedHereLocked(uint64_t seq) const {
-  return ownRefusals_.count(seq) != 0;
-}
+bool GroupFault::refusedHereLocked(uint64_t seq) const { return ownRefusals_.count(seq) != 0; }
 
 void GroupFault::refused(uint64_t seq, const char* op, const std::string& why) {
   if (size_ < 2) return;
@@ -334,8 +333,9 @@ void GroupFault::checkBeforeCall(const char* op) {
       for (int r = 0; r < size_; ++r) {
         if (!refusedToo[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
       }
-      breakGroup(detail::concat("rank ", rank_, " refused ", refusedOp, " #", seq,
-                                " and ranks ", missing, " neither refused it nor reported "
+      breakGroup(detail::concat("rank ", rank_, " refused ", refusedOp, " #", seq, " and ranks ",
+                                missing,
+                                " neither refused it nor reported "
                                 "being in it within the group's timeout"));
       TPCOMM_THROW(kTimeout, "before ", op, ": ", reason());
     }
@@ -358,7 +358,9 @@ void GroupFault::checkBeforeCall(const char* op) {
 void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAfter) {
   flush();
   bool stuck = false, deviceOnly = false;
-  std::string position, stuckIn;
+  std::string position, stuckIn, stuckOp;
+  uint64_t stuckSeq = 0;
+  int stuckRoot = -1;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     const std::optional<Call> oldest = oldestLocked();
@@ -368,7 +370,14 @@ void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAft
       const int64_t sinceMs =
           wallMs() -
           std::chrono::duration_cast<std::chrono::milliseconds>(now - oldest->start).count();
+      const uint64_t rooted = rootOfSeq_.load(std::memory_order_relaxed);
+      if (!oldest->p2p && (rooted >> 16) == oldest->seq && (rooted & 0xffff) != 0) {
+        stuckRoot = static_cast<int>(rooted & 0xffff) - 1;
+        stuckOp = oldest->op;
+        stuckSeq = oldest->seq;
+      }
       position = detail::concat("in ", oldest->op, " #", oldest->seq, oldest->p2p ? " (p2p)" : "",
+                                stuckRoot >= 0 ? detail::concat(" (root ", stuckRoot, ")") : "",
                                 " since ", sinceMs);
     } else if (!publishedPosition_.empty() && publishedPosition_.rfind("in ", 0) == 0) {
       position = detail::concat("after ", lastOp_.load(), " #", lastSeq_.load());
@@ -405,6 +414,9 @@ void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAft
     }
     if (!stuck || broken()) return;
     found = causeIn(readLines());
+    if (found.first.empty() && stuckRoot >= 0) {
+      found = {rootMismatch(stuckOp, stuckSeq, stuckRoot), true};
+    }
   } catch (const std::exception& e) {
     // The store's host (usually rank 0) is gone: nothing will answer this
     // rank's call either. Asked once (the store logs every failed request).
@@ -415,14 +427,32 @@ void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAft
       std::string what = e.what();
       what = what.substr(0, what.find('\n'));
       breakFrom(detail::concat("the group's store stopped answering (", what, ") while rank ",
-                               rank_, " was in ", stuckIn,
-                               ": the rank that hosts it may be gone"),
+                               rank_, " was in ", stuckIn, ": the rank that hosts it may be gone"),
                 false);
     }
     return;
   }
   // A peer's break is in the store already; a refusal found here is news.
   if (!found.first.empty()) breakFrom(found.first, found.second);
+}
+
+std::string GroupFault::rootMismatch(const std::string& op, uint64_t seq, int root) {
+  const std::string same = detail::concat("in ", op, " #", seq, " (root ");
+  for (int r = 0; r < size_; ++r) {
+    if (r == rank_) continue;
+    const std::string key = positionKey(r);
+    if (!store_->check({key})) continue;
+    const auto bytes = store_->get(key);
+    const std::string value(bytes.begin(), bytes.end());
+    if (value.rfind(same, 0) != 0) continue;
+    const int theirs = std::atoi(value.c_str() + same.size());
+    if (theirs != root) {
+      return detail::concat("rank ", r, " called ", op, " #", seq, " with root ", theirs,
+                            " and rank ", rank_, " with root ", root,
+                            ": every rank must give a rooted collective the same root");
+    }
+  }
+  return "";
 }
 
 std::pair<std::string, bool> GroupFault::causeIn(const std::vector<Line>& lines) {
@@ -481,33 +511,34 @@ std::string GroupFault::positions(const char* op, uint64_t seq) const {
   }
   const bool wasBroken = broken();
   auto self = shared_from_this();
-  std::string peers = withinOneSecond([self] {
-    std::string text;
-    try {
-      const int64_t now = wallMs();
-      int said = 0;
-      for (int r = 0; r < self->size_ && said < 32; ++r) {
-        if (r == self->rank_) continue;
-        const std::string key = positionKey(r);
-        if (!self->store_->check({key})) continue;
-        const auto bytes = self->store_->get(key);
-        std::string value(bytes.begin(), bytes.end());
-        const size_t since = value.find(" since ");
-        if (since != std::string::npos) {
-          const int64_t start = std::strtoll(value.c_str() + since + 7, nullptr, 10);
-          value = value.substr(0, since) + " for " + secondsText(now - start);
+  std::string peers =
+      withinOneSecond([self] {
+        std::string text;
+        try {
+          const int64_t now = wallMs();
+          int said = 0;
+          for (int r = 0; r < self->size_ && said < 32; ++r) {
+            if (r == self->rank_) continue;
+            const std::string key = positionKey(r);
+            if (!self->store_->check({key})) continue;
+            const auto bytes = self->store_->get(key);
+            std::string value(bytes.begin(), bytes.end());
+            const size_t since = value.find(" since ");
+            if (since != std::string::npos) {
+              const int64_t start = std::strtoll(value.c_str() + since + 7, nullptr, 10);
+              value = value.substr(0, since) + " for " + secondsText(now - start);
+            }
+            text += detail::concat("; rank ", r, ": ", value);
+            ++said;
+          }
+          if (said == 0) text = "; no peer has waited in a call of this group";
+        } catch (const std::exception& e) {
+          // c10's errors carry a stack trace after their first line.
+          const std::string what = e.what();
+          text = "; the peers' positions are unreadable: " + what.substr(0, what.find('\n'));
         }
-        text += detail::concat("; rank ", r, ": ", value);
-        ++said;
-      }
-      if (said == 0) text = "; no peer has waited in a call of this group";
-    } catch (const std::exception& e) {
-      // c10's errors carry a stack trace after their first line.
-      const std::string what = e.what();
-      text = "; the peers' positions are unreadable: " + what.substr(0, what.find('\n'));
-    }
-    return text;
-  }).value_or("; the store did not answer within 1 s");
+        return text;
+      }).value_or("; the store did not answer within 1 s");
   if (wasBroken) {
     std::lock_guard<std::mutex> lock(mutex_);
     if (brokenPositions_.empty()) brokenPositions_ = peers;

@@ -34,7 +34,9 @@
 // with a peer's call that it refused.
 //
 // Positions: while a call waits longer than TPCOMM_WATCHDOG_MS the rank
-// publishes where it is ("tpcomm/pos/<rank>": op, call number, since when),
+// publishes where it is ("tpcomm/pos/<rank>": op, call number, its root for
+// a rooted collective, since when; ranks in the same rooted call with
+// different roots break the group naming both),
 // and where it went after; a failed call's error reads the peers' (bounded
 // by one second) and names them: "rank 1: in allreduce #1042 for 3.1 s".
 //
@@ -94,6 +96,16 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // group breaks. Returns the ticket leave() takes.
   uint64_t enter(uint64_t seq, const char* op, bool p2p, std::weak_ptr<Interruptible> release = {});
   void leave(uint64_t ticket);
+  // The root of the collective this thread just entered (broadcast, reduce,
+  // gather, scatter): published with its position while it waits, so that
+  // ranks in the same call with different roots find it (visit()) and
+  // break the group naming both, instead of waiting out the timeout. Two
+  // relaxed stores.
+  void noteRoot(int root) {
+    rootOfSeq_.store(startedSeq_.load(std::memory_order_relaxed) << 16 |
+                         (static_cast<uint64_t>(root + 1) & 0xffff),
+                     std::memory_order_relaxed);
+  }
 
   // This rank refused collective #seq before communicating: tells the peers
   // (a peer in that call breaks the group) and makes this rank's next call
@@ -208,6 +220,11 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // The watchdog thread's own: the position this rank last published, and
   // whether the store stopped answering (then it is not asked again).
   std::string publishedPosition_;
+  // The last rooted collective: its sequence number << 16 | root + 1.
+  std::atomic<uint64_t> rootOfSeq_{0};
+  // Another rank in the same rooted call with another root, from the
+  // peers' positions: the reason to break the group, or "".
+  std::string rootMismatch(const std::string& op, uint64_t seq, int root);
   bool storeLost_ = false;
   // Since when the device probe has said "pending" without a break (the
   // watchdog's own; unset while it says "ended").

@@ -237,6 +237,24 @@ def case_serving(out):
     echo.close()
 
 
+def case_p2p_mismatch(out):
+    """Rank 0 sends 8 floats to the last rank (on another host), which
+    expects 4: the recv raises naming both, the sender's next call too."""
+    last = WORLD - 1
+    out["error"] = out["later"] = None
+    try:
+        if RANK == 0:
+            dist.send(torch.ones(8), last)
+        elif RANK == last:
+            dist.recv(torch.zeros(4), 0)
+    except Exception as e:  # noqa: BLE001
+        out["error"] = f"{type(e).__name__}: {e}"
+    try:
+        dist.all_reduce(torch.ones(4))
+    except Exception as e:  # noqa: BLE001
+        out["later"] = f"{type(e).__name__}: {e}"
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

@@ -262,6 +262,17 @@ def test_a_break_shuts_down_only_the_groups_connections_across_hosts(tmp_path):
         assert torch.equal(out["sum"], torch.full((64,), 4.0))
 
 
+def test_a_mismatched_send_and_recv_across_hosts_raise(tmp_path):
+    """A send of 8 floats to a rank on another host that expects 4
+    (test_mismatches.py on one host): no process dies, every rank raises."""
+    why = "rank 3's recv from rank 0 (tag 0) expected 4 elements of float32 (16 B); " \
+          "rank 0 sent 8 elements of float32 (32 B)"
+    outs = completed(LAYOUTS["2x2"], "p2p_mismatch", tmp_path)
+    assert outs[3]["error"] is not None and why in outs[3]["error"], outs[3]["error"]
+    for r, out in enumerate(outs):
+        assert out["later"] is not None and why in out["later"], (r, out["later"])
+
+
 def test_message_queue_with_readers_on_several_hosts(tmp_path):
     outs = completed(LAYOUTS["2x2"], "message_queue", tmp_path)
     for o in outs:

@@ -8,6 +8,8 @@
     python -m tpcomm.bench faults [--world-sizes 2 3] [--timeout 3] [--quick]
     python -m tpcomm.bench fused [--world-sizes 2 4] [--device cpu|cuda] [--dtype bfloat16]
     python -m tpcomm.bench fr [--rounds 3] [--quick]
+    python -m tpcomm.bench p2p [--rounds 5] [--quick]
+    python -m tpcomm.bench soak [--minutes 10]
 
 One module per benchmark (tpcomm.bench.<name>), each with a run() that prints
 its figures; this package's __main__ is the command line.
@@ -20,6 +22,15 @@ arena against copying; single-thread memcpy bandwidth as the ceiling. Round trip
 broadcasts, every reader acknowledges through a queue of its own) with the
 queue's polling on and at spin 0, against Gloo, and a blocked reader's idle
 CPU (see tpcomm.bench.mq and tpcomm.bench.mq_round_trip).
+
+p2p: send/recv ping-pong, a Gloo group against a tpcomm group, whose CPU
+send/recv is framed (a header before each payload, so that a mismatched
+pair raises instead of killing the receiver; see tpcomm.bench.p2p).
+
+soak: one pair of ranks serving as an inference server would for up to ten
+minutes: groups made, used, broken and made again beside TCP clients and a
+message queue, then descriptors, threads, mappings and memory compared
+(see tpcomm.bench.soak).
 
 car: the custom allreduce on one GPU (see tpcomm.bench.car).
 

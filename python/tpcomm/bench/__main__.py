@@ -56,6 +56,9 @@ def main(argv=None):
     hf.add_argument("--rounds", type=int, default=3)
     hf.add_argument("--tokens", type=int, default=32)
     hf.add_argument("--batch", type=int, default=4)
+    p2p = sub.add_parser("p2p", help="send/recv: a Gloo group vs a tpcomm group (framed)")
+    p2p.add_argument("--rounds", type=int, default=5)
+    p2p.add_argument("--quick", action="store_true", help="fewer iterations")
     faults = sub.add_parser("faults", help="bad inputs, debug-mode mistakes, killed ranks")
     faults.add_argument("--world-sizes", type=int, nargs="+", default=[2, 3])
     faults.add_argument("--timeout", type=float, default=3.0, help="group timeout (s)")
@@ -126,6 +129,9 @@ def main(argv=None):
 
         return run_cpu(args.world_sizes, args.max_mib, args.quick, args.png, args.rounds,
                        args.dtype, args.threads, args.ops or OPS)
+    if args.what == "p2p":
+        from tpcomm.bench.p2p import run as run_p2p
+        return run_p2p(rounds=args.rounds, quick=args.quick)
     if args.what == "faults":
         from tpcomm.bench.faults import run as run_faults
 
