@@ -127,9 +127,17 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
       // A failure while the call ran in this thread (the CPU shared-memory
       // path) names the call, as a failed Work's wait() does.
       raiseCallFailure(identity(), fault, std::current_exception());
-    } catch (...) {
+    } catch (const std::exception& e) {
       // Another library's error (ATen, a routed backend's own check):
-      // raised as it is.
+      // raised as it is, unless it is Gloo's transport failing because the
+      // group broke (its connections shut down): then the break is named.
+      if (ticket) fault.leave(ticket);
+      if (!fault.broken() && std::string(e.what()).find("gloo/transport") != std::string::npos) {
+        fault.learnFromPeers();
+      }
+      if (fault.broken()) raiseCallFailure(identity(), fault, std::current_exception());
+      throw;
+    } catch (...) {
       if (ticket) fault.leave(ticket);
       throw;
     }

@@ -99,6 +99,15 @@ tensors through the device backend (NCCL), created on first use.)")
             return py::make_tuple(sockets.connections(), sockets.problem());
           },
           "(descriptors of the group's Gloo connections open now, why some are not known or '').")
+      .def(
+          "_refuse_p2p",
+          [](backend::ProcessGroupTpcomm& self, const std::string& op, const std::string& why) {
+            self.coordinator().fault().breakGroup("rank " + std::to_string(self.getRank()) +
+                                                  " refused " + op + " (" + why + ")");
+          },
+          py::arg("op"), py::arg("why"), py::call_guard<py::gil_scoped_release>(),
+          "torch.distributed's front door refused a point-to-point call on this group: its peer "
+          "waits in a call of its own, so the group breaks naming it (see README, faults).")
       .def("_refuse", &backend::ProcessGroupTpcomm::refuseFromPython, py::arg("op"), py::arg("why"),
            py::call_guard<py::gil_scoped_release>(),
            "torch.distributed's front door refused a collective on this group before it reached "

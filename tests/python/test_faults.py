@@ -213,3 +213,114 @@ def test_a_timeout_names_where_the_peers_are(groups, shm_groups, route):
     # Rank 0 gave up first.
     assert "this rank (1) in recv #1" in rank1, rank1
     assert "rank 0: after allreduce #2" in rank1 or "rank 0: in allreduce #2" in rank1, rank1
+
+
+# ------------------------------------------- refusals of torch's front door
+# Calls whose refusal torch raises before any backend is reached, seen
+# through torch's error logger (every logged function, also names imported
+# before tpcomm) or tpcomm's wrappers (isend, irecv): rank 0 makes the bad
+# call, rank 1 the good one. A collective's peer raises naming the refused
+# call; a point-to-point peer finds the group broken naming it.
+def _front_door_calls(case, dist, g):
+    x = torch.ones(4)
+    out = [torch.empty(4) for _ in range(2)]
+    unpicklable = threading.Lock()
+    return {
+        "broadcast": (lambda: dist.broadcast("x", 0, group=g),
+                      lambda: dist.broadcast(x, 0, group=g)),
+        "all_gather_into_tensor": (lambda: dist.all_gather_into_tensor(torch.empty(8), "x", group=g),
+                                   lambda: dist.all_gather_into_tensor(torch.empty(8), x, group=g)),
+        "reduce_scatter_tensor": (lambda: dist.reduce_scatter_tensor(torch.empty(4), "x", group=g),
+                                  lambda: dist.reduce_scatter_tensor(torch.empty(4), torch.ones(8),
+                                                                     group=g)),
+        "barrier": (lambda: dist.barrier(group=g, device_ids=[]), lambda: dist.barrier(group=g)),
+        "broadcast_object_list": (lambda: dist.broadcast_object_list([unpicklable], 0, group=g),
+                                  lambda: dist.broadcast_object_list([None], 0, group=g)),
+        "all_gather_object": (lambda: dist.all_gather_object([None, None], unpicklable, group=g),
+                              lambda: dist.all_gather_object([None, None], 1, group=g)),
+        "gather_object": (lambda: dist.gather_object(unpicklable, [None, None], dst=0, group=g),
+                          lambda: dist.gather_object(1, None, dst=0, group=g)),
+        "scatter_object_list": (
+            lambda: dist.scatter_object_list([None], [unpicklable, 1], src=0, group=g),
+            lambda: dist.scatter_object_list([None], None, src=0, group=g)),
+        "send_object_list": (lambda: dist.send_object_list([unpicklable], 1, group=g),
+                             lambda: dist.recv_object_list([None], 0, group=g)),
+        "send": (lambda: dist.send("x", 1, group=g), lambda: dist.recv(x, 0, group=g)),
+        "isend": (lambda: dist.isend("x", 1, group=g).wait(), lambda: dist.recv(x, 0, group=g)),
+        "all_gather": (lambda: dist.all_gather(out, "x", group=g),
+                       lambda: dist.all_gather(out, x, group=g)),
+    }[case]
+
+
+P2P_CASES = ("send_object_list", "send", "isend")
+FRONT_DOOR_CASES = ("broadcast", "all_gather_into_tensor", "reduce_scatter_tensor", "barrier",
+                    "broadcast_object_list", "all_gather_object", "gather_object",
+                    "scatter_object_list", *P2P_CASES, "all_gather")
+
+
+def _refused_by_torch(ctx, case, functions=None):
+    g = dist.new_group(backend="tpcomm")
+    dist.all_reduce(torch.ones(1), group=g)
+    bad, good = _front_door_calls(case, functions or dist, g)
+    start = time.monotonic()
+    msg = error_message(bad if ctx.rank == 0 else good)
+    seconds = time.monotonic() - start
+    later = error_message(lambda: dist.all_reduce(torch.ones(2), group=g))
+    return msg, seconds, later
+
+
+def _check_refused_by_torch(results, case):
+    bad, peer = results
+    assert bad[0] is not None and "the group is unusable" not in bad[0], bad
+    msg, seconds, later = peer
+    assert msg is not None, f"{case}: the peer did not raise"
+    # torch 2.15 logs the two deprecated names as the functions they call;
+    # send refuses inside the isend it calls.
+    names = {case, {"all_gather_into_tensor": "all_gather_single",
+                    "reduce_scatter_tensor": "reduce_scatter_single",
+                    "send": "isend"}.get(case, case)}
+    mark = " (" if case in P2P_CASES else " #"
+    assert any(f"rank 0 refused {n}{mark}" in msg for n in names), msg
+    assert seconds < 1.5, (case, seconds)  # the watchdog's 200 ms and a store read
+    for _, _, later in results:
+        assert later is not None and "the group is unusable" in later, later
+
+
+@pytest.mark.parametrize("case", FRONT_DOOR_CASES)
+def test_a_call_torch_refuses_on_one_rank_reaches_the_peer(groups, case):
+    _check_refused_by_torch(groups(2).run(_refused_by_torch, case), case)
+
+
+PRE_IMPORTED = {}
+
+
+def import_before_tpcomm():
+    """harness before_import: names taken from torch.distributed before
+    tpcomm is imported, as a program's own imports do under autoload."""
+    import types
+
+    from torch.distributed import (all_gather_object, barrier, broadcast,  # noqa: F401
+                                   broadcast_object_list, recv, send)
+
+    PRE_IMPORTED["dist"] = types.SimpleNamespace(**{
+        name: value for name, value in locals().items() if callable(value)})
+
+
+def _refused_through_names_imported_before(ctx, case):
+    import types
+
+    # Only the names imported before tpcomm; the rest (unused) from dist.
+    names = dict(vars(dist))
+    names.update(vars(PRE_IMPORTED["dist"]))
+    return _refused_by_torch(ctx, case, types.SimpleNamespace(**names))
+
+
+def test_names_imported_before_tpcomm_report_their_refusals():
+    from harness import Group
+
+    group = Group(2, before_import=("test_faults", "import_before_tpcomm"))
+    try:
+        for case in ("broadcast", "barrier", "broadcast_object_list", "all_gather_object", "send"):
+            _check_refused_by_torch(group.run(_refused_through_names_imported_before, case), case)
+    finally:
+        group.close()
