@@ -6,9 +6,10 @@ torch may lay out differently from one release to the next:
 - ``direct_route``: ``torch.distributed.all_reduce``'s fast path
   (``_fast_calls``): torch's error-logging wrapper around its function, the
   world's group map and coalescing state.
-- ``front_door``: the wrappers that tell the peers about a call torch
-  refused before it reached tpcomm (``_front_door``): torch.distributed's
-  collective functions and their ``group`` argument.
+- ``front_door``: what tells the peers about a call torch refused before
+  it reached tpcomm (``_front_door``): torch's error logger, whose error
+  path looks up ``c10d_logger._get_msg_dict``, and the functions it does
+  not log, wrapped, with their ``group`` argument.
 - ``flight_recorder``: tpcomm's entries in torch's own flight recorder
   (``backend/flight_record``): the recorder's instance, found by name, and
   its layout.
