@@ -1,7 +1,10 @@
 // The group's faults, timeouts, abort and shutdown: what breaking the group
 // releases on each route (group_fault.hpp), and the device work the
 // watchdog watches.
+#include <chrono>
+#include <condition_variable>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "coordinator/common/error.hpp"
@@ -9,18 +12,63 @@
 
 namespace tpcomm::coord {
 
+namespace {
+
+// Destroys broken groups' Gloo groups on a thread of its own, each once
+// nothing else holds it (checked every 200 ms), so that a destruction that
+// waits for a Gloo worker blocked in a released call never blocks a
+// caller, and a serving process that breaks groups for days keeps no
+// thread, socket or mapping of theirs.
+class GlooReaper {
+ public:
+  static GlooReaper& get() {
+    static auto* reaper = new GlooReaper();  // never destroyed: a detached thread
+    return *reaper;
+  }
+  void keep(c10::intrusive_ptr<c10d::Backend> backend) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    kept_.push_back(std::move(backend));
+    wake_.notify_one();
+  }
+
+ private:
+  GlooReaper() {
+    std::thread([this] { loop(); }).detach();
+  }
+  void loop() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      wake_.wait(lock, [&] { return !kept_.empty(); });
+      std::vector<c10::intrusive_ptr<c10d::Backend>> free;
+      for (auto it = kept_.begin(); it != kept_.end();) {
+        // Only this list holds it: nothing can take it again.
+        if (it->use_count() == 1) {
+          free.push_back(std::move(*it));
+          it = kept_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      lock.unlock();
+      free.clear();  // the destructions, without the lock
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      lock.lock();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::vector<c10::intrusive_ptr<c10d::Backend>> kept_;  // by mutex_
+};
+
+}  // namespace
+
 void GroupCoordinator::watchFaults() {
   fault_->setReleaser([this](const std::string& why) {
-    // Gloo's worker threads may stay blocked in a released call until the
-    // peer's process exits or Gloo's timeout; destroying the Gloo group
-    // would join them. A broken group's Gloo group is therefore never
-    // destroyed (the process's exit ends its threads).
-    static std::mutex keptMutex;
-    static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Backend>>();
-    {
-      std::lock_guard<std::mutex> lock(keptMutex);
-      kept->push_back(cpu_);
-    }
+    // Gloo's worker threads may stay blocked in a released call until its
+    // connections' shutdown reaches them; destroying the Gloo group joins
+    // them. So a broken group's Gloo group is destroyed by the reaper's
+    // thread, once the group let it go, never by the caller's.
+    GlooReaper::get().keep(cpu_);
     if (auto* shm = shmFast_.load()) shm->abort(why);
     if (auto* hier = hierFast_.load()) hier->abort(why);
     if (auto* custom = customFast_.load()) custom->abort();  // cheap: before NCCL's
