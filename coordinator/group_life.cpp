@@ -39,13 +39,16 @@ std::vector<uint8_t> bytesOf(const std::string& text) {
   return std::vector<uint8_t>(text.begin(), text.end());
 }
 
+// Waits up to `left` for `key`; the error names the group's `timeout`.
 void waitFor(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
-             std::chrono::milliseconds timeout, int rank, const char* what) {
+             std::chrono::milliseconds left, std::chrono::milliseconds timeout, int rank,
+             const char* what) {
   try {
-    store->wait({key}, timeout);
+    store->wait({key}, left);
   } catch (const std::exception& e) {
+    const std::string why = e.what();
     TPCOMM_THROW(kTimeout, "rank ", rank, " waited ", timeout.count(), " ms for ", what,
-                 " (store key '", key, "'): ", e.what());
+                 " (store key '", key, "'): ", why.substr(0, why.find('\n')));
   }
 }
 
@@ -58,7 +61,7 @@ std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
     const std::string life = randomLife();
     if (size == 1) return life;
     store->set(kLifeKey, bytesOf(life));
-    waitFor(store, doneKey(life), timeout, rank,
+    waitFor(store, doneKey(life), timeout, timeout, rank,
             "every rank of the group to take part in making it");
     store->set(okKey(life), bytesOf("1"));
     // The id goes before anything of this life is made (see the header).
@@ -77,9 +80,11 @@ std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
                         deadline - std::chrono::steady_clock::now()),
                     std::chrono::milliseconds(1));
   };
-  waitFor(store, kLifeKey, left(), rank, "rank 0 to make the group");
+  waitFor(store, kLifeKey, left(), timeout, rank, "rank 0 to make the group");
   auto bytes = store->get(kLifeKey);
   std::string life(bytes.begin(), bytes.end());
+  TPCOMM_CHECK(!life.empty(), kPeerLost, "rank ", rank,
+               " read an empty life of the group being made (store key '", kLifeKey, "')");
   for (;;) {
     if (store->add(readKey(life), 1) == size - 1) store->set(doneKey(life), bytesOf("1"));
     // Rank 0 confirms its id once every rank read it. An id a rank 0 that
@@ -93,9 +98,11 @@ std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
                      okKey(life), "')");
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
       if (store->check({kLifeKey})) {
+        // Empty: rank 0 deleted the key between the check and the read
+        // (it confirmed this life meanwhile: the next turn sees it).
         bytes = store->get(kLifeKey);
         const std::string now(bytes.begin(), bytes.end());
-        if (now != life) {
+        if (!now.empty() && now != life) {
           life = now;
           break;
         }

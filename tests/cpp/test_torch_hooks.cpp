@@ -113,8 +113,8 @@ sockaddr_storage ipv4(const char* ip, uint16_t port) {
 
 TEST(TorchHooks, GloosRendezvousRecordGivesItsListenersAddress) {
   std::string why;
-  auto endpoint = coord::GlooSockets::parseRecord(glooRecord("host-a", ipv4("10.1.2.3", 4567), 3),
-                                                  &why);
+  auto endpoint =
+      coord::GlooSockets::parseRecord(glooRecord("host-a", ipv4("10.1.2.3", 4567), 3), &why);
   ASSERT_TRUE(endpoint.has_value()) << why;
   EXPECT_EQ(endpoint->str(), "10.1.2.3:4567");
   // An IPv4-mapped IPv6 address is the same endpoint as its IPv4 one.
@@ -150,8 +150,7 @@ TEST(TorchHooks, ARecordLaidOutOtherwiseIsRefusedWithItsReason) {
   EXPECT_NE(reason(ragged).find("ends inside a pair identifier"), std::string::npos);
   sockaddr_storage local{};
   local.ss_family = AF_UNIX;
-  EXPECT_NE(reason(glooRecord("host", local, 0)).find("holds address family 1"),
-            std::string::npos);
+  EXPECT_NE(reason(glooRecord("host", local, 0)).find("holds address family 1"), std::string::npos);
   EXPECT_NE(reason(glooRecord("host", ipv4("127.0.0.1", 0), 0)).find("holds port 0"),
             std::string::npos);
 }

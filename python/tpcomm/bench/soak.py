@@ -90,42 +90,37 @@ def _use(g, rank, step):
 
 
 def _break(kind, g, rank, world_group):
-    """Breaks `g` as `kind`; returns the seconds from the cause to rank 1's
-    (abort, refusal) or rank 0's (killed peer) error, on that rank."""
+    """Breaks `g` as `kind`: rank 0 causes it (aborts the group, or makes a
+    scatter torch refuses: no list where it is the source) while rank 1
+    waits in a call on it. On rank 1, the seconds from the cause to its
+    error; None on rank 0."""
     if kind == "abort":
-        if rank == 0:
-            time.sleep(0.2)
-            cause = time.time()
-            g._get_backend(torch.device("cpu")).abort()
-            dist.broadcast_object_list([cause], 0, group=world_group)
-            return None
-        try:
-            dist.recv(torch.empty(4), 0, group=g)
-            raise AssertionError("the recv on an aborted group returned")
-        except RuntimeError:
-            ended = time.time()
-        got = [None]
-        dist.broadcast_object_list(got, 0, group=world_group)
-        return ended - got[0]
-    # refusal: rank 0's scatter has no list where it is the source
-    if rank == 0:
-        time.sleep(0.2)
-        cause = time.time()
-        try:
-            dist.scatter(torch.empty(4), None, src=0, group=g)
+        cause = lambda: g._get_backend(torch.device("cpu")).abort()  # noqa: E731
+        wait = lambda: dist.recv(torch.empty(4), 0, group=g)  # noqa: E731
+    else:
+        def cause():
+            try:
+                dist.scatter(torch.empty(4), None, src=0, group=g)
+            except ValueError:
+                return
             raise AssertionError("torch took a scatter without a list")
-        except ValueError:
-            pass
-        dist.broadcast_object_list([cause], 0, group=world_group)
+
+        wait = lambda: dist.scatter(torch.empty(4), None, src=0, group=g)  # noqa: E731
+    if rank == 0:
+        time.sleep(0.2)  # rank 1 waits by then
+        at = time.time()
+        cause()
+        dist.broadcast_object_list([at], 0, group=world_group)
         return None
     try:
-        dist.scatter(torch.empty(4), None, src=0, group=g)
-        raise AssertionError("the peer of a refused scatter returned")
+        wait()
     except RuntimeError:
         ended = time.time()
-    got = [None]
-    dist.broadcast_object_list(got, 0, group=world_group)
-    return ended - got[0]
+    else:
+        raise AssertionError(f"rank 1's call on a group broken by {kind} returned")
+    at = [None]
+    dist.broadcast_object_list(at, 0, group=world_group)
+    return ended - at[0]
 
 
 def _killed_peer(rank, world_group):
