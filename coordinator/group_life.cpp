@@ -16,6 +16,8 @@ namespace tpcomm::coord {
 namespace {
 
 const std::string kLifeKey = "tpcomm/life";
+// What "tpcomm/life" holds once its id was taken by every rank.
+const std::string kSpent = "spent:";
 
 std::string readKey(const std::string& life) { return "tpcomm/life-read/" + life; }
 std::string doneKey(const std::string& life) { return "tpcomm/life-done/" + life; }
@@ -64,9 +66,11 @@ std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
     waitFor(store, doneKey(life), timeout, timeout, rank,
             "every rank of the group to take part in making it");
     store->set(okKey(life), bytesOf("1"));
-    // The id goes before anything of this life is made (see the header).
-    // A store without deleteKey keeps them: ids never repeat.
-    for (const auto& key : {kLifeKey, readKey(life), doneKey(life)}) {
+    // The id is spent before anything of this life is made (see the
+    // header): overwritten, never deleted, so that a read of it never
+    // waits for a key that is gone.
+    store->set(kLifeKey, bytesOf(kSpent + life));
+    for (const auto& key : {readKey(life), doneKey(life)}) {
       try {
         store->deleteKey(key);
       } catch (const std::exception&) {
@@ -80,34 +84,39 @@ std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
                         deadline - std::chrono::steady_clock::now()),
                     std::chrono::milliseconds(1));
   };
+  auto expired = [&](const std::string& what) {
+    if (std::chrono::steady_clock::now() >= deadline)
+      TPCOMM_THROW(kTimeout, "rank ", rank, " waited ", timeout.count(), " ms for ", what,
+                   " (store key '", kLifeKey, "')");
+  };
   waitFor(store, kLifeKey, left(), timeout, rank, "rank 0 to make the group");
-  auto bytes = store->get(kLifeKey);
-  std::string life(bytes.begin(), bytes.end());
-  TPCOMM_CHECK(!life.empty(), kPeerLost, "rank ", rank,
-               " read an empty life of the group being made (store key '", kLifeKey, "')");
+  // The key exists from here on (it is only ever overwritten): each read
+  // answers at once.
+  auto read = [&] {
+    const auto bytes = store->get(kLifeKey);
+    return std::string(bytes.begin(), bytes.end());
+  };
+  std::string life = read();
   for (;;) {
+    // A spent id (an earlier making's): rank 0 has not set this one's yet.
+    while (life.empty() || life.rfind(kSpent, 0) == 0) {
+      expired("rank 0 to make the group");
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      life = read();
+    }
     if (store->add(readKey(life), 1) == size - 1) store->set(doneKey(life), bytesOf("1"));
     // Rank 0 confirms its id once every rank read it. An id a rank 0 that
     // died while making an earlier life left behind is never confirmed:
     // the current rank 0 replaces it, and its id is taken instead.
+    std::string now;
     for (;;) {
       if (store->check({okKey(life)})) return life;
-      if (std::chrono::steady_clock::now() >= deadline)
-        TPCOMM_THROW(kTimeout, "rank ", rank, " waited ", timeout.count(),
-                     " ms for rank 0 to confirm the group's life ", life, " (store key '",
-                     okKey(life), "')");
+      expired(detail::concat("rank 0 to confirm the group's life ", life).c_str());
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
-      if (store->check({kLifeKey})) {
-        // Empty: rank 0 deleted the key between the check and the read
-        // (it confirmed this life meanwhile: the next turn sees it).
-        bytes = store->get(kLifeKey);
-        const std::string now(bytes.begin(), bytes.end());
-        if (!now.empty() && now != life) {
-          life = now;
-          break;
-        }
-      }
+      now = read();
+      if (now != life && now != kSpent + life) break;
     }
+    life = now;
   }
 }
 

@@ -10,16 +10,17 @@
 // the group is made:
 //   rank 0:   picks a random id, sets "tpcomm/life" to it, waits for
 //             "tpcomm/life-done/<id>", sets "tpcomm/life-ok/<id>", then
-//             deletes "tpcomm/life", "-read/<id>" and "-done/<id>";
-//   the rest: wait for "tpcomm/life", read the id, add 1 to
+//             sets "tpcomm/life" to "spent:<id>" (never deleted: a read of
+//             it never waits) and deletes "-read/<id>" and "-done/<id>";
+//   the rest: wait for "tpcomm/life" to hold an id not spent, read it, add 1 to
 //             "tpcomm/life-read/<id>" (the last to read sets
 //             "tpcomm/life-done/<id>"), and wait for "tpcomm/life-ok/<id>";
 //             an id that "tpcomm/life" no longer holds meanwhile (one a rank
 //             0 that died while making an earlier life left behind) is
 //             dropped for the one it holds now.
-// Rank 0 deletes the id only after every rank read it, and before it makes
+// Rank 0 spends the id only after every rank read it, and before it makes
 // the group's Gloo group, which no rank completes without it: so a rank
-// that asks for the next life (after it made this one) never reads this
+// that asks for the next life (after it made this one) never takes this
 // life's id. Every wait is bounded by the group's timeout.
 
 #include <chrono>
