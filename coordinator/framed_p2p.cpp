@@ -1,6 +1,7 @@
 #include "coordinator/framed_p2p.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -95,8 +96,8 @@ class FramedSendWork : public c10d::Work {
  private:
   WorkPtr first_, rest_;
   at::Tensor staging_;
-  at::Tensor tensor_;  // the rest's bytes: alive until sent
-  bool done_ = false;
+  at::Tensor tensor_;              // the rest's bytes: alive until sent
+  std::atomic<bool> done_{false};  // set by wait(), read by any thread
 };
 
 class FramedRecvWork : public c10d::Work {

@@ -180,10 +180,11 @@ GlooSockets GlooSockets::ofGroup(const c10::intrusive_ptr<c10d::Store>& glooStor
   }
   if (why.empty() && !ground().empty()) why = ground();
   // The record names this rank's own listener: the layout is read right.
+  const auto open = why.empty() ? snapshot() : std::vector<SocketFd>{};
   for (const auto& own : sockets.own_) {
     if (!why.empty()) break;
     bool found = false;
-    for (const auto& s : snapshot()) {
+    for (const auto& s : open) {
       if (!listens(s.fd)) continue;
       const auto local = localOf(s.fd);
       if (local && sameListener(*local, own)) found = true;
