@@ -1,5 +1,7 @@
 #include "backend/flight_record.hpp"
 
+#include "backend/flight_dump.hpp"
+
 #include <dlfcn.h>
 #include <elf.h>
 #include <fcntl.h>
@@ -196,6 +198,21 @@ FlightRecord::FlightRecord() {
   status_ = detail::concat("on (torch's recorder, ", recorder(found).max_entries_, " entries",
                            stacks_ ? ", with Python stacks" : "",
                            dumps_ ? ", dumped after a failure" : "", ")");
+}
+
+void FlightRecord::setRank(int rank) {
+  rank_ = rank;
+  if (!dumps_) return;
+  std::string why;
+  const std::string file = registerMergingDumpWriter(rank, why);
+  std::lock_guard<std::mutex> lock(writerMutex_);
+  writer_ = file.empty() ? why : "merged into " + file;
+}
+
+std::string FlightRecord::status() const {
+  std::lock_guard<std::mutex> lock(writerMutex_);
+  if (writer_.empty()) return status_;
+  return status_.substr(0, status_.size() - 1) + ": " + writer_ + ")";
 }
 
 void FlightRecord::recordGroup(const std::string& name, const std::string& desc,

@@ -17,6 +17,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -61,7 +62,7 @@ class FlightRecord {
 
   bool enabled() const { return recorder_ != nullptr; }
   // "on (...)", or "off: <why>".
-  const std::string& status() const { return status_; }
+  std::string status() const;
 
   // A group's identity in the dump: torch's (group name, description) and
   // its global ranks, recorded once per group.
@@ -80,11 +81,13 @@ class FlightRecord {
   // A non-empty `profilingName` (the route now known) replaces its name.
   void retire(const FlightId& id, std::string profilingName = {});
 
-  // This process's global rank (names its dump file).
-  void setRank(int rank) { rank_ = rank; }
+  // This process's global rank (names its dump file). The first one set
+  // registers the merging dump writer (flight_dump.hpp) when dumps are on.
+  void setRank(int rank);
   // After a communication failure (timeout, lost peer, mismatch, abort):
-  // writes torch's dump of the whole recorder where torch's writer puts it
-  // (TORCH_FR_DUMP_TEMP_FILE + rank), when the user asked for dumps (that
+  // writes torch's dump of the whole recorder through torch's writer (the
+  // merging one: TORCH_FR_DUMP_TEMP_FILE + rank, with the entries of the
+  // dumps written there before), when the user asked for dumps (that
   // variable or TORCH_NCCL_DEBUG_INFO_TEMP_FILE set, or
   // TORCH_FR_DUMP_ON_TIMEOUT=1). Returns " (flight recorder dumped to F)" or
   // "". Never throws.
@@ -101,6 +104,8 @@ class FlightRecord {
   bool dumps_ = false;
   int rank_ = 0;
   std::string status_;
+  mutable std::mutex writerMutex_;
+  std::string writer_;  // by writerMutex_: where dumps go, once a rank was set
 };
 
 }  // namespace tpcomm::backend

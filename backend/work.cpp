@@ -6,6 +6,7 @@
 
 #include "backend/flight_record.hpp"
 #include "coordinator/common/error.hpp"
+#include "coordinator/framed_p2p.hpp"
 
 namespace tpcomm::backend {
 
@@ -35,8 +36,8 @@ void raiseCallFailure(const CallIdentity& id, coord::GroupFault& fault, std::exc
     }
   } else {
     if (id.breaksGroup) {
-      fault.breakGroup(detail::concat("rank ", id.rank, "'s ", id.op, " #", id.seq,
-                                      " failed: ", text));
+      fault.breakGroup(
+          detail::concat("rank ", id.rank, "'s ", id.op, " #", id.seq, " failed: ", text));
     }
     message = text;
   }
@@ -149,7 +150,15 @@ TpcommWork::TpcommWork(coord::Pending pending, c10d::OpType type, CallIdentity i
                 type == c10d::OpType::RECVANYSOURCE;
   state_->outputs = std::move(pending.outputs);
   state_->finish = std::move(pending.finish);
-  if (!pending.hasFuture) return;
+  if (!pending.hasFuture) {
+    // A framed send/recv completes on its own, waited on or not: then its
+    // finish runs (the flight recorder's entry retires). The work drops
+    // the callback once it ran or failed, which ends the cycle.
+    if (auto* framed = dynamic_cast<coord::FramedWork*>(inner_.get())) {
+      framed->whenDone([state = state_] { state->runFinish(); });
+    }
+    return;
+  }
   if (state_->id.device) {
     // The device routes' future carries the CUDA events that order the
     // caller's stream after the call: the child future of then() keeps

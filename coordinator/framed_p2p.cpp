@@ -6,8 +6,11 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
+#include <set>
 #include <thread>
+#include <tuple>
 
 #include "coordinator/common/error.hpp"
 #include "coordinator/debug_check.hpp"
@@ -19,7 +22,7 @@ namespace {
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
 constexpr int64_t kMagic = 0x7470636f6d6d3031;  // "tpcomm01"
-constexpr int64_t kHeaderBytes = 4 * sizeof(int64_t);
+constexpr int64_t kHeaderBytes = 5 * sizeof(int64_t);
 
 // Staging buffers of kHeaderBytes + kFirstPart bytes, reused (a fresh
 // 256 KiB allocation is an mmap and its page faults on every call).
@@ -68,43 +71,176 @@ at::Tensor tailOf(const at::Tensor& t, int64_t offset) {
   return at::from_blob(bytesOf(t) + offset, {n - offset}, at::TensorOptions().dtype(at::kByte));
 }
 
-class FramedSendWork : public c10d::Work {
+// The tags a call may take: below kFramedRestTagBit (the rest tags lie
+// above), and below kFramedLargeTagLimit past the first part (the rest's
+// tag carries the tag).
+void checkTag(int tag, int64_t bytes) {
+  const int limit = bytes > kFramedFirstPart ? kFramedLargeTagLimit : kFramedRestTagBit;
+  TPCOMM_CHECK(tag >= 0 && tag<limit, kInvalidUsage, "send/recv: tag ", tag,
+                               " is out of range: tpcomm's CPU send/recv takes tags from 0 to ",
+                               limit - 1, bytes>
+                               kFramedFirstPart
+                   ? " for a message past "
+                   : " (",
+               bytes > kFramedFirstPart ? std::to_string(kFramedFirstPart) + " B" : "",
+               bytes > kFramedFirstPart ? "" : "larger tags carry the rests of large messages)");
+}
+
+// The tag the rest of the `seq`-th message past the first part from one
+// rank to another on `tag` travels on.
+int restTag(int tag, uint64_t seq) {
+  return kFramedRestTagBit | static_cast<int>((seq % kFramedRestWindow) << 20) | tag;
+}
+
+}  // namespace
+
+FramedWork::FramedWork(int rank, c10d::OpType type) : c10d::Work(rank, type) {}
+
+FramedWork::~FramedWork() = default;
+
+bool FramedWork::claim() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (claimed_) return false;
+  claimed_ = true;
+  return true;
+}
+
+void FramedWork::complete(std::chrono::milliseconds timeout) {
+  bool ok = false;
+  std::exception_ptr failure;
+  try {
+    ok = run(timeout);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  std::vector<std::function<void()>> onDone;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    settled_ = true;
+    ok_ = ok && !failure;
+    failure_ = failure;
+    onDone.swap(onDone_);
+  }
+  settledCv_.notify_all();
+  if (ok && !failure) {
+    for (auto& fn : onDone) fn();
+  }
+}
+
+bool FramedWork::isCompleted() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return settled_;
+}
+
+bool FramedWork::isSuccess() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return settled_ && ok_;
+}
+
+std::exception_ptr FramedWork::exception() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return failure_;
+}
+
+bool FramedWork::wait(std::chrono::milliseconds timeout) {
+  if (claim()) {
+    complete(timeout);
+  } else {
+    std::unique_lock<std::mutex> lock(mutex_);
+    auto settled = [&] { return settled_; };
+    if (timeout == ::kNoTimeout) {
+      settledCv_.wait(lock, settled);
+    } else if (!settledCv_.wait_for(lock, timeout, settled)) {
+      TPCOMM_THROW(kTimeout, "send/recv did not complete within ", timeout.count(), " ms");
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (failure_) std::rethrow_exception(failure_);
+  return ok_;
+}
+
+void FramedWork::whenDone(std::function<void()> fn) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!settled_) {
+      onDone_.push_back(std::move(fn));
+      return;
+    }
+    if (!ok_) return;
+  }
+  fn();
+}
+
+// A group's numbering of its messages past the first part, per peer and
+// tag, and the rest tags its recvs wait on.
+class FramedRests {
+ public:
+  uint64_t nextSend(int dst, int tag) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return sends_[{dst, tag}]++;
+  }
+  // Takes the rest tag of message `seq` from `src` on `tag`; refuses when a
+  // rest recv under it is still in flight (kFramedRestWindow such messages
+  // from one rank on one tag whose rests have not come).
+  int reserve(int src, int tag, uint64_t seq) {
+    const int rest = restTag(tag, seq);
+    std::lock_guard<std::mutex> lock(mutex_);
+    TPCOMM_CHECK(inFlight_.insert({src, rest}).second, kInvalidUsage, "recv: more than ",
+                 kFramedRestWindow, " messages past ", kFramedFirstPart, " B from rank ", src,
+                 " on tag ", tag, " are in flight at once");
+    return rest;
+  }
+  void release(int src, int rest) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    inFlight_.erase({src, rest});
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::pair<int, int>, uint64_t> sends_;  // by mutex_: (dst, tag) -> next number
+  std::set<std::pair<int, int>> inFlight_;         // by mutex_: (src, rest tag)
+};
+
+std::shared_ptr<FramedRests> makeFramedRests() { return std::make_shared<FramedRests>(); }
+
+namespace {
+
+class FramedSendWork : public FramedWork {
  public:
   FramedSendWork(WorkPtr first, WorkPtr rest, at::Tensor staging, at::Tensor tensor)
-      : c10d::Work(-1, c10d::OpType::SEND),
+      : FramedWork(-1, c10d::OpType::SEND),
         first_(std::move(first)),
         rest_(std::move(rest)),
         staging_(std::move(staging)),
         tensor_(std::move(tensor)) {}
   ~FramedSendWork() override {
     // Back to the pool only once Gloo is done with it.
-    if (done_) StagingPool::get().release(std::move(staging_));
-  }
-  bool isCompleted() override { return done_; }
-  bool isSuccess() const override { return done_; }
-  bool wait(std::chrono::milliseconds timeout) override {
-    const bool a = first_->wait(timeout);
-    const bool b = !rest_ || rest_->wait(timeout);
-    done_ = a && b;
-    return done_;
+    if (isCompleted()) StagingPool::get().release(std::move(staging_));
   }
   void abort() override {
     first_->abort();
     if (rest_) rest_->abort();
   }
 
+ protected:
+  bool run(std::chrono::milliseconds timeout) override {
+    const bool a = first_->wait(timeout);
+    const bool b = !rest_ || rest_->wait(timeout);
+    return a && b;
+  }
+
  private:
   WorkPtr first_, rest_;
   at::Tensor staging_;
-  at::Tensor tensor_;              // the rest's bytes: alive until sent
-  std::atomic<bool> done_{false};  // set by wait(), read by any thread
+  at::Tensor tensor_;  // the rest's bytes: alive until sent
 };
 
-class FramedRecvWork : public c10d::Work {
+class FramedRecvWork : public FramedWork {
  public:
   FramedRecvWork(c10::intrusive_ptr<c10d::Backend> cpu, const at::Tensor& tensor, int srcRank,
-                 int tag, int rank, std::function<void(const std::string&)> breakGroup)
-      : c10d::Work(rank, srcRank < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
+                 int tag, int rank, std::function<void(const std::string&)> breakGroup,
+                 std::shared_ptr<FramedRests> rests)
+      : FramedWork(rank, srcRank < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
         cpu_(std::move(cpu)),
         tensor_(tensor),
         staging_(StagingPool::get().acquire()),
@@ -114,126 +250,17 @@ class FramedRecvWork : public c10d::Work {
         srcRank_(srcRank),
         tag_(tag),
         rank_(rank),
-        breakGroup_(std::move(breakGroup)) {
+        breakGroup_(std::move(breakGroup)),
+        rests_(std::move(rests)) {
     // Room for the largest first part any send has: a larger send cannot
     // overrun it, a smaller one fills part of it.
     std::vector<at::Tensor> first{staging_};
     firstWork_ = srcRank < 0 ? cpu_->recvAnysource(first, tag) : cpu_->recv(first, srcRank, tag);
   }
   ~FramedRecvWork() override {
-    if (settled_) StagingPool::get().release(std::move(staging_));
+    if (isCompleted()) StagingPool::get().release(std::move(staging_));
   }
 
-  bool hasRest() const { return expectedBytes_ > kFramedFirstPart; }
-
-  // Whether this caller is the one to take the first part (takeFirst()).
-  bool claim() {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (claimed_) return false;
-    claimed_ = true;
-    return true;
-  }
-
-  // Waits for the first part (Gloo's own timeout bounds it; an abort ends
-  // it), checks its header, copies its bytes and posts the rest's recv, or
-  // breaks the group. Once, by the claimer.
-  void takeFirst() {
-    std::exception_ptr failure;
-    bool arrived = false;
-    try {
-      arrived = firstWork_->wait();
-    } catch (...) {
-      failure = std::current_exception();
-    }
-    std::string error;
-    WorkPtr rest;
-    int src = srcRank_;
-    if (arrived && !failure) {
-      if (src < 0) src = firstWork_->sourceRank();
-      int64_t h[4];
-      std::memcpy(h, bytesOf(staging_), kHeaderBytes);
-      if (h[0] != kMagic) {
-        error = detail::concat("rank ", rank_, "'s recv from rank ", src, " (tag ", tag_,
-                               ") got no tpcomm message header: is rank ", src,
-                               " built from the same tpcomm?");
-      } else if (h[1] != expectedBytes_ || h[2] != expectedDtype_) {
-        error = detail::concat(
-            "rank ", rank_, "'s recv from rank ", src, " (tag ", tag_, ") expected ",
-            describe(expectedDtype_, expectedNumel_, expectedBytes_), "; rank ", src, " sent ",
-            describe(h[2], h[3], h[1]), ": a send and its recv must match in size and dtype");
-      }
-      if (!error.empty()) {
-        // The rest (if any) stays unread: the group breaks, which ends the
-        // sender's send and every later call of both ranks.
-        if (breakGroup_) breakGroup_(error);
-      } else {
-        std::memcpy(bytesOf(tensor_), bytesOf(staging_) + kHeaderBytes,
-                    std::min(expectedBytes_, kFramedFirstPart));
-        if (hasRest()) {
-          try {
-            std::vector<at::Tensor> buffers{tailOf(tensor_, kFramedFirstPart)};
-            rest = cpu_->recv(buffers, src, tag_);
-          } catch (...) {
-            failure = std::current_exception();
-          }
-        }
-      }
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      failure_ = failure;
-      error_ = error;
-      arrived_ = arrived;
-      restWork_ = rest;
-      source_ = src;
-      settled_ = true;
-    }
-    settledCv_.notify_all();
-  }
-
-  bool isCompleted() override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return done_;
-  }
-  bool isSuccess() const override {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return done_ && !failure_ && error_.empty();
-  }
-  bool wait(std::chrono::milliseconds timeout) override {
-    const auto start = std::chrono::steady_clock::now();
-    if (claim()) {
-      takeFirst();
-    } else {
-      std::unique_lock<std::mutex> lock(mutex_);
-      auto ready = [&] { return settled_; };
-      if (timeout == ::kNoTimeout) {
-        settledCv_.wait(lock, ready);
-      } else if (!settledCv_.wait_for(lock, timeout, ready)) {
-        return false;
-      }
-    }
-    WorkPtr rest;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      if (failure_) std::rethrow_exception(failure_);
-      if (!error_.empty()) TPCOMM_THROW(kInvalidUsage, error_);
-      if (!arrived_) return false;  // aborted
-      rest = restWork_;
-    }
-    bool ok = true;
-    if (rest) {
-      if (timeout == ::kNoTimeout) {
-        ok = rest->wait(timeout);
-      } else {
-        const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(
-            std::chrono::steady_clock::now() - start);
-        ok = rest->wait(std::max(timeout - spent, std::chrono::milliseconds(1)));
-      }
-    }
-    std::lock_guard<std::mutex> lock(mutex_);
-    done_ = ok;
-    return ok;
-  }
   void abort() override {
     firstWork_->abort();
     std::lock_guard<std::mutex> lock(mutex_);
@@ -244,65 +271,138 @@ class FramedRecvWork : public c10d::Work {
     return source_ >= 0 ? source_ : srcRank_;
   }
 
+ protected:
+  bool run(std::chrono::milliseconds timeout) override {
+    const auto start = std::chrono::steady_clock::now();
+    const int src = takeFirst(timeout);
+    if (src < 0) return false;  // aborted
+    WorkPtr rest;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      rest = restWork_;
+    }
+    if (!rest) return true;
+    // The rest's tag is free again once its recv ended, whichever way.
+    struct Release {
+      FramedRests& rests;
+      int src, tag;
+      ~Release() { rests.release(src, tag); }
+    } release{*rests_, src, restTag_};
+    if (timeout == ::kNoTimeout) return rest->wait(timeout);
+    const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(
+        std::chrono::steady_clock::now() - start);
+    return rest->wait(std::max(timeout - spent, std::chrono::milliseconds(1)));
+  }
+
  private:
+  // Waits for the first part (up to `timeout`, Gloo's own when none),
+  // checks its header, copies its bytes and posts the rest's recv, or
+  // breaks the group and raises. The rank it came from; -1 when aborted.
+  int takeFirst(std::chrono::milliseconds timeout);
+
   const c10::intrusive_ptr<c10d::Backend> cpu_;
   const at::Tensor tensor_;
   at::Tensor staging_;
   const int64_t expectedBytes_, expectedDtype_, expectedNumel_;
   const int srcRank_, tag_, rank_;
   const std::function<void(const std::string&)> breakGroup_;
+  const std::shared_ptr<FramedRests> rests_;
   WorkPtr firstWork_;
-  mutable std::mutex mutex_;
-  std::condition_variable settledCv_;
-  bool claimed_ = false;        // by mutex_: a thread takes the first part
-  bool settled_ = false;        // by mutex_: it did
-  bool arrived_ = false;        // by mutex_: the first part came (not aborted)
-  bool done_ = false;           // by mutex_: a wait() saw every byte in
-  WorkPtr restWork_;            // by mutex_
-  std::string error_;           // by mutex_: a mismatch
-  std::exception_ptr failure_;  // by mutex_: Gloo's error
-  int source_ = -1;             // by mutex_
+  int restTag_ = 0;           // set by takeFirst, before restWork_
+  mutable std::mutex mutex_;  // for abort() and sourceRank() from other threads
+  WorkPtr restWork_;          // by mutex_
+  int source_ = -1;           // by mutex_
 };
 
-// Takes the first part of recvs of more than kFramedFirstPart bytes that
-// nobody waits on: their rest's recv is posted only once the header says
-// how much comes, and Gloo's recv works complete only inside wait()
-// (isCompleted() never turns true by itself). One scheduler thread looks
-// at each such recv 200 us after it was made; a recv waited on by then
-// (dist.recv: at once) did it itself and costs nothing more, any other gets
-// a thread of its own that waits for the first part, posts the rest and
-// ends.
-class Progress {
+int FramedRecvWork::takeFirst(std::chrono::milliseconds timeout) {
+  if (!firstWork_->wait(timeout)) return -1;  // aborted (Gloo's error raises)
+  const int src = srcRank_ < 0 ? firstWork_->sourceRank() : srcRank_;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    source_ = src;
+  }
+  int64_t h[5];
+  std::memcpy(h, bytesOf(staging_), kHeaderBytes);
+  std::string error;
+  if (h[0] != kMagic) {
+    error = detail::concat("rank ", rank_, "'s recv from rank ", src, " (tag ", tag_,
+                           ") got no tpcomm message header: is rank ", src,
+                           " built from the same tpcomm?");
+  } else if (h[1] != expectedBytes_ || h[2] != expectedDtype_) {
+    error = detail::concat("rank ", rank_, "'s recv from rank ", src, " (tag ", tag_, ") expected ",
+                           describe(expectedDtype_, expectedNumel_, expectedBytes_), "; rank ", src,
+                           " sent ", describe(h[2], h[3], h[1]),
+                           ": a send and its recv must match in size and dtype");
+  }
+  if (!error.empty()) {
+    // The rest (if any) stays unread: the group breaks, which ends the
+    // sender's send and every later call of both ranks.
+    if (breakGroup_) breakGroup_(error);
+    TPCOMM_THROW(kInvalidUsage, error);
+  }
+  std::memcpy(bytesOf(tensor_), bytesOf(staging_) + kHeaderBytes,
+              std::min(expectedBytes_, kFramedFirstPart));
+  if (expectedBytes_ > kFramedFirstPart) {
+    restTag_ = rests_->reserve(src, tag_, static_cast<uint64_t>(h[4]));
+    try {
+      std::vector<at::Tensor> buffers{tailOf(tensor_, kFramedFirstPart)};
+      WorkPtr rest = cpu_->recv(buffers, src, restTag_);
+      std::lock_guard<std::mutex> lock(mutex_);
+      restWork_ = std::move(rest);
+    } catch (...) {
+      rests_->release(src, restTag_);
+      throw;
+    }
+  }
+  return src;
+}
+
+}  // namespace
+
+// Completes the framed works nobody waits on (Gloo's works complete only
+// inside a wait: isCompleted() never turns true by itself, and a recv's
+// rest is posted only once its header was read). One scheduler thread
+// looks at each work 200 us after it was made; one waited on by then
+// (dist.send, dist.recv: at once) costs nothing more; any other goes to its
+// lane (group, direction, peer, tag: Gloo completes a lane's messages in
+// order), whose thread completes its works one after another and ends when
+// the lane is empty.
+class FramedProgress {
  public:
-  static Progress& get() {
-    static auto* progress = new Progress();  // never destroyed: a detached thread
+  static FramedProgress& get() {
+    static auto* progress = new FramedProgress();  // never destroyed: a detached thread
     return *progress;
   }
-  void add(const c10::intrusive_ptr<FramedRecvWork>& work);
+  void add(c10::intrusive_ptr<FramedWork> work, const void* group, bool send, int peer, int tag);
 
  private:
   static constexpr auto kDelay = std::chrono::microseconds(200);
+  using Lane = std::tuple<const void*, bool, int, int>;
   struct Item {
-    c10::weak_intrusive_ptr<FramedRecvWork> work;
+    c10::intrusive_ptr<FramedWork> work;  // kept until completed: nobody may hold it
+    Lane lane;
     std::chrono::steady_clock::time_point due;
   };
-  Progress() {
+  FramedProgress() {
     std::thread([this] { schedule(); }).detach();
   }
   void schedule();
+  void drain(Lane lane);
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::deque<Item> queue_;  // by mutex_
+  std::deque<Item> queue_;                                            // by mutex_
+  std::map<Lane, std::deque<c10::intrusive_ptr<FramedWork>>> lanes_;  // by mutex_
 };
 
-void Progress::add(const c10::intrusive_ptr<FramedRecvWork>& work) {
+void FramedProgress::add(c10::intrusive_ptr<FramedWork> work, const void* group, bool send,
+                         int peer, int tag) {
   std::lock_guard<std::mutex> lock(mutex_);
-  queue_.push_back(Item{c10::weak_intrusive_ptr<FramedRecvWork>(work),
+  queue_.push_back(Item{std::move(work), Lane{group, send, peer, tag},
                         std::chrono::steady_clock::now() + kDelay});
   if (queue_.size() == 1) wake_.notify_one();
 }
 
-void Progress::schedule() {
+void FramedProgress::schedule() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
     wake_.wait(lock, [&] { return !queue_.empty(); });
@@ -312,25 +412,61 @@ void Progress::schedule() {
     lock.lock();
     // Every item due by now (they are in order of making).
     const auto now = std::chrono::steady_clock::now();
+    std::vector<c10::intrusive_ptr<FramedWork>> done;  // released outside the lock
     while (!queue_.empty() && queue_.front().due <= now) {
-      auto work = queue_.front().work.lock();
+      Item item = std::move(queue_.front());
       queue_.pop_front();
-      if (work && work->claim()) {
-        std::thread([work = std::move(work)] { work->takeFirst(); }).detach();
+      bool claimed;
+      {
+        std::lock_guard<std::mutex> workLock(item.work->mutex_);
+        claimed = item.work->claimed_;
+      }
+      if (claimed) {
+        done.push_back(std::move(item.work));
+        continue;
+      }
+      auto& lane = lanes_[item.lane];
+      lane.push_back(std::move(item.work));
+      if (lane.size() == 1) {
+        std::thread([this, key = item.lane] { drain(key); }).detach();
       }
     }
+    lock.unlock();
+    done.clear();
+    lock.lock();
   }
 }
 
-}  // namespace
+void FramedProgress::drain(Lane key) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (;;) {
+    auto it = lanes_.find(key);
+    if (it == lanes_.end() || it->second.empty()) {
+      if (it != lanes_.end()) lanes_.erase(it);
+      return;
+    }
+    c10::intrusive_ptr<FramedWork> work = it->second.front();
+    lock.unlock();
+    if (work->claim()) work->complete(::kNoTimeout);
+    work.reset();
+    lock.lock();
+    // Popped only now: while the lane is not empty, its thread lives.
+    it = lanes_.find(key);
+    if (it != lanes_.end() && !it->second.empty()) it->second.pop_front();
+  }
+}
 
 WorkPtr framedSend(const c10::intrusive_ptr<c10d::Backend>& cpu, const at::Tensor& tensor,
-                   int dstRank, int tag) {
+                   int dstRank, int tag, const std::shared_ptr<FramedRests>& rests) {
   TPCOMM_CHECK(tensor.is_contiguous(), kInvalidUsage, "send: the tensor must be contiguous");
   const int64_t bytes = static_cast<int64_t>(tensor.numel() * tensor.element_size());
+  checkTag(tag, bytes);
   const int64_t first = std::min(bytes, kFramedFirstPart);
+  // Only messages with a rest are numbered.
+  const uint64_t seq = bytes > kFramedFirstPart ? rests->nextSend(dstRank, tag) : 0;
   at::Tensor staging = StagingPool::get().acquire();
-  const int64_t h[4] = {kMagic, bytes, static_cast<int64_t>(tensor.scalar_type()), tensor.numel()};
+  const int64_t h[5] = {kMagic, bytes, static_cast<int64_t>(tensor.scalar_type()), tensor.numel(),
+                        static_cast<int64_t>(seq)};
   std::memcpy(bytesOf(staging), h, kHeaderBytes);
   if (first > 0) std::memcpy(bytesOf(staging) + kHeaderBytes, bytesOf(tensor), first);
   std::vector<at::Tensor> firstPart{staging.narrow(0, 0, kHeaderBytes + first)};
@@ -338,20 +474,23 @@ WorkPtr framedSend(const c10::intrusive_ptr<c10d::Backend>& cpu, const at::Tenso
   WorkPtr restWork;
   if (bytes > kFramedFirstPart) {
     std::vector<at::Tensor> rest{tailOf(tensor, kFramedFirstPart)};
-    restWork = cpu->send(rest, dstRank, tag);
+    restWork = cpu->send(rest, dstRank, restTag(tag, seq));
   }
-  return c10::make_intrusive<FramedSendWork>(std::move(firstWork), std::move(restWork),
-                                             std::move(staging), tensor);
+  auto work = c10::make_intrusive<FramedSendWork>(std::move(firstWork), std::move(restWork),
+                                                  std::move(staging), tensor);
+  FramedProgress::get().add(work, cpu.get(), true, dstRank, tag);
+  return work;
 }
 
 WorkPtr framedRecv(const c10::intrusive_ptr<c10d::Backend>& cpu, const at::Tensor& tensor,
                    int srcRank, int tag, int rank,
-                   std::function<void(const std::string&)> breakGroup) {
+                   std::function<void(const std::string&)> breakGroup,
+                   const std::shared_ptr<FramedRests>& rests) {
   TPCOMM_CHECK(tensor.is_contiguous(), kInvalidUsage, "recv: the tensor must be contiguous");
-  auto work =
-      c10::make_intrusive<FramedRecvWork>(cpu, tensor, srcRank, tag, rank, std::move(breakGroup));
-  // Only a recv with a rest needs its first part taken to make progress.
-  if (work->hasRest()) Progress::get().add(work);
+  checkTag(tag, static_cast<int64_t>(tensor.numel() * tensor.element_size()));
+  auto work = c10::make_intrusive<FramedRecvWork>(cpu, tensor, srcRank, tag, rank,
+                                                  std::move(breakGroup), rests);
+  FramedProgress::get().add(work, cpu.get(), false, srcRank, tag);
   return work;
 }
 

@@ -4,31 +4,50 @@
 // send: Gloo's size check aborts it) or filling part of its tensor silently
 // (a smaller one).
 //
-// A send of n bytes is one Gloo message of a 32-byte header (magic, bytes,
-// dtype, elements) and the first min(n, kFramedFirstPart) bytes, then, past
-// that, a second message with the rest. A recv posts at once a recv of the
-// largest first part into a staging buffer (a smaller message fills part of
-// it, a larger one cannot come), checks the header when it has come, copies
-// the bytes out and only then posts the rest's recv, of the size the header
-// announced. Up to kFramedFirstPart a call costs what Gloo's own does, plus
-// one copy per side; past it the rest's recv waits for the header.
+// A send of n bytes is one Gloo message of a 40-byte header (magic, bytes,
+// dtype, elements, number) and the first min(n, kFramedFirstPart) bytes,
+// on the call's tag; past that, a second message with the rest, on a rest
+// tag of its own: kFramedRestTagBit | (number % kFramedRestWindow) << 20 |
+// tag, where the number counts the group's messages with a rest from this
+// rank to that one on that tag. A recv posts at once a recv of the largest
+// first part into a staging buffer (a smaller message fills part of it, a
+// larger one cannot come), checks the header when it has come, copies the
+// bytes out and only then posts the rest's recv, of the size the header
+// announced, on the rest tag the header names. Up to kFramedFirstPart a
+// call costs what Gloo's own does, plus one copy per side; past it the
+// rest's recv waits for the header.
+//
+// So each rest lands in its own message's recv, in whatever order the
+// recvs of one tag are waited on, and whichever recv (from that rank or
+// from any rank) Gloo handed the first part to. More than
+// kFramedRestWindow messages with a rest in flight from one rank on one tag
+// (rests not yet come) are refused, never mixed up.
 //
 // A mismatch (bytes or dtype) breaks the group (`breakGroup`) with a reason
 // naming both sides, before the rest is read: the receiving rank's recv
 // raises it, and the sending rank's send is released with it (or, if it
 // already completed, its next call on the group raises it).
 //
-// A recv with a rest has its first part taken by its wait() or, when nobody
-// waits on it 200 us after it was made, by a thread of its own (Gloo's recv
-// completes only inside a wait). So an irecv nobody waits on yet still
-// completes, as Gloo's own does: two ranks that each leave an irecv pending
-// and block in a send to the other are never stuck.
+// Every framed work completes once: by the first thread that waits on it,
+// or, when nobody waits on it 200 us after it was made, by a progress
+// thread (one per peer, tag and direction with such work; Gloo's works
+// complete only inside a wait). So an irecv nobody waits on still
+// completes, as Gloo's own does (two ranks that each leave an irecv pending
+// and block in a send to the other are never stuck), isCompleted() turns
+// true without a wait, and what whenDone() registered (the flight
+// recorder's retirement) runs when the call completes, waited on or not.
 //
 // `python -m tpcomm.bench p2p` times it against a plain Gloo group.
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -36,15 +55,64 @@ namespace tpcomm::coord {
 
 // The bytes a send carries in its first message (with the header).
 constexpr int64_t kFramedFirstPart = int64_t{256} << 10;
+// Rest tags (see above). A message past the first part takes tags below
+// kFramedLargeTagLimit; one within it, any tag.
+constexpr int kFramedRestTagBit = 1 << 30;
+constexpr int kFramedLargeTagLimit = 1 << 20;
+constexpr uint64_t kFramedRestWindow = 1024;
+
+// A framed send or recv's Work.
+class FramedWork : public c10d::Work {
+ public:
+  FramedWork(int rank, c10d::OpType type);
+  ~FramedWork() override;
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  // The first waiter completes the work in its own thread (Gloo's waits,
+  // with `timeout`); a later one waits for it, up to `timeout` (then
+  // raises). False when the work was aborted.
+  bool wait(std::chrono::milliseconds timeout) override;
+  // Runs `fn` once the work succeeded, on the thread that completed it (at
+  // once when it had). Dropped, never run, when the work failed or was
+  // aborted.
+  void whenDone(std::function<void()> fn);
+
+ protected:
+  // The Gloo waits of the work: true when it completed, false when
+  // aborted; throws Gloo's error or a mismatch.
+  virtual bool run(std::chrono::milliseconds timeout) = 0;
+
+ private:
+  friend class FramedProgress;
+  // Whether this caller is the one to run().
+  bool claim();
+  void complete(std::chrono::milliseconds timeout);
+
+  mutable std::mutex mutex_;
+  std::condition_variable settledCv_;
+  bool claimed_ = false;                       // by mutex_
+  bool settled_ = false;                       // by mutex_: run() returned or threw
+  bool ok_ = false;                            // by mutex_: run() returned true
+  std::exception_ptr failure_;                 // by mutex_
+  std::vector<std::function<void()>> onDone_;  // by mutex_, until settled
+};
+
+// A group's numbering of its messages with a rest: one per group.
+class FramedRests;
+std::shared_ptr<FramedRests> makeFramedRests();
 
 // `tensor`: contiguous; its bytes are sent as they are, whatever its dtype.
 c10::intrusive_ptr<c10d::Work> framedSend(const c10::intrusive_ptr<c10d::Backend>& cpu,
-                                          const at::Tensor& tensor, int dstRank, int tag);
+                                          const at::Tensor& tensor, int dstRank, int tag,
+                                          const std::shared_ptr<FramedRests>& rests);
 
 // `srcRank` -1: from any rank (recvAnysource). `rank`: this rank, for the
 // mismatch's reason.
 c10::intrusive_ptr<c10d::Work> framedRecv(const c10::intrusive_ptr<c10d::Backend>& cpu,
                                           const at::Tensor& tensor, int srcRank, int tag, int rank,
-                                          std::function<void(const std::string&)> breakGroup);
+                                          std::function<void(const std::string&)> breakGroup,
+                                          const std::shared_ptr<FramedRests>& rests);
 
 }  // namespace tpcomm::coord

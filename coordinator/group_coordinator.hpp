@@ -56,6 +56,7 @@
 #include "coordinator/cpu_shm_path.hpp"
 #include "coordinator/custom_path.hpp"
 #include "coordinator/debug_p2p.hpp"
+#include "coordinator/framed_p2p.hpp"
 #include "coordinator/group_fault.hpp"
 #include "coordinator/pending.hpp"
 #include "coordinator/route_stats.hpp"
@@ -359,6 +360,8 @@ class GroupCoordinator {
   std::array<long, 16> debugThreads_{};  // threads of the last checks; by debugNoteMutex_
   size_t debugThreadNext_ = 0;           // by debugNoteMutex_
   std::unique_ptr<P2pChecker> p2p_;      // TPCOMM_DEBUG's send/recv check (CPU tensors)
+  // The numbering of the CPU route's large messages (framed_p2p.hpp).
+  const std::shared_ptr<FramedRests> framedRests_ = makeFramedRests();
   std::shared_ptr<GroupFault> fault_;
   RouteStats stats_;
   RoutingTable routing_;

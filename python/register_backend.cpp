@@ -3,6 +3,7 @@
 #include <pybind11/functional.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/distributed/c10d/FlightRecorder.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "backend/flight_record.hpp"
@@ -320,6 +321,16 @@ tensors through the device backend (NCCL), created on first use.)")
   m.def(
       "_fr_rename_internal", [] { backend::FlightRecord::get().renameInternal(); },
       "Renames the flight recorder's entries of tpcomm's own Gloo groups for torchfrtrace.");
+  m.def(
+      "_write_fr_dump",
+      [](int rank, const py::bytes& dump) {
+        std::string data = dump;
+        py::gil_scoped_release release;
+        c10d::DebugInfoWriter::getWriter(rank).write(data);
+      },
+      py::arg("rank"), py::arg("dump"),
+      "Writes a pickled flight-recorder dump through torch's dump writer, as ProcessGroupNCCL "
+      "does after its failures (tests the merging writer, backend/flight_dump.hpp).");
   m.def(
       "_calls_on_this_thread", [] { return backend::ProcessGroupTpcomm::callsOnThisThread(); },
       "How many calls this thread has made on tpcomm groups (refused ones too).");

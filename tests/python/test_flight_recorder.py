@@ -6,6 +6,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -65,6 +66,35 @@ def test_every_call_is_recorded_with_agreeing_sequence_ids(route):
             assert p2p == []
 
 
+def _unwaited(ctx):
+    """An isend and an irecv nobody waits on (small and past the first part):
+    their entries retire when they complete."""
+    peer = 1 - ctx.rank
+    works = []
+    for n in (4, 100000):
+        if ctx.rank == 0:
+            works.append(dist.isend(torch.ones(n), peer))
+        else:
+            works.append(dist.irecv(torch.zeros(n), peer))
+    deadline = time.monotonic() + 10
+    while True:
+        dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+        states = [(e["profiling_name"], e["state"]) for e in _our_entries(dump) if e["is_p2p"]]
+        if all(state == "completed" for _, state in states) or time.monotonic() > deadline:
+            return states, [w.is_completed() for w in works]
+
+
+def test_an_unwaited_send_and_recv_retire_when_they_complete():
+    group = Group(2, env={"TPCOMM_CPU_SHM": "0"})
+    try:
+        (sends, sent), (recvs, got) = group.run(_unwaited)
+    finally:
+        group.close()
+    assert sends == [("nccl:send 0->1", "completed")] * 2, sends
+    assert recvs == [("nccl:recv 1<-0", "completed")] * 2, recvs
+    assert sent == [True, True] and got == [True, True], (sent, got)
+
+
 def _skips_a_call(ctx):
     t = torch.ones(4)
     try:
@@ -100,6 +130,70 @@ def test_torchfrtrace_names_the_skipped_call_and_the_rank(tmp_path, world_size, 
     assert "Collective sequence number: 3 has errors" in report, report
     assert f"collective: nccl:all_reduce tpcomm/{route}" in report, report
     assert "Culprit rank 1" in report and "COLLECTIVE_TYPE_MISMATCH" in report, report
+
+
+def _two_recorders(ctx):
+    """The dump another recorder of this rank writes through torch's writer
+    (as ProcessGroupNCCL does after its failures: a group of its own, one
+    completed all_reduce), before and after tpcomm's dump of a failure."""
+    from tpcomm import _C
+
+    dist.all_reduce(torch.ones(4))
+    real = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    template = dict(_our_entries(real)[0])
+    config = dict(real["pg_config"]["0"])
+
+    def other_dump(state):
+        e = dict(template, pg_id=99, record_id=0, process_group=("nccl-pg", "other recorder"),
+                 collective_seq_id=1, p2p_seq_id=0, op_id=1, profiling_name="nccl:all_reduce",
+                 state=state, time_created_ns=time.time_ns())
+        pg = dict(config, name="nccl-pg", desc="other recorder")
+        return pickle.dumps({"version": real["version"], "pg_config": {"nccl-pg": pg},
+                             "pg_status": {"nccl-pg": {}}, "entries": [e]}, protocol=2)
+
+    _C._write_fr_dump(ctx.rank, other_dump("started"))
+    error = None
+    try:
+        for i in range(3):
+            if ctx.rank == 1 and i == 2:
+                continue  # rank 1 skips the third all_reduce
+            dist.all_reduce(torch.ones(4))
+        dist.barrier()
+    except Exception as e:  # noqa: BLE001 (the failure is what this test is about)
+        error = str(e)
+    _C._write_fr_dump(ctx.rank, other_dump("completed"))
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    return error, backend.describe()["flight_recorder"]
+
+
+def test_dumps_of_two_recorders_of_a_rank_go_into_one_file_torchfrtrace_reads(tmp_path):
+    prefix = str(tmp_path / "trace_")
+    group = Group(2, env={"TORCH_FR_DUMP_TEMP_FILE": prefix, "TPCOMM_CPU_SHM": "1"},
+                  pg_timeout_s=5)
+    try:
+        results = group.run(_two_recorders, timeout_s=90)
+    finally:
+        group.close(kill=True)
+    for rank, (error, status) in enumerate(results):
+        assert error is not None and f"flight recorder dumped to {prefix}{rank}" in error, error
+        assert f"merged into {prefix}{rank})" in status, status
+    assert sorted(os.listdir(tmp_path)) == ["trace_0", "trace_1"]
+    for rank in range(2):
+        with open(tmp_path / f"trace_{rank}", "rb") as f:
+            dump = pickle.load(f)
+        groups = {e["process_group"][0]: e for e in dump["entries"]}
+        # The other recorder's entry, as its last dump had it, and tpcomm's.
+        assert groups["nccl-pg"]["state"] == "completed", groups
+        assert sum(e["profiling_name"] == "nccl:all_reduce tpcomm/cpu_shm"
+                   for e in dump["entries"]) == (3 if rank == 0 else 2) + 1, dump["entries"]
+        assert {"0", "nccl-pg"} <= set(dump["pg_config"]), dump["pg_config"]
+    tool = os.path.join(os.path.dirname(sys.executable), "torchfrtrace")
+    out = subprocess.run([tool, str(tmp_path), "-p", "trace_"], capture_output=True, text=True,
+                         timeout=120)
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, report
+    assert "Collective sequence number: 4 has errors" in report, report
+    assert "Culprit rank 1" in report, report
 
 
 def _recorder_off(ctx):

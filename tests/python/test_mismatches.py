@@ -127,6 +127,77 @@ def test_matching_sends_and_recvs_deliver_everything(groups):
                      "empty": True, "big": True, "after": [2.0, 2.0]}, rank1
 
 
+def _pending(ctx):
+    """Recvs left pending on one tag and waited out of order: two past the
+    first part from one rank (each rest must land in its own recv), one
+    from any rank between them, a small one among them; then an isend and an
+    irecv nobody waits on, which complete by themselves."""
+    g = dist.new_group(backend="tpcomm")
+    n = 200000  # 800 KB: past the 256 KiB first part
+    sent = [torch.arange(n, dtype=torch.float32) + k * 1e6 for k in range(3)]
+    small = torch.arange(10, dtype=torch.float32)
+    out = {}
+    if ctx.rank == 0:
+        for t in (sent[0], small, sent[1], sent[2]):
+            dist.send(t, 1, group=g)
+    else:
+        a, s, b, c = torch.zeros(n), torch.zeros(10), torch.zeros(n), torch.zeros(n)
+        wa = dist.irecv(a, 0, group=g)
+        ws = dist.irecv(s, 0, group=g)
+        wb = g.recv_anysource([b], 0)
+        wc = dist.irecv(c, 0, group=g)
+        for w in (wc, wb, ws, wa):  # the last first
+            w.wait()
+        # Gloo hands a message to a recv from its rank before one from any
+        # rank: b and c take sent[1] and sent[2] in either order.
+        out["order"] = [torch.equal(a, sent[0]), torch.equal(s, small),
+                        sorted([b[0].item(), c[0].item()]) == [1e6, 2e6],
+                        torch.equal(b, sent[1]) or torch.equal(b, sent[2]),
+                        torch.equal(c, sent[1]) or torch.equal(c, sent[2])]
+        out["source"] = wb.source_rank()
+    dist.barrier(group=g)
+    # Never waited on: they complete on their own.
+    if ctx.rank == 0:
+        req = dist.isend(torch.full((n,), 3.0), 1, group=g)
+    else:
+        got = torch.zeros(n)
+        req = dist.irecv(got, 0, group=g)
+    deadline = time.monotonic() + BOUND_S
+    while not req.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out["completed"] = req.is_completed()
+    if ctx.rank == 1:
+        out["unwaited"] = torch.equal(got, torch.full((n,), 3.0))
+    x = torch.ones(2)
+    dist.all_reduce(x, group=g)
+    out["after"] = x.tolist()
+    return out
+
+
+def test_pending_recvs_on_one_tag_each_get_their_own_message(groups):
+    rank0, rank1 = groups(2).run(_pending)
+    assert rank0 == {"completed": True, "after": [2.0, 2.0]}, rank0
+    assert rank1 == {"order": [True] * 5, "source": 0, "completed": True, "unwaited": True,
+                     "after": [2.0, 2.0]}, rank1
+
+
+def _tag_too_large(ctx):
+    g = dist.new_group(backend="tpcomm")
+    small, big = torch.ones(4), torch.ones(100000)
+    return (error_message(lambda: dist.send(small, 1 - ctx.rank, group=g, tag=1 << 30)),
+            error_message(lambda: dist.irecv(big, 1 - ctx.rank, group=g, tag=1 << 20)),
+            error_message(lambda: dist.all_reduce(small, group=g)))
+
+
+def test_a_tag_past_the_range_is_refused_before_anything_is_sent(groups):
+    for small, big, later in groups(2).run(_tag_too_large):
+        assert small is not None and "tag 1073741824 is out of range" in small, small
+        assert "from 0 to 1073741823 (larger tags carry the rests" in small, small
+        assert big is not None and "tag 1048576 is out of range" in big, big
+        assert "from 0 to 1048575 for a message past 262144 B" in big, big
+        assert later is None, later
+
+
 def _roots_differ(ctx, op):
     g = dist.new_group(backend="tpcomm")
     dist.all_reduce(torch.ones(1), group=g)

@@ -1,0 +1,177 @@
+#include "backend/flight_dump.hpp"
+
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <tuple>
+
+#include <unistd.h>
+
+#include <torch/csrc/distributed/c10d/TraceUtils.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/distributed/c10d/FlightRecorder.hpp>
+
+namespace tpcomm::backend {
+
+namespace {
+
+using Dict = c10::Dict<c10::IValue, c10::IValue>;
+
+Dict parse(const std::string& dump, const char* which) {
+  c10::IValue v;
+  try {
+    v = torch::jit::unpickle(dump.data(), dump.size());
+  } catch (const std::exception& e) {
+    throw std::runtime_error(std::string("the ") + which +
+                             " flight-recorder dump does not unpickle: " + e.what());
+  }
+  if (!v.isGenericDict()) {
+    throw std::runtime_error(std::string("the ") + which +
+                             " flight-recorder dump is not a dict: " + v.tagKind());
+  }
+  return v.toGenericDict();
+}
+
+int64_t intField(const Dict& entry, const char* key) {
+  auto it = entry.find(c10::IValue(key));
+  return it != entry.end() && it->value().isInt() ? it->value().toInt() : -1;
+}
+
+// An entry's identity across dumps of one process.
+using EntryKey = std::tuple<int64_t, int64_t, int64_t>;  // pg_id, record_id, time_created_ns
+
+EntryKey keyOf(const Dict& entry) {
+  return {intField(entry, "pg_id"), intField(entry, "record_id"),
+          intField(entry, "time_created_ns")};
+}
+
+// `into`'s table `key` with `from`'s rows added (`from`'s where both have a row).
+void mergeTable(Dict& into, const Dict& from, const char* key) {
+  auto theirs = from.find(c10::IValue(key));
+  if (theirs == from.end() || !theirs->value().isGenericDict()) return;
+  auto ours = into.find(c10::IValue(key));
+  if (ours == into.end() || !ours->value().isGenericDict()) {
+    into.insert_or_assign(c10::IValue(key), theirs->value());
+    return;
+  }
+  Dict table = ours->value().toGenericDict().copy();
+  for (const auto& row : theirs->value().toGenericDict()) {
+    table.insert_or_assign(row.key(), row.value());
+  }
+  into.insert_or_assign(c10::IValue(key), table);
+}
+
+}  // namespace
+
+std::string mergeFlightDumps(const std::string& older, const std::string& newer) {
+  const Dict a = parse(older, "older");
+  const Dict b = parse(newer, "newer");
+  Dict out(c10::AnyType::get(), c10::AnyType::get());
+  for (const auto& kv : a) out.insert_or_assign(kv.key(), kv.value());
+  for (const auto& kv : b) out.insert_or_assign(kv.key(), kv.value());
+  mergeTable(out, a, "pg_config");
+  mergeTable(out, b, "pg_config");
+  mergeTable(out, a, "pg_status");
+  mergeTable(out, b, "pg_status");
+  std::map<EntryKey, c10::IValue> byKey;
+  std::map<std::pair<int64_t, EntryKey>, EntryKey> byTime;  // creation time first
+  for (const Dict* dump : {&a, &b}) {
+    auto entries = dump->find(c10::IValue("entries"));
+    if (entries == dump->end()) continue;
+    if (!entries->value().isList()) throw std::runtime_error("a dump's entries are not a list");
+    for (const auto& e : entries->value().toListRef()) {
+      if (!e.isGenericDict()) throw std::runtime_error("a dump's entry is not a dict");
+      const EntryKey key = keyOf(e.toGenericDict());
+      byKey[key] = e;  // the newer dump's, where both have it
+      byTime[{std::get<2>(key), key}] = key;
+    }
+  }
+  if (!byKey.empty()) {
+    c10::List<c10::IValue> entries(c10::AnyType::get());
+    for (const auto& [when, key] : byTime) entries.push_back(byKey.at(key));
+    out.insert_or_assign(c10::IValue("entries"), entries);
+  }
+  return c10d::pickle_str(out);
+}
+
+namespace {
+
+class MergingWriter : public c10d::DebugInfoWriter {
+ public:
+  MergingWriter(const std::string& prefix, int rank) : c10d::DebugInfoWriter(prefix, rank) {}
+
+  void write(const std::string& trace) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::string merged = trace;
+    if (!written_.empty()) {
+      try {
+        merged = mergeFlightDumps(written_, trace);
+      } catch (const std::exception& e) {
+        // Not a dump this writer knows: written as it is, as torch's would.
+        std::fprintf(stderr, "tpcomm: flight-recorder dump written unmerged: %s\n", e.what());
+      }
+    }
+    // Whole or not at all: a reader never sees a half-written file.
+    const std::string partial = filename_.substr(0, filename_.find_last_of('/') + 1) +
+                                ".tpcomm-fr-" + std::to_string(::getpid()) + "-" +
+                                std::to_string(rank_) + ".partial";
+    {
+      std::ofstream file(partial, std::ios::binary | std::ios::trunc);
+      if (!file.write(merged.data(), static_cast<std::streamsize>(merged.size())) ||
+          !file.flush()) {
+        std::fprintf(stderr, "tpcomm: could not write the flight-recorder dump %s\n",
+                     partial.c_str());
+        std::remove(partial.c_str());
+        return;
+      }
+    }
+    if (std::rename(partial.c_str(), filename_.c_str()) != 0) {
+      std::fprintf(stderr, "tpcomm: could not write the flight-recorder dump %s\n",
+                   filename_.c_str());
+      std::remove(partial.c_str());
+      return;
+    }
+    written_ = std::move(merged);
+  }
+
+ private:
+  std::mutex mutex_;
+  std::string written_;  // by mutex_: the file's content
+};
+
+}  // namespace
+
+std::string registerMergingDumpWriter(int rank, std::string& why) {
+  static std::mutex registering;
+  static std::string registered, reason;
+  static bool tried = false;
+  std::lock_guard<std::mutex> lock(registering);
+  if (!tried) {
+    tried = true;
+    std::string prefix;
+    for (const char* name : {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}) {
+      const char* v = std::getenv(name);
+      if (v != nullptr && *v != '\0') {
+        prefix = v;
+        break;
+      }
+    }
+    if (prefix.empty()) {
+      reason = "no TORCH_FR_DUMP_TEMP_FILE set: torch's own writer names the file";
+    } else {
+      try {
+        c10d::DebugInfoWriter::registerWriter(std::make_unique<MergingWriter>(prefix, rank));
+        registered = prefix + std::to_string(rank);
+      } catch (const std::exception&) {
+        reason = "a dump writer was registered before tpcomm's: dumps go through it unmerged";
+      }
+    }
+  }
+  why = reason;
+  return registered;
+}
+
+}  // namespace tpcomm::backend
