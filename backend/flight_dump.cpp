@@ -1,5 +1,6 @@
 #include "backend/flight_dump.hpp"
 
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -7,6 +8,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <tuple>
+#include <typeinfo>
 
 #include <unistd.h>
 
@@ -99,14 +101,27 @@ std::string mergeFlightDumps(const std::string& older, const std::string& newer)
 
 namespace {
 
+std::atomic<int> dumpRank{-1};
+
+int currentRank() {
+  const int r = dumpRank.load();
+  if (r >= 0) return r;
+  const char* env = std::getenv("RANK");
+  return env != nullptr && *env != '\0' ? std::atoi(env) : 0;
+}
+
 class MergingWriter : public c10d::DebugInfoWriter {
  public:
-  MergingWriter(const std::string& prefix, int rank) : c10d::DebugInfoWriter(prefix, rank) {}
+  explicit MergingWriter(const std::string& prefix)
+      : c10d::DebugInfoWriter(prefix, currentRank()), prefix_(prefix) {}
+
+  std::string getWriterTarget() override { return prefix_ + std::to_string(currentRank()); }
 
   void write(const std::string& trace) override {
     std::lock_guard<std::mutex> lock(mutex_);
+    const std::string target = getWriterTarget();
     std::string merged = trace;
-    if (!written_.empty()) {
+    if (!written_.empty() && target == writtenTo_) {
       try {
         merged = mergeFlightDumps(written_, trace);
       } catch (const std::exception& e) {
@@ -115,63 +130,77 @@ class MergingWriter : public c10d::DebugInfoWriter {
       }
     }
     // Whole or not at all: a reader never sees a half-written file.
-    const std::string partial = filename_.substr(0, filename_.find_last_of('/') + 1) +
-                                ".tpcomm-fr-" + std::to_string(::getpid()) + "-" +
-                                std::to_string(rank_) + ".partial";
+    const std::string partial = target.substr(0, target.find_last_of('/') + 1) + ".tpcomm-fr-" +
+                                std::to_string(::getpid()) + ".partial";
+    bool ok = false;
     {
       std::ofstream file(partial, std::ios::binary | std::ios::trunc);
-      if (!file.write(merged.data(), static_cast<std::streamsize>(merged.size())) ||
-          !file.flush()) {
-        std::fprintf(stderr, "tpcomm: could not write the flight-recorder dump %s\n",
-                     partial.c_str());
-        std::remove(partial.c_str());
-        return;
-      }
+      ok = static_cast<bool>(
+          file.write(merged.data(), static_cast<std::streamsize>(merged.size())).flush());
     }
-    if (std::rename(partial.c_str(), filename_.c_str()) != 0) {
-      std::fprintf(stderr, "tpcomm: could not write the flight-recorder dump %s\n",
-                   filename_.c_str());
+    if (!ok || std::rename(partial.c_str(), target.c_str()) != 0) {
+      std::fprintf(stderr, "tpcomm: could not write the flight-recorder dump %s\n", target.c_str());
       std::remove(partial.c_str());
       return;
     }
     written_ = std::move(merged);
+    writtenTo_ = target;
   }
 
  private:
+  const std::string prefix_;
   std::mutex mutex_;
-  std::string written_;  // by mutex_: the file's content
+  std::string written_;    // by mutex_: the file's content
+  std::string writtenTo_;  // by mutex_: the file
 };
+
+std::mutex registering;
+MergingWriter* registered = nullptr;           // by registering; owned by torch
+std::string notRegistered = "not registered";  // by registering
 
 }  // namespace
 
-std::string registerMergingDumpWriter(int rank, std::string& why) {
-  static std::mutex registering;
-  static std::string registered, reason;
-  static bool tried = false;
+void registerMergingDumpWriter() {
   std::lock_guard<std::mutex> lock(registering);
-  if (!tried) {
-    tried = true;
-    std::string prefix;
-    for (const char* name : {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}) {
-      const char* v = std::getenv(name);
-      if (v != nullptr && *v != '\0') {
-        prefix = v;
-        break;
-      }
-    }
-    if (prefix.empty()) {
-      reason = "no TORCH_FR_DUMP_TEMP_FILE set: torch's own writer names the file";
-    } else {
-      try {
-        c10d::DebugInfoWriter::registerWriter(std::make_unique<MergingWriter>(prefix, rank));
-        registered = prefix + std::to_string(rank);
-      } catch (const std::exception&) {
-        reason = "a dump writer was registered before tpcomm's: dumps go through it unmerged";
-      }
+  if (registered != nullptr) return;
+  std::string prefix;
+  for (const char* name : {"TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}) {
+    const char* v = std::getenv(name);
+    if (v != nullptr && *v != '\0') {
+      prefix = v;
+      break;
     }
   }
-  why = reason;
-  return registered;
+  if (prefix.empty()) {
+    notRegistered = "no TORCH_FR_DUMP_TEMP_FILE set: torch's own writer names the file";
+    return;
+  }
+  try {
+    // torch's own writer when none was registered (made here, unused).
+    c10d::DebugInfoWriter& current = c10d::DebugInfoWriter::getWriter(currentRank());
+    if (typeid(current) != typeid(c10d::DebugInfoWriter)) {
+      notRegistered =
+          "the program registered a dump writer before tpcomm: dumps go through it unmerged";
+      return;
+    }
+    auto writer = std::make_unique<MergingWriter>(prefix);
+    MergingWriter* raw = writer.get();
+    c10d::DebugInfoWriter::registerWriter(std::move(writer));
+    registered = raw;
+  } catch (const std::exception& e) {
+    notRegistered = std::string("the merging dump writer could not be registered: ") + e.what();
+  }
+}
+
+void setMergingDumpRank(int rank) { dumpRank.store(rank); }
+
+std::string mergingDumpStatus() {
+  std::lock_guard<std::mutex> lock(registering);
+  if (registered == nullptr) return notRegistered;
+  if (&c10d::DebugInfoWriter::getWriter(currentRank()) != registered) {
+    return "a dump writer registered after tpcomm's takes the dumps, unmerged";
+  }
+  return "merged into " + registered->getWriterTarget();
 }
 
 }  // namespace tpcomm::backend

@@ -24,11 +24,19 @@ namespace tpcomm::backend {
 // std::runtime_error when either is not such a dump.
 std::string mergeFlightDumps(const std::string& older, const std::string& newer);
 
-// Registers, once per process, the merging writer for this process's global
-// `rank`, writing to <TORCH_FR_DUMP_TEMP_FILE><rank> (or
-// TORCH_NCCL_DEBUG_INFO_TEMP_FILE's prefix). Returns the file, or "" with
-// `why` set where it did not: no prefix set, or the program or torch
-// registered a writer first (dumps then go through that one, as they are).
-std::string registerMergingDumpWriter(int rank, std::string& why);
+// Registers the merging writer as torch's dump writer, once per process,
+// when TORCH_FR_DUMP_TEMP_FILE (or TORCH_NCCL_DEBUG_INFO_TEMP_FILE) names a
+// prefix. torch's registration replaces whatever writer was there, so this
+// runs when tpcomm's module loads, before anything can be writing through
+// one; a writer the program registered before is kept (its dumps stay as
+// they are). Never throws.
+void registerMergingDumpWriter();
+
+// This process's global rank, for the file's name (<prefix><rank>); until
+// set, the RANK environment variable, else 0.
+void setMergingDumpRank(int rank);
+
+// "merged into <file>", or why dumps are not merged.
+std::string mergingDumpStatus();
 
 }  // namespace tpcomm::backend

@@ -202,17 +202,12 @@ FlightRecord::FlightRecord() {
 
 void FlightRecord::setRank(int rank) {
   rank_ = rank;
-  if (!dumps_) return;
-  std::string why;
-  const std::string file = registerMergingDumpWriter(rank, why);
-  std::lock_guard<std::mutex> lock(writerMutex_);
-  writer_ = file.empty() ? why : "merged into " + file;
+  setMergingDumpRank(rank);
 }
 
 std::string FlightRecord::status() const {
-  std::lock_guard<std::mutex> lock(writerMutex_);
-  if (writer_.empty()) return status_;
-  return status_.substr(0, status_.size() - 1) + ": " + writer_ + ")";
+  if (!dumps_) return status_;
+  return status_.substr(0, status_.size() - 1) + ": " + mergingDumpStatus() + ")";
 }
 
 void FlightRecord::recordGroup(const std::string& name, const std::string& desc,

@@ -81,8 +81,7 @@ class FlightRecord {
   // A non-empty `profilingName` (the route now known) replaces its name.
   void retire(const FlightId& id, std::string profilingName = {});
 
-  // This process's global rank (names its dump file). The first one set
-  // registers the merging dump writer (flight_dump.hpp) when dumps are on.
+  // This process's global rank (names its dump file: flight_dump.hpp).
   void setRank(int rank);
   // After a communication failure (timeout, lost peer, mismatch, abort):
   // writes torch's dump of the whole recorder through torch's writer (the
@@ -104,8 +103,6 @@ class FlightRecord {
   bool dumps_ = false;
   int rank_ = 0;
   std::string status_;
-  mutable std::mutex writerMutex_;
-  std::string writer_;  // by writerMutex_: where dumps go, once a rank was set
 };
 
 }  // namespace tpcomm::backend

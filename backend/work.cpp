@@ -119,7 +119,9 @@ struct TpcommWork::State : coord::Interruptible {
       auto released = [&] {
         if (fault->broken()) TPCOMM_THROW(kPeerLost, "released: ", fault->reason());
       };
-      released();
+      // A work that completed already (a framed send/recv completes by
+      // itself) stays completed whatever broke since.
+      if (!(inner->isCompleted() && inner->isSuccess())) released();
       // A reduce-scatter's blocked wait ends when the group's Gloo
       // connections are shut down (Gloo's reduce-scatter work never reports
       // completion through isCompleted(), so it cannot be polled).

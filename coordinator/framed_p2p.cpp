@@ -4,11 +4,14 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <system_error>
 #include <thread>
 #include <tuple>
 
@@ -21,7 +24,7 @@ namespace {
 
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 
-constexpr int64_t kMagic = 0x7470636f6d6d3031;  // "tpcomm01"
+constexpr int64_t kMagic = 0x7470636f6d6d3032;  // "tpcomm02": the 40-byte header
 constexpr int64_t kHeaderBytes = 5 * sizeof(int64_t);
 
 // Staging buffers of kHeaderBytes + kFirstPart bytes, reused (a fresh
@@ -71,6 +74,15 @@ at::Tensor tailOf(const at::Tensor& t, int64_t offset) {
   return at::from_blob(bytesOf(t) + offset, {n - offset}, at::TensorOptions().dtype(at::kByte));
 }
 
+// What is left of `timeout` since `start` (kNoTimeout stays itself).
+std::chrono::milliseconds remaining(std::chrono::milliseconds timeout,
+                                    std::chrono::steady_clock::time_point start) {
+  if (timeout == ::kNoTimeout) return timeout;
+  const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(
+      std::chrono::steady_clock::now() - start);
+  return std::max(timeout - spent, std::chrono::milliseconds(1));
+}
+
 // The tags a call may take: below kFramedRestTagBit (the rest tags lie
 // above), and below kFramedLargeTagLimit past the first part (the rest's
 // tag carries the tag).
@@ -94,7 +106,8 @@ int restTag(int tag, uint64_t seq) {
 
 }  // namespace
 
-FramedWork::FramedWork(int rank, c10d::OpType type) : c10d::Work(rank, type) {}
+FramedWork::FramedWork(int rank, c10d::OpType type, std::chrono::milliseconds groupTimeout)
+    : c10d::Work(rank, type), groupTimeout_(groupTimeout) {}
 
 FramedWork::~FramedWork() = default;
 
@@ -123,7 +136,7 @@ void FramedWork::complete(std::chrono::milliseconds timeout) {
   }
   settledCv_.notify_all();
   if (ok && !failure) {
-    for (auto& fn : onDone) fn();
+    for (auto& fn : onDone) runDone(fn);
   }
 }
 
@@ -147,16 +160,25 @@ bool FramedWork::wait(std::chrono::milliseconds timeout) {
     complete(timeout);
   } else {
     std::unique_lock<std::mutex> lock(mutex_);
-    auto settled = [&] { return settled_; };
-    if (timeout == ::kNoTimeout) {
-      settledCv_.wait(lock, settled);
-    } else if (!settledCv_.wait_for(lock, timeout, settled)) {
-      TPCOMM_THROW(kTimeout, "send/recv did not complete within ", timeout.count(), " ms");
+    // A progress thread completes it: waited for up to `timeout`, the
+    // group's when none (as Gloo's own wait is bounded).
+    const auto bound = timeout == ::kNoTimeout ? groupTimeout_ : timeout;
+    if (!settledCv_.wait_for(lock, bound, [&] { return settled_; })) {
+      TPCOMM_THROW(kTimeout, "send/recv did not complete within ", bound.count(), " ms");
     }
   }
   std::lock_guard<std::mutex> lock(mutex_);
   if (failure_) std::rethrow_exception(failure_);
   return ok_;
+}
+
+void FramedWork::runDone(const std::function<void()>& fn) {
+  // On a progress thread nothing may escape.
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "tpcomm: a send/recv's completion step failed: %s\n", e.what());
+  }
 }
 
 void FramedWork::whenDone(std::function<void()> fn) {
@@ -168,7 +190,7 @@ void FramedWork::whenDone(std::function<void()> fn) {
     }
     if (!ok_) return;
   }
-  fn();
+  runDone(fn);
 }
 
 // A group's numbering of its messages past the first part, per peer and
@@ -179,26 +201,38 @@ class FramedRests {
     std::lock_guard<std::mutex> lock(mutex_);
     return sends_[{dst, tag}]++;
   }
-  // Takes the rest tag of message `seq` from `src` on `tag`; refuses when a
-  // rest recv under it is still in flight (kFramedRestWindow such messages
-  // from one rank on one tag whose rests have not come).
-  int reserve(int src, int tag, uint64_t seq) {
-    const int rest = restTag(tag, seq);
+  // The rest tag of message `seq` from `src` on `tag`, once every message
+  // that shares it before this one (seq - kFramedRestWindow and earlier)
+  // has its rest in: else none (kFramedRestWindow such messages from one
+  // rank on one tag in flight whose rests have not come).
+  std::optional<int> reserve(int src, int tag, uint64_t seq) {
     std::lock_guard<std::mutex> lock(mutex_);
-    TPCOMM_CHECK(inFlight_.insert({src, rest}).second, kInvalidUsage, "recv: more than ",
-                 kFramedRestWindow, " messages past ", kFramedFirstPart, " B from rank ", src,
-                 " on tag ", tag, " are in flight at once");
-    return rest;
+    if (seq >= recvs_[{src, tag}].next + kFramedRestWindow) return std::nullopt;
+    return restTag(tag, seq);
   }
-  void release(int src, int rest) {
+  // Message `seq`'s rest came.
+  void arrived(int src, int tag, uint64_t seq) {
     std::lock_guard<std::mutex> lock(mutex_);
-    inFlight_.erase({src, rest});
+    Lane& lane = recvs_[{src, tag}];
+    if (seq != lane.next) {
+      lane.later.insert(seq);
+      return;
+    }
+    ++lane.next;
+    while (!lane.later.empty() && *lane.later.begin() == lane.next) {
+      lane.later.erase(lane.later.begin());
+      ++lane.next;
+    }
   }
 
  private:
+  struct Lane {
+    uint64_t next = 0;         // every message before it has its rest in
+    std::set<uint64_t> later;  // rests in past `next`
+  };
   std::mutex mutex_;
   std::map<std::pair<int, int>, uint64_t> sends_;  // by mutex_: (dst, tag) -> next number
-  std::set<std::pair<int, int>> inFlight_;         // by mutex_: (src, rest tag)
+  std::map<std::pair<int, int>, Lane> recvs_;      // by mutex_: (src, tag)
 };
 
 std::shared_ptr<FramedRests> makeFramedRests() { return std::make_shared<FramedRests>(); }
@@ -207,15 +241,20 @@ namespace {
 
 class FramedSendWork : public FramedWork {
  public:
-  FramedSendWork(WorkPtr first, WorkPtr rest, at::Tensor staging, at::Tensor tensor)
-      : FramedWork(-1, c10d::OpType::SEND),
+  FramedSendWork(WorkPtr first, WorkPtr rest, at::Tensor staging, at::Tensor tensor,
+                 std::chrono::milliseconds timeout)
+      : FramedWork(-1, c10d::OpType::SEND, timeout),
         first_(std::move(first)),
         rest_(std::move(rest)),
         staging_(std::move(staging)),
         tensor_(std::move(tensor)) {}
   ~FramedSendWork() override {
-    // Back to the pool only once Gloo is done with it.
-    if (isCompleted()) StagingPool::get().release(std::move(staging_));
+    // Back to the pool only once Gloo is done with it: sent, and Gloo's
+    // works (which hold it) gone.
+    const bool sent = isSuccess();
+    first_.reset();
+    rest_.reset();
+    if (sent && staging_.use_count() == 1) StagingPool::get().release(std::move(staging_));
   }
   void abort() override {
     first_->abort();
@@ -224,9 +263,9 @@ class FramedSendWork : public FramedWork {
 
  protected:
   bool run(std::chrono::milliseconds timeout) override {
-    const bool a = first_->wait(timeout);
-    const bool b = !rest_ || rest_->wait(timeout);
-    return a && b;
+    const auto start = std::chrono::steady_clock::now();
+    if (!first_->wait(timeout)) return false;
+    return !rest_ || rest_->wait(remaining(timeout, start));
   }
 
  private:
@@ -239,8 +278,8 @@ class FramedRecvWork : public FramedWork {
  public:
   FramedRecvWork(c10::intrusive_ptr<c10d::Backend> cpu, const at::Tensor& tensor, int srcRank,
                  int tag, int rank, std::function<void(const std::string&)> breakGroup,
-                 std::shared_ptr<FramedRests> rests)
-      : FramedWork(rank, srcRank < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV),
+                 std::shared_ptr<FramedRests> rests, std::chrono::milliseconds timeout)
+      : FramedWork(rank, srcRank < 0 ? c10d::OpType::RECVANYSOURCE : c10d::OpType::RECV, timeout),
         cpu_(std::move(cpu)),
         tensor_(tensor),
         staging_(StagingPool::get().acquire()),
@@ -258,7 +297,10 @@ class FramedRecvWork : public FramedWork {
     firstWork_ = srcRank < 0 ? cpu_->recvAnysource(first, tag) : cpu_->recv(first, srcRank, tag);
   }
   ~FramedRecvWork() override {
-    if (isCompleted()) StagingPool::get().release(std::move(staging_));
+    // As a send's: back to the pool only once Gloo is done with it.
+    const bool received = isSuccess();
+    firstWork_.reset();
+    if (received && staging_.use_count() == 1) StagingPool::get().release(std::move(staging_));
   }
 
   void abort() override {
@@ -282,16 +324,11 @@ class FramedRecvWork : public FramedWork {
       rest = restWork_;
     }
     if (!rest) return true;
-    // The rest's tag is free again once its recv ended, whichever way.
-    struct Release {
-      FramedRests& rests;
-      int src, tag;
-      ~Release() { rests.release(src, tag); }
-    } release{*rests_, src, restTag_};
-    if (timeout == ::kNoTimeout) return rest->wait(timeout);
-    const auto spent = std::chrono::duration_cast<std::chrono::milliseconds>(
-        std::chrono::steady_clock::now() - start);
-    return rest->wait(std::max(timeout - spent, std::chrono::milliseconds(1)));
+    // Its rest tag is free for a later message only once the rest came: a
+    // rest recv that failed or was aborted may still be posted.
+    if (!rest->wait(remaining(timeout, start))) return false;
+    rests_->arrived(src, tag_, seq_);
+    return true;
   }
 
  private:
@@ -308,7 +345,7 @@ class FramedRecvWork : public FramedWork {
   const std::function<void(const std::string&)> breakGroup_;
   const std::shared_ptr<FramedRests> rests_;
   WorkPtr firstWork_;
-  int restTag_ = 0;           // set by takeFirst, before restWork_
+  uint64_t seq_ = 0;          // set by takeFirst: the message's number
   mutable std::mutex mutex_;  // for abort() and sourceRank() from other threads
   WorkPtr restWork_;          // by mutex_
   int source_ = -1;           // by mutex_
@@ -343,16 +380,20 @@ int FramedRecvWork::takeFirst(std::chrono::milliseconds timeout) {
   std::memcpy(bytesOf(tensor_), bytesOf(staging_) + kHeaderBytes,
               std::min(expectedBytes_, kFramedFirstPart));
   if (expectedBytes_ > kFramedFirstPart) {
-    restTag_ = rests_->reserve(src, tag_, static_cast<uint64_t>(h[4]));
-    try {
-      std::vector<at::Tensor> buffers{tailOf(tensor_, kFramedFirstPart)};
-      WorkPtr rest = cpu_->recv(buffers, src, restTag_);
-      std::lock_guard<std::mutex> lock(mutex_);
-      restWork_ = std::move(rest);
-    } catch (...) {
-      rests_->release(src, restTag_);
-      throw;
+    seq_ = static_cast<uint64_t>(h[4]);
+    const std::optional<int> restTag = rests_->reserve(src, tag_, seq_);
+    if (!restTag) {
+      const std::string why = detail::concat(
+          "rank ", rank_, "'s recv from rank ", src, " (tag ", tag_, "): more than ",
+          kFramedRestWindow, " messages past ", kFramedFirstPart, " B from rank ", src, " on tag ",
+          tag_, " were in flight at once (their rests not yet received)");
+      if (breakGroup_) breakGroup_(why);
+      TPCOMM_THROW(kInvalidUsage, why);
     }
+    std::vector<at::Tensor> buffers{tailOf(tensor_, kFramedFirstPart)};
+    WorkPtr rest = cpu_->recv(buffers, src, *restTag);
+    std::lock_guard<std::mutex> lock(mutex_);
+    restWork_ = std::move(rest);
   }
   return src;
 }
@@ -377,6 +418,7 @@ class FramedProgress {
 
  private:
   static constexpr auto kDelay = std::chrono::microseconds(200);
+  static constexpr std::chrono::milliseconds kProgressTimeout{std::chrono::hours(24 * 365)};
   using Lane = std::tuple<const void*, bool, int, int>;
   struct Item {
     c10::intrusive_ptr<FramedWork> work;  // kept until completed: nobody may hold it
@@ -413,6 +455,7 @@ void FramedProgress::schedule() {
     // Every item due by now (they are in order of making).
     const auto now = std::chrono::steady_clock::now();
     std::vector<c10::intrusive_ptr<FramedWork>> done;  // released outside the lock
+    std::vector<Item> retry;
     while (!queue_.empty() && queue_.front().due <= now) {
       Item item = std::move(queue_.front());
       queue_.pop_front();
@@ -426,11 +469,19 @@ void FramedProgress::schedule() {
         continue;
       }
       auto& lane = lanes_[item.lane];
-      lane.push_back(std::move(item.work));
+      lane.push_back(item.work);
       if (lane.size() == 1) {
-        std::thread([this, key = item.lane] { drain(key); }).detach();
+        try {
+          std::thread([this, key = item.lane] { drain(key); }).detach();
+        } catch (const std::system_error&) {
+          // No thread to be had now: tried again shortly.
+          lanes_.erase(item.lane);
+          item.due = now + std::chrono::milliseconds(10);
+          retry.push_back(std::move(item));
+        }
       }
     }
+    for (auto& item : retry) queue_.push_back(std::move(item));
     lock.unlock();
     done.clear();
     lock.lock();
@@ -447,7 +498,10 @@ void FramedProgress::drain(Lane key) {
     }
     c10::intrusive_ptr<FramedWork> work = it->second.front();
     lock.unlock();
-    if (work->claim()) work->complete(::kNoTimeout);
+    // Without a deadline of its own (Gloo's would count from the call, not
+    // from a wait): a waiter bounds its own wait; a break or the group's end
+    // ends this one.
+    if (work->claim()) work->complete(kProgressTimeout);
     work.reset();
     lock.lock();
     // Popped only now: while the lane is not empty, its thread lives.
@@ -457,7 +511,8 @@ void FramedProgress::drain(Lane key) {
 }
 
 WorkPtr framedSend(const c10::intrusive_ptr<c10d::Backend>& cpu, const at::Tensor& tensor,
-                   int dstRank, int tag, const std::shared_ptr<FramedRests>& rests) {
+                   int dstRank, int tag, const std::shared_ptr<FramedRests>& rests,
+                   std::chrono::milliseconds timeout) {
   TPCOMM_CHECK(tensor.is_contiguous(), kInvalidUsage, "send: the tensor must be contiguous");
   const int64_t bytes = static_cast<int64_t>(tensor.numel() * tensor.element_size());
   checkTag(tag, bytes);
@@ -477,7 +532,7 @@ WorkPtr framedSend(const c10::intrusive_ptr<c10d::Backend>& cpu, const at::Tenso
     restWork = cpu->send(rest, dstRank, restTag(tag, seq));
   }
   auto work = c10::make_intrusive<FramedSendWork>(std::move(firstWork), std::move(restWork),
-                                                  std::move(staging), tensor);
+                                                  std::move(staging), tensor, timeout);
   FramedProgress::get().add(work, cpu.get(), true, dstRank, tag);
   return work;
 }
@@ -485,11 +540,11 @@ WorkPtr framedSend(const c10::intrusive_ptr<c10d::Backend>& cpu, const at::Tenso
 WorkPtr framedRecv(const c10::intrusive_ptr<c10d::Backend>& cpu, const at::Tensor& tensor,
                    int srcRank, int tag, int rank,
                    std::function<void(const std::string&)> breakGroup,
-                   const std::shared_ptr<FramedRests>& rests) {
+                   const std::shared_ptr<FramedRests>& rests, std::chrono::milliseconds timeout) {
   TPCOMM_CHECK(tensor.is_contiguous(), kInvalidUsage, "recv: the tensor must be contiguous");
   checkTag(tag, static_cast<int64_t>(tensor.numel() * tensor.element_size()));
   auto work = c10::make_intrusive<FramedRecvWork>(cpu, tensor, srcRank, tag, rank,
-                                                  std::move(breakGroup), rests);
+                                                  std::move(breakGroup), rests, timeout);
   FramedProgress::get().add(work, cpu.get(), false, srcRank, tag);
   return work;
 }

@@ -21,7 +21,8 @@
 // recvs of one tag are waited on, and whichever recv (from that rank or
 // from any rank) Gloo handed the first part to. More than
 // kFramedRestWindow messages with a rest in flight from one rank on one tag
-// (rests not yet come) are refused, never mixed up.
+// (a header read while the rest of the message kFramedRestWindow before it
+// has not come) break the group, naming it, instead of mixing them up.
 //
 // A mismatch (bytes or dtype) breaks the group (`breakGroup`) with a reason
 // naming both sides, before the rest is read: the receiving rank's recv
@@ -31,11 +32,11 @@
 // Every framed work completes once: by the first thread that waits on it,
 // or, when nobody waits on it 200 us after it was made, by a progress
 // thread (one per peer, tag and direction with such work; Gloo's works
-// complete only inside a wait). So an irecv nobody waits on still
-// completes, as Gloo's own does (two ranks that each leave an irecv pending
-// and block in a send to the other are never stuck), isCompleted() turns
-// true without a wait, and what whenDone() registered (the flight
-// recorder's retirement) runs when the call completes, waited on or not.
+// complete only inside a wait), without a deadline of its own (a waiter's
+// wait is bounded by its timeout, the group's when none; a break ends it). So an irecv nobody waits
+// on still completes, as Gloo's own does (two ranks that each leave an irecv pending and block in a
+// send to the other are never stuck), isCompleted() turns true without a wait, and what whenDone()
+// registered (the flight recorder's retirement) runs when the call completes, waited on or not.
 //
 // `python -m tpcomm.bench p2p` times it against a plain Gloo group.
 
@@ -64,15 +65,17 @@ constexpr uint64_t kFramedRestWindow = 1024;
 // A framed send or recv's Work.
 class FramedWork : public c10d::Work {
  public:
-  FramedWork(int rank, c10d::OpType type);
+  // `groupTimeout`: bounds a wait without a timeout of its own.
+  FramedWork(int rank, c10d::OpType type, std::chrono::milliseconds groupTimeout);
   ~FramedWork() override;
 
   bool isCompleted() override;
   bool isSuccess() const override;
   std::exception_ptr exception() const override;
   // The first waiter completes the work in its own thread (Gloo's waits,
-  // with `timeout`); a later one waits for it, up to `timeout` (then
-  // raises). False when the work was aborted.
+  // with `timeout`); a later one, or one after a progress thread took it,
+  // waits for it up to `timeout` (the group's when none), then raises.
+  // False when the work was aborted.
   bool wait(std::chrono::milliseconds timeout) override;
   // Runs `fn` once the work succeeded, on the thread that completed it (at
   // once when it had). Dropped, never run, when the work failed or was
@@ -89,6 +92,9 @@ class FramedWork : public c10d::Work {
   // Whether this caller is the one to run().
   bool claim();
   void complete(std::chrono::milliseconds timeout);
+  static void runDone(const std::function<void()>& fn);
+
+  const std::chrono::milliseconds groupTimeout_;
 
   mutable std::mutex mutex_;
   std::condition_variable settledCv_;
@@ -104,15 +110,18 @@ class FramedRests;
 std::shared_ptr<FramedRests> makeFramedRests();
 
 // `tensor`: contiguous; its bytes are sent as they are, whatever its dtype.
+// `timeout`: the group's (FramedWork).
 c10::intrusive_ptr<c10d::Work> framedSend(const c10::intrusive_ptr<c10d::Backend>& cpu,
                                           const at::Tensor& tensor, int dstRank, int tag,
-                                          const std::shared_ptr<FramedRests>& rests);
+                                          const std::shared_ptr<FramedRests>& rests,
+                                          std::chrono::milliseconds timeout);
 
 // `srcRank` -1: from any rank (recvAnysource). `rank`: this rank, for the
 // mismatch's reason.
 c10::intrusive_ptr<c10d::Work> framedRecv(const c10::intrusive_ptr<c10d::Backend>& cpu,
                                           const at::Tensor& tensor, int srcRank, int tag, int rank,
                                           std::function<void(const std::string&)> breakGroup,
-                                          const std::shared_ptr<FramedRests>& rests);
+                                          const std::shared_ptr<FramedRests>& rests,
+                                          std::chrono::milliseconds timeout);
 
 }  // namespace tpcomm::coord

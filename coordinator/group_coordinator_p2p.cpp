@@ -38,7 +38,8 @@ Pending GroupCoordinator::send(std::vector<at::Tensor>& tensors, int dstRank, in
   if (route == Route::kCpu) {
     stats_.record(StatsRoute::kGloo, bytesOf(tensors));
     return withoutFutureOnCpu(
-        route, passThrough(framedSend(cpu_, tensors[0], dstRank, tag, framedRests_), {}));
+        route, passThrough(
+                   framedSend(cpu_, tensors[0], dstRank, tag, framedRests_, options_.timeout), {}));
   }
   return withoutFutureOnCpu(
       route, passThrough(backendFor(route, bytesOf(tensors)).send(moved, dstRank, tag), {}));
@@ -57,9 +58,10 @@ Pending GroupCoordinator::recv(std::vector<at::Tensor>& tensors, int srcRank, in
   }
   if (route == Route::kCpu) {
     stats_.record(StatsRoute::kGloo, bytesOf(tensors));
-    return withoutFutureOnCpu(route, passThrough(framedRecv(cpu_, tensors[0], srcRank, tag, rank(),
-                                                            mismatchBreaker(), framedRests_),
-                                                 tensors));
+    return withoutFutureOnCpu(
+        route, passThrough(framedRecv(cpu_, tensors[0], srcRank, tag, rank(), mismatchBreaker(),
+                                      framedRests_, options_.timeout),
+                           tensors));
   }
   return withoutFutureOnCpu(
       route, passThrough(backendFor(route, bytesOf(tensors)).recv(moved, srcRank, tag), tensors));
@@ -79,9 +81,10 @@ Pending GroupCoordinator::recvAnysource(std::vector<at::Tensor>& tensors, int ta
   }
   if (route == Route::kCpu) {
     stats_.record(StatsRoute::kGloo, bytesOf(tensors));
-    return withoutFutureOnCpu(route, passThrough(framedRecv(cpu_, tensors[0], -1, tag, rank(),
-                                                            mismatchBreaker(), framedRests_),
-                                                 tensors));
+    return withoutFutureOnCpu(
+        route, passThrough(framedRecv(cpu_, tensors[0], -1, tag, rank(), mismatchBreaker(),
+                                      framedRests_, options_.timeout),
+                           tensors));
   }
   return withoutFutureOnCpu(
       route, passThrough(backendFor(route, bytesOf(tensors)).recvAnysource(moved, tag), tensors));

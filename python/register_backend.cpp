@@ -6,6 +6,7 @@
 #include <torch/csrc/distributed/c10d/FlightRecorder.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include "backend/flight_dump.hpp"
 #include "backend/flight_record.hpp"
 #include "backend/process_group_tpcomm.hpp"
 #include "coordinator/common/settings.hpp"
@@ -63,6 +64,9 @@ c10::intrusive_ptr<backend::ProcessGroupTpcomm> makeBackend(
 }  // namespace
 
 void registerBackend(py::module_& m) {
+  // Before any group exists, so before anything can write a dump through
+  // the writer it replaces (backend/flight_dump.hpp).
+  backend::registerMergingDumpWriter();
   using backend::TpcommOptions;
   py::class_<TpcommOptions, c10d::Backend::Options, c10::intrusive_ptr<TpcommOptions>>(
       m, "Options", "Options of a tpcomm backend: timeout and group name.")

@@ -15,6 +15,7 @@ group's timeout is 60 s; every bound here is far below it.
 """
 
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -179,6 +180,31 @@ def test_pending_recvs_on_one_tag_each_get_their_own_message(groups):
     assert rank0 == {"completed": True, "after": [2.0, 2.0]}, rank0
     assert rank1 == {"order": [True] * 5, "source": 0, "completed": True, "unwaited": True,
                      "after": [2.0, 2.0]}, rank1
+
+
+def _late(ctx):
+    """An isend and an irecv that rank 0 waits on only after longer than the
+    group's timeout (2 s), whose peer comes after 2.5 s, complete: the
+    timeout bounds a wait, counted from the wait, as Gloo's own does."""
+    g = dist.new_group(backend="tpcomm", timeout=timedelta(seconds=2))
+    n = 100000  # past the first part
+    if ctx.rank == 0:
+        got = torch.zeros(n)
+        sent = dist.isend(torch.full((n,), 5.0), 1, group=g)
+        req = dist.irecv(got, 1, group=g)
+        time.sleep(3)
+        sent.wait()
+        req.wait()
+        return torch.equal(got, torch.full((n,), 7.0))
+    time.sleep(2.5)
+    got = torch.zeros(n)
+    dist.recv(got, 0, group=g)
+    dist.send(torch.full((n,), 7.0), 0, group=g)
+    return torch.equal(got, torch.full((n,), 5.0))
+
+
+def test_a_send_and_recv_waited_on_after_the_groups_timeout_still_complete(groups):
+    assert groups(2).run(_late) == [True, True]
 
 
 def _tag_too_large(ctx):
