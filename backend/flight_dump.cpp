@@ -1,15 +1,16 @@
 #include "backend/flight_dump.hpp"
 
 #include <atomic>
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <stdexcept>
 #include <tuple>
 #include <typeinfo>
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <torch/csrc/distributed/c10d/TraceUtils.h>
@@ -103,6 +104,20 @@ namespace {
 
 std::atomic<int> dumpRank{-1};
 
+// `data` written to a new file `path` (replacing one there), all of it.
+bool writeWhole(const std::string& path, const std::string& data) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return false;
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::write(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  return ::close(fd) == 0 && done == data.size();
+}
+
 int currentRank() {
   const int r = dumpRank.load();
   if (r >= 0) return r;
@@ -132,12 +147,7 @@ class MergingWriter : public c10d::DebugInfoWriter {
     // Whole or not at all: a reader never sees a half-written file.
     const std::string partial = target.substr(0, target.find_last_of('/') + 1) + ".tpcomm-fr-" +
                                 std::to_string(::getpid()) + ".partial";
-    bool ok = false;
-    {
-      std::ofstream file(partial, std::ios::binary | std::ios::trunc);
-      ok = static_cast<bool>(
-          file.write(merged.data(), static_cast<std::streamsize>(merged.size())).flush());
-    }
+    const bool ok = writeWhole(partial, merged);
     if (!ok || std::rename(partial.c_str(), target.c_str()) != 0) {
       std::fprintf(stderr, "tpcomm: could not write the flight-recorder dump %s\n", target.c_str());
       std::remove(partial.c_str());
