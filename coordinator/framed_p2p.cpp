@@ -403,8 +403,9 @@ int FramedRecvWork::takeFirst(std::chrono::milliseconds timeout) {
 // Completes the framed works nobody waits on (Gloo's works complete only
 // inside a wait: isCompleted() never turns true by itself, and a recv's
 // rest is posted only once its header was read). One scheduler thread
-// looks at each work 200 us after it was made; one waited on by then
-// (dist.send, dist.recv: at once) costs nothing more; any other goes to its
+// looks at the works made every millisecond while there are any (woken
+// only from idle); a work waited on by then (dist.send, dist.recv: at
+// once) is dropped; one at least 200 us old that nobody waits on goes to its
 // lane (group, direction, peer, tag: Gloo completes a lane's messages in
 // order), whose thread completes its works one after another and ends when
 // the lane is empty.
@@ -418,6 +419,9 @@ class FramedProgress {
 
  private:
   static constexpr auto kDelay = std::chrono::microseconds(200);
+  // How often a busy scheduler looks (waking it per work cost a ping-pong
+  // of small messages about as much as the message itself).
+  static constexpr auto kTick = std::chrono::milliseconds(1);
   static constexpr std::chrono::milliseconds kProgressTimeout{std::chrono::hours(24 * 365)};
   using Lane = std::tuple<const void*, bool, int, int>;
   struct Item {
@@ -432,7 +436,8 @@ class FramedProgress {
   void drain(Lane lane);
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::deque<Item> queue_;                                            // by mutex_
+  std::deque<Item> queue_;  // by mutex_
+  bool idle_ = true;        // by mutex_: the scheduler waits for work
   std::map<Lane, std::deque<c10::intrusive_ptr<FramedWork>>> lanes_;  // by mutex_
 };
 
@@ -441,24 +446,27 @@ void FramedProgress::add(c10::intrusive_ptr<FramedWork> work, const void* group,
   std::lock_guard<std::mutex> lock(mutex_);
   queue_.push_back(Item{std::move(work), Lane{group, send, peer, tag},
                         std::chrono::steady_clock::now() + kDelay});
-  if (queue_.size() == 1) wake_.notify_one();
+  // Only an idle scheduler is woken: a busy one looks every tick.
+  if (idle_) {
+    idle_ = false;
+    wake_.notify_one();
+  }
 }
 
 void FramedProgress::schedule() {
   std::unique_lock<std::mutex> lock(mutex_);
   for (;;) {
-    wake_.wait(lock, [&] { return !queue_.empty(); });
-    const auto due = queue_.front().due;
+    if (queue_.empty()) {
+      idle_ = true;
+      wake_.wait(lock, [&] { return !idle_; });
+    }
     lock.unlock();
-    std::this_thread::sleep_until(due);
+    std::this_thread::sleep_for(kTick);
     lock.lock();
-    // Every item due by now (they are in order of making).
     const auto now = std::chrono::steady_clock::now();
     std::vector<c10::intrusive_ptr<FramedWork>> done;  // released outside the lock
-    std::vector<Item> retry;
-    while (!queue_.empty() && queue_.front().due <= now) {
-      Item item = std::move(queue_.front());
-      queue_.pop_front();
+    std::deque<Item> kept;
+    for (Item& item : queue_) {
       bool claimed;
       {
         std::lock_guard<std::mutex> workLock(item.work->mutex_);
@@ -468,20 +476,23 @@ void FramedProgress::schedule() {
         done.push_back(std::move(item.work));
         continue;
       }
+      if (item.due > now) {
+        kept.push_back(std::move(item));
+        continue;
+      }
       auto& lane = lanes_[item.lane];
       lane.push_back(item.work);
       if (lane.size() == 1) {
         try {
           std::thread([this, key = item.lane] { drain(key); }).detach();
         } catch (const std::system_error&) {
-          // No thread to be had now: tried again shortly.
+          // No thread to be had now: tried again at a later tick.
           lanes_.erase(item.lane);
-          item.due = now + std::chrono::milliseconds(10);
-          retry.push_back(std::move(item));
+          kept.push_back(std::move(item));
         }
       }
     }
-    for (auto& item : retry) queue_.push_back(std::move(item));
+    queue_.swap(kept);
     lock.unlock();
     done.clear();
     lock.lock();

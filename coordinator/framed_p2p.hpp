@@ -30,7 +30,7 @@
 // already completed, its next call on the group raises it).
 //
 // Every framed work completes once: by the first thread that waits on it,
-// or, when nobody waits on it 200 us after it was made, by a progress
+// or, when nobody waits on it within about a millisecond, by a progress
 // thread (one per peer, tag and direction with such work; Gloo's works
 // complete only inside a wait), without a deadline of its own (a waiter's
 // wait is bounded by its timeout, the group's when none; a break ends it). So an irecv nobody waits
