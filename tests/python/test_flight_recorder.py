@@ -15,6 +15,16 @@ import torch.distributed as dist
 from harness import Group
 
 
+def _torchfrtrace(folder):
+    """torchfrtrace's report on the dumps `trace_<rank>` in `folder`; it must succeed."""
+    tool = os.path.join(os.path.dirname(sys.executable), "torchfrtrace")
+    out = subprocess.run([tool, str(folder), "-p", "trace_"], capture_output=True, text=True,
+                         timeout=120)
+    report = out.stdout + out.stderr
+    assert out.returncode == 0, report
+    return report
+
+
 def _our_entries(dump, group="0"):
     return [e for e in dump["entries"] if e["process_group"][0] == group]
 
@@ -122,11 +132,7 @@ def test_torchfrtrace_names_the_skipped_call_and_the_rank(tmp_path, world_size, 
         assert error is not None, f"rank {rank} did not fail"
         assert f"flight recorder dumped to {prefix}{rank}" in error, error
     assert sorted(os.listdir(tmp_path)) == sorted(f"trace_{r}" for r in range(world_size))
-    tool = os.path.join(os.path.dirname(sys.executable), "torchfrtrace")
-    out = subprocess.run([tool, str(tmp_path), "-p", "trace_"], capture_output=True, text=True,
-                         timeout=120)
-    report = out.stdout + out.stderr
-    assert out.returncode == 0, report
+    report = _torchfrtrace(tmp_path)
     assert "Collective sequence number: 3 has errors" in report, report
     assert f"collective: nccl:all_reduce tpcomm/{route}" in report, report
     assert "Culprit rank 1" in report and "COLLECTIVE_TYPE_MISMATCH" in report, report
@@ -187,11 +193,7 @@ def test_dumps_of_two_recorders_of_a_rank_go_into_one_file_torchfrtrace_reads(tm
         assert sum(e["profiling_name"] == "nccl:all_reduce tpcomm/cpu_shm"
                    for e in dump["entries"]) == (3 if rank == 0 else 2) + 1, dump["entries"]
         assert {"0", "nccl-pg"} <= set(dump["pg_config"]), dump["pg_config"]
-    tool = os.path.join(os.path.dirname(sys.executable), "torchfrtrace")
-    out = subprocess.run([tool, str(tmp_path), "-p", "trace_"], capture_output=True, text=True,
-                         timeout=120)
-    report = out.stdout + out.stderr
-    assert out.returncode == 0, report
+    report = _torchfrtrace(tmp_path)
     assert "Collective sequence number: 4 has errors" in report, report
     assert "Culprit rank 1" in report, report
 
