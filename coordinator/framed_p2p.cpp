@@ -111,13 +111,6 @@ FramedWork::FramedWork(int rank, c10d::OpType type, std::chrono::milliseconds gr
 
 FramedWork::~FramedWork() = default;
 
-bool FramedWork::claim() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (claimed_) return false;
-  claimed_ = true;
-  return true;
-}
-
 void FramedWork::complete(std::chrono::milliseconds timeout) {
   bool ok = false;
   std::exception_ptr failure;
@@ -402,10 +395,11 @@ int FramedRecvWork::takeFirst(std::chrono::milliseconds timeout) {
 
 // Completes the framed works nobody waits on (Gloo's works complete only
 // inside a wait: isCompleted() never turns true by itself, and a recv's
-// rest is posted only once its header was read). One scheduler thread
-// looks at the works made every millisecond while there are any (woken
-// only from idle); a work waited on by then (dist.send, dist.recv: at
-// once) is dropped; one at least 200 us old that nobody waits on goes to its
+// rest is posted only once its header was read). Each work goes into a
+// list when made; the thread that claims it (dist.send, dist.recv: at once)
+// takes it out. One scheduler thread looks at the list every millisecond
+// while works are being made (after a second without one it waits to be
+// woken); a work at least 200 us old that nobody claimed goes to its
 // lane (group, direction, peer, tag: Gloo completes a lane's messages in
 // order), whose thread completes its works one after another and ends when
 // the lane is empty.
@@ -415,37 +409,46 @@ class FramedProgress {
     static auto* progress = new FramedProgress();  // never destroyed: a detached thread
     return *progress;
   }
-  void add(c10::intrusive_ptr<FramedWork> work, const void* group, bool send, int peer, int tag);
+  void add(const c10::intrusive_ptr<FramedWork>& work, const void* group, bool send, int peer,
+           int tag);
+  // `work` out of the list (a no-op when it is not in it), its reference
+  // dropped.
+  static void release(FramedWork* work);
 
  private:
   static constexpr auto kDelay = std::chrono::microseconds(200);
-  // How often a busy scheduler looks (waking it per work cost a ping-pong
-  // of small messages about as much as the message itself).
+  // How often the scheduler looks while works are being made, and how long
+  // it goes on without one before it waits to be woken (waking it per work
+  // cost a ping-pong of small messages about as much as the message).
   static constexpr auto kTick = std::chrono::milliseconds(1);
+  static constexpr int kIdleTicks = 1000;
   static constexpr std::chrono::milliseconds kProgressTimeout{std::chrono::hours(24 * 365)};
   using Lane = std::tuple<const void*, bool, int, int>;
-  struct Item {
-    c10::intrusive_ptr<FramedWork> work;  // kept until completed: nobody may hold it
-    Lane lane;
-    std::chrono::steady_clock::time_point due;
-  };
   FramedProgress() {
     std::thread([this] { schedule(); }).detach();
   }
+  // Under mutex_: `work` last in the list, due at `due` (the list owns a
+  // reference to it); out of the list, true when it was in it (the caller
+  // then owns the list's reference).
+  void link(FramedWork* work, std::chrono::steady_clock::time_point due);
+  bool unlink(FramedWork* work);
   void schedule();
   void drain(Lane lane);
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::deque<Item> queue_;  // by mutex_
-  bool idle_ = true;        // by mutex_: the scheduler waits for work
+  FramedWork* head_ = nullptr;                                        // by mutex_
+  FramedWork* tail_ = nullptr;                                        // by mutex_
+  bool idle_ = true;                                                  // by mutex_
   std::map<Lane, std::deque<c10::intrusive_ptr<FramedWork>>> lanes_;  // by mutex_
 };
 
-void FramedProgress::add(c10::intrusive_ptr<FramedWork> work, const void* group, bool send,
+void FramedProgress::add(const c10::intrusive_ptr<FramedWork>& work, const void* group, bool send,
                          int peer, int tag) {
+  FramedWork::Queued& q = work->queued_;
   std::lock_guard<std::mutex> lock(mutex_);
-  queue_.push_back(Item{std::move(work), Lane{group, send, peer, tag},
-                        std::chrono::steady_clock::now() + kDelay});
+  c10::raw::intrusive_ptr::incref(work.get());  // the list's reference
+  q.lane = Lane{group, send, peer, tag};
+  link(work.get(), std::chrono::steady_clock::now() + kDelay);
   // Only an idle scheduler is woken: a busy one looks every tick.
   if (idle_) {
     idle_ = false;
@@ -453,50 +456,97 @@ void FramedProgress::add(c10::intrusive_ptr<FramedWork> work, const void* group,
   }
 }
 
+void FramedProgress::link(FramedWork* work, std::chrono::steady_clock::time_point due) {
+  FramedWork::Queued& q = work->queued_;
+  q.due = due;
+  q.prev = tail_;
+  q.next = nullptr;
+  q.queued = true;
+  (tail_ != nullptr ? tail_->queued_.next : head_) = work;
+  tail_ = work;
+}
+
+bool FramedProgress::unlink(FramedWork* work) {
+  FramedWork::Queued& q = work->queued_;
+  if (!q.queued) return false;
+  (q.prev != nullptr ? q.prev->queued_.next : head_) = q.next;
+  (q.next != nullptr ? q.next->queued_.prev : tail_) = q.prev;
+  q.prev = q.next = nullptr;
+  q.queued = false;
+  return true;
+}
+
+void FramedProgress::release(FramedWork* work) {
+  FramedProgress& p = get();
+  bool owned;
+  {
+    std::lock_guard<std::mutex> lock(p.mutex_);
+    owned = p.unlink(work);
+  }
+  // The caller holds a reference of its own: this never destroys `work`.
+  if (owned) c10::raw::intrusive_ptr::decref(work);
+}
+
 void FramedProgress::schedule() {
   std::unique_lock<std::mutex> lock(mutex_);
+  int emptyTicks = 0;
   for (;;) {
-    if (queue_.empty()) {
+    if (head_ != nullptr) {
+      emptyTicks = 0;
+    } else if (++emptyTicks >= kIdleTicks) {
       idle_ = true;
       wake_.wait(lock, [&] { return !idle_; });
+      emptyTicks = 0;
     }
     lock.unlock();
     std::this_thread::sleep_for(kTick);
     lock.lock();
     const auto now = std::chrono::steady_clock::now();
-    std::vector<c10::intrusive_ptr<FramedWork>> done;  // released outside the lock
-    std::deque<Item> kept;
-    for (Item& item : queue_) {
-      bool claimed;
+    std::vector<c10::intrusive_ptr<FramedWork>> claimed;  // released outside the lock
+    for (FramedWork* w = head_; w != nullptr && w->queued_.due <= now;) {
+      FramedWork* next = w->queued_.next;
+      bool taken;
       {
-        std::lock_guard<std::mutex> workLock(item.work->mutex_);
-        claimed = item.work->claimed_;
+        std::lock_guard<std::mutex> workLock(w->mutex_);
+        taken = w->claimed_;
       }
-      if (claimed) {
-        done.push_back(std::move(item.work));
-        continue;
-      }
-      if (item.due > now) {
-        kept.push_back(std::move(item));
-        continue;
-      }
-      auto& lane = lanes_[item.lane];
-      lane.push_back(item.work);
-      if (lane.size() == 1) {
-        try {
-          std::thread([this, key = item.lane] { drain(key); }).detach();
-        } catch (const std::system_error&) {
-          // No thread to be had now: tried again at a later tick.
-          lanes_.erase(item.lane);
-          kept.push_back(std::move(item));
+      unlink(w);
+      // The list's reference, now this one's.
+      auto work = c10::intrusive_ptr<FramedWork>::reclaim(w);
+      if (taken) {
+        claimed.push_back(std::move(work));  // its claimer is about to drop it
+      } else {
+        const Lane key = w->queued_.lane;
+        auto& lane = lanes_[key];
+        lane.push_back(std::move(work));
+        if (lane.size() == 1) {
+          try {
+            std::thread([this, key] { drain(key); }).detach();
+          } catch (const std::system_error&) {
+            // No thread to be had now: back in the list, tried at a later tick.
+            FramedWork* raw = lane.back().release();
+            lanes_.erase(key);
+            link(raw, now + kTick);
+          }
         }
       }
+      w = next;
     }
-    queue_.swap(kept);
     lock.unlock();
-    done.clear();
+    claimed.clear();
     lock.lock();
   }
+}
+
+bool FramedWork::claim() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (claimed_) return false;
+    claimed_ = true;
+  }
+  // Out of the progress list: released here, in the claimer's thread.
+  FramedProgress::release(this);
+  return true;
 }
 
 void FramedProgress::drain(Lane key) {

@@ -48,6 +48,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -95,6 +96,16 @@ class FramedWork : public c10d::Work {
   static void runDone(const std::function<void()>& fn);
 
   const std::chrono::milliseconds groupTimeout_;
+
+  // In FramedProgress's list of works nobody claimed yet (by its mutex;
+  // the list holds a reference while `queued`).
+  struct Queued {
+    FramedWork* prev = nullptr;
+    FramedWork* next = nullptr;
+    bool queued = false;
+    std::tuple<const void*, bool, int, int> lane;  // group, send, peer, tag
+    std::chrono::steady_clock::time_point due;
+  } queued_;
 
   mutable std::mutex mutex_;
   std::condition_variable settledCv_;
