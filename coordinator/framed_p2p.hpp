@@ -116,6 +116,12 @@ class FramedWork : public c10d::Work {
   std::vector<std::function<void()>> onDone_;  // by mutex_, until settled
 };
 
+// Hands a new work to the progress thread (framed_work.cpp), which
+// completes it when nobody claims it; `group`, `send`, `peer`, `tag`: its
+// lane.
+void trackFramedWork(const c10::intrusive_ptr<FramedWork>& work, const void* group, bool send,
+                     int peer, int tag);
+
 // A group's numbering of its messages with a rest: one per group.
 class FramedRests;
 std::shared_ptr<FramedRests> makeFramedRests();
