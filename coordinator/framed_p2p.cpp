@@ -71,6 +71,16 @@ at::Tensor tailOf(const at::Tensor& t, int64_t offset) {
   return at::from_blob(bytesOf(t) + offset, {n - offset}, at::TensorOptions().dtype(at::kByte));
 }
 
+// The first `n` bytes of `t` (a flat byte tensor), sharing its storage, so
+// that the bytes live while Gloo holds the view. Made without the
+// dispatcher: narrow() cost a small send about 1.5 us.
+at::Tensor prefixOf(const at::Tensor& t, int64_t n) {
+  auto impl =
+      c10::make_intrusive<c10::TensorImpl>(c10::Storage(t.storage()), t.key_set(), t.dtype());
+  impl->set_sizes_contiguous({n});
+  return at::Tensor(std::move(impl));
+}
+
 // What is left of `timeout` since `start` (kNoTimeout stays itself).
 std::chrono::milliseconds remaining(std::chrono::milliseconds timeout,
                                     std::chrono::steady_clock::time_point start) {
@@ -324,7 +334,7 @@ WorkPtr framedSend(const c10::intrusive_ptr<c10d::Backend>& cpu, const at::Tenso
                         static_cast<int64_t>(seq)};
   std::memcpy(bytesOf(staging), h, kHeaderBytes);
   if (first > 0) std::memcpy(bytesOf(staging) + kHeaderBytes, bytesOf(tensor), first);
-  std::vector<at::Tensor> firstPart{staging.narrow(0, 0, kHeaderBytes + first)};
+  std::vector<at::Tensor> firstPart{prefixOf(staging, kHeaderBytes + first)};
   WorkPtr firstWork = cpu->send(firstPart, dstRank, tag);
   WorkPtr restWork;
   if (bytes > kFramedFirstPart) {

@@ -110,12 +110,26 @@ def _patch_flight_recorder_dumps():
         setattr(module, name, dump)
 
 
+def _declare_self_recording():
+    """tpcomm records its calls in torch's flight recorder itself
+    (backend/flight_record.hpp). torch 2.15 attaches a recording hook to every
+    group whose backend is not in its set of backends that record themselves:
+    on a tpcomm group that hook recorded each call a second time, into a
+    recorder of its own that torch's default dump does not read, gathering a
+    Python stack per call (about a tenth of a small send/recv's CPU time).
+    Without that set (torch 2.11-2.14) there is no such hook."""
+    backends = getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+    if isinstance(backends, set):
+        backends.add(BACKEND_NAME)
+
+
 def register():
     """Register backend "tpcomm" for cpu and cuda; calling it again does nothing."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(
             BACKEND_NAME, _create_backend, extended_api=True, devices=["cpu", "cuda"]
         )
+    _declare_self_recording()
     _patch_monitored_barrier()
     _front_door.install()
     _fast_calls.install()

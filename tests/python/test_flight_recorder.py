@@ -105,6 +105,40 @@ def test_an_unwaited_send_and_recv_retire_when_they_complete():
     assert sent == [True, True] and got == [True, True], (sent, got)
 
 
+def _recorders_of_a_group(ctx):
+    c10d = dist.distributed_c10d
+    hooks = getattr(c10d._world, "pg_flight_recorder_hooks", None)
+    group = dist.new_group(backend="tpcomm")
+    t = torch.ones(4)
+    dist.all_reduce(t, group=group)
+    dist.all_reduce(t, group=group)
+    dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    name = group.group_name
+    ours = [e["profiling_name"] for e in dump["entries"] if e["process_group"][0] == name]
+    self_recording = getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+    declared = None if self_recording is None else "tpcomm" in self_recording
+    hooked = None if hooks is None else group in hooks
+    return ours, declared, hooked
+
+
+def test_a_group_is_recorded_once_by_tpcomm_and_not_by_torchs_hook():
+    # torch 2.15 attaches a recording hook to groups of backends that do not
+    # record themselves; on a tpcomm group it recorded every call a second
+    # time (in a recorder of its own) and gathered a Python stack per call.
+    group = Group(2, env={"TPCOMM_CPU_SHM": "0"})
+    try:
+        results = group.run(_recorders_of_a_group)
+    finally:
+        group.close()
+    for ours, declared, hooked in results:
+        assert len(ours) == 2 and all(n.startswith("nccl:all_reduce ") for n in ours), ours
+        if declared is None:
+            # A torch without the set has no such hook either.
+            assert not hasattr(dist.distributed_c10d, "_maybe_attach_flight_recorder")
+        else:
+            assert declared and hooked is False, (declared, hooked)
+
+
 def _skips_a_call(ctx):
     t = torch.ones(4)
     try:
