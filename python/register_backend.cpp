@@ -112,11 +112,11 @@ tensors through the device backend (NCCL), created on first use.)")
           },
           py::arg("op"), py::arg("why"), py::call_guard<py::gil_scoped_release>(),
           "torch.distributed's front door refused a point-to-point call on this group: its peer "
-          "waits in a call of its own, so the group breaks naming it (see README, faults).")
+          "waits in a call of its own, so the group breaks naming it (see docs/faults.md).")
       .def("_refuse", &backend::ProcessGroupTpcomm::refuseFromPython, py::arg("op"), py::arg("why"),
            py::call_guard<py::gil_scoped_release>(),
            "torch.distributed's front door refused a collective on this group before it reached "
-           "the backend: the peers learn it (see README, faults).")
+           "the backend: the peers learn it (see docs/faults.md).")
       .def_property_readonly(
           "fault",
           [](backend::ProcessGroupTpcomm& self) { return self.coordinator().fault().reason(); },

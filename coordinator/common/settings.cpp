@@ -18,8 +18,9 @@ namespace {
 const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_DEBUG", "bool", "0",
      "Before each collective, check op, shapes, dtypes, all-to-all split sizes and one-rank "
-     "refusals across ranks through the CPU group and raise on every rank naming the ranks "
-     "that differ (costs one extra CPU round trip per call)."},
+     "refusals across ranks through the CPU group, and each CPU send/recv pair's dtype and "
+     "element count through the store, and raise on every rank naming the ranks that differ "
+     "(costs one extra CPU round trip per call; docs/faults.md)."},
     {"TPCOMM_DIRECT_CALLS", "bool", "1",
      "dist.all_reduce and GroupCoordinator.all_reduce on plain CPU tensors of a tpcomm group "
      "(and CUDA tensors where tpcomm is also its CUDA backend) call the backend directly, as "
@@ -59,8 +60,9 @@ const std::vector<SettingInfo> kSettingTable = {
      "custom kernel), oneshot or twoshot (that custom algorithm whenever the kernel can take "
      "the call)."},
     {"TPCOMM_ONESHOT_MAX_BYTES", "int", "-1",
-     "Largest allreduce sent to the custom one-shot kernel (-1: 8 MiB at 2 ranks, 512 KiB at "
-     "3-4, 256 KiB at 5-8; never above TPCOMM_CAR_MAX_BYTES)."},
+     "Largest allreduce sent to the custom one-shot kernel (-1: 1 MiB at 2 ranks, 512 KiB at "
+     "3-4, 256 KiB at 5-8, until TPCOMM_AUTOTUNE has measured; never above "
+     "TPCOMM_CAR_MAX_BYTES)."},
     {"TPCOMM_AUTOTUNE", "bool", "0",
      "Measure the CUDA allreduce crossovers (one-shot, two-shot, NCCL) when a group sets up the "
      "custom kernel, and cache them per machine and world size; later groups read the cache."},

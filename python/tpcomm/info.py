@@ -1,6 +1,8 @@
 """python -m tpcomm.info: this environment as tpcomm sees it, for bug reports
 (as torch's `python -m torch.utils.collect_env`): versions, host identity,
-the settings in force, and which paths this machine can use, with reasons."""
+the settings in force, and which paths this machine can use, with reasons.
+`python -m tpcomm.info --settings-markdown` prints docs/settings.md, made
+from the one settings table (coordinator/common/settings.cpp)."""
 
 import os
 import platform
@@ -54,7 +56,34 @@ def _gpu_paths(torch):
     return custom, nccl
 
 
+def settings_markdown():
+    """docs/settings.md: every TPCOMM_* setting from the extension's own
+    table, which the code reads (tests/python/test_registration.py checks
+    that the file is this text)."""
+    from tpcomm import _C
+
+    out = [
+        "# Settings",
+        "",
+        "<!-- Made by `python -m tpcomm.info --settings-markdown > docs/settings.md` from the",
+        "     table in coordinator/common/settings.cpp; edit that table, not this file. -->",
+        "",
+        "Every setting is an environment variable, read once per process;",
+        "`tpcomm.settings()` lists them and `python -m tpcomm.info` shows the ones set.",
+        "",
+        "| variable | type | default | meaning |",
+        "|---|---|---|---|",
+    ]
+    for name, type_, default, doc in _C.settings():
+        shown = f"`{default}`" if default else "empty"
+        out.append(f"| `{name}` | {type_} | {shown} | {doc.replace('|', '/')} |")
+    return "\n".join(out) + "\n"
+
+
 def main():
+    if sys.argv[1:] == ["--settings-markdown"]:
+        sys.stdout.write(settings_markdown())
+        return 0
     import torch
     import torch.distributed as dist
 
