@@ -1,6 +1,8 @@
 // The custom-allreduce set-up protocol (coordinator/custom_setup.*) with a
 // fake GPU side: every rank must reach the same verdict, and a failure on
 // one rank must be named on all of them, never leave a rank waiting.
+// Longer than 600 lines because every case drives the fake GPU side and
+// the verdict collection at its top (FakeDevice, Verdicts).
 #include <gtest/gtest.h>
 
 #include <atomic>

@@ -6,6 +6,8 @@
 // parts, epochs over many calls with changing block counts, zero-copy
 // sources, the AVG scale and the timeout's error codes; it does not check
 // GPU timing or the GPU memory model.
+// Longer than 600 lines because the cases share the process-per-rank group
+// (EmulatedGroup) and the reference check (expectResults) at its top.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>

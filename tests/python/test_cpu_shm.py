@@ -3,7 +3,10 @@ plain torch.distributed API, at world sizes 1 to 5: every op, dtype and
 reduction against a rank-order reference (bit for bit) and float64, results
 bitwise equal on every rank, sizes across chunk and two-phase boundaries,
 offset views, async Work, DDP/FSDP2/functional collectives, two simulated
-hosts (Gloo), a killed rank, and nothing left in /dev/shm."""
+hosts (Gloo), a killed rank, and nothing left in /dev/shm.
+
+Longer than 600 lines because its cases share the worker groups of world
+sizes 1 to 5 (the shm fixture) and the input and reference helpers at its top."""
 
 import os
 import signal

@@ -1,6 +1,6 @@
-"""The repository's own documentation: every relative link of the README and
-docs/ leads to a file that exists (and to a heading that exists, where it
-names one), every page of docs/ is reachable from the README in at most two
+"""The repository's own documentation: every relative link of the README,
+docs/ and the source folders' READMEs leads to a file that exists (and to a heading that exists, where it
+names one), every such page is reachable from the README in at most two
 clicks, and the README stays a front door (about 200 lines at most)."""
 
 import os
@@ -11,9 +11,13 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def _pages():
+    """The README first, then docs/ and the source folders' READMEs."""
     docs = os.path.join(ROOT, "docs")
+    folders = ["backend", "coordinator", "coordinator/common", "custom_allreduce",
+               "message_queue"]
     return [os.path.join(ROOT, "README.md")] + sorted(
-        os.path.join(docs, n) for n in os.listdir(docs) if n.endswith(".md"))
+        os.path.join(docs, n) for n in os.listdir(docs) if n.endswith(".md")) + [
+        os.path.join(ROOT, f, "README.md") for f in folders]
 
 
 def _anchor(heading):

@@ -1,0 +1,116 @@
+"""The source tree's layering, checked: dependencies point one way,
+backend -> coordinator -> {custom_allreduce, message_queue}, with
+coordinator/common (the error type and the settings) the floor every layer
+may include; the bindings (python/) may include every layer. An include that
+runs back up fails here, naming the file, the line and the rule. Also: no
+source file past 600 lines without the reason at its top."""
+
+import os
+import re
+
+ROOT = __file__.rsplit("/tests/", 1)[0]
+SOURCES = (".cpp", ".hpp", ".cu", ".cuh", ".inl", ".h")
+INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
+
+# Each layer and the layers its sources may include (itself included).
+LAYERS = {
+    "common": {"common"},
+    "message_queue": {"message_queue", "common"},
+    "custom_allreduce": {"custom_allreduce", "common"},
+    "coordinator": {"coordinator", "custom_allreduce", "message_queue", "common"},
+    "backend": {"backend", "coordinator", "custom_allreduce", "message_queue", "common"},
+    "bindings": {"bindings", "backend", "coordinator", "custom_allreduce", "message_queue",
+                 "common"},
+}
+TOP = {"backend": "backend", "coordinator": "coordinator", "custom_allreduce":
+       "custom_allreduce", "message_queue": "message_queue", "python": "bindings"}
+
+
+def layer_of(rel):
+    """The layer of a path relative to the repository root, or None."""
+    if rel.startswith("coordinator/common/"):
+        return "common"
+    return TOP.get(rel.split("/", 1)[0])
+
+
+def _sources():
+    for top in TOP:
+        for folder, _, names in os.walk(os.path.join(ROOT, top)):
+            for name in names:
+                if name.endswith(SOURCES):
+                    yield os.path.join(folder, name)
+
+
+def _resolve(including, target):
+    """An include's path relative to the root: from the root first (the
+    project's include root), else beside the including file."""
+    if os.path.exists(os.path.join(ROOT, target)):
+        return target
+    beside = os.path.join(os.path.dirname(including), target)
+    if os.path.exists(beside):
+        return os.path.relpath(beside, ROOT)
+    return None  # a system or torch header
+
+
+def _read(path):
+    with open(path, errors="replace") as f:
+        return path, f.read()
+
+
+def violations(files=None):
+    """`files`: (path, text) pairs, the tree's sources when None."""
+    out = []
+    for path, text in files if files is not None else map(_read, _sources()):
+        rel = os.path.relpath(path, ROOT)
+        mine = layer_of(rel)
+        for match in INCLUDE.finditer(text):
+            target = _resolve(path, match.group(1))
+            theirs = layer_of(target) if target else None
+            if theirs is not None and theirs not in LAYERS[mine]:
+                line = text.count("\n", 0, match.start()) + 1
+                out.append(f"{rel}:{line} includes {target}: {mine} may include only "
+                           f"{', '.join(sorted(LAYERS[mine]))}")
+    return out
+
+
+def test_includes_point_down_the_layers():
+    found = violations()
+    assert not found, "\n".join(found)
+
+
+def test_an_include_that_runs_back_up_is_caught():
+    # The check itself, on sources placed as these layers' would be (not
+    # written anywhere): each includes a layer above its own.
+    probes = [
+        (os.path.join(ROOT, "message_queue", "probe.hpp"),
+         '#include "coordinator/group_coordinator.hpp"\n'),
+        (os.path.join(ROOT, "coordinator", "common", "probe.hpp"),
+         '// floor\n#include "message_queue/ring.hpp"\n'),
+        (os.path.join(ROOT, "coordinator", "probe.cpp"), '#include "backend/work.hpp"\n'),
+        (os.path.join(ROOT, "custom_allreduce", "probe.cu"),
+         '#include "message_queue/futex.hpp"\n'),
+    ]
+    found = violations(probes)
+    assert len(found) == 4, found
+    assert found[0].startswith("message_queue/probe.hpp:1 includes coordinator/"), found
+    assert found[1].startswith("coordinator/common/probe.hpp:2 includes message_queue/"), found
+    assert "coordinator may include only" in found[2], found
+    assert "custom_allreduce may include only" in found[3], found
+
+
+def test_long_sources_say_why_at_their_top():
+    long_ones = []
+    for top in ("backend", "coordinator", "custom_allreduce", "message_queue", "python",
+                "tests"):
+        for folder, _, names in os.walk(os.path.join(ROOT, top)):
+            for name in names:
+                if not name.endswith(SOURCES + (".py",)):
+                    continue
+                path = os.path.join(folder, name)
+                with open(path, errors="replace") as f:
+                    lines = f.readlines()
+                head = "".join(lines[:25])
+                if len(lines) > 600 and "Longer than 600 lines because" not in head:
+                    long_ones.append(f"{os.path.relpath(path, ROOT)} ({len(lines)} lines)")
+    assert not long_ones, ("past 600 lines without 'Longer than 600 lines because ...' in "
+                           "the opening comment: " + ", ".join(long_ones))
