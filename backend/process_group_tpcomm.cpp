@@ -8,7 +8,7 @@
 #include "backend/validation.hpp"
 #include "backend/work.hpp"
 #include "coordinator/common/error.hpp"
-#include "coordinator/cpu_shm_path.hpp"
+#include "coordinator/cpu/cpu_shm_path.hpp"
 #include "coordinator/route_stats.hpp"
 
 namespace tpcomm::backend {

@@ -4,7 +4,7 @@
 #include <numeric>
 
 #include "coordinator/common/error.hpp"
-#include "coordinator/debug_check.hpp"
+#include "coordinator/debug/debug_check.hpp"
 
 namespace tpcomm::backend {
 

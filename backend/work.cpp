@@ -6,7 +6,7 @@
 
 #include "backend/flight_record.hpp"
 #include "coordinator/common/error.hpp"
-#include "coordinator/framed_p2p.hpp"
+#include "coordinator/cpu/framed_p2p.hpp"
 
 namespace tpcomm::backend {
 

@@ -29,7 +29,7 @@
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
-#include "coordinator/group_fault.hpp"
+#include "coordinator/faults/group_fault.hpp"
 #include "coordinator/pending.hpp"
 
 namespace tpcomm::backend {

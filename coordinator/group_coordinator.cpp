@@ -7,7 +7,7 @@
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
 #include "coordinator/composite_ops.hpp"
-#include "coordinator/debug_check.hpp"
+#include "coordinator/debug/debug_check.hpp"
 #include "coordinator/group_life.hpp"
 #include "coordinator/interpreter_lock.hpp"
 #include "coordinator/routed_call.hpp"

@@ -52,12 +52,12 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
-#include "coordinator/cpu_hier_path.hpp"
-#include "coordinator/cpu_shm_path.hpp"
-#include "coordinator/custom_path.hpp"
-#include "coordinator/debug_p2p.hpp"
-#include "coordinator/framed_p2p.hpp"
-#include "coordinator/group_fault.hpp"
+#include "coordinator/cpu/cpu_hier_path.hpp"
+#include "coordinator/cpu/cpu_shm_path.hpp"
+#include "coordinator/cuda/custom_path.hpp"
+#include "coordinator/debug/debug_p2p.hpp"
+#include "coordinator/cpu/framed_p2p.hpp"
+#include "coordinator/faults/group_fault.hpp"
 #include "coordinator/pending.hpp"
 #include "coordinator/route_stats.hpp"
 #include "coordinator/routing.hpp"

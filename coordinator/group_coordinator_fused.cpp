@@ -3,8 +3,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "coordinator/common/error.hpp"
-#include "coordinator/group_fault.hpp"
-#include "coordinator/debug_check.hpp"
+#include "coordinator/faults/group_fault.hpp"
+#include "coordinator/debug/debug_check.hpp"
 #include "coordinator/group_coordinator.hpp"
 
 namespace tpcomm::coord {

@@ -5,7 +5,7 @@
 #include <utility>
 #include <vector>
 
-#include "coordinator/gloo_dtypes.hpp"
+#include "coordinator/cpu/gloo_dtypes.hpp"
 #include "coordinator/group_coordinator.hpp"
 #include "coordinator/pending.hpp"
 

@@ -5,7 +5,7 @@
 
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
-#include "coordinator/debug_check.hpp"
+#include "coordinator/debug/debug_check.hpp"
 #include "custom_allreduce/custom_allreduce.hpp"
 
 namespace tpcomm::coord {

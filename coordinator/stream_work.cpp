@@ -6,7 +6,7 @@
 #include <map>
 #include <mutex>
 
-#include "coordinator/cuda_util.hpp"
+#include "coordinator/cuda/cuda_util.hpp"
 
 namespace tpcomm::coord {
 

@@ -2,7 +2,7 @@
 // The one place where the kernels are instantiated (dtype x world size x
 // algorithm) and where a launch's parameters become the kernel's arguments.
 // Included by kernels.cu for the GPU and by the CPU emulation's launch
-// (tests/cpp/test_kernel_emulation.cpp), so both run the same mapping.
+// (tests/cpp/custom_allreduce/test_kernel_emulation.cpp), so both run the same mapping.
 
 #include "coordinator/common/error.hpp"
 #include "custom_allreduce/fused_kernels.cuh"

@@ -1,7 +1,7 @@
 #pragma once
 // Host stand-ins for the CUDA built-ins the kernels use, so that kernels.cuh
 // compiles with the host compiler and its code runs on the CPU
-// (tests/cpp/test_kernel_emulation.cpp). Test-only, never in the product:
+// (tests/cpp/custom_allreduce/test_kernel_emulation.cpp). Test-only, never in the product:
 //
 //   - each rank is a process of its own; the buffers live in shared memory
 //     mapped before the ranks fork, at the same address in every rank;

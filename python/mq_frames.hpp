@@ -27,8 +27,8 @@
 #include <memory>
 #include <vector>
 
-#include "message_queue/arena.hpp"
-#include "message_queue/ring.hpp"
+#include "message_queue/arena/arena.hpp"
+#include "message_queue/ring/ring.hpp"
 
 namespace tpcomm::python {
 

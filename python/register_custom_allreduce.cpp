@@ -13,8 +13,8 @@
 
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
-#include "coordinator/custom_path.hpp"
-#include "coordinator/custom_setup.hpp"
+#include "coordinator/cuda/custom_path.hpp"
+#include "coordinator/cuda/custom_setup.hpp"
 #include "custom_allreduce/custom_allreduce.hpp"
 
 namespace py = pybind11;
@@ -48,7 +48,7 @@ class Rank {
     impl_.configureFor(devicesOf(buffers));
   }
 
-  // A rank of a group the shared set-up made (coordinator/custom_setup.hpp):
+  // A rank of a group the shared set-up made (coordinator/cuda/custom_setup.hpp):
   // `gpu` owns this rank's buffer and the peers' mappings.
   Rank(int rank, int worldSize, int device, std::shared_ptr<coord::CustomDevice> gpu,
        const std::vector<void*>& bases, size_t maxBytes, double timeoutMs)
@@ -259,7 +259,7 @@ void registerCustomAllreduce(py::module_& m) {
       },
       py::arg("cpu_backend"), py::arg("rank"), py::arg("world_size"), py::arg("device"),
       py::arg("max_bytes"), py::arg("timeout_ms"),
-      "The set-up the backend uses (coordinator/custom_setup.hpp) over `cpu_backend`: "
+      "The set-up the backend uses (coordinator/cuda/custom_setup.hpp) over `cpu_backend`: "
       "(eligible, reason, CarRank or None), the same verdict on every rank.");
   m.def(
       "car_group_eligibility",

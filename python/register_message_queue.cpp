@@ -13,10 +13,10 @@
 
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
-#include "coordinator/cpu_shm_path.hpp"
-#include "message_queue/arena.hpp"
-#include "message_queue/ring.hpp"
-#include "message_queue/shm_reduce.hpp"
+#include "coordinator/cpu/cpu_shm_path.hpp"
+#include "message_queue/arena/arena.hpp"
+#include "message_queue/ring/ring.hpp"
+#include "message_queue/collectives/shm_reduce.hpp"
 #include "python/mq_frames.hpp"
 
 namespace py = pybind11;

@@ -120,7 +120,7 @@ ensure_googletest() {
   fi
 }
 
-# The tools that make the simulated hosts of tests/python/test_hosts.py
+# The tools that make the simulated hosts of tests/python/collectives/test_hosts.py
 # (network, UTS, mount and pid namespaces: iproute2's ip, util-linux's
 # unshare). Without them (or without root) those tests skip, saying why.
 ensure_namespace_tools() {

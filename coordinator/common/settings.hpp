@@ -55,7 +55,7 @@ struct Settings {
   // TPCOMM_ONESHOT_MAX_BYTES: largest one-shot allreduce (-1: by world size).
   int64_t oneShotMaxBytes = -1;
   // TPCOMM_AUTOTUNE: measure the CUDA allreduce crossovers at custom-kernel
-  // set-up and cache them (coordinator/autotune.hpp).
+  // set-up and cache them (coordinator/cuda/autotune.hpp).
   bool autotune = false;
   // TPCOMM_AUTOTUNE_DIR: the cache's directory (empty: the user's cache).
   std::string autotuneDir;
@@ -65,7 +65,7 @@ struct Settings {
   std::string cpuShm = "auto";
   // TPCOMM_CPU_SHM_BUFFER_BYTES: each rank's chunk buffer (twice this per
   // rank); larger calls stream through it in chunks. 0: 256 KiB per worker
-  // thread (coordinator/cpu_shm_path.hpp).
+  // thread (coordinator/cpu/cpu_shm_path.hpp).
   int64_t cpuShmBufferBytes = 0;
   // TPCOMM_CPU_SHM_TWO_PHASE_BYTES: allreduces from this size on reduce-
   // scatter then all-gather inside shared memory.
@@ -91,7 +91,7 @@ struct Settings {
   // per call).
   bool frStacks = false;
   // TPCOMM_WATCHDOG_MS: once a call has waited this long, the watchdog
-  // (coordinator/group_fault.hpp) reads the group's published faults every
+  // (coordinator/faults/group_fault.hpp) reads the group's published faults every
   // half this and publishes the rank's position (0: no watchdog).
   int64_t watchdogMs = 200;
   // TPCOMM_LOG: comma-separated topics to log to stderr; "routes" logs each

@@ -14,7 +14,7 @@ torch may lay out differently from one release to the next:
   (``backend/flight_record``): the recorder's instance, found by name, and
   its layout.
 - ``gloo_connections``: the finder of a Gloo group's connections, shut down
-  when the group breaks (``coordinator/gloo_sockets``): the process's
+  when the group breaks (``coordinator/faults/gloo_sockets``): the process's
   descriptors under ``/proc/self/fd``, told by the listening addresses
   the group's ranks exchanged through its store (checked per group too:
   ``_gloo_connections`` of a group's backend says why where it is not).

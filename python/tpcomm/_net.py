@@ -36,7 +36,7 @@ def gloo_device_maker(store):
     """Makes the network devices of a tpcomm group's Gloo traffic (its CPU
     group, and the sub-groups between hosts or of a split), a new set per
     call: every Gloo group has a listener of its own, by whose address its
-    connections are told apart (coordinator/gloo_sockets.hpp). The
+    connections are told apart (coordinator/faults/gloo_sockets.hpp). The
     interface is
     - GLOO_SOCKET_IFNAME (comma-separated interface names), as torch's gloo;
     - else, when the group's store is a TCPStore at an address other than

@@ -58,7 +58,7 @@ def _gpu_paths(torch):
 
 def settings_markdown():
     """docs/settings.md: every TPCOMM_* setting from the extension's own
-    table, which the code reads (tests/python/test_registration.py checks
+    table, which the code reads (tests/python/integration/test_registration.py checks
     that the file is this text)."""
     from tpcomm import _C
 

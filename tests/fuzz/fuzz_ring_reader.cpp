@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "coordinator/common/error.hpp"
-#include "message_queue/ring.hpp"
-#include "message_queue/segment.hpp"
-#include "message_queue/shared_region.hpp"
+#include "message_queue/ring/ring.hpp"
+#include "message_queue/ring/segment.hpp"
+#include "message_queue/region/shared_region.hpp"
 
 using namespace tpcomm;
 using namespace tpcomm::mq;

@@ -21,9 +21,9 @@ if ! command -v clang++ > /dev/null || ! fuzzer_lib_present; then
 fi
 
 clang++ -std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-  -I"$root" "$root/tests/fuzz/fuzz_ring_reader.cpp" "$root/message_queue/ring.cpp" \
-  "$root/message_queue/segment.cpp" "$root/message_queue/futex.cpp" \
-  "$root/message_queue/shared_region.cpp" \
+  -I"$root" "$root/tests/fuzz/fuzz_ring_reader.cpp" "$root/message_queue/ring/ring.cpp" \
+  "$root/message_queue/ring/segment.cpp" "$root/message_queue/region/futex.cpp" \
+  "$root/message_queue/region/shared_region.cpp" \
   "$root/coordinator/common/error.cpp" "$root/coordinator/common/settings.cpp" \
   -o "$out/fuzz_ring_reader" -lrt
 

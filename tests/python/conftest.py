@@ -8,7 +8,7 @@ _groups = {}
 # The suite that compares tpcomm bit for bit with plain Gloo runs with the CPU
 # shared-memory path off: with it on, reductions are rank-ordered float32/
 # float64 sums (bitwise equal across ranks, not to Gloo's order), which
-# tests/python/test_cpu_shm.py checks against float64 references instead.
+# tests/python/collectives/test_cpu_shm.py checks against float64 references instead.
 GLOO_EXACT = {"TPCOMM_CPU_SHM": "0"}
 
 

@@ -105,24 +105,24 @@ def main(argv=None):
         return run_allreduce(args.max_mib, args.quick)
     if args.what == "cpu":
         if args.hosts:
-            from tpcomm.bench.cpu_hosts import run
+            from tpcomm.bench.cpu.hosts import run
 
             return run(args.hosts, args.ranks_per_host, min(args.max_mib, 16), args.quick,
                        args.rounds)
         if args.paths:
-            from tpcomm.bench.cpu_paths import run
+            from tpcomm.bench.cpu.paths import run
 
             return run(args.max_mib, args.quick, args.rounds)
         if args.bound:
-            from tpcomm.bench.cpu_bound import run
+            from tpcomm.bench.cpu.bound import run
 
             return run(args.max_mib, 2 if args.quick else 10)
         if args.late:
-            from tpcomm.bench.cpu_late import run
+            from tpcomm.bench.cpu.late import run
 
             return run(args.quick)
         if args.dtypes:
-            from tpcomm.bench.cpu_dtypes import run
+            from tpcomm.bench.cpu.dtypes import run
 
             return run(args.world_sizes, args.max_mib, args.quick, args.rounds)
         from tpcomm.bench.cpu import run as run_cpu

@@ -9,7 +9,7 @@ Four kinds of probe, each in fresh local processes, and one summary table:
 - one-rank mistakes without TPCOMM_DEBUG (a bad argument on one rank only,
   refused by tpcomm or by torch's Python front door; an abort on one rank):
   on the shared-memory and the Gloo route, every other rank must raise
-  within 1 s naming that rank (coordinator/group_fault.hpp);
+  within 1 s naming that rank (coordinator/faults/group_fault.hpp);
 - kill -9 of one role during traffic (a Gloo collective, a shared-memory
   collective, a barrier, the queue's writer, a queue reader): every survivor
   must raise within twice the group's timeout of the kill.

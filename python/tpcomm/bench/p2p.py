@@ -1,6 +1,6 @@
 """python -m tpcomm.bench p2p: send/recv ping-pong between two ranks, a
 plain Gloo group against a tpcomm group (whose CPU send/recv carries a
-40-byte header before each payload, coordinator/framed_p2p.hpp), alternated
+40-byte header before each payload, coordinator/cpu/framed_p2p.hpp), alternated
 round after round in one run; microseconds per one-way message (half a
 round trip), the best round of each."""
 

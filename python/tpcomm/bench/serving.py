@@ -2,7 +2,7 @@
 thread and a client thread that keeps opening connections (to this
 process's server and to its peers'), as an inference server's HTTP, ZMQ and
 metrics threads do while groups come and go. The tests of
-coordinator/gloo_sockets.hpp and `python -m tpcomm.bench soak` use it to
+coordinator/faults/gloo_sockets.hpp and `python -m tpcomm.bench soak` use it to
 check that no group's break touches a connection of the program's."""
 
 import os

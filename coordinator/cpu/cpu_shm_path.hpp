@@ -1,0 +1,118 @@
+#pragma once
+// The shared-memory path for CPU tensors (message_queue/collectives/shm_group.hpp) as the
+// coordinator uses it: the collective set-up over the group's CPU backend,
+// and which calls the path takes. Internal to coordinator/.
+//
+// Set-up (collective: every rank of the group calls it at the same point of
+// its call sequence, the group's first CPU collective), three allgathers of
+// fixed-size records over the CPU backend, so every rank decides from the
+// same data and reaches the same verdict:
+//   1. TPCOMM_CPU_SHM mode, host identity, pid, and the settings that shape
+//      the protocol (buffer bytes, two-phase crossover): refused when any
+//      rank turned the path off or settings differ; ranks on several hosts
+//      end the set-up here with every rank's host
+//   2. rank 0 creates the region (memfd) and sends its pid, descriptor and
+//      nonce, or why it failed; the others map it through /proc and check
+//      the nonce
+//   3. whether every rank mapped it
+// A rank that fails a step still takes part in every later round.
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include "coordinator/pending.hpp"
+#include "message_queue/collectives/shm_group.hpp"
+
+namespace tpcomm::coord {
+
+// TPCOMM_CPU_SHM_BUFFER_BYTES=0 (the default): each rank's chunk is this
+// much per worker thread of the rank (the largest any rank of the group
+// asks for), so that each thread's part of a chunk, and the peer parts it
+// reduces with, stay in its core's L2 cache. On a 2-core machine at 2 ranks,
+// 256 KiB chunks made 1-64 MiB allreduces 10-20% faster than 1 MiB ones, and
+// held their speed while other tenants thrashed the shared L3 (64 MiB: 6.8-7.1
+// against 11-12 ms).
+inline constexpr int64_t kAutoBufferBytesPerThread = 256 << 10;
+
+struct CpuShmConfig {
+  std::string mode = "auto";  // TPCOMM_CPU_SHM: auto, 0, 1
+  int64_t bufferBytes = 0;  // TPCOMM_CPU_SHM_BUFFER_BYTES (0: kAutoBufferBytesPerThread x threads)
+  int64_t twoPhaseBytes = 16 << 10;
+  int64_t spinUs = -1;             // -1: spinPolicy's choice
+  std::string reduceIsa = "auto";  // TPCOMM_CPU_REDUCE_ISA
+  int64_t threads = 0;             // TPCOMM_CPU_SHM_THREADS (0: threadsFor's choice)
+  int64_t hierSliceBytes = 4 << 20;  // TPCOMM_CPU_HIER_SLICE_BYTES
+  // Ranks of a larger group on this machine's cores (a group across hosts
+  // that are namespaces of one kernel): the waiting policy and the threads
+  // count them (0: the group's size alone).
+  int machineRanks = 0;
+  static CpuShmConfig fromSettings();
+};
+
+struct CpuShmSetup {
+  std::unique_ptr<mq::ShmGroup> group;  // null when the group does not use the path
+  std::string reason;                   // why not (empty when it does)
+  // Where the ranks sit on several hosts (and nothing else refused the
+  // path): every rank's host identity, for hierarchical collectives
+  // (cpu_hier_path.hpp); `requiredBy`: the ranks with TPCOMM_CPU_SHM=1
+  // ("0,2"), empty if none.
+  std::vector<std::string> hosts;
+  std::string requiredBy;
+  mq::ReduceIsa reduceIsa = mq::ReduceIsa::kPortable;  // the level every rank runs
+};
+
+// Throws InvalidUsage on every rank when mode is "1" and the set-up failed
+// (ranks on several hosts excepted: see CpuShmSetup::hosts).
+CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::string& hostId,
+                        const CpuShmConfig& config, std::chrono::milliseconds timeout);
+
+// The reductions' kernel level for a TPCOMM_CPU_REDUCE_ISA value: the level
+// named if this CPU runs it, else the best it runs.
+mq::ReduceIsa reduceIsaOf(const std::string& setting);
+
+// The CPUs this process may use: its affinity mask, capped by a cgroup v2
+// CPU quota.
+int usableCpus();
+
+// How a group of `size` ranks on this host waits for its peers: polling
+// `spin` (then sleeping), yielding the core each round or not. spinUs -1:
+// 1000 us without yielding when the ranks do not outnumber usableCpus(),
+// so that a peer up to about 1 ms late is met without a sleep and a wake-up
+// (measured: python -m tpcomm.bench cpu --late); else 50 us, yielding, so
+// that oversubscribed ranks progress. Another spinUs: that window, yielding
+// only when oversubscribed.
+struct SpinPolicy {
+  std::chrono::microseconds spin;
+  bool yield;
+};
+SpinPolicy spinPolicy(int64_t spinUs, int size);
+
+// Threads per rank for a group of `size` ranks on this host: `setting` when
+// positive, else usableCpus() divided among the ranks, 1 to 8.
+int threadsFor(int64_t setting, int size);
+
+// The path's dtype for a tensor's, if it reduces that dtype.
+std::optional<mq::DType> shmDtype(at::ScalarType dtype);
+
+// Whether the path reduces `op` on `dtype` (not bitwise ops, not bool or
+// other dtypes); `why` (unless null) says why not. Cheap: reads no factor.
+bool shmReduces(const c10d::ReduceOp& op, at::ScalarType dtype, const char** why);
+
+// The reduction for an `op` that shmReduces at `size` ranks (PREMUL_SUM's
+// factor read as the Gloo path reads it; a tensor factor on the host).
+mq::ReduceSpec shmReduction(const c10d::ReduceOp& op, int size);
+
+// A call the path already completed: no Work for a synchronous call (torch's
+// Python API then skips wait(), as for ProcessGroupNCCL), else a completed
+// Work whose result is the outputs; its future (holding the outputs) is made
+// only when asked for.
+Pending completedCall(std::vector<at::Tensor> outputs, bool asyncOp);
+// A Work that completed already (wait() returns at once), holding `outputs`.
+c10::intrusive_ptr<c10d::Work> completedWork(std::vector<at::Tensor> outputs);
+
+}  // namespace tpcomm::coord

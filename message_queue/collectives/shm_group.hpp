@@ -1,0 +1,224 @@
+#pragma once
+// tpcomm::mq::ShmGroup — collectives among the processes of one host through
+// one shared-memory region: allreduce, all-gather, reduce-scatter, broadcast
+// and barrier on raw buffers. Plain C++ (no torch); the coordinator maps
+// tensors onto it (coordinator/cpu/cpu_shm_path.hpp). The public header of the
+// shared-memory collectives, beside the ring's (ring.hpp).
+//
+// Region layout (one region per group, created by rank 0, see
+// shared_region.hpp; offsets from its base):
+//
+//   +------------------------------+ 0
+//   | Header                       |  magic, version, size, bufferBytes;
+//   |                              |  abort word (first failing rank + cause);
+//   |                              |  futex word + sleeper count
+//   +------------------------------+ kControlOffset
+//   | Control[size]                |  one cache line per rank: arrived (u64),
+//   |                              |  signature[2] (3 x u64, by step parity)
+//   +------------------------------+ dataOffset (page aligned)
+//   | rank 0: half 0 | half 1      |  2 x bufferBytes per rank
+//   | rank 1: half 0 | half 1      |
+//   | ...                          |
+//   +------------------------------+
+//
+// Protocol. Every rank counts synchronisation steps s = 1, 2, ... and data
+// chunks k = 0, 1, ...; chunk k uses half k % 2 of every rank's buffer.
+//
+//   action                      | by          | ordering
+//   ----------------------------+-------------+-------------------------------
+//   write own half (chunk k)    | owner       | before arriving at its step s
+//   arrive at step s            | every rank  | signature[s%2] relaxed, then
+//                               |             | arrived = s (seq_cst store)
+//   wait for step s             | every rank  | arrived[j] >= s (acquire) for
+//                               |             | every j, then compare signatures
+//   read peers' halves          | every rank  | after step s, done before the
+//                               |             | rank arrives at its next step
+//
+// A half is written again only by chunk k + 2, after its owner passed the
+// first step of chunk k + 1, which every rank reaches only once it finished
+// reading chunk k; so one step per chunk suffices (two for a two-phase
+// allreduce, whose ranks write their reduced slice into their own half
+// between the two, a slice no other rank reads until the second step).
+// Flags are never reset: step numbers only grow, so a stale value cannot
+// pass a wait.
+//
+// Each step also carries a signature of the call (op, dtype, count, root,
+// the fused call's eps, its place in a coalesced list);
+// ranks that disagree all throw InvalidUsage at the same step, naming every
+// rank's call, and the group stays usable. Waits poll (sched_yield after the
+// first few polls, so more ranks than cores progress) for the spin window,
+// then sleep on the futex word, which an arriving rank bumps only when the
+// sleeper count says someone sleeps. Every wait ends at the timeout (Timeout)
+// or when a rank it waits for has died (PeerLost, zombies included); either
+// marks the group failed in the header, so every rank's next wait fails too
+// instead of waiting out its own timeout, and later calls throw at once.
+//
+// Thread safety: calls on one ShmGroup are serialised by a mutex; ranks must
+// issue the same calls in the same order (as with any collective).
+// setTimeout, failure and abort may be called from any thread at any time.
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "message_queue/region/futex.hpp"
+#include "message_queue/region/shared_region.hpp"
+#include "message_queue/collectives/shm_reduce.hpp"
+#include "message_queue/collectives/worker_pool.hpp"
+
+namespace tpcomm::mq {
+
+struct ShmGroupOptions {
+  int rank = 0;
+  int size = 1;
+  // Bytes of each half of a rank's buffer (the chunk size); a multiple of 64.
+  uint64_t bufferBytes = 1 << 20;
+  // Allreduces of at least this many bytes reduce-scatter then all-gather
+  // inside shared memory (each rank reduces 1/size of every chunk).
+  uint64_t twoPhaseMinBytes = 16 << 10;
+  // How long a wait polls before it sleeps on the futex, and whether it
+  // yields the core while it polls (for more ranks than cores).
+  std::chrono::microseconds spin{50};
+  bool yield = true;
+  // The reductions' vector kernels (every level gives the same bits); one
+  // this CPU cannot run falls back to the best it can.
+  ReduceIsa reduceIsa = bestReduceIsa();
+  // Threads (this one included) that split the copies and reductions of a
+  // large chunk (at least 256 KiB a thread); 1: this thread only. Results do
+  // not depend on it.
+  int threads = 1;
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+};
+
+// A call's place in a coalesced list (tensor `index` of `of`): part of the
+// call's signature, so that ranks whose lists differ in length are named
+// instead of pairing calls of equal size.
+struct ShmPart {
+  uint32_t index = 0;
+  uint32_t of = 1;
+};
+
+class ShmGroup {
+ public:
+  // Bytes of the region for `size` ranks; throws InvalidUsage if absurd.
+  static size_t regionBytes(int size, uint64_t bufferBytes);
+  // Writes the header of a fresh (zeroed) region; the creator calls it
+  // before any peer attaches. Every rank's options must match it.
+  static void initRegion(char* base, int size, uint64_t bufferBytes, uint64_t twoPhaseMinBytes);
+
+  // `region` must have been initialised for options.size ranks, bufferBytes
+  // and twoPhaseMinBytes; `pids[r]` is rank r's process, watched from here on
+  // (PeerProcess in futex.hpp), so every peer must be alive now. Throws
+  // System if the header does not match.
+  //
+  // Destroying the group tells the peers: their current and later calls
+  // raise PeerLost naming this rank ("left the group"), instead of waiting
+  // out the timeout. A process forked from this one cannot use the group:
+  // its calls raise InvalidUsage before touching shared memory or the
+  // group's lock, and its copy leaves without telling anyone.
+  ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& options,
+           std::vector<int32_t> pids);
+  ~ShmGroup();
+
+  // out = reduction over ranks of `in` (count elements). `out` may be `in`.
+  void allreduce(const void* in, void* out, size_t count, DType dtype, const ReduceSpec& spec,
+                 const ShmPart& part = {});
+  // The allreduce fused with a transformer layer's residual add and RMSNorm
+  // (reduceAddRmsNorm in shm_reduce.hpp) over `rows` rows of norm.hidden
+  // elements of `in`: the add and the norm run in the reduction's pass,
+  // with this rank's own residual and weight. `in` may be normed or
+  // residualOut; residualOut may be residual. Chunks hold whole rows:
+  // InvalidUsage when a row exceeds bufferBytes (the caller composes then).
+  void allreduceAddRmsNorm(const void* in, size_t rows, DType dtype, const NormRows& norm);
+  // outs[r] = rank r's `in` (bytes each). outs[rank] may be `in`.
+  void allgather(const void* in, size_t bytes, const std::vector<void*>& outs,
+                 const ShmPart& part = {});
+  // out = reduction over ranks of their ins[rank] (count elements each).
+  void reduceScatter(const std::vector<const void*>& ins, void* out, size_t count, DType dtype,
+                     const ReduceSpec& spec, const ShmPart& part = {});
+  // data on every rank = data of `root` (bytes).
+  void broadcast(void* data, size_t bytes, int root);
+  void barrier();
+
+  // The reductions' kernel level from the next call on (one this CPU cannot
+  // run falls back to the best it can); any thread, any time.
+  void setReduceIsa(ReduceIsa isa);
+  // The waits' polling window and yielding from the next wait on.
+  void setSpin(std::chrono::microseconds spin, bool yield);
+  std::chrono::microseconds spin() const {
+    return std::chrono::microseconds(spinUs_.load(std::memory_order_relaxed));
+  }
+  bool yields() const { return yield_.load(std::memory_order_relaxed); }
+  int threads() const { return pool_ ? pool_->threads() : 1; }
+  ReduceIsa reduceIsa() const { return reduceIsa_.load(std::memory_order_relaxed); }
+  void setTimeout(std::chrono::milliseconds timeout);
+  std::chrono::milliseconds timeout() const;
+  const ShmGroupOptions& options() const { return options_; }
+  // Empty while the group works; else why it stopped.
+  std::string failure() const;
+  // Marks the group failed on every rank (their waits end with PeerLost
+  // naming this rank and, from the first rank to abort, `why`).
+  void abort(const std::string& why);
+  // Whether the region's memfd is sealed against execution.
+  bool execSealed() const { return region_->execSealed(); }
+  // Maps every peer's halves into this process now (set-up, once every
+  // peer allocated its own), not on the first calls.
+  void prefaultPeers();
+  // Closes the region's descriptor once every peer mapped it (set-up).
+  void closeDescriptor() { region_->closeDescriptor(); }
+
+ private:
+  struct Header;
+  struct Control;
+  struct Signature;
+  Header& header() const;
+  Control& control(int r) const;
+  char* half(int r, uint64_t chunk) const;
+  // Every rank's half of `chunk` from byteOffset on, in rank order (valid
+  // until this thread's next call).
+  const void* const* sourcesAt(uint64_t chunk, size_t byteOffset) const;
+  // fn(a, b) over parts of [0, count) elements of esize bytes: on the pool's
+  // threads and this one when the range is large enough, else fn(0, count).
+  template <typename Fn>
+  void split(size_t count, size_t esize, const Fn& fn);
+
+  // Arrives at the next step and waits for every rank; throws InvalidUsage
+  // when signatures differ, Timeout/PeerLost as described above.
+  void step(const Signature& signature);
+  void waitAll(uint64_t s, const Signature& signature);
+  // Publishes the first failure in the header (code, this rank, the rank
+  // blamed or -1) and wakes every sleeper.
+  void publishFailure(uint64_t code, int culprit);
+  [[noreturn]] void fail(int code, int culprit, const std::string& message);
+  // A published failure word as this rank tells it: who, what, and an
+  // abort's reason when its rank wrote one.
+  std::string describePublished(uint64_t word) const;
+  void setFailure(const std::string& message);
+  void throwIfFailed();
+  // InvalidUsage in a process forked after the group was set up.
+  void checkNotForked() const;
+  bool forked() const;
+
+  std::unique_ptr<SharedRegion> region_;
+  ShmGroupOptions options_;
+  std::vector<PeerProcess> peers_;
+  std::unique_ptr<WorkerPool> pool_;  // null: every part on the calling thread
+  uint64_t forkGeneration_;           // the process's forks seen when it was set up
+  char* data_ = nullptr;
+  uint64_t steps_ = 0;
+  uint64_t chunks_ = 0;
+  std::atomic<int64_t> timeoutMs_{0};
+  std::atomic<int64_t> spinUs_{0};
+  std::atomic<bool> yield_{true};
+  std::atomic<ReduceIsa> reduceIsa_{ReduceIsa::kPortable};
+  std::mutex mutex_;                 // one call at a time (held while it waits)
+  mutable std::mutex failureMutex_;  // guards failure_ (never held while waiting)
+  std::string failure_;
+};
+
+}  // namespace tpcomm::mq

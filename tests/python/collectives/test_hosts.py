@@ -1,0 +1,322 @@
+"""Groups whose ranks sit on several hosts, on real separate hosts made on
+this machine (tpcomm.simhosts: network, UTS, mount and pid namespaces, one
+address each on a private bridge). Each rank runs hosts_worker.py; results
+are compared across ranks (bitwise) and with float64 references."""
+
+import glob
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+import hosts_worker as worker
+from tpcomm import simhosts
+
+REASON = simhosts.unavailable_reason()
+if REASON is not None:
+    print(f"\nSKIP test_hosts: {REASON}")
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"simulated hosts: {REASON}")
+
+WORKER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "hosts_worker.py")
+
+LAYOUTS = {
+    "2x2": [[0, 1], [2, 3]],
+    "2x1": [[0], [1]],
+    "3+1": [[0, 1, 2], [3]],
+    "2x3": [[0, 2, 4], [1, 3, 5]],  # ranks interleaved across the hosts
+}
+
+
+def run_case(layout, case, tmp_path, env=None, timeout=240, during=None, stderr=None,
+             hostnames=None):
+    """Runs `case` on simulated hosts with `layout`; returns every rank's
+    dict (asserting none failed). `during(hosts, procs, outdir)` runs while
+    they do (e.g. kills a host); `stderr`: a file for the ranks' stderr."""
+    outdir = str(tmp_path)
+    os.makedirs(outdir, exist_ok=True)
+    full = dict(os.environ, TEST_OUT=outdir, TEST_TIMEOUT_S="60",
+                TEST_LAST_HOST=",".join(str(r) for r in layout[-1]))
+    full.update(env or {})
+    world = sum(len(r) for r in layout)
+    with simhosts.SimulatedHosts(len(layout), hostnames) as hosts:
+        port = 20000 + (os.getpid() * 7 + int(time.monotonic() * 1000)) % 20000
+        procs = hosts.launch_ranks(layout, [sys.executable, WORKER, case, outdir], env=full,
+                                   port=port, stderr=stderr)
+        if during is not None:
+            during(hosts, procs, outdir)
+        codes = hosts.wait(procs, timeout)
+    errors = {p: open(p).read() for p in glob.glob(os.path.join(outdir, "*.err"))}
+    results = {}
+    for r in range(world):
+        path = os.path.join(outdir, f"rank{r}.pt")
+        if os.path.exists(path):
+            results[r] = torch.load(path, weights_only=False)
+    return results, codes, errors
+
+
+def completed(layout, case, tmp_path, env=None, hostnames=None):
+    results, codes, errors = run_case(layout, case, tmp_path, env, hostnames=hostnames)
+    assert not errors, "\n".join(errors.values())
+    assert codes == [0] * len(layout), codes
+    world = sum(len(r) for r in layout)
+    assert sorted(results) == list(range(world))
+    return [results[r] for r in range(world)]
+
+
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 3e-2,
+             torch.float16: 3e-3}
+
+
+def reference(key, world):
+    """The float64 result of one call of case_collectives."""
+    if key[0] == "allreduce":
+        _, op, dtype_name, n = key
+        dtype = getattr(torch, dtype_name.split(".")[1])
+        xs = torch.stack([worker.inputs(r, n, dtype, seed=n).double() for r in range(world)])
+        if op == "sum":
+            return xs.sum(0), dtype
+        if op == "avg":
+            return xs.sum(0) / world, dtype
+        if op == "max":
+            return xs.max(0).values, dtype
+        if op == "min":
+            return xs.min(0).values, dtype
+        return (0.5 * xs).sum(0), dtype
+    n = key[-1]
+    if key[0] == "all_gather":
+        return torch.stack([worker.inputs(r, n, torch.float32, seed=7).double()
+                            for r in range(world)]), torch.float32
+    if key[0] == "all_gather_into_tensor":
+        return torch.cat([worker.inputs(r, n, torch.float32, seed=7).double()
+                          for r in range(world)]), torch.float32
+    return None, None
+
+
+def check_collectives(outs, world):
+    keys = outs[0]["results"].keys()
+    for key in keys:
+        mine = [o["results"][key] for o in outs]
+        for r in range(1, world if not key[0].startswith("reduce_scatter") else 1):
+            assert torch.equal(mine[r], mine[0]), f"{key}: rank {r} differs from rank 0"
+        expected, dtype = reference(key, world)
+        if expected is not None:
+            got = mine[0].double()
+            if dtype.is_floating_point:
+                tol = TOLERANCE[dtype] * max(1.0, float(expected.abs().max()))
+                assert torch.allclose(got, expected, rtol=TOLERANCE[dtype], atol=tol), key
+            else:
+                # Integer sums wrap as the dtype does.
+                assert torch.equal(mine[0], expected.to(torch.int64).to(dtype)), key
+    for n in (5, 4096, 70000):
+        for root in range(world):
+            want = worker.inputs(root, n, torch.int64, seed=13)
+            assert torch.equal(outs[0]["results"][("broadcast", root, n)], want)
+        big = torch.stack([worker.inputs(r, world * n, torch.float32, seed=9).double()
+                           for r in range(world)]).sum(0)
+        for r in range(world):
+            part = outs[r]["results"][("reduce_scatter_tensor", n)].double()
+            assert torch.allclose(part, big[r * n:(r + 1) * n], rtol=1e-5, atol=1e-4)
+        bf = torch.stack([worker.inputs(r, world * n, torch.bfloat16, seed=11).double()
+                          for r in range(world)]).sum(0) / world
+        for r in range(world):
+            part = outs[r]["results"][("reduce_scatter_avg_bf16", n)].double()
+            assert torch.allclose(part, bf[r * n:(r + 1) * n], rtol=3e-2, atol=3e-2)
+    want = torch.cat([torch.stack([worker.inputs(r, n, torch.float32, seed=17).double()
+                                   for r in range(world)]).sum(0) for n in (3, 100, 5000)])
+    assert torch.allclose(outs[0]["results"][("coalesced",)].double(), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["2x2", "3+1", "2x3"])
+def test_every_collective_across_hosts_matches_float64_and_is_bitwise_equal(name, tmp_path):
+    layout = LAYOUTS[name]
+    world = sum(len(r) for r in layout)
+    outs = completed(layout, "collectives", tmp_path)
+    check_collectives(outs, world)
+    for o in outs:
+        across = o["describe"]["across_hosts"]
+        assert across["used"], across
+        assert "simhost0" in across["hosts"] and "simhost1" in across["hosts"]
+        assert o["stats"]["cpu_hier"]["calls"] > 0
+        assert o["stats"]["gloo"]["calls"] == 0, o["stats"]
+
+
+def test_both_allreduce_paths_give_the_same_bits(tmp_path):
+    """The slices path (every size) and the leaders path (slices off) give
+    identical results on an even layout."""
+    layout = LAYOUTS["2x2"]
+    sliced = completed(layout, "collectives", tmp_path / "sliced",
+                       {"TPCOMM_CPU_HIER_SLICE_BYTES": "0"})
+    leaders = completed(layout, "collectives", tmp_path / "leaders",
+                        {"TPCOMM_CPU_HIER_SLICE_BYTES": str(1 << 40)})
+    for key, value in sliced[0]["results"].items():
+        assert torch.equal(value, leaders[0]["results"][key]), key
+
+
+def test_ranks_alone_on_their_hosts_use_gloo_and_say_why(tmp_path):
+    outs = completed(LAYOUTS["2x1"], "identity", tmp_path)
+    for o in outs:
+        assert torch.equal(o["sum"], torch.full((4,), 2.0))
+        across = o["describe"]["across_hosts"]
+        assert not across["used"]
+        assert "each alone on its host" in across["reason"], across
+        assert o["stats"]["gloo"]["calls"] == 1
+
+
+def test_routes_log_names_the_hierarchical_route_and_why(tmp_path):
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as f:
+        results, codes, errors = run_case(LAYOUTS["2x2"], "identity", tmp_path / "out",
+                                          {"TPCOMM_LOG": "routes"}, stderr=f)
+    assert not errors and codes == [0, 0], (codes, errors)
+    text = log.read_text()
+    want = ("allreduce SUM float32 16 B -> cpu_hier:leaders (2 hosts: 'simhost0' (ranks 0, 1), "
+            "'simhost1' (ranks 2, 3); the hosts' leaders cross hosts)")
+    assert text.count(want) == 4, text
+
+
+def test_host_identity_differs_between_namespaced_hosts_with_equal_names(tmp_path):
+    """Two hosts whose host names are equal (containers) are still two hosts:
+    shared memory is never used between them."""
+    outs = completed(LAYOUTS["2x2"], "identity", tmp_path, hostnames=["node", "node"])
+    assert [o["hostname"] for o in outs] == ["node"] * 4
+    ids = [o["host_id"] for o in outs]
+    assert ids[0] == ids[1] and ids[2] == ids[3] and ids[0] != ids[2]
+    for o in outs:
+        assert torch.equal(o["sum"], torch.full((4,), 4.0))
+        # Two hosts of two ranks: memory shared inside each, never between.
+        assert o["describe"]["across_hosts"]["used"]
+        assert "2 hosts: 'node' (ranks 0, 1), 'node' (ranks 2, 3)" in \
+            o["describe"]["across_hosts"]["hosts"]
+        assert o["stats"]["cpu_hier"]["calls"] == 1
+
+
+def test_mismatched_calls_across_hosts_raise_on_every_rank(tmp_path):
+    layout = LAYOUTS["2x2"]
+    outs = completed(layout, "mismatch", tmp_path)
+    for o in outs:
+        assert o["raised"] is not None, f"rank {o['rank']} did not raise"
+    leaders = [outs[0]["raised"], outs[2]["raised"]]
+    assert any("mismatched collectives across hosts" in m or "went away or failed" in m
+               for m in leaders), leaders
+
+
+@pytest.mark.parametrize("name,named", [("3+1", "host 'simhost1' (rank 3)"),
+                                        ("2x2", "host 'simhost1' (ranks 2, 3)")])
+def test_a_host_that_goes_away_is_named_by_every_other_rank(name, named, tmp_path):
+    layout = LAYOUTS[name]
+    survivors = [r for ranks in layout[:-1] for r in ranks]
+
+    def kill_last_host(hosts, procs, outdir):
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(os.path.join(outdir, f"ready{r}")) for r in layout[-1]):
+            assert time.monotonic() < deadline, "the last host never got ready"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        hosts.kill(procs[-1])
+
+    results, codes, errors = run_case(layout, "host_lost", tmp_path, {"TEST_TIMEOUT_S": "20"},
+                                      during=kill_last_host)
+    assert not errors, "\n".join(errors.values())
+    for r in survivors:
+        raised = results[r]["raised"]
+        assert raised is not None, f"rank {r} did not raise"
+        assert named in raised and "went away or failed" in raised, raised
+        assert results[r]["seconds"] < 2 * 20, results[r]["seconds"]
+
+
+@pytest.mark.parametrize("case,cause", [("refused", "refused allreduce"),
+                                        ("aborted", "aborted the group")])
+def test_a_rank_that_refuses_or_aborts_is_named_by_every_rank_across_hosts(case, cause,
+                                                                          tmp_path):
+    layout = LAYOUTS["2x2"]
+    outs = completed(layout, case, tmp_path)
+    bad = outs[0]["bad"]
+    for o in outs:
+        if o["rank"] == bad:
+            assert o["raised"] is None or "ReduceOp.BAND" in o["raised"], o
+        else:
+            assert o["raised"] is not None, f"rank {o['rank']} did not raise"
+            assert f"rank {bad} {cause}" in o["raised"], o["raised"]
+            # The group's timeout is 60 s: the fault, not the timeout, ended it.
+            assert o["seconds"] < 20, o
+        assert o["later"] is not None and "the group is unusable" in o["later"], o
+
+
+def test_a_break_shuts_down_only_the_groups_connections_across_hosts(tmp_path):
+    """The lazy set-up across hosts while the program opens connections
+    (test_serving.py for the groups on one host)."""
+    outs = completed(LAYOUTS["2x2"], "serving", tmp_path)
+    for r, out in enumerate(outs):
+        assert out["during"] > 0, (r, out["during"])
+        assert out["problem"] == "", out["problem"]
+        # Its own Gloo group (3 peers) and the one between hosts of the
+        # ranks of its place on their host (1 peer).
+        assert out["gloo"] == 4, (r, out["gloo"])
+        assert out["overlap"] == [], (r, out["overlap"])
+        assert out["shut"], r
+        assert out["broken"] == [], (r, out["broken"])
+        if r:
+            assert out["error"] is not None and "rank 0 aborted the group" in out["error"], out
+        assert torch.equal(out["sum"], torch.full((64,), 4.0))
+
+
+def test_a_mismatched_send_and_recv_across_hosts_raise(tmp_path):
+    """A send of 8 floats to a rank on another host that expects 4
+    (test_mismatches.py on one host): no process dies, every rank raises."""
+    why = "rank 3's recv from rank 0 (tag 0) expected 4 elements of float32 (16 B); " \
+          "rank 0 sent 8 elements of float32 (32 B)"
+    outs = completed(LAYOUTS["2x2"], "p2p_mismatch", tmp_path)
+    assert outs[3]["error"] is not None and why in outs[3]["error"], outs[3]["error"]
+    for r, out in enumerate(outs):
+        assert out["later"] is not None and why in out["later"], (r, out["later"])
+
+
+def test_message_queue_with_readers_on_several_hosts(tmp_path):
+    outs = completed(LAYOUTS["2x2"], "message_queue", tmp_path)
+    for o in outs:
+        for i, obj in enumerate(o["objects"]):
+            assert obj == {"step": i, "tokens": list(range(i * 3)),
+                           "blob": b"x" * (1 << (10 + 2 * i))}
+    assert outs[0]["local"] == [1] and outs[0]["remote"] == [2, 3]
+
+
+def test_ddp_across_hosts_matches_a_single_process_float64_run(tmp_path):
+    layout = LAYOUTS["2x2"]
+    world = 4
+    outs = completed(layout, "ddp", tmp_path)
+    for o in outs[1:]:
+        for a, b in zip(o["params"], outs[0]["params"]):
+            assert torch.equal(a, b), "replicas differ"
+    assert outs[0]["stats"]["cpu_hier"]["calls"] > 0
+    # The same training in one process, float64, on every rank's batch.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    model = model.double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(5):
+        opt.zero_grad()
+        loss = 0
+        for r in range(world):
+            g = torch.Generator().manual_seed(100 * step + r)
+            x = torch.randn(8, 16, generator=g).double()
+            y = torch.randn(8, 4, generator=g).double()
+            loss = loss + torch.nn.functional.mse_loss(model(x), y) / world
+        loss.backward()
+        opt.step()
+    for got, want in zip(outs[0]["params"], model.parameters()):
+        assert torch.allclose(got.double(), want.detach(), atol=1e-5), (got - want).abs().max()
+
+
+def test_the_demo_runs_a_replica_on_each_of_two_hosts():
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "tpcomm.demo", "--hosts", "2", "--tp", "2",
+                           "--steps", "8"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "replica 0 on simhost0" in out and "replica 1 on simhost1" in out, out
+    assert out.count("world group routes: cpu_hier 8 calls") == 2, out
+    assert out.count("TP group routes: cpu_shm") == 2, out
+    assert out.rstrip().endswith("OK"), out
