@@ -1,9 +1,11 @@
 """The source tree's layering, checked: dependencies point one way,
 backend -> coordinator -> {custom_allreduce, message_queue}, with
 coordinator/common (the error type and the settings) the floor every layer
-may include; the bindings (python/) may include every layer. An include that
-runs back up fails here, naming the file, the line and the rule. Also: no
-source file past 600 lines without the reason at its top."""
+may include; the bindings (python/) may include every layer; inside
+message_queue, the ring, the arena and the collectives engine stand on
+region/ and not on each other. An include that runs back up fails here,
+naming the file, the line and the rule. Also: no folder of more than 20
+source files, no source file past 600 lines without the reason at its top."""
 
 import os
 import re
@@ -26,11 +28,22 @@ TOP = {"backend": "backend", "coordinator": "coordinator", "custom_allreduce":
        "custom_allreduce", "message_queue": "message_queue", "python": "bindings"}
 
 
+# message_queue's parts and the parts each may include.
+MQ_PARTS = {"region": {"region"}, "ring": {"ring", "region"}, "arena": {"arena", "region"},
+            "collectives": {"collectives", "region"}}
+MAX_SOURCES_PER_FOLDER = 20
+
+
 def layer_of(rel):
     """The layer of a path relative to the repository root, or None."""
     if rel.startswith("coordinator/common/"):
         return "common"
     return TOP.get(rel.split("/", 1)[0])
+
+
+def mq_part_of(rel):
+    parts = rel.split("/")
+    return parts[1] if parts[0] == "message_queue" and parts[1] in MQ_PARTS else None
 
 
 def _sources():
@@ -66,10 +79,14 @@ def violations(files=None):
         for match in INCLUDE.finditer(text):
             target = _resolve(path, match.group(1))
             theirs = layer_of(target) if target else None
+            line = text.count("\n", 0, match.start()) + 1
             if theirs is not None and theirs not in LAYERS[mine]:
-                line = text.count("\n", 0, match.start()) + 1
                 out.append(f"{rel}:{line} includes {target}: {mine} may include only "
                            f"{', '.join(sorted(LAYERS[mine]))}")
+            part, their_part = mq_part_of(rel), mq_part_of(target) if target else None
+            if part and their_part and their_part not in MQ_PARTS[part]:
+                out.append(f"{rel}:{line} includes {target}: message_queue/{part} may include "
+                           f"only {', '.join(sorted(MQ_PARTS[part]))} of message_queue")
     return out
 
 
@@ -85,17 +102,31 @@ def test_an_include_that_runs_back_up_is_caught():
         (os.path.join(ROOT, "message_queue", "probe.hpp"),
          '#include "coordinator/group_coordinator.hpp"\n'),
         (os.path.join(ROOT, "coordinator", "common", "probe.hpp"),
-         '// floor\n#include "message_queue/ring.hpp"\n'),
+         '// floor\n#include "message_queue/ring/ring.hpp"\n'),
         (os.path.join(ROOT, "coordinator", "probe.cpp"), '#include "backend/work.hpp"\n'),
         (os.path.join(ROOT, "custom_allreduce", "probe.cu"),
-         '#include "message_queue/futex.hpp"\n'),
+         '#include "message_queue/region/futex.hpp"\n'),
     ]
+    probes.append((os.path.join(ROOT, "message_queue", "ring", "probe.cpp"),
+                   '#include "message_queue/collectives/shm_group.hpp"\n'))
     found = violations(probes)
-    assert len(found) == 4, found
+    assert len(found) == 5, found
     assert found[0].startswith("message_queue/probe.hpp:1 includes coordinator/"), found
     assert found[1].startswith("coordinator/common/probe.hpp:2 includes message_queue/"), found
     assert "coordinator may include only" in found[2], found
     assert "custom_allreduce may include only" in found[3], found
+    assert "message_queue/ring may include only" in found[4], found
+
+
+def test_no_folder_holds_more_than_twenty_sources():
+    crowded = []
+    for top in ("backend", "coordinator", "custom_allreduce", "message_queue", "python",
+                "tests", "examples"):
+        for folder, _, names in os.walk(os.path.join(ROOT, top)):
+            n = sum(name.endswith(SOURCES + (".py",)) for name in names)
+            if n > MAX_SOURCES_PER_FOLDER:
+                crowded.append(f"{os.path.relpath(folder, ROOT)} ({n})")
+    assert not crowded, "group these folders' files by concern: " + ", ".join(crowded)
 
 
 def test_long_sources_say_why_at_their_top():
