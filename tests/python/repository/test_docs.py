@@ -13,8 +13,10 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 def _pages():
     """The README first, then docs/ and the source folders' READMEs."""
     docs = os.path.join(ROOT, "docs")
-    folders = ["backend", "coordinator", "coordinator/common", "custom_allreduce",
-               "message_queue"]
+    folders = ["backend", "coordinator", "coordinator/common", "coordinator/cpu",
+               "coordinator/cuda", "coordinator/faults", "coordinator/debug",
+               "custom_allreduce", "message_queue", "message_queue/region",
+               "message_queue/ring", "message_queue/arena", "message_queue/collectives"]
     return [os.path.join(ROOT, "README.md")] + sorted(
         os.path.join(docs, n) for n in os.listdir(docs) if n.endswith(".md")) + [
         os.path.join(ROOT, f, "README.md") for f in folders]
