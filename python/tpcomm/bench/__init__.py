@@ -8,6 +8,7 @@
     python -m tpcomm.bench faults [--world-sizes 2 3] [--timeout 3] [--quick]
     python -m tpcomm.bench fused [--world-sizes 2 4] [--device cpu|cuda] [--dtype bfloat16]
     python -m tpcomm.bench fr [--rounds 3] [--quick]
+    python -m tpcomm.bench fr-hook [--rounds 7] [--quick]
     python -m tpcomm.bench p2p [--rounds 5] [--quick]
     python -m tpcomm.bench soak [--minutes 10]
 
@@ -47,6 +48,10 @@ tpcomm.bench.faults).
 
 fr: a 4-byte shared-memory all_reduce with torch's flight recorder off and
 on, alternating (see tpcomm.bench.flight).
+
+fr-hook: a 4-byte CPU allreduce through the ProcessGroup on a tpcomm group
+without and with torch 2.15's flight-recorder hook (see
+tpcomm.bench.torch_hook).
 
 fused: all_reduce_add_rms_norm against all_reduce + add + rms_norm for
 hidden 1024..8192 x 1..128 tokens, on CPU or with every rank on GPU 0 (see

@@ -71,10 +71,17 @@ def main(argv=None):
     fused.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     fused.add_argument("--quick", action="store_true", help="two shapes")
     fused.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best kept)")
+    hook = sub.add_parser("fr-hook", help="what torch 2.15's recording hook would add to a call")
+    hook.add_argument("--rounds", type=int, default=7, help="alternating rounds (best kept)")
+    hook.add_argument("--quick", action="store_true", help="fewer iterations")
     fr = sub.add_parser("fr", help="what torch's flight recorder adds to a small call")
     fr.add_argument("--rounds", type=int, default=3, help="alternating rounds (best kept)")
     fr.add_argument("--quick", action="store_true", help="fewer iterations")
     args = parser.parse_args(argv)
+    if args.what == "fr-hook":
+        from tpcomm.bench.torch_hook import run as run_hook
+
+        return run_hook(args.rounds, args.quick)
     if args.what == "fr":
         from tpcomm.bench.flight import run as run_fr
 
