@@ -101,3 +101,45 @@ def combine_tokens(coordinator, plan, hidden_states):
         out.index_add_(0, index, back[start:start + count].to(acc_dtype))
         start += count
     return out.to(hidden_states.dtype)
+
+
+# ------------------------------------------------ all-gather / reduce-scatter
+# vLLM's dispatch(hidden_states, topk_weights, topk_ids) and
+# dispatch_router_logits: every rank receives every rank's tokens (an
+# all_gatherv along dim 0, by source rank then token order) and runs its own
+# experts on them; combine sums the ranks' results for each token and hands
+# each rank its own tokens back (a reduce_scatterv).
+
+
+@dataclass
+class GatherPlan:
+    sizes: list  # tokens per rank
+
+
+def _check_rows(name, tensors, tokens):
+    for i, t in enumerate(tensors):
+        if t.dim() == 0 or t.shape[0] != tokens:
+            raise ValueError(f"{name}: tensor {i} has shape {tuple(t.shape)}; its first dim "
+                             f"must be the {tokens} tokens of hidden_states")
+
+
+def gather_tokens(coordinator, name, tensors):
+    """all_gatherv of `tensors` (each [tokens, ...]) with the token counts
+    exchanged once: (plan, gathered tensors)."""
+    tokens = tensors[0].shape[0] if tensors[0].dim() else -1
+    _check_rows(name, tensors, tokens)
+    sizes = coordinator._sizes(tokens, None, name)
+    return GatherPlan(sizes), coordinator.all_gatherv(list(tensors), dim=0, sizes=sizes)
+
+
+def scatter_tokens(coordinator, plan, hidden_states):
+    rows = sum(plan.sizes)
+    if hidden_states.dim() == 0 or hidden_states.shape[0] != rows:
+        raise ValueError(f"combine: expected {rows} rows (every rank's tokens, as dispatch "
+                         f"gathered them), got shape {tuple(hidden_states.shape)}")
+    return coordinator.reduce_scatterv(hidden_states, dim=0, sizes=plan.sizes)
+
+
+def own_tokens(plan, rank_in_group):
+    """How many rows combine returns on this rank."""
+    return plan.sizes[rank_in_group] if isinstance(plan, GatherPlan) else plan.tokens

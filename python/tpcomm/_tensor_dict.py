@@ -110,3 +110,85 @@ def recv(c, peer, all_gather_group, all_gather_tensors):
             dist.recv(tensor, src=peer, group=_group_for(c, tensor))
         out[key] = tensor
     return out
+
+
+# ------------------------------------------------------------- asynchronous
+class Handle:
+    """One asynchronous send or receive of a GroupCoordinator: the works it
+    posted and the tensors they read or fill, kept alive until `wait()`.
+    `wait()` may be called again (it does nothing the second time); a
+    timeout is the group's, as for every wait on it."""
+
+    def __init__(self, works, retained):
+        self._works = [w for w in works if w is not None]
+        self._retained = tuple(retained)
+        self._waited = False
+
+    def is_completed(self):
+        return self._waited or all(w.is_completed() for w in self._works)
+
+    def wait(self):
+        if self._waited:
+            return
+        for w in self._works:
+            w.wait()
+        self._waited = True
+        self._retained = ()
+
+
+def isend_object(c, obj, peer):
+    """send_object's two messages (size, then the pickled bytes), posted."""
+    from tpcomm import _mq_pickle
+
+    payload = _mq_pickle.pack(obj)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    works = [dist.isend(size, dst=peer, group=c.cpu_group),
+             dist.isend(payload, dst=peer, group=c.cpu_group)]
+    return Handle(works, (size, payload))
+
+
+def isend(c, tensor_dict, peer, all_gather_group, all_gather_tensors):
+    """send() posted: [the metadata's handle, one handle per tensor sent]."""
+    metadata, _ = split(tensor_dict)
+    handles = [isend_object(c, metadata, peer)]
+    for key, value in tensor_dict.items():
+        if not isinstance(value, torch.Tensor) or value.numel() == 0:
+            continue
+        t = value.contiguous()
+        if _sliced(key, t, all_gather_group, all_gather_tensors):
+            t = t.reshape(all_gather_group.world_size, -1)[all_gather_group.rank_in_group]
+        if t.is_cuda:
+            t.record_stream(torch.cuda.current_stream(t.device))
+        handles.append(Handle([dist.isend(t, dst=peer, group=_group_for(c, t))], (t,)))
+    return handles
+
+
+def irecv(c, peer, all_gather_group, all_gather_tensors):
+    """recv() with the tensors posted, not waited: (dict, handles,
+    postprocess). The metadata is received before it returns; after every
+    handle's wait(), each postprocess() call all-gathers one sliced tensor
+    into its place in the dict."""
+    metadata = c.recv_object(src=c.ranks.index(peer))
+    out, handles, postprocess = {}, [], []
+    for key, value in metadata:
+        if not isinstance(value, TensorMetadata):
+            out[key] = value
+            continue
+        tensor = _empty(c, value)
+        out[key] = tensor
+        if tensor.numel() == 0:
+            continue
+        if _sliced(key, tensor, all_gather_group, all_gather_tensors):
+            part = tensor.new_empty(tensor.numel() // all_gather_group.world_size)
+            handles.append(Handle([dist.irecv(part, src=peer, group=_group_for(c, part))],
+                                  (part,)))
+            out[key] = part
+
+            def gather(key=key, part=part, size=value.size):
+                out[key] = all_gather_group.all_gather(part, dim=0).reshape(size)
+
+            postprocess.append(gather)
+        else:
+            handles.append(Handle([dist.irecv(tensor, src=peer, group=_group_for(c, tensor))],
+                                  (tensor,)))
+    return out, handles, postprocess

