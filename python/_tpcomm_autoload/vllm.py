@@ -154,15 +154,22 @@ def _backend_name(group):
 # and every worker writes {all_reduce_s, calls, steps, step_s} to
 # <folder>/rank<r>.txt after each model step: the benchmark's share of step
 # time spent in all-reduce. Measured the same way on every route, vLLM's own
-# shared memory included.
+# shared memory included; only in eager mode (a compiled model's collectives
+# run inside its graph, where no Python timer sees them).
 
 _profile_totals = {"all_reduce_s": 0.0, "calls": 0, "steps": 0, "step_s": 0.0}
 
 
 def _profile(communicator, name):
+    import torch
+
     inner = communicator.all_reduce
 
     def all_reduce(input_):
+        if torch.compiler.is_compiling():
+            # Traced into a compiled graph, which no Python timer sees:
+            # figures come from eager runs (vLLM's enforce_eager).
+            return inner(input_)
         start = time.perf_counter()
         try:
             return inner(input_)

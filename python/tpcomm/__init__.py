@@ -45,13 +45,17 @@ _ops.register_ops()
 from tpcomm._graphs import all_reduce_into, graph_capture  # noqa: E402
 from tpcomm.coordinator import GraphCaptureContext, GroupCoordinator  # noqa: E402
 from tpcomm.parallel_state import (  # noqa: E402
-    destroy_distributed_environment, destroy_model_parallel, ensure_model_parallel_initialized,
-    get_dp_group, get_ep_group, get_pipeline_model_parallel_rank,
+    cleanup_dist_env_and_memory, destroy_distributed_environment, destroy_model_parallel,
+    ensure_model_parallel_initialized, get_dcp_group, get_dcp_world_size_and_rank,
+    get_dp_group, get_engram_dp_group, get_engram_dp_size, get_ep_group, get_eplb_group,
+    get_inner_dp_world_group, get_node_count, get_pcp_group, get_pipeline_model_parallel_rank,
     get_pipeline_model_parallel_world_size, get_pp_group, get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size, get_tp_group, get_world_group,
-    init_distributed_environment, initialize_model_parallel, model_parallel_is_initialized,
-    model_parallel_layout, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce,
-    tensor_model_parallel_gather, tensor_model_parallel_reduce_scatter)
+    get_tensor_model_parallel_world_size, get_tp_group, get_world_group, in_the_same_node_as,
+    init_distributed_environment, init_model_parallel_group, init_world_group,
+    initialize_model_parallel, is_global_first_rank, is_local_first_rank,
+    model_parallel_is_initialized, model_parallel_layout, tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce, tensor_model_parallel_gather,
+    tensor_model_parallel_reduce_scatter)
 
 
 def settings():
@@ -117,12 +121,16 @@ def reset_stats(group=None):
 
 __all__ = [
     "BACKEND_NAME", "GraphCaptureContext", "GroupCoordinator", "MessageQueue", "PeerLostError",
-    "all_reduce_into", "build_info", "describe", "destroy_distributed_environment", "destroy_model_parallel",
-    "ensure_model_parallel_initialized", "get_dp_group", "get_ep_group",
+    "all_reduce_into", "build_info", "cleanup_dist_env_and_memory", "describe",
+    "destroy_distributed_environment", "destroy_model_parallel",
+    "ensure_model_parallel_initialized", "get_dcp_group", "get_dcp_world_size_and_rank",
+    "get_dp_group", "get_engram_dp_group", "get_engram_dp_size", "get_ep_group",
+    "get_eplb_group", "get_inner_dp_world_group", "get_node_count", "get_pcp_group",
     "get_pipeline_model_parallel_rank", "get_pipeline_model_parallel_world_size", "get_pp_group",
     "get_tensor_model_parallel_rank", "get_tensor_model_parallel_world_size", "get_tp_group",
-    "get_world_group", "graph_capture", "init_distributed_environment", "initialize_model_parallel",
-    "model_parallel_is_initialized", "model_parallel_layout", "register", "reset_custom_allreduce",
-    "reset_stats",
-    "settings", "stats", "tensor_model_parallel_all_gather", "tensor_model_parallel_all_reduce",
+    "get_world_group", "graph_capture", "in_the_same_node_as", "init_distributed_environment",
+    "init_model_parallel_group", "init_world_group", "initialize_model_parallel",
+    "is_global_first_rank", "is_local_first_rank", "model_parallel_is_initialized",
+    "model_parallel_layout", "register", "reset_custom_allreduce", "reset_stats", "settings",
+    "stats", "tensor_model_parallel_all_gather", "tensor_model_parallel_all_reduce",
     "tensor_model_parallel_gather", "tensor_model_parallel_reduce_scatter", "torch_hooks"]

@@ -110,7 +110,8 @@ def _child(args):
     after = _read_profile(profile)
     shares = [(after[r]["all_reduce_s"] - before.get(r, {}).get("all_reduce_s", 0.0))
               / (after[r]["step_s"] - before.get(r, {}).get("step_s", 0.0))
-              for r in after if after[r]["step_s"] > before.get(r, {}).get("step_s", 0.0)]
+              for r in after if after[r]["step_s"] > before.get(r, {}).get("step_s", 0.0)
+              and after[r]["calls"] > before.get(r, {}).get("calls", 0.0)]
     share = sum(shares) / len(shares) if shares else None
     print(_RESULT + json.dumps({"tokens": tokens, "tokens_per_s": produced / seconds,
                                 "seconds": seconds, "all_reduce_share": share}), flush=True)
@@ -217,7 +218,8 @@ def bench(args, model, log):
         runs = rounds[way]
         best = max(x["tokens_per_s"] for x in runs)
         shares = [x["all_reduce_share"] for x in runs if x["all_reduce_share"] is not None]
-        share = f"{100 * min(shares):.1f}-{100 * max(shares):.1f}%" if shares else "-"
+        share = (f"{100 * min(shares):.1f}-{100 * max(shares):.1f}%" if shares
+                 else "- (compiled)")
         same_ref = (all(x["tokens"] == reference[0]["tokens"] for x in runs)
                     if reference else "-")
         same_tp1 = all(x["tokens"] == base["tokens"] for x in runs) if base else "-"
