@@ -110,8 +110,11 @@ def _patch(chosen, log, version):
         shared = unique_name.startswith(("tp", "pp"))
         renamed = shared and chosen is not None
         original_init(self, cpu_group, device, device_group,
-                      "tpcomm-" + unique_name if renamed else unique_name, *args, **kwargs)
+                      "_tpcomm_" + unique_name if renamed else unique_name, *args, **kwargs)
         self.unique_name = unique_name
+        if renamed and getattr(self, "dist_module", None) is not _torch_distributed():
+            raise _moved(f"its CPU communicator of group {unique_name} still chose "
+                         f"{type(self.dist_module).__name__}", version)
         if renamed and self.world_size > 1:
             log.info("tpcomm: group %s (%d ranks): collectives on backend %s through "
                      "torch.distributed", unique_name, self.world_size,
@@ -142,6 +145,12 @@ def _patch(chosen, log, version):
             raise _moved("vllm.distributed.parallel_state has no GroupCoordinator", version)
 
 
+def _torch_distributed():
+    import torch.distributed
+
+    return torch.distributed
+
+
 def _backend_name(group):
     import torch.distributed as dist
 
@@ -151,13 +160,17 @@ def _backend_name(group):
 # ------------------------------------------------------------------ profiling
 # With TPCOMM_VLLM_PROFILE=<folder>, each worker's tensor- and
 # pipeline-parallel communicators count the seconds their all-reduces take,
-# and every worker writes {all_reduce_s, calls, steps, step_s} to
-# <folder>/rank<r>.txt after each model step: the benchmark's share of step
-# time spent in all-reduce. Measured the same way on every route, vLLM's own
-# shared memory included; only in eager mode (a compiled model's collectives
-# run inside its graph, where no Python timer sees them).
+# and every worker writes {all_reduce_s, calls, steps, step_s, tpcomm_calls}
+# to <folder>/rank<r>.txt after each model step: the benchmark's share of
+# step time spent in all-reduce. Measured the same way on every route, vLLM's
+# own shared memory included; only in eager mode (a compiled model's
+# collectives run inside its graph, where no Python timer sees them).
+# tpcomm_calls, from tpcomm's own counters of the tensor-parallel group, counts
+# in both modes: the proof that the collectives went through tpcomm.
 
-_profile_totals = {"all_reduce_s": 0.0, "calls": 0, "steps": 0, "step_s": 0.0}
+_profile_totals = {"all_reduce_s": 0.0, "calls": 0, "steps": 0, "step_s": 0.0,
+                   "tpcomm_calls": 0}
+_profile_groups = []  # the tpcomm device groups whose calls are counted
 
 
 def _profile(communicator, name):
@@ -178,7 +191,14 @@ def _profile(communicator, name):
             _profile_totals["calls"] += 1
 
     communicator.all_reduce = all_reduce
+    if _state_mode() == "tpcomm" and communicator.device_group is not None \
+            and name.startswith("tp") and communicator.world_size > 1:
+        _profile_groups.append(communicator.device_group)
     _profile_steps()
+
+
+def _state_mode():
+    return mode()
 
 
 def _profile_steps():
@@ -203,6 +223,11 @@ def _profile_steps():
 
 
 def _write_profile(rank):
+    if _profile_groups:
+        import tpcomm
+
+        _profile_totals["tpcomm_calls"] = sum(
+            route["calls"] for g in _profile_groups for route in tpcomm.stats(g).values())
     path = os.path.join(os.environ[PROFILE_ENV], f"rank{rank}.txt")
     try:
         with open(path + ".tmp", "w") as f:

@@ -113,8 +113,16 @@ def _child(args):
               for r in after if after[r]["step_s"] > before.get(r, {}).get("step_s", 0.0)
               and after[r]["calls"] > before.get(r, {}).get("calls", 0.0)]
     share = sum(shares) / len(shares) if shares else None
+    per_call = [(after[r]["all_reduce_s"] - before.get(r, {}).get("all_reduce_s", 0.0))
+                / (after[r]["calls"] - before.get(r, {}).get("calls", 0.0))
+                for r in after if after[r]["calls"] > before.get(r, {}).get("calls", 0.0)]
+    per_call = sum(per_call) / len(per_call) if per_call else None
+    through_tpcomm = sum(after[r]["tpcomm_calls"] - before.get(r, {}).get("tpcomm_calls", 0.0)
+                         for r in after)
     print(_RESULT + json.dumps({"tokens": tokens, "tokens_per_s": produced / seconds,
-                                "seconds": seconds, "all_reduce_share": share}), flush=True)
+                                "seconds": seconds, "all_reduce_share": share,
+                                "all_reduce_us": per_call and per_call * 1e6,
+                                "tpcomm_calls": through_tpcomm}), flush=True)
 
 
 def _run(way, tp, model, args, log):
@@ -175,6 +183,9 @@ def check(args, model, log):
     if "tpcomm: group tp" not in ours["log"] or "backend tpcomm" not in ours["log"]:
         problems.append("the tpcomm run's log does not say that group tp runs on backend "
                         "tpcomm (was the plugin loaded? pip show tpcomm; TPCOMM_VLLM=1)")
+    if ours["tpcomm_calls"] <= 0:
+        problems.append("tpcomm's counters of the tensor-parallel group saw no call while "
+                        "vLLM generated")
     if "tpcomm: group tp" in own["log"]:
         problems.append("vLLM's own run logged tpcomm's plugin although TPCOMM_VLLM was unset")
     total = sum(map(len, base["tokens"]))
@@ -192,7 +203,8 @@ def check(args, model, log):
         print("FAILED:\n  " + "\n  ".join(problems))
         return 1
     print("OK: TP=2 on tpcomm generates TP=1's tokens, as vLLM's own TP=2 does; the "
-          "workers' logs say their tensor-parallel group runs on tpcomm")
+          "workers' logs say their tensor-parallel group runs on tpcomm, whose counters saw "
+          f"{ours['tpcomm_calls']:.0f} collectives while vLLM generated")
     return 0
 
 
@@ -210,7 +222,7 @@ def bench(args, model, log):
           f"{args.dtype}, greedy; best of {args.rounds} alternated rounds")
     reference = rounds.get("vllm-shm")
     head = f"{'way':>9} | {'tok/s':>7} | {'x vLLM shm':>10} | {'all-reduce share':>16} | " \
-           f"{'= vLLM shm':>10} | {'= TP=1':>6} | rounds"
+           f"{'us/all-reduce':>13} | {'= vLLM shm':>10} | {'= TP=1':>6} | rounds"
     print(head)
     print("-" * len(head))
     best_ref = max(x["tokens_per_s"] for x in reference) if reference else None
@@ -220,13 +232,15 @@ def bench(args, model, log):
         shares = [x["all_reduce_share"] for x in runs if x["all_reduce_share"] is not None]
         share = (f"{100 * min(shares):.1f}-{100 * max(shares):.1f}%" if shares
                  else "- (compiled)")
+        calls = [x["all_reduce_us"] for x in runs if x["all_reduce_us"] is not None]
+        per_call = f"{min(calls):.0f}-{max(calls):.0f}" if calls else "-"
         same_ref = (all(x["tokens"] == reference[0]["tokens"] for x in runs)
                     if reference else "-")
         same_tp1 = all(x["tokens"] == base["tokens"] for x in runs) if base else "-"
         ratio = f"{best / best_ref:.2f}" if best_ref else "-"
         every = ", ".join(f"{x['tokens_per_s']:.0f}" for x in runs)
-        print(f"{way:>9} | {best:7.1f} | {ratio:>10} | {share:>16} | {str(same_ref):>10} | "
-              f"{str(same_tp1):>6} | {every}")
+        print(f"{way:>9} | {best:7.1f} | {ratio:>10} | {share:>16} | {per_call:>13} | "
+              f"{str(same_ref):>10} | {str(same_tp1):>6} | {every}")
     if base:
         print(f"(TP=1 on vLLM: {base['tokens_per_s']:.1f} tok/s)")
     print(f"vLLM's output: {log}")
