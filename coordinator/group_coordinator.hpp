@@ -54,9 +54,9 @@
 
 #include "coordinator/cpu/cpu_hier_path.hpp"
 #include "coordinator/cpu/cpu_shm_path.hpp"
+#include "coordinator/cpu/framed_p2p.hpp"
 #include "coordinator/cuda/custom_path.hpp"
 #include "coordinator/debug/debug_p2p.hpp"
-#include "coordinator/cpu/framed_p2p.hpp"
 #include "coordinator/faults/group_fault.hpp"
 #include "coordinator/pending.hpp"
 #include "coordinator/route_stats.hpp"
@@ -350,6 +350,7 @@ class GroupCoordinator {
   std::string shmMode_;                // setCpuShmMode's override; guarded by shmMutex_
   std::string shmIsa_;                 // setCpuReduceIsa's override; guarded by shmMutex_
   std::optional<int64_t> shmSpinUs_;   // setCpuShmSpinUs's override; guarded by shmMutex_
+  int shmCpus_ = 0;                    // CpuShmSetup::cpus; guarded by shmMutex_
   std::optional<int64_t> shmThreads_;  // setCpuShmThreads's override; guarded by shmMutex_
   std::string shmError_;               // a refused TPCOMM_CPU_SHM=1 set-up, raised by every call
   std::atomic<int> registrationDepth_{0};  // read on every custom call, without the lock

@@ -24,6 +24,7 @@ constexpr size_t kHostWidth = 128;
 constexpr size_t kNumberWidth = 24;
 constexpr size_t kMessageWidth = 384;
 constexpr size_t kNonceWidth = 32;
+constexpr size_t kMaskWidth = CPU_SETSIZE / 4;  // hex digits, 4 CPUs each
 
 // A record of fixed-width fields, and its fields back.
 class Record {
@@ -85,23 +86,66 @@ std::string agreement(const std::vector<std::string>& modes, const std::vector<i
 
 }  // namespace
 
-int usableCpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  int cpus = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
-  if (cpus <= 0) cpus = static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN)));
-  // A cgroup (v2) CPU quota: "max 100000" (none) or "<quota> <period>".
+namespace {
+
+// A cgroup (v2) CPU quota in whole CPUs, at least 1; 0 when there is none.
+int quotaCpus() {
+  int cpus = 0;
+  // "max 100000" (none) or "<quota> <period>".
   if (FILE* f = std::fopen("/sys/fs/cgroup/cpu.max", "r")) {
     char quota[32] = {};
     long long period = 0;
     if (std::fscanf(f, "%31s %lld", quota, &period) == 2 && std::strcmp(quota, "max") != 0 &&
         period > 0) {
       const long long q = std::atoll(quota);
-      if (q > 0) cpus = std::min<int>(cpus, std::max<long long>(1, q / period));
+      if (q > 0) cpus = static_cast<int>(std::max<long long>(1, q / period));
     }
     std::fclose(f);
   }
   return cpus;
+}
+
+// This process's affinity mask as kMaskWidth hex digits, CPU 0 in the
+// lowest bit of the first digit; all CPUs online when it cannot be read.
+std::string affinityHex() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof(set), &set) != 0 || CPU_COUNT(&set) == 0) {
+    const long online = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
+    for (long c = 0; c < online && c < CPU_SETSIZE; ++c) CPU_SET(c, &set);
+  }
+  std::string hex(kMaskWidth, '0');
+  for (size_t d = 0; d < kMaskWidth; ++d) {
+    int digit = 0;
+    for (int b = 0; b < 4; ++b) digit |= CPU_ISSET(d * 4 + b, &set) ? (1 << b) : 0;
+    hex[d] = "0123456789abcdef"[digit];
+  }
+  return hex;
+}
+
+// How many CPUs the union of these masks holds.
+int unionCount(const std::vector<std::string>& masks) {
+  int count = 0;
+  for (size_t d = 0; d < kMaskWidth; ++d) {
+    int digit = 0;
+    for (const auto& m : masks) {
+      const char c = d < m.size() ? m[d] : '0';
+      digit |= c >= 'a' ? c - 'a' + 10 : c - '0';
+    }
+    count += __builtin_popcount(static_cast<unsigned>(digit));
+  }
+  return count;
+}
+
+}  // namespace
+
+int usableCpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  int cpus = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
+  if (cpus <= 0) cpus = static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN)));
+  const int quota = quotaCpus();
+  return quota > 0 ? std::min(cpus, quota) : cpus;
 }
 
 int threadsFor(int64_t setting, int size) {
@@ -109,8 +153,8 @@ int threadsFor(int64_t setting, int size) {
   return std::max(1, std::min(8, usableCpus() / std::max(1, size)));
 }
 
-SpinPolicy spinPolicy(int64_t spinUs, int size) {
-  const bool oversubscribed = size > usableCpus();
+SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus) {
+  const bool oversubscribed = size > (cpus > 0 ? cpus : usableCpus());
   if (spinUs >= 0) return {std::chrono::microseconds(spinUs), oversubscribed};
   if (oversubscribed) return {std::chrono::microseconds(50), true};
   return {std::chrono::microseconds(1000), false};
@@ -149,6 +193,7 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   mine.put(config.bufferBytes).put(config.twoPhaseBytes);
   mine.put(kAutoBufferBytesPerThread * threads);
   mine.put(static_cast<int64_t>(reduceIsaOf(config.reduceIsa)));
+  mine.put(affinityHex(), kMaskWidth);
   const auto records = allgatherBytes(cpu, size, mine.bytes());
   std::vector<std::string> modes(size), hosts(size);
   std::vector<int64_t> pids(size), buffers(size), twoPhase(size);
@@ -157,6 +202,7 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   // that every rank computes the same bits (a SUM of two NaNs keeps the NaN
   // the instruction order picks, which may differ between levels).
   int64_t isaLevel = static_cast<int64_t>(mq::ReduceIsa::kAvx512);
+  std::vector<std::string> masks(size);
   for (int r = 0; r < size; ++r) {
     Fields f(records[r]);
     modes[r] = f.text(kModeWidth);
@@ -166,6 +212,7 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
     twoPhase[r] = f.number();
     autoBuffer = std::max(autoBuffer, f.number());
     isaLevel = std::min(isaLevel, f.number());
+    masks[r] = f.text(kMaskWidth);
   }
   // TPCOMM_CPU_SHM=1 on any rank makes a refusal an error on every rank, so
   // that no rank goes on through Gloo while another raised.
@@ -197,7 +244,15 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   options.size = size;
   options.bufferBytes = static_cast<uint64_t>(buffers[0] != 0 ? buffers[0] : autoBuffer);
   options.twoPhaseMinBytes = static_cast<uint64_t>(config.twoPhaseBytes);
-  const SpinPolicy policy = spinPolicy(config.spinUs, sharing);
+  // The CPUs the group's ranks may run on together: ranks pinned each to
+  // cores of their own (as vLLM's CPU workers are) do not compete with one
+  // another, though each process alone may use fewer CPUs than there are
+  // ranks. A group across namespaced hosts of one machine (machineRanks)
+  // sees only its own masks: its processes' alone count there.
+  int groupCpus = config.machineRanks > size ? usableCpus() : unionCount(masks);
+  if (const int quota = quotaCpus(); quota > 0) groupCpus = std::min(groupCpus, quota);
+  result.cpus = std::max(1, groupCpus);
+  const SpinPolicy policy = spinPolicy(config.spinUs, sharing, result.cpus);
   options.spin = policy.spin;
   options.yield = policy.yield;
   options.reduceIsa = static_cast<mq::ReduceIsa>(std::max<int64_t>(0, isaLevel));

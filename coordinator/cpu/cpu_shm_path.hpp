@@ -43,9 +43,9 @@ struct CpuShmConfig {
   std::string mode = "auto";  // TPCOMM_CPU_SHM: auto, 0, 1
   int64_t bufferBytes = 0;  // TPCOMM_CPU_SHM_BUFFER_BYTES (0: kAutoBufferBytesPerThread x threads)
   int64_t twoPhaseBytes = 16 << 10;
-  int64_t spinUs = -1;             // -1: spinPolicy's choice
-  std::string reduceIsa = "auto";  // TPCOMM_CPU_REDUCE_ISA
-  int64_t threads = 0;             // TPCOMM_CPU_SHM_THREADS (0: threadsFor's choice)
+  int64_t spinUs = -1;               // -1: spinPolicy's choice
+  std::string reduceIsa = "auto";    // TPCOMM_CPU_REDUCE_ISA
+  int64_t threads = 0;               // TPCOMM_CPU_SHM_THREADS (0: threadsFor's choice)
   int64_t hierSliceBytes = 4 << 20;  // TPCOMM_CPU_HIER_SLICE_BYTES
   // Ranks of a larger group on this machine's cores (a group across hosts
   // that are namespaces of one kernel): the waiting policy and the threads
@@ -64,6 +64,9 @@ struct CpuShmSetup {
   std::vector<std::string> hosts;
   std::string requiredBy;
   mq::ReduceIsa reduceIsa = mq::ReduceIsa::kPortable;  // the level every rank runs
+  // The CPUs the ranks may run on together (the union of their affinity
+  // masks on this host, capped by a cgroup quota): spinPolicy's `cpus`.
+  int cpus = 0;
 };
 
 // Throws InvalidUsage on every rank when mode is "1" and the set-up failed
@@ -81,7 +84,8 @@ int usableCpus();
 
 // How a group of `size` ranks on this host waits for its peers: polling
 // `spin` (then sleeping), yielding the core each round or not. spinUs -1:
-// 1000 us without yielding when the ranks do not outnumber usableCpus(),
+// 1000 us without yielding when the ranks do not outnumber `cpus` (the CPUs
+// they may run on together; 0: this process's usableCpus()),
 // so that a peer up to about 1 ms late is met without a sleep and a wake-up
 // (measured: python -m tpcomm.bench cpu --late); else 50 us, yielding, so
 // that oversubscribed ranks progress. Another spinUs: that window, yielding
@@ -90,7 +94,7 @@ struct SpinPolicy {
   std::chrono::microseconds spin;
   bool yield;
 };
-SpinPolicy spinPolicy(int64_t spinUs, int size);
+SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus = 0);
 
 // Threads per rank for a group of `size` ranks on this host: `setting` when
 // positive, else usableCpus() divided among the ranks, 1 to 8.

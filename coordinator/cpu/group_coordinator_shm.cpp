@@ -44,6 +44,7 @@ mq::ShmGroup* GroupCoordinator::cpuShm() {
   }
   shmReason_ = setup.reason;
   shm_ = std::move(setup.group);
+  shmCpus_ = setup.cpus;
   if (!shm_ && !setup.hosts.empty()) setUpHierLocked(setup, config);
   shmFast_.store(shm_.get(), std::memory_order_release);
   return shm_.get();
@@ -116,7 +117,7 @@ void GroupCoordinator::setCpuShmSpinUs(int64_t spinUs) {
   std::lock_guard<std::mutex> lock(shmMutex_);
   shmSpinUs_ = spinUs;
   if (shm_) {
-    const SpinPolicy policy = spinPolicy(spinUs, size());
+    const SpinPolicy policy = spinPolicy(spinUs, size(), shmCpus_);
     shm_->setSpin(policy.spin, policy.yield);
   }
   if (hier_ && hier_->local()) {

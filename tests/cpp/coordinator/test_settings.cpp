@@ -117,6 +117,12 @@ TEST(Settings, CpuSharedMemoryWaitingPolicy) {
   EXPECT_EQ(coord::spinPolicy(7, 1).spin.count(), 7);
   EXPECT_FALSE(coord::spinPolicy(7, 1).yield);
   EXPECT_TRUE(coord::spinPolicy(0, static_cast<int>(cpus) + 1).yield);
+  // The group's CPUs, when given (the union of its ranks' affinity masks),
+  // decide instead of this process's: two ranks pinned to a core each fit.
+  EXPECT_FALSE(coord::spinPolicy(-1, 2, 2).yield);
+  EXPECT_EQ(coord::spinPolicy(-1, 2, 2).spin.count(), 1000);
+  EXPECT_TRUE(coord::spinPolicy(-1, 3, 2).yield);
+  EXPECT_EQ(coord::spinPolicy(-1, 3, 2).spin.count(), 50);
 }
 
 TEST(Settings, MessageQueueSpin) {

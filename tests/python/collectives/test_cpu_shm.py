@@ -482,6 +482,39 @@ def test_the_default_chunk_is_256_kib_per_thread_of_the_largest_rank(per_rank, c
         assert buffer_bytes == chunk
 
 
+def _policy_when_pinned(ctx, cpus_of_rank):
+    import tpcomm
+
+    os.sched_setaffinity(0, cpus_of_rank[ctx.rank])
+    group = dist.new_group(list(range(ctx.world_size)), backend="tpcomm")
+    t = torch.ones(4)
+    dist.all_reduce(t, group=group)  # sets the path up
+    shm = tpcomm.describe(group)["cpu_shm"]
+    dist.destroy_process_group(group)
+    return t.tolist(), shm["available"], shm["spin_us"], shm["yields"]
+
+
+@pytest.mark.parametrize("cores,waits", [("own", (1000, False)), ("shared", (50, True))],
+                         ids=["a-core-each", "one-core-for-both"])
+def test_ranks_pinned_to_cores_of_their_own_poll_without_yielding(cores, waits):
+    # vLLM's CPU workers are pinned to a core each: each process alone may
+    # use one CPU, but the two ranks do not compete, so they poll (1 ms, no
+    # yield) as unpinned ranks on two cores do. Two ranks on one core yield.
+    online = sorted(os.sched_getaffinity(0))
+    if len(online) < 2:
+        pytest.fail(f"needs two CPUs, this process may use {online}")
+    pins = {0: {online[0]}, 1: {online[1]}} if cores == "own" else {0: {online[0]},
+                                                                     1: {online[0]}}
+    group = Group(2, env={"TPCOMM_CPU_SHM": "1"})
+    try:
+        results = group.run(_policy_when_pinned, pins)
+    finally:
+        group.close()
+    for values, available, spin_us, yields in results:
+        assert values == [2.0] * 4 and available
+        assert (spin_us, yields) == waits
+
+
 def _required_but_refused(ctx):
     messages = []
     for _ in range(2):  # the set-up, then a later call: both raise
