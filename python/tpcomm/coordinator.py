@@ -46,6 +46,11 @@ def _check_dim(tensor, dim, what):
     return dim % tensor.dim()
 
 
+# vLLM's switch (parallel_state.set_custom_all_reduce), read when a
+# coordinator is made: False sends its CUDA allreduces to NCCL alone.
+custom_all_reduce_enabled = True
+
+
 def default_group_timeout():
     """The timeout the default process group was created with (None when its
     backends do not say)."""
@@ -100,6 +105,8 @@ class GroupCoordinator:
             self.mq_broadcaster = MessageQueue.create_from_process_group(
                 self.cpu_group, 1 << 22, 6, device_group=self.device_group)
         self.communication_buffer_bytes = 0
+        if self._tpcomm and not custom_all_reduce_enabled:
+            self._tpcomm_backend().set_route_mode("nccl")
 
         self._ep_plans = deque()
         # isend_tensor_dict's handles, kept until their sends complete (a

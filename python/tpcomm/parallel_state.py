@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tpcomm import _ops, coordinator as _coordinator
 from tpcomm._registration import BACKEND_NAME
 from tpcomm.coordinator import GroupCoordinator
 
@@ -388,6 +389,19 @@ def all_gather(tensor, dim, world_size, group_name):
 
 def reduce_scatter(tensor, dim, world_size, group_name):
     return torch.ops.tpcomm.reduce_scatter(tensor, dim, world_size, group_name)
+
+
+# The ops' shapes without running them (torch.compile's fake tensors).
+all_reduce_fake = _ops._all_reduce_fake
+all_gather_fake = _ops._all_gather_fake
+reduce_scatter_fake = _ops._reduce_scatter_fake
+
+
+def set_custom_all_reduce(enable):
+    """Whether coordinators made after this call may send CUDA allreduces
+    to tpcomm's custom kernel (True, the default: by size, as routed) or to
+    NCCL alone (False: their route mode becomes "nccl")."""
+    _coordinator.custom_all_reduce_enabled = bool(enable)
 
 
 @contextmanager

@@ -251,9 +251,30 @@ def _state(ctx):
     g = tpcomm.init_model_parallel_group([list(range(n))], r, "tpcomm", group_name="mine",
                                          use_all2all=True, device="cpu")
     assert g.unique_name.startswith("mine:") and g.ranks == list(range(n))
+    ps = tpcomm.parallel_state
     t = torch.ones(2)
-    assert torch.equal(tpcomm.parallel_state.all_reduce(t, g.unique_name), t * n)
+    assert torch.equal(ps.all_reduce(t, g.unique_name), t * n)
+    x = torch.arange(2.0 * n).reshape(2, n) + r
+    gathered = ps.all_gather(x, 0, n, g.unique_name)
+    assert torch.equal(gathered, torch.cat([x - r + k for k in range(n)]))
+    assert ps.all_gather_fake(x, 0, n, g.unique_name).shape == gathered.shape
+    scattered = ps.reduce_scatter(x, 1, n, g.unique_name)
+    want = sum(x - r + k for k in range(n))[:, r:r + 1]
+    assert torch.equal(scattered, want)
+    assert ps.reduce_scatter_fake(x, 1, n, g.unique_name).shape == (2, 1)
+    assert ps.all_reduce_fake(x, g.unique_name).shape == x.shape
     g.destroy()
+    # vLLM's switch: coordinators made afterwards route CUDA allreduces to NCCL.
+    ps.set_custom_all_reduce(False)
+    try:
+        off = tpcomm.init_model_parallel_group([list(range(n))], r, "tpcomm", device="cpu")
+        assert tpcomm.describe(off)["route_mode"] == "nccl"
+        off.destroy()
+    finally:
+        ps.set_custom_all_reduce(True)
+    on = tpcomm.init_model_parallel_group([list(range(n))], r, "tpcomm", device="cpu")
+    assert tpcomm.describe(on)["route_mode"] == "auto"
+    on.destroy()
     dcp = 2 if n % 2 == 0 else 1
     tpcomm.initialize_model_parallel(n, 1, 1, dcp, device="cpu", enable_eplb=True)
     try:
