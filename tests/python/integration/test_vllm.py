@@ -12,6 +12,7 @@ later runs reuse both."""
 
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -77,3 +78,62 @@ def test_vllm_cpu_tensor_parallel_2_on_tpcomm_generates_tp1s_tokens():
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
     assert "OK: TP=2 on tpcomm generates TP=1's tokens" in done.stdout, out[-6000:]
+
+
+# vLLM 0.33.0's surface (vllm/distributed/parallel_state.py): the public
+# methods and properties of GroupCoordinator and the public functions.
+VLLM_033_COORDINATOR = """
+make_sibling_device_group create_mq_broadcaster create_single_reader_mq_broadcasters first_rank
+last_rank is_first_rank is_last_rank next_rank prev_rank graph_capture all_reduce all_gather
+all_gatherv reduce_scatter reduce_scatterv reduce_scatterv_into_output gather broadcast
+broadcast_object broadcast_object_list send_object recv_object isend_object broadcast_tensor_dict
+send_tensor_dict isend_tensor_dict recv_tensor_dict irecv_tensor_dict barrier cpu_all_reduce_
+send recv destroy dispatch_router_logits dispatch combine allocate_combine_input
+combine_into_output device_communicator""".split()
+VLLM_033_FUNCTIONS = """
+suspend_device_comms resume_device_comms all_reduce all_reduce_fake reduce_scatter
+reduce_scatter_fake all_gather all_gather_fake patched_fused_scaled_matmul_reduce_scatter_fake
+patched_fused_scaled_matmul_reduce_scatter get_world_group get_inner_dp_world_group
+init_world_group init_model_parallel_group get_tp_group get_etp_group get_engram_dp_group
+get_engram_dp_size get_dcp_group get_dcp_world_size_and_rank get_pp_group get_dp_group
+get_ep_group get_eplb_group get_pcp_group graph_capture set_custom_all_reduce
+init_distributed_environment initialize_model_parallel ensure_model_parallel_initialized
+checkpoint_prepare_distributed_state checkpoint_restore_distributed_state
+model_parallel_is_initialized get_tensor_model_parallel_world_size
+get_tensor_model_parallel_rank get_pipeline_model_parallel_rank get_node_count
+destroy_model_parallel destroy_distributed_environment cleanup_dist_env_and_memory
+in_the_same_node_as is_global_first_rank is_local_first_rank""".split()
+
+
+def test_every_name_of_vllm_033s_group_api_is_in_tpcomm_or_says_why_not():
+    import tpcomm
+    from tpcomm import parallel_state
+
+    with open(os.path.join(ROOT, "docs", "vllm.md")) as f:
+        doc = f.read()
+    missing = doc[doc.index("**Not provided, and why:**"):]
+
+    def named(name, text):
+        return re.search(rf"`(GC\.)?{re.escape(name)}[`(]", text) is not None
+
+    not_provided = {name for name in VLLM_033_COORDINATOR + VLLM_033_FUNCTIONS
+                    if named(name, missing)}
+    gaps, undocumented, stale = [], [], []
+    for name in VLLM_033_COORDINATOR:
+        have = hasattr(tpcomm.GroupCoordinator, name)
+        if not have and name not in not_provided:
+            gaps.append(f"GroupCoordinator.{name}")
+        if have and name in not_provided:
+            stale.append(f"GroupCoordinator.{name}")
+    for name in VLLM_033_FUNCTIONS:
+        have = hasattr(parallel_state, name)
+        if not have and name not in not_provided:
+            gaps.append(f"parallel_state.{name}")
+        if have and name in not_provided:
+            stale.append(f"parallel_state.{name}")
+    for name in VLLM_033_COORDINATOR + VLLM_033_FUNCTIONS:
+        if not named(name, doc):
+            undocumented.append(name)
+    assert not gaps, f"neither in tpcomm nor listed as not provided in docs/vllm.md: {gaps}"
+    assert not stale, f"listed as not provided in docs/vllm.md but tpcomm has them: {stale}"
+    assert not undocumented, f"missing from docs/vllm.md's tables: {undocumented}"
