@@ -88,10 +88,9 @@ const std::vector<SettingInfo> kSettingTable = {
      "(smaller ones: the hosts' leaders alone). Set-up takes the smallest value of any rank."},
     {"TPCOMM_CPU_SHM_SPIN_US", "int", "-1",
      "How long a shared-memory CPU collective polls for its peers before it sleeps on a futex. "
-     "-1: 1000 us without yielding the core when the group's ranks do not outnumber the CPUs "
-     "they may run on together (the union of their affinity masks, capped by a cgroup quota: "
-     "ranks pinned to cores of their own count those cores; a late peer is met without a "
-     "wake-up), else "
+     "-1: 1000 us without yielding the core when each of the group's ranks on a host can have "
+     "a CPU of its own among those its affinity mask allows (capped by a cgroup quota: ranks "
+     "pinned to cores of their own do; a late peer is met without a wake-up), else "
      "50 us yielding the core each round."},
     {"TPCOMM_CPU_SHM_THREADS", "int", "0",
      "Threads per rank (its own included) that split the copies and reductions of large "

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 
 #include <mutex>
 
@@ -123,18 +124,50 @@ std::string affinityHex() {
   return hex;
 }
 
-// How many CPUs the union of these masks holds.
-int unionCount(const std::vector<std::string>& masks) {
-  int count = 0;
-  for (size_t d = 0; d < kMaskWidth; ++d) {
-    int digit = 0;
-    for (const auto& m : masks) {
-      const char c = d < m.size() ? m[d] : '0';
-      digit |= c >= 'a' ? c - 'a' + 10 : c - '0';
+// The CPUs of one mask.
+std::vector<int> cpusOf(const std::string& mask) {
+  std::vector<int> cpus;
+  for (size_t d = 0; d < kMaskWidth && d < mask.size(); ++d) {
+    const char c = mask[d];
+    const int digit = c >= 'a' ? c - 'a' + 10 : (c >= '0' && c <= '9' ? c - '0' : 0);
+    for (int b = 0; b < 4; ++b) {
+      if (digit & (1 << b)) cpus.push_back(static_cast<int>(d) * 4 + b);
     }
-    count += __builtin_popcount(static_cast<unsigned>(digit));
   }
-  return count;
+  return cpus;
+}
+
+}  // namespace
+
+int ranksWithOwnCpu(const std::vector<std::vector<int>>& allowed) {
+  std::vector<int> holder(CPU_SETSIZE, -1);  // CPU -> the rank it is given to
+  std::vector<char> seen;
+  // Kuhn's augmenting paths: at most ranks x (ranks x CPUs) steps.
+  std::function<bool(int)> place = [&](int rank) {
+    for (int cpu : allowed[rank]) {
+      if (cpu < 0 || cpu >= CPU_SETSIZE || seen[cpu]) continue;
+      seen[cpu] = 1;
+      if (holder[cpu] < 0 || place(holder[cpu])) {
+        holder[cpu] = rank;
+        return true;
+      }
+    }
+    return false;
+  };
+  int placed = 0;
+  for (size_t r = 0; r < allowed.size(); ++r) {
+    seen.assign(CPU_SETSIZE, 0);
+    placed += place(static_cast<int>(r)) ? 1 : 0;
+  }
+  return placed;
+}
+
+namespace {
+
+int ranksWithOwnCpuOfMasks(const std::vector<std::string>& masks) {
+  std::vector<std::vector<int>> allowed;
+  for (const auto& m : masks) allowed.push_back(cpusOf(m));
+  return ranksWithOwnCpu(allowed);
 }
 
 }  // namespace
@@ -244,12 +277,14 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   options.size = size;
   options.bufferBytes = static_cast<uint64_t>(buffers[0] != 0 ? buffers[0] : autoBuffer);
   options.twoPhaseMinBytes = static_cast<uint64_t>(config.twoPhaseBytes);
-  // The CPUs the group's ranks may run on together: ranks pinned each to
-  // cores of their own (as vLLM's CPU workers are) do not compete with one
-  // another, though each process alone may use fewer CPUs than there are
-  // ranks. A group across namespaced hosts of one machine (machineRanks)
-  // sees only its own masks: its processes' alone count there.
-  int groupCpus = config.machineRanks > size ? usableCpus() : unionCount(masks);
+  // Whether the group's ranks compete for CPUs, from all their affinity
+  // masks: ranks pinned each to cores of their own (as vLLM's CPU workers
+  // are) do not, though each process alone may use fewer CPUs than there
+  // are ranks. `cpus` counts the ranks that can each have a CPU of their
+  // own, so the ranks outnumber it exactly when some must share. A group
+  // across namespaced hosts of one machine (machineRanks) sees only its own
+  // masks: its processes' alone count there.
+  int groupCpus = config.machineRanks > size ? usableCpus() : ranksWithOwnCpuOfMasks(masks);
   if (const int quota = quotaCpus(); quota > 0) groupCpus = std::min(groupCpus, quota);
   result.cpus = std::max(1, groupCpus);
   const SpinPolicy policy = spinPolicy(config.spinUs, sharing, result.cpus);

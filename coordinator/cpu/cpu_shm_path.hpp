@@ -64,8 +64,9 @@ struct CpuShmSetup {
   std::vector<std::string> hosts;
   std::string requiredBy;
   mq::ReduceIsa reduceIsa = mq::ReduceIsa::kPortable;  // the level every rank runs
-  // The CPUs the ranks may run on together (the union of their affinity
-  // masks on this host, capped by a cgroup quota): spinPolicy's `cpus`.
+  // How many of the ranks can each have a CPU of their own among those
+  // their affinity masks allow (capped by a cgroup quota): spinPolicy's
+  // `cpus`; the ranks outnumber it when some must share a CPU.
   int cpus = 0;
 };
 
@@ -95,6 +96,12 @@ struct SpinPolicy {
   bool yield;
 };
 SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus = 0);
+
+// How many ranks can each have a CPU of their own, rank r among the CPUs
+// `allowed[r]` (a maximum matching of ranks to CPUs): all of them when each
+// is pinned to cores of its own, or none is pinned and the CPUs are enough;
+// fewer when masks overlap ({0}, {0}, {1, 2} give 2).
+int ranksWithOwnCpu(const std::vector<std::vector<int>>& allowed);
 
 // Threads per rank for a group of `size` ranks on this host: `setting` when
 // positive, else usableCpus() divided among the ranks, 1 to 8.

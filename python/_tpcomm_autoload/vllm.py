@@ -135,10 +135,17 @@ def _patch(chosen, log, version):
             # calls it with the group's Gloo CPU group and no other option).
             if kw:
                 return original_queue(pg, max_chunk_bytes, max_chunks, writer_rank, **kw)
+            from tpcomm.coordinator import default_group_timeout
             from tpcomm.message_queue import MessageQueue
 
+            # vLLM's queue waits as long as it takes; tpcomm's waits have a
+            # bound: the job's group timeout (init_process_group's), else 30
+            # minutes, so that an idle server's readers do not give up.
+            timeout = default_group_timeout()
+            seconds = timeout.total_seconds() if timeout is not None else 1800.0
             return MessageQueue.create_from_process_group(pg, max_chunk_bytes, max_chunks,
-                                                          writer_rank=writer_rank)
+                                                          writer_rank=writer_rank,
+                                                          timeout=seconds)
 
         queue.create_from_process_group = staticmethod(create_from_process_group)
         if not hasattr(parallel_state, "GroupCoordinator"):

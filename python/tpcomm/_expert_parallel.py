@@ -113,7 +113,8 @@ def combine_tokens(coordinator, plan, hidden_states):
 
 @dataclass
 class GatherPlan:
-    sizes: list  # tokens per rank
+    sizes: list  # tokens per rank of `group`
+    group: object = None  # the coordinator gathered over; None: nothing moved
 
 
 def _check_rows(name, tensors, tokens):
@@ -128,18 +129,42 @@ def gather_tokens(coordinator, name, tensors):
     exchanged once: (plan, gathered tensors)."""
     tokens = tensors[0].shape[0] if tensors[0].dim() else -1
     _check_rows(name, tensors, tokens)
+    if coordinator.world_size == 1:
+        return GatherPlan([tokens]), list(tensors)
     sizes = coordinator._sizes(tokens, None, name)
-    return GatherPlan(sizes), coordinator.all_gatherv(list(tensors), dim=0, sizes=sizes)
+    return (GatherPlan(sizes, coordinator),
+            coordinator.all_gatherv(list(tensors), dim=0, sizes=sizes))
 
 
-def scatter_tokens(coordinator, plan, hidden_states):
+def scatter_tokens(plan, hidden_states):
     rows = sum(plan.sizes)
     if hidden_states.dim() == 0 or hidden_states.shape[0] != rows:
         raise ValueError(f"combine: expected {rows} rows (every rank's tokens, as dispatch "
                          f"gathered them), got shape {tuple(hidden_states.shape)}")
-    return coordinator.reduce_scatterv(hidden_states, dim=0, sizes=plan.sizes)
+    if plan.group is None:
+        return hidden_states
+    return plan.group.reduce_scatterv(hidden_states, dim=0, sizes=plan.sizes)
 
 
-def own_tokens(plan, rank_in_group):
+def own_tokens(plan):
     """How many rows combine returns on this rank."""
-    return plan.sizes[rank_in_group] if isinstance(plan, GatherPlan) else plan.tokens
+    if isinstance(plan, GatherPlan):
+        return plan.sizes[plan.group.rank_in_group if plan.group is not None else 0]
+    return plan.tokens
+
+
+def moe_group(coordinator, is_sequence_parallel):
+    """The group vLLM 0.33's all-gather dispatch runs over when called on
+    `coordinator`: itself, unless it is the expert-parallel group that
+    initialize_model_parallel made and the tokens are not sequence
+    parallel: then the data-parallel group (tensor-parallel peers hold the
+    same tokens and reduce their results themselves), or, with one
+    data-parallel replica, the prefill-context group; with several
+    replicas and prefill context parallelism, itself again."""
+    from tpcomm import parallel_state as ps
+
+    if is_sequence_parallel or coordinator is not ps._EP:
+        return coordinator
+    if ps._DP is not None and ps._DP.world_size > 1:
+        return coordinator if ps._PCP is not None and ps._PCP.world_size > 1 else ps._DP
+    return ps._PCP if ps._PCP is not None else coordinator

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tpcomm import _C, _graphs, _mq_pickle, _ops, _tensor_dict
 from tpcomm._expert_parallel import (GatherPlan, combine_tokens, dispatch_tokens,
-                                     gather_tokens, own_tokens, scatter_tokens)
+                                     gather_tokens, moe_group, own_tokens, scatter_tokens)
 from tpcomm._registration import BACKEND_NAME
 from tpcomm._tensor_dict import TensorMetadata  # noqa: F401  (re-exported)
 from tpcomm.message_queue import MessageQueue
@@ -487,9 +487,25 @@ class GroupCoordinator:
         self._pending_isends.append(handles)
         return handles
 
+    # The isends kept for callers that dropped their handles: beyond this
+    # many, the oldest is waited for (the sender slows to its receiver).
+    MAX_PENDING_ISENDS = 64
+
     def _reap_isends(self):
-        while self._pending_isends and all(h.is_completed() for h in self._pending_isends[0]):
-            for h in self._pending_isends.popleft():
+        """Drops kept isends that completed, oldest first. Completion is read
+        from the tensors' handles: a Gloo send reports completion only once
+        waited for, and the receiver takes the metadata before the tensors,
+        so once the tensors went the metadata's wait() returns at once. An
+        entry without tensors has only its metadata to ask; past
+        MAX_PENDING_ISENDS entries the oldest is waited for."""
+        pending = self._pending_isends
+        while pending:
+            handles = pending[0]
+            judged = handles[1:] or handles
+            if not all(h.is_completed() for h in judged):
+                if len(pending) <= self.MAX_PENDING_ISENDS:
+                    break
+            for h in pending.popleft():
                 h.wait()
 
     def irecv_tensor_dict(self, src=None, all_gather_group=None, all_gather_tensors=None):
@@ -539,7 +555,12 @@ class GroupCoordinator:
         extra_tensors=None), vLLM 0.33's: every rank receives every rank's
         tokens (an all-gather along dim 0, by source rank then token order),
         returns (hidden_states, topk_weights, topk_ids[, extra_tensors]) of
-        them, and runs its own experts on all of them.
+        them, and runs its own experts on all of them. On the
+        expert-parallel group of initialize_model_parallel without
+        `is_sequence_parallel`, as in vLLM, the tokens are gathered over the
+        data-parallel group only (the prefill-context group with one
+        replica): tensor-parallel peers hold the same tokens and all-reduce
+        their results after combine.
 
         dispatch(hidden_states, router_logits, is_sequence_parallel=False,
         extra_tensors=None, top_k=None), the earlier form: an all-to-all. The
@@ -550,8 +571,8 @@ class GroupCoordinator:
         received tokens, by source rank then token order.
 
         combine() then sends each rank's results back and sums them per
-        token. `is_sequence_parallel` changes nothing: token counts are
-        always exchanged."""
+        token. In the earlier form `is_sequence_parallel` changes nothing;
+        token counts are always exchanged."""
         topk = "topk_ids" in kwargs or (len(args) >= 2 and isinstance(args[1], torch.Tensor))
         if topk:
             return self._dispatch_topk(hidden_states, *args, **kwargs)
@@ -560,24 +581,26 @@ class GroupCoordinator:
     def _dispatch_topk(self, hidden_states, topk_weights, topk_ids, is_sequence_parallel=False,
                        extra_tensors=None):
         tensors = [hidden_states, topk_weights, topk_ids] + list(extra_tensors or [])
-        received = self._gather_dispatch("dispatch", tensors)
+        received = self._gather_dispatch("dispatch", tensors, is_sequence_parallel)
         head = tuple(received[:3])
         return head + (list(received[3:]),) if extra_tensors is not None else head
 
     def dispatch_router_logits(self, hidden_states, router_logits, is_sequence_parallel=False,
                                extra_tensors=None):
         """vLLM 0.33's dispatch of router logits: every rank receives every
-        rank's tokens (as dispatch's topk form); returns (hidden_states,
-        router_logits[, extra_tensors]). combine() pairs with it."""
+        rank's tokens (as dispatch's topk form, over the same group); returns
+        (hidden_states, router_logits[, extra_tensors]). combine() pairs with
+        it."""
         tensors = [hidden_states, router_logits] + list(extra_tensors or [])
-        received = self._gather_dispatch("dispatch_router_logits", tensors)
+        received = self._gather_dispatch("dispatch_router_logits", tensors,
+                                         is_sequence_parallel)
         head = tuple(received[:2])
         return head + (list(received[2:]),) if extra_tensors is not None else head
 
-    def _gather_dispatch(self, name, tensors):
+    def _gather_dispatch(self, name, tensors, is_sequence_parallel):
         if self.world_size == 1:
             return tensors
-        plan, received = gather_tokens(self, name, tensors)
+        plan, received = gather_tokens(moe_group(self, is_sequence_parallel), name, tensors)
         self._ep_plans.append(plan)
         return received
 
@@ -602,7 +625,7 @@ class GroupCoordinator:
             raise RuntimeError(f"combine on group {self.unique_name} without a dispatch")
         plan = self._ep_plans[0]
         if isinstance(plan, GatherPlan):
-            out = scatter_tokens(self, plan, hidden_states)  # checks before sending
+            out = scatter_tokens(plan, hidden_states)  # checks before sending
         else:
             out = combine_tokens(self, plan, hidden_states)
         self._ep_plans.popleft()
@@ -622,7 +645,7 @@ class GroupCoordinator:
             raise RuntimeError(f"combine_into_output on group {self.unique_name} without a "
                                "dispatch")
         else:
-            rows = own_tokens(self._ep_plans[0], self.rank_in_group)
+            rows = own_tokens(self._ep_plans[0])
             want = (rows,) + tuple(hidden_states.shape[1:])
         if tuple(output.shape) != want:
             raise ValueError(f"combine_into_output: output has shape {tuple(output.shape)}, "

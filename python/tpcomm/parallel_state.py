@@ -7,8 +7,9 @@
 
 The world's ranks are arranged as vLLM 0.33 arranges them, [outer, data,
 pipeline, prefill context, tensor] (tensor fastest): a tensor-parallel group
-is `tp` consecutive ranks; a decode-context-parallel group `dcp` consecutive
-ranks inside one (it splits the tensor-parallel group); a
+is `tp` consecutive ranks; a decode-context-parallel group `dcp` ranks of the
+prefill-context x tensor block, prefill context first (with pcp 1: `dcp`
+consecutive ranks, splitting a tensor-parallel group); a
 prefill-context-parallel, pipeline or data-parallel group takes one rank per
 index of its dimension with the others fixed; the expert-parallel group spans
 data x prefill context x tensor. The tensor-parallel group has a
@@ -102,10 +103,10 @@ def _layout(world_size, tp, pp, dp, pcp=1, dcp=1):
     if world_size % (tp * pp * dp * pcp):
         raise ValueError(f"world size {world_size} is not a multiple of tensor ({tp}) x pipeline "
                          f"({pp}) x data ({dp}) x prefill context ({pcp}) parallel sizes")
-    if tp % dcp:
+    if (tp * pcp) % dcp:
         raise ValueError(f"decode_context_model_parallel_size {dcp} does not divide "
-                         f"tensor_model_parallel_size {tp} (a decode-context group splits a "
-                         "tensor-parallel group)")
+                         f"tensor ({tp}) x prefill context ({pcp}) parallel sizes (a "
+                         "decode-context group splits that block)")
     return torch.arange(world_size).reshape(-1, dp, pp, pcp, tp)
 
 
@@ -118,19 +119,21 @@ def model_parallel_layout(world_size, tensor_model_parallel_size=1,
     tp, pp, dp = (tensor_model_parallel_size, pipeline_model_parallel_size, data_parallel_size)
     pcp, dcp = prefill_context_model_parallel_size, decode_context_model_parallel_size or 1
     ranks = _layout(world_size, tp, pp, dp, pcp, dcp)
-    inner = world_size // dp
+    inner = tp * pp * pcp  # one data-parallel replica's ranks
 
     def groups(t, size):
         return [g.tolist() for g in t.reshape(-1, size).unbind(0)]
 
     return {
         "tp": groups(ranks, tp),
-        "dcp": groups(ranks, dcp),
+        # Spans prefill context first, then tensor (vLLM 0.33).
+        "dcp": groups(ranks.transpose(-1, -2) if dcp > 1 else ranks, dcp),
         "pcp": groups(ranks.transpose(3, 4), pcp),
         "pp": groups(ranks.transpose(2, 4), pp),
         "dp": groups(ranks.transpose(1, 4), dp),
         "ep": groups(ranks.transpose(1, 2), dp * pcp * tp),
-        "inner_dp_world": [list(range(d * inner, (d + 1) * inner)) for d in range(dp)],
+        "inner_dp_world": [list(range(d * inner, (d + 1) * inner))
+                           for d in range(world_size // inner)],
     }
 
 
@@ -165,7 +168,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
                                          device=device)
 
     _TP = make("tp", mq=True)
-    _DCP = make("dcp")
+    _DCP = make("dcp", mq=True)
     _PCP = make("pcp")
     _PP = make("pp")
     _DP = make("dp")
@@ -307,18 +310,16 @@ def destroy_distributed_environment():
 
 def cleanup_dist_env_and_memory(shutdown_ray=False):
     """Destroys the groups (destroy_distributed_environment), then the
-    default process group if this process made one, and collects garbage and
-    the CUDA cache. Ray is shut down when asked and present."""
+    default process group (whoever made it, as vLLM's does), and collects
+    garbage and the CUDA cache. With `shutdown_ray`, Ray is shut down (an
+    ImportError without Ray)."""
     destroy_distributed_environment()
     if dist.is_initialized():
         dist.destroy_process_group()
     if shutdown_ray:
-        try:
-            import ray
-        except ImportError:
-            pass
-        else:
-            ray.shutdown()
+        import ray
+
+        ray.shutdown()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

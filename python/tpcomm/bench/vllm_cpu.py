@@ -134,11 +134,12 @@ def _run(way, tp, model, args, log):
     elif way == "tpcomm":
         env["TPCOMM_VLLM"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    cores = os.cpu_count() or 1
+    cores = sorted(os.sched_getaffinity(0))  # the CPUs this process may use
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        per = max(cores // tp, 1)
+        per = max(len(cores) // tp, 1)
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            f"{r * per}" if per == 1 else f"{r * per}-{r * per + per - 1}" for r in range(tp))
+            ",".join(str(c) for c in cores[r * per:(r + 1) * per] or cores[-1:])
+            for r in range(tp))
     profile = tempfile.mkdtemp(prefix="tpcomm-vllm-profile-")
     env["TPCOMM_VLLM_PROFILE"] = profile
     # Run by path, not as tpcomm.bench.vllm_cpu: vLLM's own and Gloo's runs

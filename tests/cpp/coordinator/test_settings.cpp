@@ -123,6 +123,15 @@ TEST(Settings, CpuSharedMemoryWaitingPolicy) {
   EXPECT_EQ(coord::spinPolicy(-1, 2, 2).spin.count(), 1000);
   EXPECT_TRUE(coord::spinPolicy(-1, 3, 2).yield);
   EXPECT_EQ(coord::spinPolicy(-1, 3, 2).spin.count(), 50);
+  // The group's CPUs: how many ranks can each have one of their own.
+  EXPECT_EQ(coord::ranksWithOwnCpu({{0}, {1}}), 2);        // pinned apart
+  EXPECT_EQ(coord::ranksWithOwnCpu({{0, 1}, {0, 1}}), 2);  // unpinned, enough CPUs
+  EXPECT_EQ(coord::ranksWithOwnCpu({{0}, {0}}), 1);        // one core for both
+  // Three CPUs in the union, but ranks 0 and 1 share core 0.
+  EXPECT_EQ(coord::ranksWithOwnCpu({{0}, {0}, {1, 2}}), 2);
+  // An augmenting path: rank 0 first takes CPU 0, then gives it up for 1.
+  EXPECT_EQ(coord::ranksWithOwnCpu({{0, 1}, {0}}), 2);
+  EXPECT_EQ(coord::ranksWithOwnCpu({{0, 1}, {0, 1}, {0, 1}}), 2);
 }
 
 TEST(Settings, MessageQueueSpin) {

@@ -61,7 +61,13 @@ def _async_pipeline(ctx):
     for k in range(5):
         assert torch.equal(c.recv_tensor_dict(src=prv)["k"], torch.full((64,), float(k + prv)))
     c.barrier()
-    assert len(c._pending_isends) <= 5
+    # Every kept send was received: waiting for each returns, and reaping
+    # then drops them all.
+    for handles in list(c._pending_isends):
+        for w in handles:
+            w.wait()
+    c._reap_isends()
+    assert len(c._pending_isends) == 0
     with pytest.raises(ValueError, match="is this rank itself"):
         c.isend_object(1, dst=c.rank_in_group)
 
@@ -100,6 +106,37 @@ def _sliced_async(ctx):
 
 def test_async_pipeline_sends_with_all_gather_group(groups):
     groups(4).run(_sliced_async)
+
+
+def _dropped_isends_on_gloo(ctx):
+    import tpcomm
+
+    c = tpcomm.GroupCoordinator([[0, 1]], ctx.rank, torch_distributed_backend="gloo",
+                                group_name="gloo_isends", device="cpu")
+    count, cap = 80, c.MAX_PENDING_ISENDS
+    most = 0
+    try:
+        if ctx.rank == 0:
+            for k in range(count):
+                c.isend_tensor_dict({"k": torch.full((16,), float(k)), "n": k}, dst=1)
+                most = max(most, len(c._pending_isends))
+        else:
+            for k in range(count):
+                got = c.recv_tensor_dict(src=0)
+                assert got["n"] == k and torch.equal(got["k"], torch.full((16,), float(k)))
+        c.barrier()
+    finally:
+        c.destroy()
+    return most
+
+
+def test_dropped_isends_stay_bounded_on_a_gloo_group(groups):
+    # A Gloo send reports completion only once waited for: the kept sends
+    # are waited for beyond the bound instead of piling up.
+    most = groups(2).run(_dropped_isends_on_gloo)
+    from tpcomm import GroupCoordinator
+
+    assert 0 < most[0] <= GroupCoordinator.MAX_PENDING_ISENDS + 1
 
 
 # ----------------------------------------------------------------- reductions
@@ -211,6 +248,40 @@ def test_dispatch_topk_and_router_logits_against_single_process_moe(group, form,
     group.run(_dispatch_topk, form, dtype)
 
 
+def _ep_group_choice(ctx, dp):
+    """On the expert-parallel group of initialize_model_parallel, vLLM's
+    dispatch gathers over the data-parallel group unless the tokens are
+    sequence parallel (then over the whole expert-parallel group)."""
+    import tpcomm
+
+    n, r = ctx.world_size, ctx.rank
+    tpcomm.initialize_model_parallel(n // dp, 1, data_parallel_size=dp, device="cpu")
+    try:
+        ep = tpcomm.get_ep_group()
+        tokens = 2 + r
+        hidden = _data(11, r, (tokens, 4))
+        ids = torch.zeros(tokens, 1, dtype=torch.int64)
+        w = torch.ones(tokens, 1)
+        rows = {}
+        for sp in (False, True):
+            got_h, _, _ = ep.dispatch(hidden, w, ids, is_sequence_parallel=sp)
+            rows[sp] = got_h.shape[0]
+            # Each rank hands back what it received: combine sums the copies.
+            out = ep.combine(got_h, is_sequence_parallel=sp)
+            copies = (n if sp else dp)
+            assert torch.allclose(out, hidden * copies, atol=1e-6), (sp, out, hidden)
+        dp_group = tpcomm.get_dp_group().ranks
+        assert rows[False] == sum(2 + k for k in dp_group)
+        assert rows[True] == sum(2 + k for k in range(n))
+    finally:
+        tpcomm.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("world_size,dp", [(2, 1), (4, 2)], ids=["tp2", "tp2xdp2"])
+def test_dispatch_on_the_expert_parallel_group_gathers_as_vllm(groups, world_size, dp):
+    groups(world_size).run(_ep_group_choice, dp)
+
+
 # ----------------------------------------------------------------- parallel_state
 def test_layout_with_context_parallel_matches_vllm():
     import tpcomm
@@ -230,6 +301,19 @@ def test_layout_with_context_parallel_matches_vllm():
     assert got["dcp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert got["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert got["inner_dp_world"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # With prefill context parallelism a decode-context group spans it first.
+    got = tpcomm.model_parallel_layout(8, tensor_model_parallel_size=2,
+                                       pipeline_model_parallel_size=2,
+                                       prefill_context_model_parallel_size=2,
+                                       decode_context_model_parallel_size=2)
+    assert got["dcp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    got = tpcomm.model_parallel_layout(8, tensor_model_parallel_size=2,
+                                       prefill_context_model_parallel_size=2,
+                                       decode_context_model_parallel_size=4)
+    assert got["dcp"] == [[0, 2, 1, 3], [4, 6, 5, 7]]
+    # One replica's ranks per inner DP world, also with an outer dimension.
+    got = tpcomm.model_parallel_layout(8, tensor_model_parallel_size=2, data_parallel_size=2)
+    assert got["inner_dp_world"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     with pytest.raises(ValueError, match="decode_context_model_parallel_size 3 does not divide"):
         tpcomm.model_parallel_layout(8, tensor_model_parallel_size=4,
                                      decode_context_model_parallel_size=3)

@@ -14,6 +14,7 @@ import os
 import platform
 import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -37,9 +38,11 @@ def _register(env_value, monkeypatch):
 
 @pytest.mark.parametrize("value", [None, "", "0", "off"])
 def test_the_plugin_does_nothing_unless_asked(value, monkeypatch):
+    from _tpcomm_autoload import vllm as plugin
+
     before = set(sys.modules)
-    assert _register(value, monkeypatch) is None
-    # Nothing of vLLM was loaded by it (nor could be: vLLM is absent here).
+    _register(value, monkeypatch)  # vLLM is absent here: any use of it would raise
+    assert plugin._state["mode"] is None
     assert not any(m == "vllm" or m.startswith("vllm.") for m in set(sys.modules) - before)
 
 
@@ -59,9 +62,15 @@ def _why_not():
     if platform.system() != "Linux" or platform.machine() != "x86_64":
         return f"the pinned vllm-cpu environment is for Linux x86_64, not " \
                f"{platform.system()} {platform.machine()}"
+    if os.path.isdir(os.path.join(ROOT, ".venv-vllm-cpu")):
+        return None
     free = shutil.disk_usage(ROOT).free
-    if free < 16 << 30 and not os.path.isdir(os.path.join(ROOT, ".venv-vllm-cpu")):
+    if free < 16 << 30:
         return f"vLLM's CPU environment needs about 7 GB and the build; {free >> 30} GB free"
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+    except OSError as e:
+        return f"vLLM's CPU environment is installed from PyPI, which is not reachable ({e})"
     return None
 
 
