@@ -78,17 +78,24 @@ def _sliced(key, tensor, all_gather_group, all_gather_tensors):
     return bool((all_gather_tensors or {}).get(key, default))
 
 
-def send(c, tensor_dict, peer, all_gather_group, all_gather_tensors):
-    """send_tensor_dict to global rank `peer`: with `all_gather_group`, only
-    this rank's 1/TP slice of each sliced tensor."""
-    metadata, _ = split(tensor_dict)
-    c.send_object(metadata, dst=c.ranks.index(peer))
+def _outgoing(tensor_dict, all_gather_group, all_gather_tensors):
+    """The tensors a send puts on the wire after the metadata, in order:
+    each non-empty tensor, or this rank's 1/TP slice of a sliced one."""
     for key, value in tensor_dict.items():
         if not isinstance(value, torch.Tensor) or value.numel() == 0:
             continue
         t = value.contiguous()
         if _sliced(key, t, all_gather_group, all_gather_tensors):
             t = t.reshape(all_gather_group.world_size, -1)[all_gather_group.rank_in_group]
+        yield t
+
+
+def send(c, tensor_dict, peer, all_gather_group, all_gather_tensors):
+    """send_tensor_dict to global rank `peer`: with `all_gather_group`, only
+    this rank's 1/TP slice of each sliced tensor."""
+    metadata, _ = split(tensor_dict)
+    c.send_object(metadata, dst=c.ranks.index(peer))
+    for t in _outgoing(tensor_dict, all_gather_group, all_gather_tensors):
         dist.send(t, dst=peer, group=_group_for(c, t))
 
 
@@ -151,12 +158,7 @@ def isend(c, tensor_dict, peer, all_gather_group, all_gather_tensors):
     """send() posted: [the metadata's handle, one handle per tensor sent]."""
     metadata, _ = split(tensor_dict)
     handles = [isend_object(c, metadata, peer)]
-    for key, value in tensor_dict.items():
-        if not isinstance(value, torch.Tensor) or value.numel() == 0:
-            continue
-        t = value.contiguous()
-        if _sliced(key, t, all_gather_group, all_gather_tensors):
-            t = t.reshape(all_gather_group.world_size, -1)[all_gather_group.rank_in_group]
+    for t in _outgoing(tensor_dict, all_gather_group, all_gather_tensors):
         if t.is_cuda:
             t.record_stream(torch.cuda.current_stream(t.device))
         handles.append(Handle([dist.isend(t, dst=peer, group=_group_for(c, t))], (t,)))
