@@ -198,14 +198,10 @@ def _profile(communicator, name):
             _profile_totals["calls"] += 1
 
     communicator.all_reduce = all_reduce
-    if _state_mode() == "tpcomm" and communicator.device_group is not None \
+    if mode() == "tpcomm" and communicator.device_group is not None \
             and name.startswith("tp") and communicator.world_size > 1:
         _profile_groups.append(communicator.device_group)
     _profile_steps()
-
-
-def _state_mode():
-    return mode()
 
 
 def _profile_steps():
