@@ -11,8 +11,12 @@
 //
 //   +-------------------------------+ 0
 //   | Signal: flag slots written by |  flags[block][phase][peer], one 128-byte
-//   | peers, this rank's epochs     |  slot each; epoch[block]
-//   +-------------------------------+ stagingOffset
+//   | peers, this rank's epochs     |  slot each; epoch[block]; pushed[k]
+//   +-------------------------------+ pushOffset
+//   | push buffers: push[k][source] |  kPushDepth x kMaxRanks slots of
+//   | written by the peers (values  |  pushSlotBytes (push one-shot only;
+//   | that carry their own arrival) |  zero = empty, reset with the Signal)
+//   +-------------------------------+ signalBytes = stagingOffset
 //   | staging of even calls: this   |  maxBytes (copied in by the kernel)
 //   | rank's input                  |
 //   +-------------------------------+ stagingOffset + stagingBytes
@@ -24,6 +28,11 @@
 //
 // Algorithms (sum, float32 accumulation, ranks added in order 0..N-1 so that
 // every rank gets the same bits):
+//   push      every rank writes its input straight into a slot of every
+//             peer's push buffer, its values carrying their own arrival (no
+//             flag, no barrier: push_kernels.cuh), then sums its own slots.
+//             A zero of either sign is read as +0 (so an element that is -0 on
+//             every rank sums to +0, where IEEE addition gives -0)
 //   one-shot  every rank copies its input to its staging, then reads all N
 //             stagings and writes the sum (reads N x bytes per rank)
 //   two-shot  rank r sums part r of all stagings into its result region,
@@ -49,6 +58,9 @@ inline constexpr int kMaxRanks = 8;
 inline constexpr int kMaxBlocks = 64;
 inline constexpr int kThreads = 512;
 inline constexpr size_t kPackBytes = 16;  // one vector load
+// The largest call the push one-shot takes (a push slot's size; less when
+// the group's maximum is smaller).
+inline constexpr size_t kPushMaxBytes = 256 << 10;
 
 // CUDA runtime version the kernels were compiled against (e.g. 13000).
 int compiledCudaVersion();
@@ -64,11 +76,16 @@ enum class DType { kFloat32, kFloat16, kBFloat16 };
 const char* dtypeName(DType dtype);
 size_t dtypeSize(DType dtype);
 
-enum class Algorithm { kOneShot, kTwoShot };
+enum class Algorithm { kOneShot, kTwoShot, kPush };
 const char* algorithmName(Algorithm algorithm);
 
 struct BufferLayout {
+  // The area a reset zeroes: the Signal, then the push buffers.
   size_t signalBytes = 0;
+  size_t pushOffset = 0;     // push[k][source] at pushOffset + (k x kMaxRanks + source) x slot
+  size_t pushSlotBytes = 0;  // min(maxBytes, kPushMaxBytes), aligned
+  // Bytes a push call may carry (the slot, less its alignment padding).
+  size_t pushMaxBytes() const { return pushSlotBytes; }
   size_t stagingOffset = 0;  // staging of even calls
   size_t stagingBytes = 0;   // odd calls' staging is at stagingOffset + stagingBytes
   size_t resultOffset = 0;
@@ -83,7 +100,14 @@ struct BufferLayout {
 // so it stops paying off earlier at larger N); above it, two-shot up to the
 // maximum.
 size_t oneShotLimit(int worldSize, size_t maxBytes);
-Algorithm chooseAlgorithm(int worldSize, size_t bytes, size_t maxBytes);
+// Largest push one-shot (values carry their arrival, no barrier) by world
+// size, at most the push slot of a group of this maximum; below it a
+// one-shot call is a push (pushApplies), unless TPCOMM_CAR_PUSH_MAX_BYTES
+// says otherwise (`setting` >= 0: that limit; 0: never).
+size_t pushLimit(int worldSize, size_t maxBytes, int64_t setting = -1);
+bool pushApplies(int worldSize, size_t bytes, size_t maxBytes, int64_t setting = -1);
+// By size: push up to pushLimit, one-shot up to oneShotLimit, else two-shot.
+Algorithm chooseAlgorithm(int worldSize, size_t bytes, size_t maxBytes, int64_t pushSetting = -1);
 // Thread blocks for a call: `override` when positive (1..kMaxBlocks), else
 // enough blocks of kThreads threads for the packs one block handles, at most
 // `cap` (kMaxBlocks; kSharedGpuBlocks when ranks share a GPU).
@@ -274,6 +298,12 @@ class CustomAllreduce {
   // Whether two ranks of the group share a GPU (decided by the set-up): the
   // blocks chosen by size are then at most kSharedGpuBlocks.
   void setSharedGpu(bool shared) { sharedGpu_.store(shared); }
+  // Programmatic dependent launch (TPCOMM_CAR_PDL, decided by configureFor;
+  // used only where the GPU has it, sm_90+): calls enqueued afterwards use
+  // the new value. With ranks sharing a GPU, the blocks chosen by size are
+  // then at most half of kSharedGpuBlocks.
+  void setPdl(bool pdl) { pdl_.store(pdl); }
+  bool pdl() const { return pdl_.load(); }
   bool deviceScope() const { return deviceScope_.load(); }
   // Whether captured launches carry external event nodes (makeEventLaunchOrder;
   // TPCOMM_CAR_GRAPH_ORDER): true, a replay may run beside this rank's eager
@@ -284,8 +314,9 @@ class CustomAllreduce {
   bool captureEvents() const { return captureEvents_.load(); }
   // The set-up's choices from every rank's GPU (`devices`, one index per
   // rank, the same on every rank) and this process's settings: the flag
-  // scope (TPCOMM_CAR_FLAG_SCOPE), the block cap for a shared GPU, and the
-  // graph order (TPCOMM_CAR_GRAPH_ORDER).
+  // scope (TPCOMM_CAR_FLAG_SCOPE), the block cap for a shared GPU, the
+  // graph order (TPCOMM_CAR_GRAPH_ORDER) and dependent launches
+  // (TPCOMM_CAR_PDL).
   void configureFor(const std::vector<int>& devices);
 
   // Enqueues out = scale x sum over ranks of in (count elements) on
@@ -355,8 +386,9 @@ class CustomAllreduce {
   //      throw rather than return early (waitForLaunches() does);
   //   2. barrier(): so no rank of the group has a kernel in flight, and no
   //      late flag write of a failed call can land after step 3;
-  //   3. zeroSignals(own buffer): flags, poison and epochs, then the error
-  //      word is cleared;
+  //   3. zeroSignals(own buffer): its signal area (BufferLayout::signalBytes:
+  //      flags, poison, epochs, rounds and the push buffers), then the
+  //      error word is cleared;
   //   4. barrier(): no rank launches (and writes flags into a peer) before
   //      every rank has zeroed.
   // Epochs restart at 1 on every rank alike. Two resets of one rank do not
@@ -377,6 +409,7 @@ class CustomAllreduce {
   std::atomic<bool> deviceScope_{false};
   std::atomic<bool> sharedGpu_{false};
   std::atomic<bool> captureEvents_{false};
+  std::atomic<bool> pdl_{false};
   uint32_t* errorHost_;
   uint32_t* errorDevice_;
   std::mutex launchMutex_;
@@ -384,6 +417,10 @@ class CustomAllreduce {
   std::atomic<LaunchOrder*> queryableOrder_{nullptr};  // order_ once made (launchesPending)
   std::mutex resetMutex_;
 
+  // The algorithm of a call: options.algorithm when given (a push must fit
+  // the push buffer: `pushBytes`, whole packs), else by size (a push when
+  // pushApplies, under TPCOMM_CAR_PUSH_MAX_BYTES).
+  Algorithm pickAlgorithm(size_t pushBytes, size_t bytes, const CallOptions& options) const;
   // The checks every call makes (eligibility, an earlier failure).
   void checkCall(const void* in, const void* out, size_t bytes, DType dtype,
                  const CallOptions& options) const;
@@ -391,9 +428,10 @@ class CustomAllreduce {
   void launch(LaunchParams& p, cudaStream_t stream, size_t bytes, const CallOptions& options);
 };
 
-// Zeroes the signal area of a buffer (flags, poison and epochs), ordered on
-// `stream`; with a null stream, done when this returns.
-void resetSignals(void* buffer, cudaStream_t stream);
+// Zeroes the signal area of a buffer laid out by `layout` (flags, poison,
+// epochs, rounds and the push buffers), ordered on `stream`; with a null
+// stream, done when this returns.
+void resetSignals(void* buffer, const BufferLayout& layout, cudaStream_t stream);
 
 // Zeroes device memory and waits, on a stream of its own that no capture
 // involves: safe while another stream of the device is being captured.

@@ -8,6 +8,7 @@
 #include "custom_allreduce/fused_kernels.cuh"
 #include "custom_allreduce/kernels.cuh"
 #include "custom_allreduce/launch.hpp"
+#include "custom_allreduce/push_kernels.cuh"
 
 namespace tpcomm::car {
 
@@ -16,10 +17,15 @@ using KernelFn = void (*)(KernelArgs);
 // `fused`: the allreduce + residual add + RMSNorm kernels (fused_kernels.cuh).
 template <typename T, int N>
 KernelFn pickAlgorithm(Algorithm algorithm, bool fused) {
-  if (fused) {
-    return algorithm == Algorithm::kOneShot ? fusedOneShotKernel<T, N> : fusedTwoShotKernel<T, N>;
+  switch (algorithm) {
+    case Algorithm::kPush:
+      return fused ? fusedPushKernel<T, N> : pushOneShotKernel<T, N>;
+    case Algorithm::kOneShot:
+      return fused ? fusedOneShotKernel<T, N> : oneShotKernel<T, N>;
+    case Algorithm::kTwoShot:
+      break;
   }
-  return algorithm == Algorithm::kOneShot ? oneShotKernel<T, N> : twoShotKernel<T, N>;
+  return fused ? fusedTwoShotKernel<T, N> : twoShotKernel<T, N>;
 }
 
 template <typename T>
@@ -70,6 +76,8 @@ inline KernelArgs kernelArgsOf(const LaunchParams& p) {
   a.stagingOffset = p.stagingOffset;
   a.stagingBytes = p.stagingBytes;
   a.resultOffset = p.resultOffset;
+  a.pushOffset = p.pushOffset;
+  a.pushSlotBytes = p.pushSlotBytes;
   a.deviceScope = p.deviceScope ? 1 : 0;
   a.rank = p.rank;
   a.stage = p.stage ? 1 : 0;

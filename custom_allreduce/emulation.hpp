@@ -60,8 +60,12 @@ inline thread_local unsigned orCalls = 0;
 inline std::atomic<uint64_t> readyReads{0};
 
 // A slow rank, on demand of a test: this process's blocks sleep this long
-// after passing a barrier of the given phase (before the work that follows).
-inline int leaveDelayMs[4] = {0, 0, 0, 0};
+// after passing a barrier of the given phase (before the work that follows),
+// or at the points of a push one-shot: after its push (kPush: a reader held
+// back before it reads and clears) and before it (kBeforePush: a rank whose
+// values come late).
+inline constexpr int kBeforePush = 6;
+inline int leaveDelayMs[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 inline void afterBarrier(int phase) {
   if (leaveDelayMs[phase] > 0)
     std::this_thread::sleep_for(std::chrono::milliseconds(leaveDelayMs[phase]));

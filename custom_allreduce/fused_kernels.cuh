@@ -190,7 +190,10 @@ __device__ void normRow(const KernelArgs& a, const Sums& sums, size_t row) {
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) fusedOneShotKernel(KernelArgs a) {
   const size_t rows = a.count / a.hidden;
+  waitForPreviousGrid();
   const uint32_t epoch = nextEpoch(a);
+  const uint32_t round = nextRound(a);
+  const uint32_t stale = stalePushBytes(a, round);
   int refused = 0;
   if (threadIdx.x == 0) refused = openCall<N>(a);
   if (mayStage(a)) {
@@ -202,15 +205,20 @@ __global__ void __launch_bounds__(kThreads) fusedOneShotKernel(KernelArgs a) {
   sourcesOf<N>(a, epoch, sums.src);
   sums.scale = a.scale;
   if (!barrier<N>(a, kStart, epoch, true)) return;
-  if (threadIdx.x == 0) commitEpoch(a, epoch);  // off the barrier's critical path
+  if (threadIdx.x == 0) commitEpoch(a, epoch, round);  // off the barrier's critical path
+  launchDependents();
   for (size_t row = blockIdx.x; row < rows; row += gridDim.x) normRow<T>(a, sums, row);
+  clearStalePush<N>(a, round, stale);
   // No end barrier: the input is always staged (see oneShotKernel).
 }
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) fusedTwoShotKernel(KernelArgs a) {
   const size_t rows = a.count / a.hidden;
+  waitForPreviousGrid();
   const uint32_t epoch = nextEpoch(a);
+  const uint32_t round = nextRound(a);
+  const uint32_t stale = stalePushBytes(a, round);
   int refused = 0;
   if (threadIdx.x == 0) refused = openCall<N>(a);
   if (mayStage(a)) {
@@ -227,7 +235,9 @@ __global__ void __launch_bounds__(kThreads) fusedTwoShotKernel(KernelArgs a) {
   sourcesOf<N>(a, epoch, sums.src);
   sums.scale = a.scale;
   if (!barrier<N>(a, kStart, epoch, true)) return;
-  if (threadIdx.x == 0) commitEpoch(a, epoch);  // off the barrier's critical path
+  if (threadIdx.x == 0) commitEpoch(a, epoch, round);  // off the barrier's critical path
+  launchDependents();
+  clearStalePush<N>(a, round, stale);
   const size_t ownEnd = rowPartBegin(rows, N, a.rank + 1);
   for (size_t row = rowPartBegin(rows, N, a.rank) + blockIdx.x; row < ownEnd; row += gridDim.x) {
     sumRow<T, N>(a, sums, row);

@@ -76,14 +76,17 @@ void CustomAllreduce::checkCall(const void* in, const void* out, size_t bytes, D
 
 void CustomAllreduce::launch(LaunchParams& p, cudaStream_t stream, size_t bytes,
                              const CallOptions& options) {
+  // Ranks sharing a GPU with dependent launches on: two kernels of every
+  // rank may be resident at once (the next one waits on the GPU).
+  const int sharedCap = pdl_.load() ? kSharedGpuBlocks / 2 : kSharedGpuBlocks;
   p.blocks =
       chooseBlocks(p.algorithm, worldSize_, bytes,
                    options.blocks > 0 ? options.blocks : static_cast<int>(settings().carBlocks),
-                   sharedGpu_.load() ? kSharedGpuBlocks : kMaxBlocks);
+                   sharedGpu_.load() ? sharedCap : kMaxBlocks);
   if (p.hidden > 0) {
     // A fused kernel's block owns whole rows: no more blocks than a part has rows.
     const size_t rows = p.count / p.hidden;
-    const size_t parts = p.algorithm == Algorithm::kTwoShot ? worldSize_ : 1;
+    const size_t parts = p.algorithm == Algorithm::kTwoShot ? worldSize_ : 1;  // push: 1
     p.blocks = static_cast<int>(std::clamp<size_t>((rows + parts - 1) / parts, 1, p.blocks));
   }
   p.rank = rank_;
@@ -95,6 +98,9 @@ void CustomAllreduce::launch(LaunchParams& p, cudaStream_t stream, size_t bytes,
   p.stagingOffset = layout_.stagingOffset;
   p.stagingBytes = layout_.stagingBytes;
   p.resultOffset = layout_.resultOffset;
+  p.pushOffset = layout_.pushOffset;
+  p.pushSlotBytes = layout_.pushSlotBytes;
+  p.pdl = pdl_.load(std::memory_order_relaxed);
   p.deviceScope = deviceScope_.load(std::memory_order_relaxed);
   p.timeoutNs = static_cast<uint64_t>(timeoutMs_.load()) * 1000000ull;
   p.errorDevice = errorDevice_;
@@ -109,12 +115,26 @@ void CustomAllreduce::launch(LaunchParams& p, cudaStream_t stream, size_t bytes,
   order_->after(stream);
 }
 
+Algorithm CustomAllreduce::pickAlgorithm(size_t pushBytes, size_t bytes,
+                                         const CallOptions& options) const {
+  if (!options.chooseAlgorithm) {
+    TPCOMM_CHECK(options.algorithm != Algorithm::kPush || pushBytes <= layout_.pushSlotBytes,
+                 kInvalidUsage, "custom allreduce: a push of ", pushBytes,
+                 " bytes exceeds the push buffer of ", layout_.pushSlotBytes, " bytes");
+    return options.algorithm;
+  }
+  if (pushApplies(worldSize_, pushBytes, layout_.maxBytes, settings().carPushMaxBytes)) {
+    return Algorithm::kPush;
+  }
+  return chooseAlgorithm(worldSize_, bytes, layout_.maxBytes, /*pushSetting=*/0);
+}
+
 Algorithm CustomAllreduce::allreduce(const void* in, void* out, size_t count, DType dtype,
                                      cudaStream_t stream, const CallOptions& options) {
   const size_t bytes = count * dtypeSize(dtype);
-  const Algorithm algorithm = options.chooseAlgorithm
-                                  ? chooseAlgorithm(worldSize_, bytes, layout_.maxBytes)
-                                  : options.algorithm;
+  // A push carries whole packs (the last one padded).
+  const size_t pushBytes = (bytes + kPackBytes - 1) / kPackBytes * kPackBytes;
+  const Algorithm algorithm = pickAlgorithm(pushBytes, bytes, options);
   checkCall(in, out, bytes, dtype, options);
   // Blocks do not wait for each other within a rank: an output that shares
   // bytes with the input at another offset would be written by one block
@@ -137,6 +157,8 @@ void CustomAllreduce::configureFor(const std::vector<int>& devices) {
   setDeviceScope(deviceScopeFor(devices, settings().carFlagScope));
   setSharedGpu(sharesAGpu(devices));
   setCaptureEvents(settings().carGraphOrder == "event");
+  const std::string& pdl = settings().carPdl;
+  setPdl(pdl == "on" || (pdl == "auto" && !sharesAGpu(devices)));
 }
 
 void CustomAllreduce::setCaptureEvents(bool events) {
@@ -163,9 +185,10 @@ Algorithm CustomAllreduce::allreduceAddRmsNorm(const void* in, const AddRmsNorm&
                                                cudaStream_t stream, const CallOptions& options) {
   const size_t count = norm.rows * norm.hidden;
   const size_t bytes = count * dtypeSize(dtype);
-  const Algorithm algorithm = options.chooseAlgorithm
-                                  ? chooseAlgorithm(worldSize_, bytes, layout_.maxBytes)
-                                  : options.algorithm;
+  TPCOMM_CHECK(norm.hidden > 0, kInvalidUsage, "custom allreduce + RMSNorm: hidden size 0");
+  // A push carries each row as whole packs (its last one padded).
+  const size_t rowPacks = (norm.hidden * dtypeSize(dtype) + kPackBytes - 1) / kPackBytes;
+  const Algorithm algorithm = pickAlgorithm(norm.rows * rowPacks * kPackBytes, bytes, options);
   TPCOMM_CHECK(norm.hidden > 0, kInvalidUsage, "custom allreduce + RMSNorm: hidden size 0");
   TPCOMM_CHECK(options.registered == nullptr && options.stageInput, kInvalidUsage,
                "custom allreduce + RMSNorm: always stages its input (no zero-copy table)");
@@ -406,12 +429,12 @@ void CustomAllreduce::reset(const ResetOps& ops) {
   ops.barrier();
 }
 
-void resetSignals(void* buffer, cudaStream_t stream) {
+void resetSignals(void* buffer, const BufferLayout& layout, cudaStream_t stream) {
   if (stream == nullptr) {
-    zeroDeviceMemory(buffer, sizeof(Signal));  // a private stream: safe beside a capture
+    zeroDeviceMemory(buffer, layout.signalBytes);  // a private stream: safe beside a capture
     return;
   }
-  TPCOMM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, sizeof(Signal), stream));
+  TPCOMM_CUDA_CHECK(cudaMemsetAsync(buffer, 0, layout.signalBytes, stream));
 }
 
 void zeroDeviceMemory(void* ptr, size_t bytes) {

@@ -15,8 +15,6 @@
 
 namespace tpcomm::car {
 
-using Pack = uint4;
-
 template <typename T>
 struct Elements {
   static constexpr int kPerPack = sizeof(Pack) / sizeof(T);
@@ -113,7 +111,10 @@ __global__ void __launch_bounds__(kThreads) oneShotKernel(KernelArgs a) {
   constexpr int kPer = Elements<T>::kPerPack;
   const size_t packs = a.count / kPer;
   const size_t tail = a.count % kPer;
+  waitForPreviousGrid();
   const uint32_t epoch = nextEpoch(a);
+  const uint32_t round = nextRound(a);
+  const uint32_t stale = stalePushBytes(a, round);
   int refused = 0;
   if (threadIdx.x == 0) refused = openCall<N>(a);
   if (mayStage(a)) {
@@ -125,7 +126,8 @@ __global__ void __launch_bounds__(kThreads) oneShotKernel(KernelArgs a) {
   const char* src[N];
   sourcesOf<N>(a, epoch, src);
   if (!barrier<N>(a, kStart, epoch, true)) return;
-  if (threadIdx.x == 0) commitEpoch(a, epoch);  // off the barrier's critical path
+  if (threadIdx.x == 0) commitEpoch(a, epoch, round);  // off the barrier's critical path
+  launchDependents();
   Pack* out = reinterpret_cast<Pack*>(a.output);
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < packs;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
@@ -135,6 +137,7 @@ __global__ void __launch_bounds__(kThreads) oneShotKernel(KernelArgs a) {
     const size_t i = packs * kPer + threadIdx.x;
     reinterpret_cast<T*>(a.output)[i] = sumElement<T, N>(src, i, a.scale);
   }
+  clearStalePush<N>(a, round, stale);
   if (a.registered != nullptr) barrier<N>(a, kEnd, epoch);
 }
 
@@ -152,7 +155,10 @@ __global__ void __launch_bounds__(kThreads) twoShotKernel(KernelArgs a) {
   const size_t tail = a.count % kPer;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   const size_t thread = blockIdx.x * blockDim.x + threadIdx.x;
+  waitForPreviousGrid();
   const uint32_t epoch = nextEpoch(a);
+  const uint32_t round = nextRound(a);
+  const uint32_t stale = stalePushBytes(a, round);
   int refused = 0;
   if (threadIdx.x == 0) refused = openCall<N>(a);
   // Stage part by part, so that block b stages exactly the packs block b of
@@ -168,7 +174,8 @@ __global__ void __launch_bounds__(kThreads) twoShotKernel(KernelArgs a) {
   const char* src[N];
   sourcesOf<N>(a, epoch, src);
   if (!barrier<N>(a, kStart, epoch, true)) return;
-  if (threadIdx.x == 0) commitEpoch(a, epoch);  // off the barrier's critical path
+  if (threadIdx.x == 0) commitEpoch(a, epoch, round);  // off the barrier's critical path
+  launchDependents();
   // Reduce this rank's part into its result region (the tail belongs to
   // the last rank).
   Pack* result = reinterpret_cast<Pack*>(a.buffers[a.rank] + a.resultOffset);
@@ -197,6 +204,7 @@ __global__ void __launch_bounds__(kThreads) twoShotKernel(KernelArgs a) {
     const T* src = reinterpret_cast<const T*>(a.buffers[N - 1] + a.resultOffset);
     reinterpret_cast<T*>(a.output)[i] = __ldcg(src + i);
   }
+  clearStalePush<N>(a, round, stale);
   // No end barrier: see signal.hpp ("Why two-shot needs no end barrier").
 }
 

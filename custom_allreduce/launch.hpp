@@ -24,6 +24,8 @@ struct LaunchParams {
   size_t stagingOffset = 0;
   size_t stagingBytes = 0;
   size_t resultOffset = 0;
+  size_t pushOffset = 0;
+  size_t pushSlotBytes = 0;
   bool deviceScope = false;  // every rank on one GPU: flags at GPU scope
   uint64_t timeoutNs = 0;
   uint32_t* errorDevice = nullptr;
@@ -35,6 +37,9 @@ struct LaunchParams {
   const void* weight = nullptr;
   float eps = 0.f;
   bool packed = false;
+  // Programmatic dependent launch (the kernel may start while the previous
+  // kernel on its stream ends; it waits for it on the GPU). sm_90+ only.
+  bool pdl = false;
 };
 
 void launchAllreduce(const LaunchParams& params, cudaStream_t stream);

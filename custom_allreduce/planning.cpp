@@ -20,7 +20,8 @@ std::string protocolId() {
   return detail::concat(
       "signal ", sizeof(Signal), " B, ", kMaxBlocks, " blocks of ", kThreads,
       " threads, poisoned flags, staging by call parity, one-shot with one barrier, "
-      "two-shot without end barrier");
+      "two-shot without end barrier, push of ", kPushDepth, " buffers of ", kMaxRanks,
+      " slots (zero empty, zeros sent as -0)");
 }
 
 const char* dtypeName(DType dtype) {
@@ -38,7 +39,15 @@ const char* dtypeName(DType dtype) {
 size_t dtypeSize(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
 
 const char* algorithmName(Algorithm algorithm) {
-  return algorithm == Algorithm::kOneShot ? "one-shot" : "two-shot";
+  switch (algorithm) {
+    case Algorithm::kOneShot:
+      return "one-shot";
+    case Algorithm::kTwoShot:
+      return "two-shot";
+    case Algorithm::kPush:
+      return "push";
+  }
+  return "unknown";
 }
 
 BufferLayout BufferLayout::forMaxBytes(size_t maxBytes) {
@@ -47,7 +56,9 @@ BufferLayout BufferLayout::forMaxBytes(size_t maxBytes) {
                maxBytes);
   BufferLayout l;
   l.maxBytes = maxBytes;
-  l.signalBytes = alignUp(sizeof(Signal), kAlign);
+  l.pushOffset = alignUp(sizeof(Signal), kAlign);
+  l.pushSlotBytes = alignUp(std::min(maxBytes, kPushMaxBytes), kAlign);
+  l.signalBytes = l.pushOffset + static_cast<size_t>(kPushDepth) * kMaxRanks * l.pushSlotBytes;
   l.stagingOffset = l.signalBytes;
   l.stagingBytes = alignUp(maxBytes, kAlign);
   l.resultOffset = l.stagingOffset + 2 * l.stagingBytes;
@@ -64,7 +75,21 @@ size_t oneShotLimit(int worldSize, size_t maxBytes) {
   return std::min(limit, maxBytes);
 }
 
-Algorithm chooseAlgorithm(int worldSize, size_t bytes, size_t maxBytes) {
+size_t pushLimit(int worldSize, size_t maxBytes, int64_t setting) {
+  const size_t slot = std::min(maxBytes, kPushMaxBytes);
+  if (setting >= 0) return std::min(static_cast<size_t>(setting), slot);
+  // A push writes N - 1 copies of the call into peers' memory (the barrier
+  // one-shot reads them instead), so its gain shrinks with size and N.
+  const size_t limit = worldSize <= 4 ? kPushMaxBytes : kPushMaxBytes / 2;
+  return std::min(limit, slot);
+}
+
+bool pushApplies(int worldSize, size_t bytes, size_t maxBytes, int64_t setting) {
+  return bytes <= pushLimit(worldSize, maxBytes, setting);
+}
+
+Algorithm chooseAlgorithm(int worldSize, size_t bytes, size_t maxBytes, int64_t pushSetting) {
+  if (pushApplies(worldSize, bytes, maxBytes, pushSetting)) return Algorithm::kPush;
   return bytes <= oneShotLimit(worldSize, maxBytes) ? Algorithm::kOneShot : Algorithm::kTwoShot;
 }
 
@@ -197,6 +222,12 @@ std::string describeError(uint32_t code) {
   if (phase == kAborted) {
     if (reporter < 0) return detail::concat("rank ", peer, " aborted the group");
     return detail::concat("the group is poisoned: rank ", reporter, " aborted it");
+  }
+  if (phase == kPush) {
+    const std::string cause =
+        detail::concat("rank ", peer, " did not arrive (block ", block, ", its pushed values)");
+    if (reporter < 0) return cause;
+    return detail::concat("the group is poisoned: rank ", reporter, " gave up because ", cause);
   }
   if (phase == kNotRegistered) {
     return "a graph captured inside graph_capture() was replayed before the context exited "

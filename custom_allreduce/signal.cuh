@@ -11,6 +11,8 @@
 
 namespace tpcomm::car {
 
+using Pack = uint4;  // 16 bytes: what a thread moves at once
+
 struct KernelArgs {
   const void* input;
   void* output;
@@ -23,6 +25,8 @@ struct KernelArgs {
   size_t stagingOffset;  // staging of even calls; odd calls' follows at + stagingBytes
   size_t stagingBytes;
   size_t resultOffset;
+  size_t pushOffset;     // the push buffers (push_kernels.cuh)
+  size_t pushSlotBytes;  // one source's slot in one round
   int rank;
   int deviceScope;  // every rank on this GPU: flags at GPU scope (else system scope)
   int stage;        // copy the input into this rank's staging first
@@ -139,6 +143,16 @@ __device__ __forceinline__ uint32_t nextEpoch(const KernelArgs& a) {
   return signalOf(a, a.rank)->epoch[blockIdx.x] + 1;
 }
 
+// This call's push round (push_kernels.cuh): the block's last round + 1,
+// modulo kPushDepth; read like the epoch, committed with it.
+__device__ __forceinline__ uint32_t nextRound(const KernelArgs& a) {
+  return (signalOf(a, a.rank)->round[blockIdx.x] + 1) % kPushDepth;
+}
+__device__ __forceinline__ uint32_t previousRound(uint32_t round) {
+  return (round + kPushDepth - 1) % kPushDepth;
+}
+
+
 // Whether this thread may stage its share: not once the group is poisoned
 // (every thread reads its rank's poison word, in device memory). A refused
 // call would stage into the region of the next call's parity, which is the
@@ -185,19 +199,28 @@ __device__ __forceinline__ int openCall(const KernelArgs& a) {
 
 // Once the call passed its start barrier, on thread 0 of each block (off the
 // barrier's critical path: nothing reads the epochs before the rank's next
-// kernel): stores the epoch (in device memory: each graph replay is a new
-// call). A call that fails leaves the group poisoned, and only the reset,
-// which zeroes every epoch, makes it usable again. Block 0 also advances
-// the epochs of the block indices this call does not use, so that every
-// block index's epoch is the number of calls made: a call's staging parity
-// is then the same in every block and on every rank, whatever block counts
-// earlier calls used. A flag of an unused block index stays behind its
-// epoch, so it can never pass for a fresh one.
-__device__ __forceinline__ void commitEpoch(const KernelArgs& a, uint32_t epoch) {
+// kernel): stores the epoch and the push round (in device memory: each graph
+// replay is a new call). A call that fails leaves the group poisoned, and
+// only the reset, which zeroes every epoch, makes it usable again. Block 0
+// also advances the epochs and rounds of the block indices this call does
+// not use, so that every block index's epoch is the number of calls made: a
+// call's staging parity and push round are then the same in every block and
+// on every rank, whatever block counts earlier calls used. A flag of an
+// unused block index stays behind its epoch, so it can never pass for a
+// fresh one. Block 0 records the bytes per source this call pushed into its
+// round (0 for every kernel but the push), which the next call clears
+// (push_kernels.cuh).
+__device__ __forceinline__ void commitEpoch(const KernelArgs& a, uint32_t epoch, uint32_t round,
+                                            size_t pushedBytes = 0) {
   Signal* own = signalOf(a, a.rank);
   own->epoch[blockIdx.x] = epoch;
+  own->round[blockIdx.x] = round;
   if (blockIdx.x == 0) {
-    for (unsigned b = gridDim.x; b < static_cast<unsigned>(kMaxBlocks); ++b) own->epoch[b] = epoch;
+    for (unsigned b = gridDim.x; b < static_cast<unsigned>(kMaxBlocks); ++b) {
+      own->epoch[b] = epoch;
+      own->round[b] = round;
+    }
+    own->pushed[round] = static_cast<uint32_t>(pushedBytes);
   }
 }
 
@@ -218,6 +241,105 @@ __device__ __forceinline__ void sourcesOf(const KernelArgs& a, uint32_t epoch,
       src[r] = entry == a.buffers[r] + a.stagingOffset ? staged : entry;
     }
   }
+}
+
+// Programmatic dependent launch (sm_90+; no-ops elsewhere and in the
+// emulation). A kernel launched with it may start while the kernel before
+// it on its stream still runs: waitForPreviousGrid() returns once that one
+// has ended and its memory is visible, so every kernel calls it before it
+// reads anything (its epoch, its input). launchDependents() lets the next
+// kernel start its own launch early.
+__device__ __forceinline__ void waitForPreviousGrid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void launchDependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+#ifndef TPCOMM_CAR_EMULATION
+// A 16-byte load another agent may be writing (the poll): not cached in L1,
+// not hoisted; each 32-bit word is single-copy atomic.
+__device__ __forceinline__ Pack loadPushed(const Pack* p, int deviceScope) {
+  Pack v;
+  if (deviceScope) {
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+  } else {
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+  }
+  return v;
+}
+// A 16-byte store into a peer's push slot (or a clear of one's own).
+__device__ __forceinline__ void storePushed(Pack* p, Pack v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+#else
+inline Pack loadPushed(const Pack* p, int) {
+  Pack v;
+  v.x = __atomic_load_n(&p->x, __ATOMIC_RELAXED);
+  v.y = __atomic_load_n(&p->y, __ATOMIC_RELAXED);
+  v.z = __atomic_load_n(&p->z, __ATOMIC_RELAXED);
+  v.w = __atomic_load_n(&p->w, __ATOMIC_RELAXED);
+  return v;
+}
+inline void storePushed(Pack* p, Pack v) {
+  __atomic_store_n(&p->x, v.x, __ATOMIC_RELAXED);
+  __atomic_store_n(&p->y, v.y, __ATOMIC_RELAXED);
+  __atomic_store_n(&p->z, v.z, __ATOMIC_RELAXED);
+  __atomic_store_n(&p->w, v.w, __ATOMIC_RELAXED);
+}
+#endif
+
+// Slot `source` of round `round` in rank `owner`'s push buffers.
+__device__ __forceinline__ Pack* pushSlot(const KernelArgs& a, int owner, uint32_t round,
+                                          int source) {
+  return reinterpret_cast<Pack*>(
+      a.buffers[owner] + a.pushOffset +
+      (static_cast<size_t>(round) * kMaxRanks + static_cast<size_t>(source)) * a.pushSlotBytes);
+}
+
+// The bytes per source that the call before this one pushed into this
+// rank's round previousRound(round) (0 after any other kernel).
+__device__ __forceinline__ uint32_t stalePushBytes(const KernelArgs& a, uint32_t round) {
+  return loadRelaxed(&signalOf(a, a.rank)->pushed[previousRound(round)]);
+}
+
+// Zeroes what the previous call pushed into this rank's previous round
+// (every kernel does, whatever kind it is: push_kernels.cuh, "Why three
+// rounds"), split over the whole grid.
+template <int N>
+__device__ __forceinline__ void clearStalePush(const KernelArgs& a, uint32_t round,
+                                               uint32_t bytes) {
+  if (bytes == 0) return;
+  const uint32_t previous = previousRound(round);
+  const size_t packs = bytes / kPackBytes;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+#pragma unroll
+  for (int s = 0; s < N; ++s) {
+    Pack* slot = pushSlot(a, a.rank, previous, s);
+    for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < packs; i += stride) {
+      storePushed(slot + i, Pack{0u, 0u, 0u, 0u});
+    }
+  }
+}
+
+__device__ __forceinline__ int lowestBit(uint32_t bits) {
+#ifdef TPCOMM_CAR_EMULATION
+  return __builtin_ctz(bits);
+#else
+  return __ffs(static_cast<int>(bits)) - 1;
+#endif
 }
 
 // Every rank's block `blockIdx.x` reaches `phase` of call `epoch`. Returns

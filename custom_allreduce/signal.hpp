@@ -12,6 +12,17 @@
 //                               failure code, written by the rank that gave up
 //                               into every rank's buffer
 //   epoch[block]                this rank's call counter per block index
+//   round[block]                this rank's push round per block index (the
+//                               call count modulo kPushDepth)
+//   pushed[k]                   bytes per source rank that peers pushed into
+//                               this rank's push buffer k (0..kPushDepth-1)
+//                               in the call that used it; the next call
+//                               clears that many (push_kernels.cuh)
+//
+// The push buffers follow the Signal in the same area (BufferLayout::
+// pushOffset; zeroed with it): push[k][source] for k < kPushDepth, one slot
+// of BufferLayout::pushSlotBytes per source rank. Their protocol, which has
+// no flags at all, is at the top of push_kernels.cuh.
 //
 // Per call, block b of every rank:
 //
@@ -99,6 +110,13 @@ inline constexpr int kNotRegistered = 3;
 // group is aborted (CustomAllreduce::abort); its peer field is the rank that
 // aborted.
 inline constexpr int kAborted = 4;
+// Not a barrier: the "phase" of a push one-shot that waited in vain for a
+// peer's values (push_kernels.cuh).
+inline constexpr int kPush = 5;
+// Push buffers per rank, used in rotation by call count: call e writes
+// buffer e % 3 while its owner clears buffer (e - 1) % 3 (push_kernels.cuh
+// proves why two are not enough).
+inline constexpr int kPushDepth = 3;
 
 struct alignas(128) FlagSlot {
   uint32_t value;
@@ -110,6 +128,8 @@ struct Signal {
   FlagSlot probe[kMaxRanks];
   FlagSlot poison;
   uint32_t epoch[kMaxBlocks];
+  uint32_t round[kMaxBlocks];
+  uint32_t pushed[kPushDepth];
 };
 
 inline constexpr uint32_t kErrorBit = 1u << 31;

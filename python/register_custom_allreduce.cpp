@@ -26,8 +26,9 @@ namespace {
 car::Algorithm toAlgorithm(const std::string& name) {
   if (name == "oneshot" || name == "one-shot") return car::Algorithm::kOneShot;
   if (name == "twoshot" || name == "two-shot") return car::Algorithm::kTwoShot;
+  if (name == "push") return car::Algorithm::kPush;
   TPCOMM_THROW(kInvalidUsage, "custom allreduce: algorithm '", name,
-               "' is not one of oneshot, twoshot");
+               "' is not one of push, oneshot, twoshot");
 }
 
 // One rank: its own buffer (kept alive here) and its view of every peer's.
@@ -214,6 +215,11 @@ void registerCustomAllreduce(py::module_& m) {
           [](Rank& r, bool events) { r.impl().setCaptureEvents(events); },
           "Whether captured calls carry external event nodes (TPCOMM_CAR_GRAPH_ORDER=event): "
           "replays then also order against this rank's calls on other streams.")
+      .def_property(
+          "pdl", [](Rank& r) { return r.impl().pdl(); },
+          [](Rank& r, bool pdl) { r.impl().setPdl(pdl); },
+          "Programmatic dependent launch of this rank's kernels (TPCOMM_CAR_PDL; used where "
+          "the GPU has it, sm_90+).")
       .def("check_error", [](Rank& r) { r.impl().checkError(); })
       .def_property_readonly("error_code", [](Rank& r) { return r.impl().errorCode(); })
       .def("clear_error", [](Rank& r) { r.impl().clearError(); })
@@ -228,7 +234,8 @@ void registerCustomAllreduce(py::module_& m) {
             };
             ops.zeroSignals = [&r](void* buffer) {
               const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(r.device()));
-              car::resetSignals(buffer, nullptr);
+              car::resetSignals(buffer, car::BufferLayout::forMaxBytes(r.impl().maxBytes()),
+                                nullptr);
             };
             py::gil_scoped_release release;
             r.impl().reset(ops);
@@ -288,11 +295,28 @@ void registerCustomAllreduce(py::module_& m) {
   m.def(
       "car_choose_algorithm",
       [](int worldSize, size_t bytes, size_t maxBytes) {
-        return car::chooseAlgorithm(worldSize, bytes, maxBytes) == car::Algorithm::kOneShot
-                   ? "oneshot"
-                   : "twoshot";
+        switch (car::chooseAlgorithm(worldSize, bytes, maxBytes, settings().carPushMaxBytes)) {
+          case car::Algorithm::kPush:
+            return "push";
+          case car::Algorithm::kOneShot:
+            return "oneshot";
+          case car::Algorithm::kTwoShot:
+            break;
+        }
+        return "twoshot";
       },
-      "The algorithm the kernel uses for a size by default.");
+      "The algorithm the kernel uses for a size by default (TPCOMM_CAR_PUSH_MAX_BYTES "
+      "applied).");
+  m.def(
+      "car_push_limit",
+      [](int worldSize, size_t maxBytes) {
+        return car::pushLimit(worldSize, maxBytes, settings().carPushMaxBytes);
+      },
+      "The largest call made as a push by default (TPCOMM_CAR_PUSH_MAX_BYTES applied).");
+  m.def(
+      "car_push_slot_bytes",
+      [](size_t maxBytes) { return car::BufferLayout::forMaxBytes(maxBytes).pushSlotBytes; },
+      "The largest push a group of this maximum can make (its push slot).");
   m.def(
       "car_choose_blocks",
       [](const std::string& algorithm, int worldSize, size_t bytes, int override) {

@@ -55,6 +55,18 @@ const std::vector<SettingInfo> kSettingTable = {
      "(external event "
      "nodes in the graph: a replay may also run beside eager calls or other replays on other "
      "streams, at several microseconds per call). Calls within one graph are always ordered."},
+    {"TPCOMM_CAR_PUSH_MAX_BYTES", "int", "-1",
+     "Largest custom one-shot allreduce made as a push: each rank writes its values straight "
+     "into every peer's buffer and they carry their own arrival (no flag, no barrier; a zero "
+     "of either sign is read as +0). -1: by world size (256 KiB at 2-4 ranks, 128 KiB at "
+     "5-8, at most the push buffer of 256 KiB and TPCOMM_CAR_MAX_BYTES), 0: never. Equal on "
+     "every rank."},
+    {"TPCOMM_CAR_PDL", "string", "auto",
+     "Programmatic dependent launch of the custom-allreduce kernels (a kernel is launched "
+     "while the one before it on its stream ends; it waits for it on the GPU): auto (on GPUs "
+     "that have it, sm_90 and newer, unless ranks of the group share a GPU), on (also when "
+     "they share one: fewer blocks per rank then, so that two kernels of every rank fit at "
+     "once), off."},
     {"TPCOMM_ROUTE", "string", "auto",
      "Where CUDA allreduces go: auto (the routing table by world size and bytes), nccl (never the "
      "custom kernel), oneshot or twoshot (that custom algorithm whenever the kernel can take "
@@ -174,6 +186,14 @@ Settings Settings::parse(const Lookup& lookup) {
     s.carGraphOrder = v->empty() ? "stream" : *v;
     TPCOMM_CHECK(s.carGraphOrder == "stream" || s.carGraphOrder == "event", kInvalidUsage,
                  "setting TPCOMM_CAR_GRAPH_ORDER='", *v, "' is not one of stream, event");
+  }
+  if (auto v = lookup("TPCOMM_CAR_PUSH_MAX_BYTES")) {
+    s.carPushMaxBytes = parseInt("TPCOMM_CAR_PUSH_MAX_BYTES", *v, -1, int64_t{1} << 30);
+  }
+  if (auto v = lookup("TPCOMM_CAR_PDL")) {
+    s.carPdl = v->empty() ? "auto" : *v;
+    TPCOMM_CHECK(s.carPdl == "auto" || s.carPdl == "on" || s.carPdl == "off", kInvalidUsage,
+                 "setting TPCOMM_CAR_PDL='", *v, "' is not one of auto, on, off");
   }
   if (auto v = lookup("TPCOMM_ROUTE")) {
     s.route = v->empty() ? "auto" : *v;

@@ -49,6 +49,14 @@ struct Settings {
   // ordered against calls outside its graph by the stream it replays on) or
   // "event" (external event nodes: also against other streams).
   std::string carGraphOrder = "stream";
+  // TPCOMM_CAR_PUSH_MAX_BYTES: largest one-shot call made as a push (values
+  // that carry their own arrival, no barrier); -1: by world size
+  // (car::pushLimit), 0: never.
+  int64_t carPushMaxBytes = -1;
+  // TPCOMM_CAR_PDL: programmatic dependent launch of the custom kernels:
+  // "auto" (on a GPU that has it, sm_90+, unless ranks share the GPU), "on"
+  // (also when they share it), "off".
+  std::string carPdl = "auto";
   // TPCOMM_ROUTE: auto (the routing table), nccl (never the custom kernel),
   // oneshot or twoshot (the custom kernel whenever it can take the call).
   std::string route = "auto";

@@ -176,6 +176,16 @@ const car::RegisteredInputs* CustomPath::registerCapturedCall(const void* input,
   return tables_[slot / kTableChunk] + slot % kTableChunk;
 }
 
+car::Algorithm CustomPath::algorithmFor(DeviceRoute route, size_t pushBytes) const {
+  if (route == DeviceRoute::kCustomTwoShot) return car::Algorithm::kTwoShot;
+  // The one-shot route: a push while it fits (car::pushLimit, under
+  // TPCOMM_CAR_PUSH_MAX_BYTES), the same choice on every rank.
+  if (car::pushApplies(size_, pushBytes, car_->maxBytes(), settings().carPushMaxBytes)) {
+    return car::Algorithm::kPush;
+  }
+  return car::Algorithm::kOneShot;
+}
+
 void CustomPath::allreduce(const at::Tensor& input, const at::Tensor& output, DeviceRoute route,
                            float scale, c10::cuda::CUDAStream stream, bool registering) {
   TPCOMM_CHECK(available_, kInvalidUsage, "custom allreduce on group '", groupName_,
@@ -198,10 +208,10 @@ void CustomPath::allreduce(const at::Tensor& input, const at::Tensor& output, De
   if (failed != 0) raiseEarlierFailure(car::describeError(failed));
   car::CallOptions options;
   options.chooseAlgorithm = false;
-  options.algorithm =
-      route == DeviceRoute::kCustomTwoShot ? car::Algorithm::kTwoShot : car::Algorithm::kOneShot;
+  options.algorithm = algorithmFor(route, (bytes + 15) / 16 * 16);
   options.scale = scale;
-  if (registering && isCapturing(stream.stream())) {
+  // A push reads this rank's input where it lies already: nothing to register.
+  if (registering && options.algorithm != car::Algorithm::kPush && isCapturing(stream.stream())) {
     RelaxedCaptureMode relaxed;
     bool stage = true;
     options.registered =
@@ -242,8 +252,10 @@ void CustomPath::allreduceAddRmsNorm(const at::Tensor& input, const at::Tensor& 
   if (failed != 0) raiseEarlierFailure(car::describeError(failed));
   car::CallOptions options;
   options.chooseAlgorithm = false;
-  options.algorithm =
-      route == DeviceRoute::kCustomTwoShot ? car::Algorithm::kTwoShot : car::Algorithm::kOneShot;
+  // A push carries each row as whole packs.
+  const size_t rowBytes = static_cast<size_t>(weight.numel()) * input.element_size();
+  const size_t rows = rowBytes == 0 ? 0 : bytes / rowBytes;
+  options.algorithm = algorithmFor(route, rows * ((rowBytes + 15) / 16 * 16));
   car::CustomAllreduce::AddRmsNorm norm;
   norm.residual = residual.data_ptr();
   norm.residualOut = residualOut.data_ptr();

@@ -133,6 +133,11 @@ class CustomPath {
   [[noreturn]] void raiseEarlierFailure(const std::string& what) const;
 
   int rank_ = 0;
+  // The kernel a call of `route` takes: two-shot, or on the one-shot route
+  // a push while `pushBytes` (whole packs) fits car::pushLimit, else the
+  // barrier one-shot.
+  car::Algorithm algorithmFor(DeviceRoute route, size_t pushBytes) const;
+
   int size_ = 0;
   at::Device device_{at::kCPU};
   size_t maxBytes_ = 0;

@@ -32,8 +32,9 @@ def _defaults(max_bytes, timeout_ms):
 def _algorithm(name):
     if name in (None, "", "auto"):
         return ""
-    if name not in ("oneshot", "twoshot"):
-        raise ValueError(f"algorithm {name!r} is not one of 'oneshot', 'twoshot', 'auto'")
+    if name not in ("push", "oneshot", "twoshot"):
+        raise ValueError(
+            f"algorithm {name!r} is not one of 'push', 'oneshot', 'twoshot', 'auto'")
     return name
 
 
@@ -100,9 +101,12 @@ class LocalGroup:
         if key not in self._resident:
             self._resident[key] = _C.car_max_resident_blocks(dtype, chosen_algo, self.world_size)
         requested = int(blocks) or self._default_blocks
+        # With dependent launches a rank's next kernel may be resident beside
+        # this one: each may have half of what fits.
+        resident = self._resident[key] // 2 if self.pdl else self._resident[key]
         blocks = _C.car_shared_gpu_blocks(
             self.world_size, requested, _C.car_choose_blocks(chosen_algo, self.world_size, nbytes, 0),
-            self._resident[key])
+            resident)
         streams = self.streams if streams is None else streams
         for r in (range(self.world_size) if ranks is None else ranks):
             s = streams[r]
@@ -128,6 +132,18 @@ class LocalGroup:
             self.ranks[r].barrier_only(blocks, s.cuda_stream)
         for s in self.streams:
             current.wait_stream(s)
+
+    @property
+    def pdl(self):
+        """Whether the kernels are launched with programmatic dependent launch
+        (TPCOMM_CAR_PDL=on; off by default here, as the ranks share a GPU):
+        settable, for calls made afterwards."""
+        return self.ranks[0].pdl
+
+    @pdl.setter
+    def pdl(self, on):
+        for rank in self.ranks:
+            rank.pdl = bool(on)
 
     @property
     def device_scope(self):

@@ -3,6 +3,7 @@
 // a call passes before anything is launched, and failure descriptions.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstddef>
 
 #include "coordinator/common/error.hpp"
@@ -27,7 +28,14 @@ std::string expectError(ErrorCode code, Fn&& fn) {
 TEST(CarLayout, RegionsAreAlignedAndDisjoint) {
   for (size_t maxBytes : {size_t{16}, size_t{4096}, size_t{8} << 20, size_t{(8 << 20) + 48}}) {
     const BufferLayout l = BufferLayout::forMaxBytes(maxBytes);
-    EXPECT_GE(l.signalBytes, sizeof(Signal));
+    EXPECT_GE(l.pushOffset, sizeof(Signal));
+    EXPECT_EQ(l.pushOffset % 256, 0u);
+    // The push buffers: every round of every source, inside the area a
+    // reset zeroes, each slot large enough for a push of the group's size.
+    EXPECT_GE(l.pushSlotBytes, std::min(maxBytes, kPushMaxBytes));
+    EXPECT_EQ(l.pushSlotBytes % 256, 0u);
+    EXPECT_EQ(l.signalBytes, l.pushOffset + kPushDepth * kMaxRanks * l.pushSlotBytes);
+    EXPECT_EQ(l.stagingOffset, l.signalBytes);
     EXPECT_EQ(l.stagingOffset % 256, 0u);
     EXPECT_EQ(l.resultOffset % 256, 0u);
     EXPECT_GE(l.resultOffset, l.stagingOffset + maxBytes);
@@ -66,6 +74,33 @@ TEST(CarAlgorithm, OneShotLimitsByWorldSize) {
   EXPECT_EQ(chooseAlgorithm(8, 256 << 10, max), Algorithm::kOneShot);
   EXPECT_EQ(chooseAlgorithm(8, 1 << 20, max), Algorithm::kTwoShot);
   EXPECT_STREQ(algorithmName(Algorithm::kTwoShot), "two-shot");
+  EXPECT_STREQ(algorithmName(Algorithm::kPush), "push");
+}
+
+// The push takes the small one-shot calls: up to 256 KiB at 2-4 ranks and
+// 128 KiB at 5-8, never past the push slot or the group's maximum; the
+// setting (TPCOMM_CAR_PUSH_MAX_BYTES) replaces the limit, 0 turns it off.
+TEST(CarAlgorithm, PushLimitsByWorldSizeAndSetting) {
+  const size_t max = 8 << 20;
+  EXPECT_EQ(pushLimit(2, max), 256u << 10);
+  EXPECT_EQ(pushLimit(4, max), 256u << 10);
+  EXPECT_EQ(pushLimit(5, max), 128u << 10);
+  EXPECT_EQ(pushLimit(8, max), 128u << 10);
+  EXPECT_EQ(pushLimit(2, 4096), 4096u);
+  EXPECT_EQ(pushLimit(2, max, 0), 0u);
+  EXPECT_EQ(pushLimit(8, max, 200 << 10), 200u << 10);
+  EXPECT_EQ(pushLimit(2, max, 1 << 30), kPushMaxBytes);  // never past the slot
+  EXPECT_EQ(chooseAlgorithm(2, 16, max), Algorithm::kPush);
+  EXPECT_EQ(chooseAlgorithm(2, 256 << 10, max), Algorithm::kPush);
+  EXPECT_EQ(chooseAlgorithm(2, (256 << 10) + 16, max), Algorithm::kOneShot);
+  EXPECT_EQ(chooseAlgorithm(8, 128 << 10, max), Algorithm::kPush);
+  EXPECT_EQ(chooseAlgorithm(8, (128 << 10) + 16, max), Algorithm::kOneShot);
+  EXPECT_EQ(chooseAlgorithm(2, 16, max, 0), Algorithm::kOneShot);
+  EXPECT_TRUE(pushApplies(3, 1000, max));
+  EXPECT_FALSE(pushApplies(3, 1000, max, 512));
+  EXPECT_NE(describeError(errorCode(3, kPush, 2)).find("rank 3 did not arrive (block 2, its "
+                                                       "pushed values)"),
+            std::string::npos);
 }
 
 // Byte ranges, not addresses: a view that starts elsewhere but shares bytes

@@ -195,7 +195,7 @@ constexpr uint64_t kGenerousNs = 60ull * 1000 * 1000 * 1000;
 
 class FusedEmulation : public ::testing::TestWithParam<int> {};
 
-// Every dtype and algorithm; hidden sizes that are and are not multiples of
+// Every dtype and algorithm (the push too); hidden sizes that are and are not multiples of
 // the pack (odd ones take the element path); more rows than blocks and
 // fewer; both outputs in place; ranks with their own residuals.
 TEST_P(FusedEmulation, EveryDtypeAlgorithmAndHiddenSizeMatchesTheReference) {
@@ -205,7 +205,7 @@ TEST_P(FusedEmulation, EveryDtypeAlgorithmAndHiddenSizeMatchesTheReference) {
       {1, 8}, {3, 13}, {2, 64}, {7, 40}, {5, 1001}};
   int variant = 0;
   for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
-    for (Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+    for (Algorithm algorithm : {Algorithm::kPush, Algorithm::kOneShot, Algorithm::kTwoShot}) {
       for (const auto& [rows, hidden] : shapes) {
         FusedCall c;
         c.dtype = dtype;
@@ -235,7 +235,7 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, FusedEmulation, ::testing::Range(2, 9));
 TEST(FusedEmulationPaths, ARankOnTheElementPathNormsAsItsPeersOnThePackPath) {
   std::vector<FusedCall> calls;
   for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
-    for (Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+    for (Algorithm algorithm : {Algorithm::kPush, Algorithm::kOneShot, Algorithm::kTwoShot}) {
       for (size_t hidden : {64, 200, 1024}) {
         FusedCall c;
         c.dtype = dtype;

@@ -60,6 +60,7 @@ struct Call {
   bool resetBefore = false;       // every rank runs CustomAllreduce::reset first
   cudaStream_t stream = nullptr;  // host API: the stream the call names
   bool check = true;              // expectResults compares this call's outputs
+  bool zeros = false;             // inputs full of +0 and -0 (see EmulatedGroup)
   // Set by the group.
   std::vector<void*> in, out;
   std::vector<std::vector<char>> original;  // the inputs as they were
@@ -95,7 +96,15 @@ class EmulatedGroup {
         c.out.push_back(c.inPlace ? c.in[r] : arena_->take(size));
         for (size_t i = 0; i < c.count; ++i) {
           // Magnitudes from 2^-6 to 1, so the float32 sums round.
-          store(c.dtype, c.in[r], i, value(random) * std::ldexp(1.f, -static_cast<int>(i % 7)));
+          float v = value(random) * std::ldexp(1.f, -static_cast<int>(i % 7));
+          if (c.zeros) {
+            // Element i % 4: 0 is -0 on every rank, 1 is -0 on even ranks and
+            // +0 on odd ones, 2 is -0 on rank 0 only, 3 is +0 on every rank.
+            const int kind = static_cast<int>(i % 4);
+            if (kind == 0 || (kind == 1 && r % 2 == 0) || (kind == 2 && r == 0)) v = -0.f;
+            if ((kind == 1 && r % 2 == 1) || kind == 3) v = 0.f;
+          }
+          store(c.dtype, c.in[r], i, v);
         }
         c.original.emplace_back(static_cast<char*>(c.in[r]), static_cast<char*>(c.in[r]) + size);
         if (!c.inPlace) std::memset(c.out[r], 0xA5, size);  // poison
@@ -152,6 +161,8 @@ class EmulatedGroup {
     a.stagingOffset = layout_.stagingOffset;
     a.stagingBytes = layout_.stagingBytes;
     a.resultOffset = layout_.resultOffset;
+    a.pushOffset = layout_.pushOffset;
+    a.pushSlotBytes = layout_.pushSlotBytes;
     a.rank = rank;
     a.stage = c.zeroCopy ? (c.stages[rank] ? 1 : 0) : 1;
     a.scale = c.scale;
@@ -178,7 +189,7 @@ class EmulatedGroup {
     CustomAllreduce::ResetOps ops;
     ops.synchronize = [] {};
     ops.barrier = [this] { pthread_barrier_wait(cpuBarrier_); };
-    ops.zeroSignals = [](void* buffer) { std::memset(buffer, 0, sizeof(Signal)); };
+    ops.zeroSignals = [this](void* buffer) { std::memset(buffer, 0, layout_.signalBytes); };
     car.reset(ops);
   }
 
@@ -224,6 +235,8 @@ std::string describe(const Call& c, int n) {
 
 // Every rank's output equals the float32 rank-order sum bit for bit, and the
 // float64 sum within rounding. Stops at the first wrong element per call.
+// A push reads a zero of either sign as +0 (push_kernels.cuh): its reference
+// does too.
 void expectResults(const EmulatedGroup& g) {
   const int n = g.size();
   for (const Call& c : g.calls()) {
@@ -234,7 +247,8 @@ void expectResults(const EmulatedGroup& g) {
       float acc = 0.f;
       double exact = 0.0, magnitude = 0.0;
       for (int r = 0; r < n; ++r) {
-        const float v = load(c.dtype, c.original[r].data(), i);
+        float v = load(c.dtype, c.original[r].data(), i);
+        if (c.algorithm == Algorithm::kPush && v == 0.f) v = 0.f;  // -0 is read as +0
         acc = r == 0 ? v : acc + v;
         exact += v;
         magnitude += std::fabs(v);
@@ -278,7 +292,7 @@ TEST_P(KernelEmulation, EveryDtypeAlgorithmAndTailMatchesTheReference) {
   const int n = GetParam();
   std::vector<Call> calls;
   for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
-    for (Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+    for (Algorithm algorithm : {Algorithm::kPush, Algorithm::kOneShot, Algorithm::kTwoShot}) {
       for (size_t count : {size_t{1}, size_t{3}, size_t{8}, size_t{9}, size_t{31}, size_t{69},
                            size_t{500}, size_t{2007}, size_t{5000}}) {
         for (int blocks : {1, 3}) {
@@ -304,7 +318,7 @@ TEST_P(KernelEmulation, EveryDtypeAlgorithmAndTailMatchesTheReference) {
 TEST_P(KernelEmulation, InPlaceScaleAndZeroCopy) {
   const int n = GetParam();
   std::vector<Call> calls;
-  for (Algorithm algorithm : {Algorithm::kOneShot, Algorithm::kTwoShot}) {
+  for (Algorithm algorithm : {Algorithm::kPush, Algorithm::kOneShot, Algorithm::kTwoShot}) {
     for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
       Call c;
       c.algorithm = algorithm;
@@ -317,6 +331,7 @@ TEST_P(KernelEmulation, InPlaceScaleAndZeroCopy) {
       c.scale = 1.f / static_cast<float>(n);
       calls.push_back(c);
       c.scale = 1.f;
+      if (algorithm == Algorithm::kPush) continue;  // reads its input where it lies anyway
       c.zeroCopy = true;
       calls.push_back(c);
       c.stages.assign(n, false);
@@ -354,6 +369,8 @@ TEST_P(HostApiEmulation, CallsThroughCustomAllreduceMatchTheReference) {
   calls.push_back(c);
   c.count = 0;
   calls.push_back(c);
+  c.count = 3001;  // 12 KB: a push, chosen by size
+  calls.push_back(c);
   c.dtype = DType::kBFloat16;
   c.count = 777;
   c.stream = reinterpret_cast<cudaStream_t>(0x1000);  // launches on several streams
@@ -381,6 +398,7 @@ TEST_P(HostApiEmulation, CallsThroughCustomAllreduceMatchTheReference) {
   expectResults(g);
   EXPECT_EQ(chooseAlgorithm(n, 800000, 1 << 20),
             n == 2 ? Algorithm::kOneShot : Algorithm::kTwoShot);
+  EXPECT_EQ(chooseAlgorithm(n, 3001 * 4, 1 << 20), Algorithm::kPush);
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, HostApiEmulation, ::testing::Values(2, 4, 5));
@@ -433,6 +451,71 @@ TEST(KernelEmulationFull, OneBarrierOneShotSurvivesASlowReader) {
   ASSERT_TRUE(g.run(allRanks(kRanks), kGenerousNs));
   for (int r = 0; r < kRanks; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
   expectResults(g);
+}
+
+// The push one-shot's rounds (push_kernels.cuh, "Why three rounds"): a
+// reader held back after its push while its peers run into the next call
+// and push into its next round; calls of every kind in between (each clears
+// the round before its own), sizes that grow and shrink (a round is cleared
+// by the size that was pushed into it), one and several blocks. Every call
+// has fresh inputs, so a value left from three calls ago, or one zeroed
+// before it was read, shows in the result or as a timeout. With two rounds
+// (kPushDepth = 2) this fails: the held-back reader clears the round its
+// peers are pushing into and waits in vain.
+TEST(KernelEmulationFull, PushSurvivesSlowReadersAndMixedCalls) {
+  constexpr int kRanks = 3;
+  const size_t counts[] = {901, 17, 4000, 3, 2500, 64};
+  std::vector<Call> calls;
+  for (int i = 0; i < 24; ++i) {
+    Call c;
+    c.algorithm = i % 7 == 3 ? Algorithm::kTwoShot
+                  : i % 7 == 5 ? Algorithm::kOneShot
+                               : Algorithm::kPush;
+    c.dtype = i % 3 == 0 ? DType::kFloat32 : i % 3 == 1 ? DType::kBFloat16 : DType::kFloat16;
+    c.count = counts[i % 6];
+    c.blocks = i < 12 ? 1 : 1 + i % 3;
+    c.slowRank = i % kRanks;
+    c.slowPhase = i % 2 == 0 ? kPush : emu::kBeforePush;
+    c.slowMs = 20;
+    calls.push_back(c);
+  }
+  EmulatedGroup g(kRanks, 32 << 10, calls);
+  ASSERT_TRUE(g.run(allRanks(kRanks), kGenerousNs));
+  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
+  expectResults(g);
+}
+
+// A zero of either sign is read as +0 by the push (it sends every zero as
+// -0, so that no word it sends is zero): an element that is -0 on every rank
+// sums to +0, where the barrier kernels (plain IEEE addition) give -0; mixes
+// of zeros and values sum as IEEE addition does.
+TEST(KernelEmulationFull, PushReadsEveryZeroAsPositiveZero) {
+  std::vector<Call> calls;
+  for (DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+    for (Algorithm algorithm : {Algorithm::kPush, Algorithm::kOneShot}) {
+      Call c;
+      c.algorithm = algorithm;
+      c.dtype = dtype;
+      c.count = 203;
+      c.blocks = 2;
+      c.zeros = true;
+      calls.push_back(c);
+    }
+  }
+  EmulatedGroup g(3, 32 << 10, calls);
+  ASSERT_TRUE(g.run(allRanks(3), kGenerousNs));
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
+  expectResults(g);
+  for (const Call& c : g.calls()) {
+    for (int r = 0; r < 3; ++r) {
+      for (size_t i = 0; i < c.count; i += 4) {  // -0 on every rank
+        const float v = load(c.dtype, c.out[r], i);
+        ASSERT_EQ(v, 0.f) << describe(c, 3) << " element " << i;
+        ASSERT_EQ(std::signbit(v), c.algorithm != Algorithm::kPush)
+            << describe(c, 3) << ": rank " << r << " element " << i;
+      }
+    }
+  }
 }
 
 // A withheld rank: the others stop within the timeout, name it in the error
@@ -536,6 +619,71 @@ TEST(KernelEmulationFailure, ResetWaitsForLateFlagsOfTheFailedCall) {
   expectResults(g);
 }
 
+// A withheld rank, on the push: the others stop within the timeout, name it
+// ("its pushed values"), poison the group and leave their outputs alone (no
+// pack of theirs had all its values); their queued call ends at once; the
+// late rank then finds the poison at entry and pushes nothing.
+TEST(KernelEmulationFailure, AWithheldRankOnThePushIsNamedAndPoisonsTheGroup) {
+  Call push;
+  push.algorithm = Algorithm::kPush;
+  push.count = 300;
+  push.blocks = 2;
+  push.timeoutNs = 200ull * 1000 * 1000;
+  Call queued = push;
+  queued.timeoutNs = 0;  // the run's: a minute
+  EmulatedGroup g(3, 32 << 10, {push, queued});
+  auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(g.run({0, 1}, kGenerousNs, 30)) << "the queued call waited out its timeout";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(g.run({2}, kGenerousNs, 30)) << "the late rank waited";
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  for (int r = 0; r < 3; ++r) {
+    const uint32_t code = g.error(r);
+    EXPECT_EQ(code & ~(0xfu << 24), errorCode(2, kPush, 0)) << "rank " << r << ": "
+                                                             << describeError(code);
+    if (r < 2) {
+      EXPECT_NE(describeError(code).find("rank 2 did not arrive (block 0, its pushed values)"),
+                std::string::npos)
+          << describeError(code);
+    } else {
+      EXPECT_NE(describeError(code).find("the group is poisoned: rank "), std::string::npos);
+    }
+    for (const Call& c : g.calls()) {
+      const auto* out = static_cast<const unsigned char*>(c.out[r]);
+      for (size_t i = 0; i < c.count * 4; ++i) {
+        ASSERT_EQ(out[i], 0xA5) << describe(c, 3) << ": rank " << r << " byte " << i;
+      }
+    }
+  }
+}
+
+TEST(KernelEmulationFailure, AResetAfterAFailedPushClearsItsValues) {
+  // Rank 1 pushes late (after rank 0 gave up); after the reset, pushes of
+  // every round are right on both ranks (a value left in a round would be
+  // taken for the next call's).
+  Call failed;
+  failed.algorithm = Algorithm::kPush;
+  failed.count = 4096;
+  failed.timeouts = {100ull * 1000 * 1000, 400ull * 1000 * 1000};
+  failed.slowRank = 1;
+  failed.slowPhase = emu::kBeforePush;
+  failed.slowMs = 300;
+  failed.check = false;
+  std::vector<Call> calls = {failed};
+  for (int i = 0; i < 4; ++i) {
+    Call next;
+    next.algorithm = i == 2 ? Algorithm::kTwoShot : Algorithm::kPush;
+    next.count = 4096 - 1000 * i;
+    next.resetBefore = i == 0;
+    calls.push_back(next);
+  }
+  EmulatedGroup g(2, 32 << 10, calls);
+  ASSERT_TRUE(g.run({0, 1}, kGenerousNs, 60));
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
+  expectResults(g);
+}
+
 // Through the host API: after a peer did not arrive, the rank's next call is
 // refused (PeerLost, naming the peer) before anything is launched.
 TEST(KernelEmulationFailure, HostApiRefusesCallsAfterATimeout) {
@@ -550,13 +698,14 @@ TEST(KernelEmulationFailure, HostApiRefusesCallsAfterATimeout) {
                         g.errorWord(0), g.errorWord(0), std::make_unique<CheckedOrder>());
     const Call& call = g.calls()[0];
     car.allreduce(call.in[0], call.out[0], call.count, DType::kFloat32, nullptr);
-    if (car.errorCode() != errorCode(1, kStart, 0)) _exit(4);
+    // 256 bytes, chosen by size: a push.
+    if (car.errorCode() != errorCode(1, kPush, 0)) _exit(4);
     try {
       car.allreduce(call.in[0], call.out[0], call.count, DType::kFloat32, nullptr);
     } catch (const Error& e) {
       const std::string what = e.what();
       const bool named =
-          what.find("rank 1 did not arrive (block 0, start barrier)") != std::string::npos;
+          what.find("rank 1 did not arrive (block 0, its pushed values)") != std::string::npos;
       _exit(e.code() == ErrorCode::kPeerLost && named ? 0 : 5);
     }
     _exit(6);
@@ -623,6 +772,7 @@ TEST(KernelEmulationFailure, AnAbortStopsEveryRanksWaitingAndQueuedKernels) {
   Call first;
   first.count = 300;
   first.blocks = 2;
+  first.algorithm = Algorithm::kPush;  // waits for rank 0's values
   Call second = first;
   second.algorithm = Algorithm::kTwoShot;
   EmulatedGroup g(3, 32 << 10, {first, second});
