@@ -105,9 +105,9 @@ __device__ __forceinline__ bool arrived(Pack v) {
   return v.x != 0 && v.y != 0 && v.z != 0 && v.w != 0;
 }
 
-// Pack i of `count` elements at `base`; the last pack may be partial: its
-// missing elements read as zero bits (sent as -0, never summed into an
-// output).
+// Pack i of `count` elements at `base` (16-byte aligned); the last pack may
+// be partial: its missing elements read as zero bits (sent as -0, never
+// summed into an output).
 template <typename T>
 __device__ __forceinline__ Pack loadElements(const void* base, size_t i, size_t count) {
   constexpr int kPer = Elements<T>::kPerPack;
@@ -320,12 +320,26 @@ struct PushedSums {
 
 // Pack j of row `row` of this rank's input (padded with zero bits past the
 // row's end), by packs when `packed`, else element by element.
+// (A row that does not start on a pack boundary is read element by
+// element: a 16-byte load there would be misaligned.)
 template <typename T>
 __device__ __forceinline__ Pack rowPack(const KernelArgs& a, size_t row, size_t j) {
   constexpr int kPer = Elements<T>::kPerPack;
   if (a.packed) return reinterpret_cast<const Pack*>(a.input)[row * (a.hidden / kPer) + j];
-  const T* from = reinterpret_cast<const T*>(a.input) + row * a.hidden;
-  return loadElements<T>(from, j, a.hidden);
+  const T* from = reinterpret_cast<const T*>(a.input) + row * a.hidden + j * kPer;
+  const size_t valid = a.hidden - j * kPer;
+  T e[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    if (static_cast<size_t>(k) < valid) {
+      e[k] = from[k];
+    } else {
+      memset(&e[k], 0, sizeof(T));
+    }
+  }
+  Pack v;
+  memcpy(&v, e, sizeof(Pack));
+  return v;
 }
 
 template <typename T, int N>

@@ -1,6 +1,7 @@
 // The shortest route from Python to a tpcomm group for the per-token calls:
 // torch.distributed.all_reduce (tpcomm/_fast_calls.py puts its function in
-// torch.distributed's place) and GroupCoordinator.all_reduce.
+// torch.distributed's place), GroupCoordinator.all_reduce and
+// tpcomm.all_reduce_into.
 //
 // torch's route to the backend costs about 2 us before any byte moves: its
 // Python function (argument checks, AllreduceOptions made and filled through
@@ -172,11 +173,45 @@ PyObject* fastAllReduceOut(PyObject* /*module*/, PyObject* const* args, Py_ssize
   END_HANDLE_TH_ERRORS
 }
 
+// _fast_all_reduce_into(handle, input, out, average) -> bool: tpcomm's
+// all_reduce_into (out = sum or mean of every rank's input, out of place) as
+// its binding makes it (ProcessGroupTpcomm::allreduceInto, waited for: a CUDA
+// call is ordered on the current stream), without pybind's conversions;
+// False when the call was not taken (nothing happened).
+PyObject* fastAllReduceInto(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(nargs == 4, "_fast_all_reduce_into takes (handle, input, out, average)");
+  const at::Tensor* input = plainTensor(args[1]);
+  const at::Tensor* output = plainTensor(args[2]);
+  if (input == nullptr || output == nullptr) Py_RETURN_FALSE;
+  const int average = PyObject_IsTrue(args[3]);
+  if (average < 0) return nullptr;
+  auto backend = backendOf(args[0], *input);
+  if (!backend) Py_RETURN_FALSE;
+  at::Tensor in = *input;
+  at::Tensor out = *output;
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = average != 0 ? c10d::ReduceOp::AVG : c10d::ReduceOp::SUM;
+  opts.asyncOp = false;
+  {
+    py::gil_scoped_release released;
+    auto work = backend->allreduceInto(in, out, opts);
+    if (work) work->wait();
+  }
+  ++callsTaken;
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef methods[] = {
     {"_fast_all_reduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&fastAllReduce)),
      METH_FASTCALL,
      "_fast_all_reduce(handle, tensor, op, async_op): dist.all_reduce's direct route (True: "
      "done; a Work or None: async_op's result; False: not taken, nothing happened)."},
+    {"_fast_all_reduce_into",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&fastAllReduceInto)), METH_FASTCALL,
+     "_fast_all_reduce_into(handle, input, out, average) -> bool: tpcomm.all_reduce_into's "
+     "direct route (False: not taken, nothing happened)."},
     {"_fast_all_reduce_out",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(&fastAllReduceOut)), METH_FASTCALL,
      "_fast_all_reduce_out(handle, tensor) -> Tensor | None: GroupCoordinator.all_reduce's "

@@ -71,6 +71,15 @@ def _handle_of(group):
     return handle
 
 
+def cached_handle(group):
+    """The group's direct-call handle (None or False: not taken), remembered
+    per group as all_reduce's are (tpcomm.all_reduce_into uses it)."""
+    entry = _handles.get(id(group))
+    if entry is not None and entry[0]() is group:
+        return entry[1]
+    return _handle_of(group)
+
+
 def _make_all_reduce(original):
     fast = _C._fast_all_reduce
     calls_on_this_thread = _C._calls_on_this_thread

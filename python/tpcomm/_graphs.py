@@ -22,6 +22,10 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
+from tpcomm import _C, _fast_calls
+
+_fast_into = _C._fast_all_reduce_into
+
 
 def _backend(group):
     from tpcomm import _backend_of
@@ -48,9 +52,14 @@ def graph_capture(group=None):
 
 def all_reduce_into(input_, out, group=None, average=False):
     """out = sum (or mean) of every rank's `input_`, ordered on the current
-    stream; the custom kernel reads `input_` in place where it can."""
+    stream; the custom kernel reads `input_` in place where it can. Plain
+    tensors take the direct route (_C._fast_all_reduce_into: the same backend
+    call without the binding's conversions)."""
     if group is None:
         group = dist.group.WORLD
+    handle = _fast_calls.cached_handle(group)
+    if handle and _fast_into(handle, input_, out, average):
+        return out
     work = _backend(group).all_reduce_into(input_, out, average, False)
     if work is not None:  # CPU tensors: Gloo's work; CUDA: ordered on the current stream
         work.wait()

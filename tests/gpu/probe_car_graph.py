@@ -60,6 +60,8 @@ def main():
     for n in args.world_sizes:
         group = LocalGroup(n, max_bytes=1 << 20, timeout_ms=10000)
         ordered = LocalGroup(n, max_bytes=1 << 20, timeout_ms=10000, graph_order="event")
+        pdl = LocalGroup(n, max_bytes=1 << 20, timeout_ms=10000)
+        pdl.pdl = True
         xs = [torch.randn(4, device="cuda") for _ in range(n)]
         outs = [torch.empty_like(x) for x in xs]
         ext = [torch.cuda.Event(external=True) for _ in range(n)]
@@ -69,9 +71,13 @@ def main():
             "empty+ext events": lambda: _fork(
                 group.streams, lambda r, s: _C.car_launch_empty_kernel(s.cuda_stream), ext),
             "tpcomm 16 B": lambda: group.all_reduce(xs, outs),
+            "tpcomm 16 B push": lambda: group.all_reduce(xs, outs, algorithm="push"),
+            "tpcomm 16 B one-shot": lambda: group.all_reduce(xs, outs, algorithm="oneshot"),
             "tpcomm barrier-only": lambda: group.barrier_only(1),
             "tpcomm 16 B, event order": lambda: ordered.all_reduce(xs, outs),
         }
+        if torch.cuda.get_device_capability()[0] >= 9:
+            cases["tpcomm 16 B push, PDL"] = lambda: pdl.all_reduce(xs, outs, algorithm="push")
         if vlib is not None and n in (2, 4, 8):
             vg = pv.VllmGroup(vlib, n, 1 << 20, streams=group.streams)
             vouts = [torch.empty_like(x) for x in xs]

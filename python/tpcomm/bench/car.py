@@ -81,12 +81,14 @@ def _reference(xs):
     return acc.to(xs[0].dtype)
 
 
-def _best_ms(fns, iters, rounds=2):
-    """Each fn's best time of `rounds` alternated runs (ms per call)."""
+def _best_ms(fns, iters, rounds=3):
+    """Each fn's best time of `rounds` alternated runs (ms per call), the
+    order rotated each round so that no fn always follows the same one."""
     best = [float("inf")] * len(fns)
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            best[i] = min(best[i], _time_ms(fn, iters))
+    for k in range(rounds):
+        for j in range(len(fns)):
+            i = (j + k) % len(fns)
+            best[i] = min(best[i], _time_ms(fns[i], iters))
     return best
 
 
