@@ -79,8 +79,13 @@ size_t pushLimit(int worldSize, size_t maxBytes, int64_t setting) {
   const size_t slot = std::min(maxBytes, kPushMaxBytes);
   if (setting >= 0) return std::min(static_cast<size_t>(setting), slot);
   // A push writes N - 1 copies of the call into peers' memory (the barrier
-  // one-shot reads them instead), so its gain shrinks with size and N.
-  const size_t limit = worldSize <= 4 ? kPushMaxBytes : kPushMaxBytes / 2;
+  // one-shot reads them instead), so its gain shrinks with size and N. On an
+  // H200, ranks as streams (tests/gpu/NOTES.md rows 52-53): at 2 and 4 ranks
+  // the push beat the barrier one-shot at every size up to its 256 KiB slot
+  // (N=2: 4.1-4.5 against 5.5-5.7 us); at 8 ranks up to 4 KiB (8.8 against
+  // 9.3 us) but not from 16 KiB (10.1 against 9.7). 5 to 7 ranks were not
+  // measured and take 8's limit.
+  const size_t limit = worldSize <= 4 ? kPushMaxBytes : size_t{8} << 10;
   return std::min(limit, slot);
 }
 

@@ -58,7 +58,7 @@ const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_CAR_PUSH_MAX_BYTES", "int", "-1",
      "Largest custom one-shot allreduce made as a push: each rank writes its values straight "
      "into every peer's buffer and they carry their own arrival (no flag, no barrier; a zero "
-     "of either sign is read as +0). -1: by world size (256 KiB at 2-4 ranks, 128 KiB at "
+     "of either sign is read as +0). -1: by world size (256 KiB at 2-4 ranks, 8 KiB at "
      "5-8, at most the push buffer of 256 KiB and TPCOMM_CAR_MAX_BYTES), 0: never. Equal on "
      "every rank."},
     {"TPCOMM_CAR_PDL", "string", "auto",

@@ -210,8 +210,11 @@ void CustomPath::allreduce(const at::Tensor& input, const at::Tensor& output, De
   options.chooseAlgorithm = false;
   options.algorithm = algorithmFor(route, (bytes + 15) / 16 * 16);
   options.scale = scale;
-  // A push reads this rank's input where it lies already: nothing to register.
-  if (registering && options.algorithm != car::Algorithm::kPush && isCapturing(stream.stream())) {
+  // A push reads this rank's input where it lies and never reads the table,
+  // but its captured calls are registered too: graph_capture()'s exit then
+  // checks that every rank captured the same calls (a mismatch raises there
+  // instead of pairing the wrong replays).
+  if (registering && isCapturing(stream.stream())) {
     RelaxedCaptureMode relaxed;
     bool stage = true;
     options.registered =

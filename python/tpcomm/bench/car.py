@@ -150,6 +150,13 @@ def run(world_sizes=(2, 4, 8), max_mib=64, quick=False, png="car_bench.png", pee
             graph = _graph_of(call, reps=10)
             zc_graph = _graph_of(zero_copy, reps=10)
             fns = [graph.replay, zc_graph.replay]
+            v_outs = None
+            if vgroup is not None:
+                v_outs = [torch.empty_like(x) for x in xs]
+                vgroup.register(xs)  # the eager warm-up call of _graph_of
+                v_graph = _graph_of(lambda: vgroup.all_reduce(xs, v_outs), reps=10)
+                vgroup.register_graph()
+                fns.append(v_graph.replay)
             # The variants, side by side: forced push / barrier one-shot, PDL.
             variants = {}
             forced_outs = [torch.empty_like(x) for x in xs]
@@ -164,16 +171,9 @@ def run(world_sizes=(2, 4, 8), max_mib=64, quick=False, png="car_bench.png", pee
                     variants["pdl"] = _graph_of(call, reps=10)
                     group.pdl = False
             fns += [g.replay for g in variants.values()]
-            v_outs = None
-            if vgroup is not None:
-                v_outs = [torch.empty_like(x) for x in xs]
-                vgroup.register(xs)  # the eager warm-up call of _graph_of
-                v_graph = _graph_of(lambda: vgroup.all_reduce(xs, v_outs), reps=10)
-                vgroup.register_graph()
-                fns.append(v_graph.replay)
             times = _best_ms(fns, iters)
             graph_ms, zc_ms = times[0] / 10, times[1] / 10
-            first_variant = 3 if vgroup is not None else 2
+            first_variant = 3 if vgroup is not None else 2  # after the graph, zc (and vLLM)
             variant_us = {name: times[first_variant + i] / 10 * 1e3
                           for i, name in enumerate(variants)}
             group.check()

@@ -78,14 +78,14 @@ TEST(CarAlgorithm, OneShotLimitsByWorldSize) {
 }
 
 // The push takes the small one-shot calls: up to 256 KiB at 2-4 ranks and
-// 128 KiB at 5-8, never past the push slot or the group's maximum; the
+// 8 KiB at 5-8 (the crossovers measured on an H200), never past the push slot or the group's maximum; the
 // setting (TPCOMM_CAR_PUSH_MAX_BYTES) replaces the limit, 0 turns it off.
 TEST(CarAlgorithm, PushLimitsByWorldSizeAndSetting) {
   const size_t max = 8 << 20;
   EXPECT_EQ(pushLimit(2, max), 256u << 10);
   EXPECT_EQ(pushLimit(4, max), 256u << 10);
-  EXPECT_EQ(pushLimit(5, max), 128u << 10);
-  EXPECT_EQ(pushLimit(8, max), 128u << 10);
+  EXPECT_EQ(pushLimit(5, max), 8u << 10);
+  EXPECT_EQ(pushLimit(8, max), 8u << 10);
   EXPECT_EQ(pushLimit(2, 4096), 4096u);
   EXPECT_EQ(pushLimit(2, max, 0), 0u);
   EXPECT_EQ(pushLimit(8, max, 200 << 10), 200u << 10);
@@ -93,8 +93,8 @@ TEST(CarAlgorithm, PushLimitsByWorldSizeAndSetting) {
   EXPECT_EQ(chooseAlgorithm(2, 16, max), Algorithm::kPush);
   EXPECT_EQ(chooseAlgorithm(2, 256 << 10, max), Algorithm::kPush);
   EXPECT_EQ(chooseAlgorithm(2, (256 << 10) + 16, max), Algorithm::kOneShot);
-  EXPECT_EQ(chooseAlgorithm(8, 128 << 10, max), Algorithm::kPush);
-  EXPECT_EQ(chooseAlgorithm(8, (128 << 10) + 16, max), Algorithm::kOneShot);
+  EXPECT_EQ(chooseAlgorithm(8, 8 << 10, max), Algorithm::kPush);
+  EXPECT_EQ(chooseAlgorithm(8, (8 << 10) + 16, max), Algorithm::kOneShot);
   EXPECT_EQ(chooseAlgorithm(2, 16, max, 0), Algorithm::kOneShot);
   EXPECT_TRUE(pushApplies(3, 1000, max));
   EXPECT_FALSE(pushApplies(3, 1000, max, 512));

@@ -369,7 +369,7 @@ TEST_P(HostApiEmulation, CallsThroughCustomAllreduceMatchTheReference) {
   calls.push_back(c);
   c.count = 0;
   calls.push_back(c);
-  c.count = 3001;  // 12 KB: a push, chosen by size
+  c.count = 1501;  // 6 KB: a push, chosen by size
   calls.push_back(c);
   c.dtype = DType::kBFloat16;
   c.count = 777;
@@ -398,7 +398,7 @@ TEST_P(HostApiEmulation, CallsThroughCustomAllreduceMatchTheReference) {
   expectResults(g);
   EXPECT_EQ(chooseAlgorithm(n, 800000, 1 << 20),
             n == 2 ? Algorithm::kOneShot : Algorithm::kTwoShot);
-  EXPECT_EQ(chooseAlgorithm(n, 3001 * 4, 1 << 20), Algorithm::kPush);
+  EXPECT_EQ(chooseAlgorithm(n, 1501 * 4, 1 << 20), Algorithm::kPush);
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, HostApiEmulation, ::testing::Values(2, 4, 5));
