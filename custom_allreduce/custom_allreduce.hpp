@@ -114,9 +114,11 @@ Algorithm chooseAlgorithm(int worldSize, size_t bytes, size_t maxBytes, int64_t 
 int chooseBlocks(Algorithm algorithm, int worldSize, size_t bytes, int override,
                  int cap = kMaxBlocks);
 // The most blocks chosen by size when ranks of a group share a GPU: all of
-// their blocks must be resident at once, and 8 ranks x 36 blocks of 512
-// threads fit on an A100 as on an H100 (a larger explicit count is checked
-// against the GPU by sharedGpuBlocks where the ranks share a process).
+// their blocks must be resident at once. The launch caps every count (an
+// explicit one too) further to what the GPU holds of the kernel it runs,
+// divided among the ranks (and halved with PDL, when a rank's next kernel
+// may hold its blocks too): kernels above 40 registers a thread hold two
+// blocks of 512 threads per SM, 264 on an H100, less than 8 x 36.
 inline constexpr int kSharedGpuBlocks = 36;
 
 // Blocks per rank when all `worldSize` ranks of a group run on one GPU

@@ -101,6 +101,7 @@ void CustomAllreduce::launch(LaunchParams& p, cudaStream_t stream, size_t bytes,
   p.pushOffset = layout_.pushOffset;
   p.pushSlotBytes = layout_.pushSlotBytes;
   p.pdl = pdl_.load(std::memory_order_relaxed);
+  p.sharedGpu = sharedGpu_.load(std::memory_order_relaxed);
   p.deviceScope = deviceScope_.load(std::memory_order_relaxed);
   p.timeoutNs = static_cast<uint64_t>(timeoutMs_.load()) * 1000000ull;
   p.errorDevice = errorDevice_;
@@ -263,17 +264,26 @@ class EventLaunchOrder : public LaunchOrder {
     TPCOMM_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, &id));
     capturing_ = status != cudaStreamCaptureStatusNone;
     if (!capturing_) {
-      TPCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, cudaEventWaitDefault));
+      // The stream of the previous eager launch orders this one by itself
+      // (and lets a dependent launch start early); any other stream waits
+      // for the event. (Not with external event nodes: a replay on another
+      // stream may have recorded the event since. Not for the per-thread
+      // default stream, one handle for every thread's own stream.)
+      const bool sameStream = lastEagerValid_ && stream == lastEager_ && !captureEvents_ &&
+                              stream != cudaStreamPerThread;
+      if (!sameStream) TPCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, cudaEventWaitDefault));
       return;
     }
+    lastEagerValid_ = false;  // a capture may be replayed anywhere before the next eager call
     // Across graph launches and eager calls on other streams: an external
     // wait node (when asked for).
     if (captureEvents_) {
       TPCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream, event_, cudaEventWaitExternal));
     }
     // Within this capture: after the capture's previous launch, whatever
-    // branch of the graph it is on.
-    if (inCaptureValid_ && captureId_ == id) {
+    // branch of the graph it is on (on the same captured stream the stream's
+    // own edge does it, and a programmatic edge stays programmatic).
+    if (inCaptureValid_ && captureId_ == id && stream != inCaptureStream_) {
       TPCOMM_CUDA_CHECK(cudaStreamWaitEvent(stream, inCapture_, 0));
     }
     captureId_ = id;
@@ -281,10 +291,13 @@ class EventLaunchOrder : public LaunchOrder {
   void after(cudaStream_t stream) override {
     if (!capturing_) {
       TPCOMM_CUDA_CHECK(cudaEventRecord(event_, stream));
+      lastEager_ = stream;
+      lastEagerValid_ = true;
       return;
     }
     TPCOMM_CUDA_CHECK(cudaEventRecord(inCapture_, stream));
     inCaptureValid_ = true;
+    inCaptureStream_ = stream;
     if (captureEvents_) {
       TPCOMM_CUDA_CHECK(cudaEventRecordWithFlags(event_, stream, cudaEventRecordExternal));
     } else {
@@ -335,7 +348,10 @@ class EventLaunchOrder : public LaunchOrder {
   std::atomic<cudaEvent_t> queryable_{nullptr};  // event_ once created (pending(), any thread)
   cudaEvent_t inCapture_ = nullptr;              // the last launch captured in the current capture
   unsigned long long captureId_ = 0;             // the capture inCapture_ was recorded in
+  cudaStream_t inCaptureStream_ = nullptr;       // the stream inCapture_ was recorded on
   bool inCaptureValid_ = false;
+  cudaStream_t lastEager_ = nullptr;  // the stream of the last eager launch
+  bool lastEagerValid_ = false;       // no capture since it
   bool capturing_ = false;      // of the launch between before() and after()
   bool captureEvents_ = false;  // external event nodes in captures
   // A launch was captured without them: its replays are invisible to event_

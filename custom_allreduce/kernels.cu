@@ -1,6 +1,9 @@
 // The product's launches: the allreduce kernel dispatch.cuh picks, an empty
 // kernel for the benchmark's baseline, and the set-up's write probe.
-#include <atomic>
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "custom_allreduce/cuda_check.hpp"
 #include "custom_allreduce/dispatch.cuh"
@@ -9,29 +12,52 @@ namespace tpcomm::car {
 
 namespace {
 
-// Whether the current GPU has programmatic dependent launch (sm_90+),
-// asked once per device.
-bool currentGpuHasPdl() {
-  static std::atomic<int> known[64];  // 0 unknown, 1 no, 2 yes
+// What one kernel allows, asked of the current GPU once per kernel: whether
+// its code waits for the previous grid (compiled for sm_90+: code JIT-built
+// from older PTX has no griddepcontrol.wait, so it must never be launched
+// early), and how many of its blocks the GPU holds at once.
+struct KernelFacts {
+  bool pdl = false;
+  int resident = 0;
+};
+
+KernelFacts factsOf(KernelFn kernel) {
+  static std::mutex mutex;
+  static std::map<std::pair<KernelFn, int>, KernelFacts> known;
   int device = 0;
   TPCOMM_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < 0 || device >= 64) return false;
-  int state = known[device].load(std::memory_order_relaxed);
-  if (state == 0) {
-    int major = 0;
-    TPCOMM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-    state = major >= 9 ? 2 : 1;
-    known[device].store(state, std::memory_order_relaxed);
-  }
-  return state == 2;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = known.find({kernel, device});
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes attributes{};
+  TPCOMM_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reinterpret_cast<const void*>(kernel)));
+  int major = 0, perSm = 0, sms = 0;
+  TPCOMM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  TPCOMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &perSm, reinterpret_cast<const void*>(kernel), kThreads, 0));
+  TPCOMM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  KernelFacts facts;
+  facts.pdl = major >= 9 && attributes.ptxVersion >= 90;
+  facts.resident = perSm * sms;
+  known.emplace(std::make_pair(kernel, device), facts);
+  return facts;
 }
 
 }  // namespace
 
 void launchAllreduce(const LaunchParams& p, cudaStream_t stream) {
   const KernelFn kernel = kernelFor(p);
-  if (!p.pdl || !currentGpuHasPdl()) {
-    kernel<<<p.blocks, kThreads, 0, stream>>>(kernelArgsOf(p));
+  const KernelFacts facts = factsOf(kernel);
+  const bool pdl = p.pdl && facts.pdl;
+  int blocks = p.blocks;
+  if (p.sharedGpu) {
+    // Every rank's blocks wait for each other on this GPU (and with PDL a
+    // rank's next kernel may already hold its blocks): all must fit.
+    const int fit = facts.resident / (p.worldSize * (pdl ? 2 : 1));
+    blocks = std::clamp(blocks, 1, std::max(1, fit));
+  }
+  if (!pdl) {
+    kernel<<<blocks, kThreads, 0, stream>>>(kernelArgsOf(p));
     TPCOMM_CUDA_CHECK(cudaGetLastError());
     return;
   }
@@ -41,7 +67,7 @@ void launchAllreduce(const LaunchParams& p, cudaStream_t stream) {
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(p.blocks));
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
   config.blockDim = dim3(kThreads);
   config.dynamicSmemBytes = 0;
   config.stream = stream;

@@ -38,8 +38,13 @@ struct LaunchParams {
   float eps = 0.f;
   bool packed = false;
   // Programmatic dependent launch (the kernel may start while the previous
-  // kernel on its stream ends; it waits for it on the GPU). sm_90+ only.
+  // kernel on its stream ends; it waits for it on the GPU). Used only where
+  // the kernel's code has the wait (compiled for sm_90+).
   bool pdl = false;
+  // Every rank of the group on this GPU: all their blocks (two kernels' worth
+  // of every rank with PDL) must be resident at once, so the launch caps
+  // `blocks` to what the GPU holds of this kernel (the same on every rank).
+  bool sharedGpu = false;
 };
 
 void launchAllreduce(const LaunchParams& params, cudaStream_t stream);

@@ -62,8 +62,10 @@
 // checked every 256 polls. A failed call may have written the packs whose
 // values had all arrived (a failed barrier kernel, too, may have written
 // the blocks that passed their barrier); the call raises either way. A
-// refused call (poison at entry) pushes, commits and writes nothing. The
-// reset zeroes the push buffers with the Signal, so rounds restart clean.
+// call that finds the group poisoned at entry commits and writes nothing
+// (its threads that read the poison word before it was set may have pushed:
+// harmless, as the group stays poisoned until the reset, which zeroes every
+// push buffer with the Signal, so rounds restart clean).
 
 #include "custom_allreduce/fused_kernels.cuh"
 
@@ -342,6 +344,60 @@ __device__ __forceinline__ Pack rowPack(const KernelArgs& a, size_t row, size_t 
   return v;
 }
 
+// The fused push's epilogue when every row is at most one pack per thread
+// and this rank's pointers allow packs (the common case: hidden 4096 in
+// bfloat16 is 512 packs): a thread keeps its pack's sum in registers and
+// loads its residual and weight while it waits, so the row costs one wait,
+// one block reduction and the two stores. Row by row, nothing of a row is
+// written before all of its values arrived. The arithmetic and the order of
+// the squares are normRow's (a thread sums its one pack front to back, then
+// blockSum), so the bits are those of the other paths on every rank.
+template <typename T, int N>
+__device__ void fusedPushRows(const KernelArgs& a, uint32_t round, size_t rows) {
+  constexpr int kPer = Elements<T>::kPerPack;
+  const size_t per = a.hidden / kPer;
+  const size_t j = threadIdx.x;
+  const bool active = j < per;
+  const Pack* residual = reinterpret_cast<const Pack*>(a.residual);
+  Pack* residualOut = reinterpret_cast<Pack*>(a.residualOut);
+  Pack* out = reinterpret_cast<Pack*>(a.output);
+  Pack weight{};
+  if (active) weight = reinterpret_cast<const Pack*>(a.weight)[j];
+  for (size_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const size_t i = row * per + j;
+    Pack v[N];
+    Pack res{};
+    int failed = 0;
+    if (active) {
+      res = residual[i];  // while the values travel
+      failed = awaitPack<N>(a, round, i, (1u << N) - 1u, v) ? 0 : 1;
+    }
+    if (__syncthreads_or(failed)) return;
+    float squares = 0.f;
+    T oe[kPer];
+    if (active) {
+      const Pack sum = sumWire<T, N>(a, v);
+      T se[kPer], re[kPer];
+      memcpy(se, &sum, sizeof(Pack));
+      memcpy(re, &res, sizeof(Pack));
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) squares += addResidual<T>(se[k], re[k], &oe[k]);
+    }
+    const float inverse = 1.f / sqrtf(blockSum(squares) / static_cast<float>(a.hidden) + a.eps);
+    if (active) {
+      Pack o;
+      memcpy(&o, oe, sizeof(Pack));
+      residualOut[i] = o;
+      T we[kPer], ne[kPer];
+      memcpy(we, &weight, sizeof(Pack));
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) ne[k] = normed<T>(oe[k], inverse, we[k]);
+      memcpy(&o, ne, sizeof(Pack));
+      out[i] = o;
+    }
+  }
+}
+
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) fusedPushKernel(KernelArgs a) {
   constexpr int kPer = Elements<T>::kPerPack;
@@ -358,6 +414,10 @@ __global__ void __launch_bounds__(kThreads) fusedPushKernel(KernelArgs a) {
     }
   });
   if (!open) return;
+  if (a.packed && perRow <= blockDim.x) {
+    fusedPushRows<T, N>(a, round, rows);
+    return;
+  }
   int failed = 0;
   for (size_t row = blockIdx.x; row < rows && !failed; row += gridDim.x) {
     for (size_t j = threadIdx.x; j < perRow; j += blockDim.x) {

@@ -256,7 +256,9 @@ void registerCustomAllreduce(py::module_& m) {
           result = coord::setUpCustomAllreduce(
               *cpu, rank, worldSize, *gpu, hostIdentity(), maxBytes,
               {{"TPCOMM_CAR_BLOCKS", std::to_string(settings().carBlocks)},
-               {"TPCOMM_CAR_FLAG_SCOPE", settings().carFlagScope}});
+               {"TPCOMM_CAR_FLAG_SCOPE", settings().carFlagScope},
+               {"TPCOMM_CAR_PUSH_MAX_BYTES", std::to_string(settings().carPushMaxBytes)},
+               {"TPCOMM_CAR_PDL", settings().carPdl}});
         }
         if (!result.available) return py::make_tuple(false, result.reason, py::none());
         auto made =

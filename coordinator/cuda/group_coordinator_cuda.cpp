@@ -73,6 +73,8 @@ std::shared_ptr<CustomPath> GroupCoordinator::ensureCustom(at::Device device) {
     const LaunchSettings launch{
         {"TPCOMM_CAR_BLOCKS", std::to_string(settings().carBlocks)},
         {"TPCOMM_CAR_FLAG_SCOPE", settings().carFlagScope},
+        {"TPCOMM_CAR_PUSH_MAX_BYTES", std::to_string(settings().carPushMaxBytes)},
+        {"TPCOMM_CAR_PDL", settings().carPdl},
         {"TPCOMM_ROUTE", config.mode},
         {"TPCOMM_ONESHOT_MAX_BYTES", std::to_string(config.oneShotMaxBytes)},
         {"TPCOMM_AUTOTUNE", settings().autotune ? "1" : "0"}};

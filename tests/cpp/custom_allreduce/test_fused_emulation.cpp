@@ -34,6 +34,9 @@ struct FusedCall {
   // The last rank's residual and weight start one element past a pack
   // boundary: it takes the element path while its peers take the pack path.
   bool misalignedLastRank = false;
+  // The inputs, residuals and weights of the call before (to compare the
+  // algorithms' bits on the same data).
+  bool sameDataAsPrevious = false;
   float eps = 1e-5f;
   // Set by the group.
   std::vector<void*> in, residual, residualOut, weight, normed;
@@ -63,7 +66,8 @@ class FusedGroup {
       buffers_.push_back(static_cast<char*>(arena_->take(layout_.totalBytes)));
     std::mt19937 random(4321 + n);
     std::uniform_real_distribution<float> value(-1.f, 1.f);
-    for (FusedCall& c : calls_) {
+    for (size_t index = 0; index < calls_.size(); ++index) {
+      FusedCall& c = calls_[index];
       const size_t count = c.rows * c.hidden;
       const size_t size = count * dtypeSize(c.dtype);
       std::vector<float> sharedResidual(count), weight(c.hidden);
@@ -82,6 +86,12 @@ class FusedGroup {
           store(c.dtype, c.residual[r], i, c.ownResiduals ? value(random) : sharedResidual[i]);
         }
         for (size_t i = 0; i < c.hidden; ++i) store(c.dtype, c.weight[r], i, weight[i]);
+        if (c.sameDataAsPrevious && index > 0) {
+          const FusedCall& p = calls_[index - 1];
+          std::memcpy(c.in[r], p.original[r].data(), size);
+          std::memcpy(c.residual[r], p.originalResidual[r].data(), size);
+          std::memcpy(c.weight[r], p.weight[r], c.hidden * dtypeSize(c.dtype));
+        }
         const char* in = static_cast<const char*>(c.in[r]);
         const char* res = static_cast<const char*>(c.residual[r]);
         c.original.emplace_back(in, in + size);
@@ -253,6 +263,46 @@ TEST(FusedEmulationPaths, ARankOnTheElementPathNormsAsItsPeersOnThePackPath) {
     ASSERT_TRUE(g.run(kGenerousNs));
     for (int r = 0; r < n; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
     expectFusedResults(g);
+  }
+}
+
+// The fused push (its register path when a row is at most one pack per
+// thread and the pointers allow packs, its general path otherwise) gives
+// the fused one-shot's bits on the same data: residual_out and normed.
+TEST(FusedEmulationPaths, ThePushGivesTheOneShotsBits) {
+  std::vector<FusedCall> calls;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    for (const auto& [rows, hidden] :
+         std::vector<std::pair<size_t, size_t>>{{1, 64}, {5, 128}, {3, 40}, {2, 1024}, {4, 13}}) {
+      for (bool misaligned : {false, true}) {
+        FusedCall c;
+        c.dtype = dtype;
+        c.rows = rows;
+        c.hidden = hidden;
+        c.blocks = 2;
+        c.misalignedLastRank = misaligned;
+        c.algorithm = Algorithm::kOneShot;
+        calls.push_back(c);
+        c.algorithm = Algorithm::kPush;
+        c.sameDataAsPrevious = true;
+        calls.push_back(c);
+      }
+    }
+  }
+  FusedGroup g(3, 64 << 10, calls);
+  ASSERT_TRUE(g.run(kGenerousNs));
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
+  expectFusedResults(g);
+  for (size_t i = 1; i < g.calls().size(); i += 2) {
+    const FusedCall& one = g.calls()[i - 1];
+    const FusedCall& push = g.calls()[i];
+    const size_t bytes = push.rows * push.hidden * dtypeSize(push.dtype);
+    for (int r = 0; r < 3; ++r) {
+      EXPECT_EQ(std::memcmp(push.residualOut[r], one.residualOut[r], bytes), 0)
+          << describe(push, 3) << ": rank " << r;
+      EXPECT_EQ(std::memcmp(push.normed[r], one.normed[r], bytes), 0)
+          << describe(push, 3) << ": rank " << r;
+    }
   }
 }
 
