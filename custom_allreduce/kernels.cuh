@@ -41,20 +41,19 @@ __device__ __forceinline__ __nv_bfloat16 fromFloat<__nv_bfloat16>(float x) {
 // Loads bypassing L1: the data was written by another SM or GPU.
 __device__ __forceinline__ Pack loadPack(const Pack* p) { return __ldcg(p); }
 
-// Sum over ranks of pack `index` of every rank's source, times `scale`.
-// The pack's bytes move between a Pack and its elements by memcpy (register
-// moves once compiled): reading a Pack through a T* is undefined behaviour
-// that an optimiser may exploit (the CPU emulation's did: it returned a Pack
-// it considered never written).
+// The rank-order float32 sum of N packs (rank 0 first), times `scale`,
+// rounded once to T. The pack's bytes move between a Pack and its elements
+// by memcpy (register moves once compiled): reading a Pack through a T* is
+// undefined behaviour that an optimiser may exploit (the CPU emulation's
+// did: it returned a Pack it considered never written).
 template <typename T, int N>
-__device__ __forceinline__ Pack sumPack(const char* const (&src)[N], size_t index, float scale) {
+__device__ __forceinline__ Pack rankOrderSum(const Pack (&v)[N], float scale) {
   constexpr int kPer = Elements<T>::kPerPack;
   float acc[kPer];
 #pragma unroll
   for (int r = 0; r < N; ++r) {
-    const Pack v = loadPack(reinterpret_cast<const Pack*>(src[r]) + index);
     T e[kPer];
-    memcpy(e, &v, sizeof(Pack));
+    memcpy(e, &v[r], sizeof(Pack));
 #pragma unroll
     for (int k = 0; k < kPer; ++k) acc[k] = r == 0 ? toFloat(e[k]) : acc[k] + toFloat(e[k]);
   }
@@ -64,6 +63,15 @@ __device__ __forceinline__ Pack sumPack(const char* const (&src)[N], size_t inde
   Pack out;
   memcpy(&out, o, sizeof(Pack));
   return out;
+}
+
+// Sum over ranks of pack `index` of every rank's source, times `scale`.
+template <typename T, int N>
+__device__ __forceinline__ Pack sumPack(const char* const (&src)[N], size_t index, float scale) {
+  Pack v[N];
+#pragma unroll
+  for (int r = 0; r < N; ++r) v[r] = loadPack(reinterpret_cast<const Pack*>(src[r]) + index);
+  return rankOrderSum<T, N>(v, scale);
 }
 
 template <typename T, int N>

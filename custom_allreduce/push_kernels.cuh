@@ -110,13 +110,12 @@ __device__ __forceinline__ bool arrived(Pack v) {
 // Pack i of `count` elements at `base` (16-byte aligned); the last pack may
 // be partial: its missing elements read as zero bits (sent as -0, never
 // summed into an output).
+// A pack of the first min(valid, per pack) elements at `from` (any
+// alignment), the rest zero bits.
 template <typename T>
-__device__ __forceinline__ Pack loadElements(const void* base, size_t i, size_t count) {
+__device__ __forceinline__ Pack gatherElements(const T* from, size_t valid) {
   constexpr int kPer = Elements<T>::kPerPack;
-  if ((i + 1) * kPer <= count) return reinterpret_cast<const Pack*>(base)[i];
   T e[kPer];
-  const T* from = reinterpret_cast<const T*>(base) + i * kPer;
-  const size_t valid = count - i * kPer;
 #pragma unroll
   for (int k = 0; k < kPer; ++k) {
     if (static_cast<size_t>(k) < valid) {
@@ -128,6 +127,13 @@ __device__ __forceinline__ Pack loadElements(const void* base, size_t i, size_t 
   Pack v;
   memcpy(&v, e, sizeof(Pack));
   return v;
+}
+
+template <typename T>
+__device__ __forceinline__ Pack loadElements(const void* base, size_t i, size_t count) {
+  constexpr int kPer = Elements<T>::kPerPack;
+  if ((i + 1) * kPer <= count) return reinterpret_cast<const Pack*>(base)[i];
+  return gatherElements<T>(reinterpret_cast<const T*>(base) + i * kPer, count - i * kPer);
 }
 
 template <typename T>
@@ -211,22 +217,10 @@ __device__ __forceinline__ bool awaitPack(const KernelArgs& a, uint32_t round, s
 // The rank-order sum of N wire packs, decoded, times the call's scale.
 template <typename T, int N>
 __device__ __forceinline__ Pack sumWire(const KernelArgs& a, const Pack (&v)[N]) {
-  constexpr int kPer = Elements<T>::kPerPack;
-  float acc[kPer];
+  Pack d[N];
 #pragma unroll
-  for (int r = 0; r < N; ++r) {
-    const Pack d = decodePack<T>(v[r]);
-    T e[kPer];
-    memcpy(e, &d, sizeof(Pack));
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) acc[k] = r == 0 ? toFloat(e[k]) : acc[k] + toFloat(e[k]);
-  }
-  T o[kPer];
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) o[k] = fromFloat<T>(acc[k] * a.scale);
-  Pack out;
-  memcpy(&out, o, sizeof(Pack));
-  return out;
+  for (int r = 0; r < N; ++r) d[r] = decodePack<T>(v[r]);
+  return rankOrderSum<T, N>(d, a.scale);
 }
 
 // Steps 0-3, shared by the plain and the fused push. Returns false (on every
@@ -328,20 +322,8 @@ template <typename T>
 __device__ __forceinline__ Pack rowPack(const KernelArgs& a, size_t row, size_t j) {
   constexpr int kPer = Elements<T>::kPerPack;
   if (a.packed) return reinterpret_cast<const Pack*>(a.input)[row * (a.hidden / kPer) + j];
-  const T* from = reinterpret_cast<const T*>(a.input) + row * a.hidden + j * kPer;
-  const size_t valid = a.hidden - j * kPer;
-  T e[kPer];
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    if (static_cast<size_t>(k) < valid) {
-      e[k] = from[k];
-    } else {
-      memset(&e[k], 0, sizeof(T));
-    }
-  }
-  Pack v;
-  memcpy(&v, e, sizeof(Pack));
-  return v;
+  return gatherElements<T>(reinterpret_cast<const T*>(a.input) + row * a.hidden + j * kPer,
+                           a.hidden - j * kPer);
 }
 
 // The fused push's epilogue when every row is at most one pack per thread

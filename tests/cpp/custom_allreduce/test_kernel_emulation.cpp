@@ -283,6 +283,14 @@ std::vector<int> allRanks(int n) {
   return out;
 }
 
+// Runs every call on every rank of `g`; no rank may fail, and every output
+// must be the reference.
+void expectCleanRun(EmulatedGroup& g) {
+  ASSERT_TRUE(g.run(allRanks(g.size()), kGenerousNs));
+  for (int r = 0; r < g.size(); ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
+  expectResults(g);
+}
+
 class KernelEmulation : public ::testing::TestWithParam<int> {};
 
 // Every dtype and algorithm, counts around the pack size and the block and
@@ -480,9 +488,7 @@ TEST(KernelEmulationFull, PushSurvivesSlowReadersAndMixedCalls) {
     calls.push_back(c);
   }
   EmulatedGroup g(kRanks, 32 << 10, calls);
-  ASSERT_TRUE(g.run(allRanks(kRanks), kGenerousNs));
-  for (int r = 0; r < kRanks; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
-  expectResults(g);
+  expectCleanRun(g);
 }
 
 // A zero of either sign is read as +0 by the push (it sends every zero as
@@ -503,9 +509,7 @@ TEST(KernelEmulationFull, PushReadsEveryZeroAsPositiveZero) {
     }
   }
   EmulatedGroup g(3, 32 << 10, calls);
-  ASSERT_TRUE(g.run(allRanks(3), kGenerousNs));
-  for (int r = 0; r < 3; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
-  expectResults(g);
+  expectCleanRun(g);
   for (const Call& c : g.calls()) {
     for (int r = 0; r < 3; ++r) {
       for (size_t i = 0; i < c.count; i += 4) {  // -0 on every rank
@@ -555,9 +559,15 @@ TEST(KernelEmulationFailure, WithheldRankIsNamedAndOutputUntouched) {
 // (or graph replays) end at once with the original cause instead of waiting
 // out their own timeout, and a peer that comes late finds the poison at entry
 // instead of pairing its call with its peers' next one (whose flags and
-// staging it would take for its own). Outputs stay untouched everywhere.
-TEST(KernelEmulationFailure, ATimeoutPoisonsQueuedAndLateKernelsOfEveryRank) {
+// staging it would take for its own; a late push pushes nothing). Outputs
+// stay untouched everywhere (no pack of a push had all its values). The
+// failed call is a barrier one-shot or a push (named by "its pushed values").
+class TimeoutEmulation : public ::testing::TestWithParam<Algorithm> {};
+
+TEST_P(TimeoutEmulation, ATimeoutPoisonsQueuedAndLateKernelsOfEveryRank) {
+  const bool push = GetParam() == Algorithm::kPush;
   Call first;
+  first.algorithm = GetParam();
   first.count = 300;
   first.blocks = 2;
   first.timeoutNs = 200ull * 1000 * 1000;
@@ -571,10 +581,13 @@ TEST(KernelEmulationFailure, ATimeoutPoisonsQueuedAndLateKernelsOfEveryRank) {
   start = std::chrono::steady_clock::now();
   ASSERT_TRUE(g.run({2}, kGenerousNs, 30)) << "the late rank waited";
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+  const std::string cause = std::string("rank 2 did not arrive (block 0, ") +
+                            (push ? "its pushed values)" : "start barrier)");
   for (int r = 0; r < 3; ++r) {
     const uint32_t code = g.error(r);
-    EXPECT_EQ(code & ~(0xfu << 24), errorCode(2, kStart, 0))
+    EXPECT_EQ(code & ~(0xfu << 24), errorCode(2, push ? kPush : kStart, 0))
         << "rank " << r << ": " << describeError(code);
+    EXPECT_NE(describeError(code).find(cause), std::string::npos) << describeError(code);
     if (r == 2) {
       EXPECT_TRUE(reporterOf(code) == 0 || reporterOf(code) == 1) << describeError(code);
       EXPECT_NE(describeError(code).find("the group is poisoned: rank "), std::string::npos);
@@ -587,6 +600,13 @@ TEST(KernelEmulationFailure, ATimeoutPoisonsQueuedAndLateKernelsOfEveryRank) {
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Algorithms, TimeoutEmulation,
+                         ::testing::Values(Algorithm::kOneShot, Algorithm::kPush),
+                         [](const ::testing::TestParamInfo<Algorithm>& info) {
+                           return std::string(info.param == Algorithm::kPush ? "Push"
+                                                                             : "OneShot");
+                         });
 
 // The collective reset waits until no rank has a kernel in flight before
 // anyone zeroes: rank 0 gives up on a two-shot call while rank 1 is slow to
@@ -617,45 +637,6 @@ TEST(KernelEmulationFailure, ResetWaitsForLateFlagsOfTheFailedCall) {
   ASSERT_TRUE(g.run({0, 1}, kGenerousNs, 60));
   for (int r = 0; r < 2; ++r) EXPECT_EQ(g.error(r), 0u) << describeError(g.error(r));
   expectResults(g);
-}
-
-// A withheld rank, on the push: the others stop within the timeout, name it
-// ("its pushed values"), poison the group and leave their outputs alone (no
-// pack of theirs had all its values); their queued call ends at once; the
-// late rank then finds the poison at entry and pushes nothing.
-TEST(KernelEmulationFailure, AWithheldRankOnThePushIsNamedAndPoisonsTheGroup) {
-  Call push;
-  push.algorithm = Algorithm::kPush;
-  push.count = 300;
-  push.blocks = 2;
-  push.timeoutNs = 200ull * 1000 * 1000;
-  Call queued = push;
-  queued.timeoutNs = 0;  // the run's: a minute
-  EmulatedGroup g(3, 32 << 10, {push, queued});
-  auto start = std::chrono::steady_clock::now();
-  ASSERT_TRUE(g.run({0, 1}, kGenerousNs, 30)) << "the queued call waited out its timeout";
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
-  start = std::chrono::steady_clock::now();
-  ASSERT_TRUE(g.run({2}, kGenerousNs, 30)) << "the late rank waited";
-  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
-  for (int r = 0; r < 3; ++r) {
-    const uint32_t code = g.error(r);
-    EXPECT_EQ(code & ~(0xfu << 24), errorCode(2, kPush, 0)) << "rank " << r << ": "
-                                                             << describeError(code);
-    if (r < 2) {
-      EXPECT_NE(describeError(code).find("rank 2 did not arrive (block 0, its pushed values)"),
-                std::string::npos)
-          << describeError(code);
-    } else {
-      EXPECT_NE(describeError(code).find("the group is poisoned: rank "), std::string::npos);
-    }
-    for (const Call& c : g.calls()) {
-      const auto* out = static_cast<const unsigned char*>(c.out[r]);
-      for (size_t i = 0; i < c.count * 4; ++i) {
-        ASSERT_EQ(out[i], 0xA5) << describe(c, 3) << ": rank " << r << " byte " << i;
-      }
-    }
-  }
 }
 
 TEST(KernelEmulationFailure, AResetAfterAFailedPushClearsItsValues) {
