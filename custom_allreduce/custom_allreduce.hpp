@@ -301,9 +301,9 @@ class CustomAllreduce {
   // blocks chosen by size are then at most kSharedGpuBlocks.
   void setSharedGpu(bool shared) { sharedGpu_.store(shared); }
   // Programmatic dependent launch (TPCOMM_CAR_PDL, decided by configureFor;
-  // used only where the GPU has it, sm_90+): calls enqueued afterwards use
-  // the new value. With ranks sharing a GPU, the blocks chosen by size are
-  // then at most half of kSharedGpuBlocks.
+  // used only for kernels compiled with the wait, on sm_90+): calls enqueued
+  // afterwards use the new value. With ranks sharing a GPU, each rank then
+  // gets at most half of its share of what the GPU holds of the kernel.
   void setPdl(bool pdl) { pdl_.store(pdl); }
   bool pdl() const { return pdl_.load(); }
   bool deviceScope() const { return deviceScope_.load(); }

@@ -76,13 +76,12 @@ void CustomAllreduce::checkCall(const void* in, const void* out, size_t bytes, D
 
 void CustomAllreduce::launch(LaunchParams& p, cudaStream_t stream, size_t bytes,
                              const CallOptions& options) {
-  // Ranks sharing a GPU with dependent launches on: two kernels of every
-  // rank may be resident at once (the next one waits on the GPU).
-  const int sharedCap = pdl_.load() ? kSharedGpuBlocks / 2 : kSharedGpuBlocks;
+  // (Ranks sharing a GPU: the launch caps this further to what the GPU
+  // holds of the kernel, halved with PDL.)
   p.blocks =
       chooseBlocks(p.algorithm, worldSize_, bytes,
                    options.blocks > 0 ? options.blocks : static_cast<int>(settings().carBlocks),
-                   sharedGpu_.load() ? sharedCap : kMaxBlocks);
+                   sharedGpu_.load() ? kSharedGpuBlocks : kMaxBlocks);
   if (p.hidden > 0) {
     // A fused kernel's block owns whole rows: no more blocks than a part has rows.
     const size_t rows = p.count / p.hidden;
@@ -190,7 +189,6 @@ Algorithm CustomAllreduce::allreduceAddRmsNorm(const void* in, const AddRmsNorm&
   // A push carries each row as whole packs (its last one padded).
   const size_t rowPacks = (norm.hidden * dtypeSize(dtype) + kPackBytes - 1) / kPackBytes;
   const Algorithm algorithm = pickAlgorithm(norm.rows * rowPacks * kPackBytes, bytes, options);
-  TPCOMM_CHECK(norm.hidden > 0, kInvalidUsage, "custom allreduce + RMSNorm: hidden size 0");
   TPCOMM_CHECK(options.registered == nullptr && options.stageInput, kInvalidUsage,
                "custom allreduce + RMSNorm: always stages its input (no zero-copy table)");
   TPCOMM_CHECK(std::isfinite(norm.eps) && norm.eps >= 0.f, kInvalidUsage,
