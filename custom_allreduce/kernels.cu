@@ -77,13 +77,7 @@ void launchAllreduce(const LaunchParams& p, cudaStream_t stream) {
 }
 
 int maxResidentBlocks(DType dtype, Algorithm algorithm, int worldSize, bool fused) {
-  const KernelFn kernel = kernelFor(dtype, algorithm, worldSize, fused);
-  int perSm = 0, device = 0, sms = 0;
-  TPCOMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &perSm, reinterpret_cast<const void*>(kernel), kThreads, 0));
-  TPCOMM_CUDA_CHECK(cudaGetDevice(&device));
-  TPCOMM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return perSm * sms;
+  return factsOf(kernelFor(dtype, algorithm, worldSize, fused)).resident;
 }
 
 // A kernel that does nothing, for the benchmark's launch-overhead baseline.
