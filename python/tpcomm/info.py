@@ -2,7 +2,9 @@
 (as torch's `python -m torch.utils.collect_env`): versions, host identity,
 the settings in force, and which paths this machine can use, with reasons.
 `python -m tpcomm.info --settings-markdown` prints docs/settings.md, made
-from the one settings table (coordinator/common/settings.cpp)."""
+from the one settings table (coordinator/common/settings.cpp);
+`python -m tpcomm.info --cmake-prefix` prints the folder to put on
+CMAKE_PREFIX_PATH for `find_package(tpcomm)` (docs/cpp.md)."""
 
 import os
 import platform
@@ -56,6 +58,20 @@ def _gpu_paths(torch):
     return custom, nccl
 
 
+def cmake_prefix():
+    """The CMake prefix of the installed C++ package
+    (<site-packages>/tpcomm/share/cmake), found without importing torch, or
+    None where the package has none (a source tree on sys.path)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("tpcomm")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        prefix = os.path.join(folder, "share", "cmake")
+        if os.path.isfile(os.path.join(prefix, "tpcomm", "tpcommConfig.cmake")):
+            return prefix
+    return None
+
+
 def settings_markdown():
     """docs/settings.md: every TPCOMM_* setting from the extension's own
     table, which the code reads (tests/python/integration/test_registration.py checks
@@ -84,6 +100,14 @@ def main():
     if sys.argv[1:] == ["--settings-markdown"]:
         sys.stdout.write(settings_markdown())
         return 0
+    if sys.argv[1:] == ["--cmake-prefix"]:
+        prefix = cmake_prefix()
+        if prefix is None:
+            print("tpcomm's CMake package is not installed beside this tpcomm (a source tree?): "
+                  "install tpcomm with pip first", file=sys.stderr)
+            return 1
+        print(prefix)
+        return 0
     import torch
     import torch.distributed as dist
 
@@ -94,6 +118,7 @@ def main():
     _line("compiled against torch", tpcomm._BUILD_TORCH or "unknown (a source tree)")
     _line("torch", torch.__version__)
     _line("python", f"{platform.python_version()} ({sys.executable})")
+    _line("C++ package (CMake prefix)", cmake_prefix() or "not installed (a source tree)")
     build = tpcomm.build_info()
     cuda_build = build["cuda_version"]
     _line("CUDA (tpcomm's kernels)",

@@ -1,0 +1,30 @@
+// torch's ProcessGroupNCCL made from C++: the device group of a tpcomm group
+// made through the C++ interface (Python makes it through torch's bindings).
+#ifndef USE_C10D_NCCL
+#define USE_C10D_NCCL
+#endif
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+#include "coordinator/common/error.hpp"
+#include "cpp/src/torch_backends.hpp"
+
+namespace tpcomm::cpp {
+
+coord::BackendFactory ncclFactory() {
+  return [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+            std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout;
+    c10::intrusive_ptr<c10d::Backend> nccl =
+        c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+    TPCOMM_CHECK(nccl->getBackendName() == "nccl" && nccl->getRank() == rank &&
+                     nccl->getSize() == size,
+                 kSystem, "torch's ProcessGroupNCCL made from C++ answers as '",
+                 nccl->getBackendName(), "' rank ", nccl->getRank(), " of ", nccl->getSize(),
+                 " instead of 'nccl' rank ", rank, " of ", size,
+                 ": this tpcomm was built against another torch");
+    return nccl;
+  };
+}
+
+}  // namespace tpcomm::cpp

@@ -1,0 +1,115 @@
+// tpcomm::makeBackend and friends: a tpcomm group made from C++ as the
+// Python package's backend creator makes it (python/tpcomm/_registration.py),
+// over the same coordinator, without Python.
+#include <mutex>
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "backend/boundary.hpp"
+#include "backend/flight_dump.hpp"
+#include "backend/process_group_tpcomm.hpp"
+#include "coordinator/common/settings.hpp"
+#include "coordinator/faults/gloo_sockets.hpp"
+#include "coordinator/group_life.hpp"
+#include "cpp/src/torch_backends.hpp"
+#include "tpcomm/tpcomm.hpp"
+
+namespace tpcomm {
+
+std::string version() { return TPCOMM_VERSION; }
+std::string builtWithTorch() { return TPCOMM_TORCH_VERSION; }
+
+namespace {
+
+backend::ProcessGroupTpcomm* tpcommOf(const c10::intrusive_ptr<c10d::Backend>& backend) {
+  return dynamic_cast<backend::ProcessGroupTpcomm*>(backend.get());
+}
+
+backend::ProcessGroupTpcomm& tpcommOf(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                                      const char* what) {
+  TORCH_CHECK(pg, "tpcomm::", what, ": the process group is null");
+  TORCH_CHECK(pg->hasBackendForDeviceType(c10::DeviceType::CPU), "tpcomm::", what,
+              ": the process group has no backend for CPU tensors");
+  auto* tpcomm = tpcommOf(pg->getBackend(c10::DeviceType::CPU));
+  TORCH_CHECK(tpcomm != nullptr, "tpcomm::", what, ": the process group's CPU backend is '",
+              pg->getBackend(c10::DeviceType::CPU)->getBackendName(), "', not tpcomm");
+  return *tpcomm;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Backend> makeBackend(const c10::intrusive_ptr<c10d::Store>& store,
+                                              int rank, int size, const Options& options) {
+  TORCH_CHECK(store, "tpcomm::makeBackend: store is null");
+  TORCH_CHECK(size >= 1, "tpcomm::makeBackend: size must be >= 1, got ", size);
+  TORCH_CHECK(rank >= 0 && rank < size, "tpcomm::makeBackend: rank ", rank,
+              " is out of range for a group of ", size);
+  TORCH_CHECK(options.timeout.count() > 0, "tpcomm::makeBackend: timeout must be > 0 ms, got ",
+              options.timeout.count());
+  TORCH_CHECK(options.globalRanks.empty() || options.globalRanks.size() == size_t(size),
+              "tpcomm::makeBackend: globalRanks has ", options.globalRanks.size(),
+              " entries for a group of ", size);
+  // Before any group exists, so before anything writes a dump through the
+  // writer it replaces (backend/flight_dump.hpp); as `import tpcomm` does.
+  static std::once_flag dumpWriter;
+  std::call_once(dumpWriter, [] { backend::registerMergingDumpWriter(); });
+  return backend::translateErrors([&]() -> c10::intrusive_ptr<c10d::Backend> {
+    // Every key of the group under the prefix of this life of the group:
+    // nothing of a group made earlier on the same store reaches it.
+    const std::string life = coord::agreeOnLife(store, rank, size, options.timeout);
+    auto lifeStore = coord::storeOfLife(store, life);
+    auto cpuStore = c10::make_intrusive<c10d::PrefixStore>("cpu/", lifeStore);
+    coord::BackendFactory gloo = cpp::glooFactory(lifeStore);
+    auto cpu = gloo(cpuStore, rank, size, options.timeout);
+
+    coord::GroupOptions group;
+    group.rank = rank;
+    group.size = size;
+    group.timeout = options.timeout;
+    group.groupName = options.groupName.empty() ? "0" : options.groupName;
+    group.debugChecks = settings().debug;
+    auto coordinator =
+        std::make_shared<coord::GroupCoordinator>(group, lifeStore, cpu, cpp::ncclFactory());
+    coordinator->setCpuBackendFactory(gloo);
+    auto backend = c10::make_intrusive<backend::ProcessGroupTpcomm>(std::move(coordinator));
+    // The group's Gloo connections, told by the listening addresses its
+    // ranks left in the store, are shut down if the group breaks.
+    backend->coordinator().fault().addGlooSockets(
+        coord::GlooSockets::ofGroup(cpuStore, rank, size));
+    std::vector<uint64_t> globalRanks = options.globalRanks;
+    for (int r = 0; globalRanks.empty() && r < size; ++r) globalRanks.push_back(r);
+    backend->setGlobalRanks(std::move(globalRanks));
+    return backend;
+  });
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> makeProcessGroup(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const Options& options) {
+  auto backend = makeBackend(store, rank, size, options);
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  using Type = c10d::ProcessGroup::BackendType;
+  pg->setDefaultBackend(Type::CUSTOM);
+  pg->setBackend(c10::DeviceType::CPU, Type::CUSTOM, backend);
+  pg->setBackend(c10::DeviceType::CUDA, Type::CUSTOM, backend);
+  pg->setGroupName(options.groupName.empty() ? "0" : options.groupName);
+  return pg;
+}
+
+bool isTpcomm(const c10::intrusive_ptr<c10d::Backend>& backend) {
+  return tpcommOf(backend) != nullptr;
+}
+
+std::vector<RouteStats> stats(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  std::vector<RouteStats> out;
+  for (const auto& row : tpcommOf(pg, "stats").coordinator().stats()) {
+    out.push_back(RouteStats{row.route, row.calls, row.bytes});
+  }
+  return out;
+}
+
+std::string fault(const c10::intrusive_ptr<c10d::ProcessGroup>& pg) {
+  return tpcommOf(pg, "fault").coordinator().fault().reason();
+}
+
+}  // namespace tpcomm
