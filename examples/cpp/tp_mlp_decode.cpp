@@ -7,9 +7,9 @@
 // A small language model (embedding, `layers` MLP blocks, output head):
 // each MLP is split across the ranks Megatron-style (the first matrix by
 // rows, the second by columns), so each block ends in one allreduce, which
-// tpcomm sends through shared memory. Rank 0 drives: each step's inputs
-// (the tokens, the step) go to the other ranks through tpcomm's message
-// queue. At the end rank 0 runs the same model unsplit in one process and
+// tpcomm sends through shared memory. Rank 0 drives: the run's shape (as
+// bytes) and each step's inputs (the tokens, the step) go to the other ranks
+// through tpcomm's message queue. At the end rank 0 runs the same model unsplit in one process and
 // checks the tokens are the same. The model is float64 by default, so that
 // the split's different summation order cannot flip a greedy token.
 //
@@ -85,6 +85,18 @@ int runRank(const std::map<std::string, std::string>& args, const Config& c, int
   options.groupName = "tp";
   auto pg = tpcomm::makeProcessGroup(store, rank, world, options);
   auto queue = tpcomm::MessageQueue::create(pg);
+  // The run's shape from the driver, as bytes: a rank launched with other
+  // arguments stops here instead of computing something else.
+  std::string shape = "vocab=" + std::to_string(c.vocab) + " hidden=" + std::to_string(c.hidden) +
+                      " ffn=" + std::to_string(c.ffn) + " layers=" + std::to_string(c.layers) +
+                      " batch=" + std::to_string(c.batch) + " steps=" + std::to_string(c.steps) +
+                      " dtype=" + args.at("dtype");
+  const std::string driverShape = queue->broadcastBytes(rank == 0 ? shape : "");
+  if (driverShape != shape) {
+    std::fprintf(stderr, "rank %d: launched with %s, the driver with %s\n", rank, shape.c_str(),
+                 driverShape.c_str());
+    return 1;
+  }
   const Model model = makeModel(c, rank, world);
 
   at::Tensor tokens = at::arange(c.batch, at::kLong).mul(7).remainder(c.vocab);

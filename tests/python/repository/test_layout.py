@@ -1,7 +1,8 @@
 """The source tree's layering, checked: dependencies point one way,
 backend -> coordinator -> {custom_allreduce, message_queue}, with
 coordinator/common (the error type and the settings) the floor every layer
-may include; the bindings (python/) may include every layer; inside
+may include; the bindings (python/) and the C++ interface (cpp/) may
+include every layer below them (and not each other); inside
 message_queue, the ring, the arena and the collectives engine stand on
 region/ and not on each other. An include that runs back up fails here,
 naming the file, the line and the rule. Also: no folder of more than 20
@@ -23,9 +24,11 @@ LAYERS = {
     "backend": {"backend", "coordinator", "custom_allreduce", "message_queue", "common"},
     "bindings": {"bindings", "backend", "coordinator", "custom_allreduce", "message_queue",
                  "common"},
+    "cpp_interface": {"cpp_interface", "backend", "coordinator", "custom_allreduce",
+                      "message_queue", "common"},
 }
 TOP = {"backend": "backend", "coordinator": "coordinator", "custom_allreduce":
-       "custom_allreduce", "message_queue": "message_queue", "python": "bindings"}
+       "custom_allreduce", "message_queue": "message_queue", "python": "bindings", "cpp": "cpp_interface"}
 
 
 # message_queue's parts and the parts each may include.
@@ -109,18 +112,21 @@ def test_an_include_that_runs_back_up_is_caught():
     ]
     probes.append((os.path.join(ROOT, "message_queue", "ring", "probe.cpp"),
                    '#include "message_queue/collectives/shm_group.hpp"\n'))
+    probes.append((os.path.join(ROOT, "backend", "probe.cpp"),
+                   '#include "cpp/src/tensor_frame.hpp"\n'))
     found = violations(probes)
-    assert len(found) == 5, found
+    assert len(found) == 6, found
     assert found[0].startswith("message_queue/probe.hpp:1 includes coordinator/"), found
     assert found[1].startswith("coordinator/common/probe.hpp:2 includes message_queue/"), found
     assert "coordinator may include only" in found[2], found
     assert "custom_allreduce may include only" in found[3], found
     assert "message_queue/ring may include only" in found[4], found
+    assert found[5].startswith("backend/probe.cpp:1 includes cpp/src/tensor_frame.hpp"), found
 
 
 def test_no_folder_holds_more_than_twenty_sources():
     crowded = []
-    for top in ("backend", "coordinator", "custom_allreduce", "message_queue", "python",
+    for top in ("backend", "coordinator", "custom_allreduce", "message_queue", "python", "cpp",
                 "tests", "examples"):
         for folder, _, names in os.walk(os.path.join(ROOT, top)):
             n = sum(name.endswith(SOURCES + (".py",)) for name in names)
@@ -131,7 +137,7 @@ def test_no_folder_holds_more_than_twenty_sources():
 
 def test_long_sources_say_why_at_their_top():
     long_ones = []
-    for top in ("backend", "coordinator", "custom_allreduce", "message_queue", "python",
+    for top in ("backend", "coordinator", "custom_allreduce", "message_queue", "python", "cpp",
                 "tests"):
         for folder, _, names in os.walk(os.path.join(ROOT, top)):
             for name in names:

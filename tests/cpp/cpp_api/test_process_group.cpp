@@ -1,0 +1,88 @@
+// The C++ interface in one process: argument errors before any collective,
+// and a whole world-size-1 group (the backend, its process group, the
+// message queue) against the plain result. Groups of several processes are
+// the example's (tests/python/integration/test_cpp_package.py).
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+
+#include "tpcomm/tpcomm.hpp"
+
+namespace {
+
+c10::intrusive_ptr<c10d::Store> store() { return c10::make_intrusive<c10d::HashStore>(); }
+
+std::string messageOf(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "no error";
+}
+
+TEST(CppInterface, BadArgumentsAreNamedBeforeAnyCollective) {
+  EXPECT_NE(messageOf([] { tpcomm::makeBackend(store(), 2, 2); }).find("rank 2 is out of range"),
+            std::string::npos);
+  EXPECT_NE(messageOf([] { tpcomm::makeBackend(nullptr, 0, 1); }).find("store is null"),
+            std::string::npos);
+  tpcomm::Options zero;
+  zero.timeout = std::chrono::milliseconds(0);
+  EXPECT_NE(messageOf([&] { tpcomm::makeBackend(store(), 0, 1, zero); }).find("timeout"),
+            std::string::npos);
+  tpcomm::Options ranks;
+  ranks.globalRanks = {0, 1};
+  EXPECT_NE(messageOf([&] { tpcomm::makeBackend(store(), 0, 1, ranks); }).find("globalRanks"),
+            std::string::npos);
+}
+
+TEST(CppInterface, WorldSizeOneGroupComputesAndCounts) {
+  auto pg = tpcomm::makeProcessGroup(store(), 0, 1);
+  // A custom backend's process group answers "custom" (as in Python).
+  EXPECT_EQ(pg->getDefaultBackend()->getBackendName(), "tpcomm");
+  EXPECT_TRUE(tpcomm::isTpcomm(pg->getBackend(c10::DeviceType::CPU)));
+  std::vector<at::Tensor> x{at::arange(10, at::kDouble)};
+  const at::Tensor expected = x[0].clone();
+  pg->allreduce(x)->wait();
+  EXPECT_TRUE(at::equal(x[0], expected));
+  uint64_t calls = 0;
+  for (const auto& row : tpcomm::stats(pg)) calls += row.calls;
+  EXPECT_GE(calls, 1u);
+  EXPECT_EQ(tpcomm::fault(pg), "");
+
+  auto queue = tpcomm::MessageQueue::create(pg);
+  EXPECT_TRUE(queue->isWriter());
+  EXPECT_EQ(queue->broadcastBytes("hello"), "hello");
+  const tpcomm::TensorDict dict{{"a", at::ones({3})}};
+  EXPECT_TRUE(at::equal(queue->broadcastTensorDict(dict).at("a"), dict.at("a")));
+  queue->shutdown();
+  EXPECT_NE(messageOf([&] { queue->broadcastBytes("late"); }).find("shut down"),
+            std::string::npos);
+
+  pg->getBackend(c10::DeviceType::CPU)->abort();
+  EXPECT_NE(tpcomm::fault(pg), "");
+  EXPECT_THROW(pg->allreduce(x)->wait(), c10::DistBackendError);
+}
+
+TEST(CppInterface, QueueOptionsAreCheckedOnEveryRank) {
+  auto pg = tpcomm::makeProcessGroup(store(), 0, 1);
+  tpcomm::MessageQueueOptions options;
+  options.writerRank = 1;
+  EXPECT_NE(messageOf([&] { tpcomm::MessageQueue::create(pg, options); })
+                .find("writerRank 1 is out of range"),
+            std::string::npos);
+  options = {};
+  options.maxChunks = 0;
+  EXPECT_NE(messageOf([&] { tpcomm::MessageQueue::create(pg, options); }).find("maxChunks"),
+            std::string::npos);
+}
+
+TEST(CppInterface, StatsRefuseAnotherBackend) {
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store(), 0, 1);
+  EXPECT_NE(messageOf([&] { tpcomm::stats(pg); }).find("no backend for CPU"), std::string::npos);
+  EXPECT_FALSE(tpcomm::version().empty());
+  EXPECT_EQ(tpcomm::builtWithTorch().rfind("2.", 0), 0u);
+}
+
+}  // namespace
