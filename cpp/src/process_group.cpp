@@ -29,8 +29,9 @@ backend::ProcessGroupTpcomm* tpcommOf(const c10::intrusive_ptr<c10d::Backend>& b
 backend::ProcessGroupTpcomm& tpcommOf(const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                                       const char* what) {
   TORCH_CHECK(pg, "tpcomm::", what, ": the process group is null");
-  TORCH_CHECK(pg->hasBackendForDeviceType(c10::DeviceType::CPU), "tpcomm::", what,
-              ": the process group has no backend for CPU tensors");
+  bool cpu = false;  // (hasBackendForDeviceType is torch 2.12's)
+  for (const auto& device : pg->getDeviceTypes()) cpu = cpu || device.is_cpu();
+  TORCH_CHECK(cpu, "tpcomm::", what, ": the process group has no backend for CPU tensors");
   auto* tpcomm = tpcommOf(pg->getBackend(c10::DeviceType::CPU));
   TORCH_CHECK(tpcomm != nullptr, "tpcomm::", what, ": the process group's CPU backend is '",
               pg->getBackend(c10::DeviceType::CPU)->getBackendName(), "', not tpcomm");
@@ -94,6 +95,20 @@ c10::intrusive_ptr<c10d::ProcessGroup> makeProcessGroup(
   pg->setBackend(c10::DeviceType::CUDA, Type::CUSTOM, backend);
   pg->setGroupName(options.groupName.empty() ? "0" : options.groupName);
   return pg;
+}
+
+void allReduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& tensor,
+               c10d::ReduceOp op) {
+  TORCH_CHECK(pg, "tpcomm::allReduce: the process group is null");
+  TORCH_CHECK(tensor.defined(), "tpcomm::allReduce: the tensor is undefined");
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = std::move(op);
+  auto work = pg->getBackend(tensor.device().type())->allreduce(tensors, options);
+  if (c10d::allow_inflight_collective_as_graph_input()) {
+    c10d::register_work(tensors[0], work);  // as ProcessGroup::allreduce does
+  }
+  if (work) work->wait();
 }
 
 bool isTpcomm(const c10::intrusive_ptr<c10d::Backend>& backend) {

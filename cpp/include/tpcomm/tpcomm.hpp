@@ -75,6 +75,15 @@ c10::intrusive_ptr<c10d::ProcessGroup> makeProcessGroup(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     const Options& options = {});
 
+// allreduce of `tensor` in place over `pg`, by the direct route: straight to
+// the group's backend for the tensor's device, without torch's dispatcher
+// (Python's dist.all_reduce takes the same route). Synchronous as
+// pg->allreduce({tensor})->wait(): a CPU call has finished when it returns; a
+// CUDA call is ordered on the current stream. About 0.8 us less per call
+// than pg->allreduce (docs/cpp.md). Errors as pg->allreduce.
+void allReduce(const c10::intrusive_ptr<c10d::ProcessGroup>& pg, at::Tensor& tensor,
+               c10d::ReduceOp op = c10d::ReduceOp::SUM);
+
 // Whether `backend` is a tpcomm backend.
 bool isTpcomm(const c10::intrusive_ptr<c10d::Backend>& backend);
 

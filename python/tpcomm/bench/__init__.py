@@ -4,7 +4,7 @@
     python -m tpcomm.bench car [--world-sizes 2 4 8] [--max-mib 64] [--png car_bench.png]
     python -m tpcomm.bench allreduce [--max-mib 64] [--quick]
     python -m tpcomm.bench cpu [--world-sizes 2 4] [--max-mib 64] [--quick] [--png cpu_bench.png]
-                               [--dtype bfloat16] [--threads N] [--dtypes | --paths | --late | --bound]
+                               [--dtype bfloat16] [--threads N] [--dtypes | --paths [--cpp PROGRAM] | --late | --bound]
     python -m tpcomm.bench faults [--world-sizes 2 3] [--timeout 3] [--quick]
     python -m tpcomm.bench fused [--world-sizes 2 4] [--device cpu|cuda] [--dtype bfloat16]
     python -m tpcomm.bench fr [--rounds 3] [--quick]

@@ -45,6 +45,9 @@ def main(argv=None):
                      help="all_reduce of float32/bfloat16/float16, best vs portable kernels")
     cpu.add_argument("--paths", action="store_true",
                      help="all_reduce through dist, async_op, functional, the coordinator op")
+    cpu.add_argument("--cpp", default=None, metavar="PROGRAM",
+                     help="with --paths: the C++ allreduce_latency program (examples/cpp) "
+                          "beside Python's ways")
     cpu.add_argument("--bound", action="store_true",
                      help="a 64 MiB allreduce against the cores' concurrent copy bandwidth")
     cpu.add_argument("--hosts", type=int, default=0,
@@ -125,6 +128,10 @@ def main(argv=None):
 
             return run(args.hosts, args.ranks_per_host, min(args.max_mib, 16), args.quick,
                        args.rounds)
+        if args.paths and args.cpp:
+            from tpcomm.bench.cpu.cpp_paths import run
+
+            return run(args.cpp, args.rounds)
         if args.paths:
             from tpcomm.bench.cpu.paths import run
 

@@ -46,9 +46,11 @@ TEST(CppInterface, WorldSizeOneGroupComputesAndCounts) {
   const at::Tensor expected = x[0].clone();
   pg->allreduce(x)->wait();
   EXPECT_TRUE(at::equal(x[0], expected));
+  tpcomm::allReduce(pg, x[0], c10d::ReduceOp::MAX);
+  EXPECT_TRUE(at::equal(x[0], expected));
   uint64_t calls = 0;
   for (const auto& row : tpcomm::stats(pg)) calls += row.calls;
-  EXPECT_GE(calls, 1u);
+  EXPECT_GE(calls, 2u);
   EXPECT_EQ(tpcomm::fault(pg), "");
 
   auto queue = tpcomm::MessageQueue::create(pg);
