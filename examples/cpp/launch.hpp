@@ -17,6 +17,7 @@
 #include <thread>
 #include <vector>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 namespace example {
@@ -107,16 +108,27 @@ inline int launchRanks(const std::vector<std::string>& args0, int world,
   return 0;
 }
 
-// Rank 0 serves the store; the others connect.
+// The launcher's environment (torchrun's, or any that sets the same
+// variables) as the defaults of --rank, --world-size, --master-addr, --port.
+inline std::string fromEnv(const char* name, const std::string& otherwise) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? value : otherwise;
+}
+
+// Rank 0 serves the store and the others connect; under torchrun, whose
+// agent already serves one at MASTER_ADDR:MASTER_PORT
+// (TORCHELASTIC_USE_AGENT_STORE=True), every rank connects to it. The
+// program's keys sit under a prefix of their own.
 inline c10::intrusive_ptr<c10d::Store> makeStore(const std::string& host, int port, int rank,
                                                  int world) {
   c10d::TCPStoreOptions options;
   options.port = static_cast<uint16_t>(port);
-  options.isServer = rank == 0;
+  options.isServer = rank == 0 && fromEnv("TORCHELASTIC_USE_AGENT_STORE", "") != "True";
   options.numWorkers = world;
   options.waitWorkers = true;
   options.timeout = std::chrono::seconds(60);
-  return c10::make_intrusive<c10d::TCPStore>(host, options);
+  auto store = c10::make_intrusive<c10d::TCPStore>(host, options);
+  return c10::make_intrusive<c10d::PrefixStore>("tpcomm-example", store);
 }
 
 // Whether a Python interpreter is mapped into this process.

@@ -3,6 +3,8 @@
 //   ./tp_mlp_decode --world-size 2            # launches 2 ranks on this host
 //   ./tp_mlp_decode --world-size 2 --rank 0 --port 29500 &   # or one per rank,
 //   ./tp_mlp_decode --world-size 2 --rank 1 --port 29500     # from any launcher
+//   torchrun --no-python --standalone --nproc-per-node 2 ./tp_mlp_decode
+//                                  # (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
 //
 // A small language model (embedding, `layers` MLP blocks, output head):
 // each MLP is split across the ranks Megatron-style (the first matrix by
@@ -139,14 +141,19 @@ int runRank(const std::map<std::string, std::string>& args, const Config& c, int
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   int64_t shmCalls = 0;
+  std::string routes;
   for (const auto& row : tpcomm::stats(pg)) {
-    if (row.route == "cpu_shm") shmCalls = static_cast<int64_t>(row.calls);
+    if (row.calls == 0) continue;
+    routes += " " + row.route + "=" + std::to_string(row.calls);
+    // One host: shared memory; several: shared memory inside each host.
+    if (row.route == "cpu_shm" || row.route == "cpu_hier") shmCalls += int64_t(row.calls);
   }
   if (rank != 0) return 0;
   std::printf("tpcomm %s (torch %s): TP=%d, %lld steps x %lld tokens, %.1f tokens/s\n",
               tpcomm::version().c_str(), tpcomm::builtWithTorch().c_str(), world,
               (long long)c.steps, (long long)c.batch, c.steps * c.batch / seconds);
-  std::printf("allreduces through shared memory on rank 0: %lld\n", (long long)shmCalls);
+  std::printf("allreduces through shared memory on rank 0: %lld (calls per route:%s)\n",
+              (long long)shmCalls, routes.c_str());
   std::printf("python in process: %s\n", example::pythonLoaded() ? "yes" : "no");
 
   // The same steps in one process, unsplit.
@@ -170,7 +177,10 @@ int runRank(const std::map<std::string, std::string>& args, const Config& c, int
 int main(int argc, char** argv) {
   const auto args = example::parseArgs(
       argc, argv,
-      {{"world-size", "2"}, {"rank", "-1"}, {"master-addr", "127.0.0.1"}, {"port", "0"},
+      {{"world-size", example::fromEnv("WORLD_SIZE", "2")},
+       {"rank", example::fromEnv("RANK", "-1")},
+       {"master-addr", example::fromEnv("MASTER_ADDR", "127.0.0.1")},
+       {"port", example::fromEnv("MASTER_PORT", "0")},
        {"steps", "32"}, {"vocab", "512"}, {"hidden", "256"}, {"ffn", "1024"},
        {"layers", "4"}, {"batch", "4"}, {"dtype", "float64"}, {"timeout-s", "60"},
        {"fault", "none"}, {"fault-rank", "-1"}, {"fault-step", "-1"}});

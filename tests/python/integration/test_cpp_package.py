@@ -107,6 +107,30 @@ def test_the_decode_example_gives_the_tokens_of_one_process(examples, world_size
           f"{time.monotonic() - started:.1f} s")
 
 
+@pytest.mark.parametrize("layout", [[[0, 1], [2, 3]], [[0, 1, 2], [3]]])
+def test_the_decode_example_spans_simulated_hosts(examples, tmp_path, layout):
+    """Ranks on two hosts (namespaces, tpcomm.simhosts): the allreduces go
+    through shared memory inside each host and Gloo between them, and the
+    queue's readers on the second host receive through send/recv."""
+    from tpcomm import simhosts
+
+    reason = simhosts.unavailable_reason()
+    if reason is not None:
+        pytest.skip(f"simulated hosts: {reason}")
+    world = sum(len(ranks) for ranks in layout)
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stdout, simhosts.SimulatedHosts(len(layout)) as hosts:
+        port = 20000 + (os.getpid() * 7 + int(time.monotonic() * 1000)) % 20000
+        procs = hosts.launch_ranks(layout, [str(examples / "tp_mlp_decode"), "--steps", "8",
+                                            "--ffn", "1020"], env=BARE_ENV, port=port,
+                                   stdout=stdout, stderr=subprocess.STDOUT)
+        codes = hosts.wait(procs, timeout=240)
+    text = out.read_text()
+    assert codes == [0] * len(layout), text
+    assert f"TP={world}" in text and "tokens equal to the single process: yes" in text, text
+    assert re.search(r"calls per route:.* cpu_hier=\d+", text), text
+
+
 def _errors(stdout):
     return dict((int(r), m) for r, m in re.findall(r"rank (\d+): DistBackendError: (.*)", stdout))
 
