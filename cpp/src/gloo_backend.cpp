@@ -43,6 +43,8 @@ std::string storeHost(c10::intrusive_ptr<c10d::Store> store) {
 std::string routeSource(const std::string& host) {
   addrinfo hints{};
   hints.ai_socktype = SOCK_DGRAM;
+  // IPv4 unless the host is written as IPv6 (as the Python package picks).
+  hints.ai_family = host.find(':') == std::string::npos ? AF_INET : AF_INET6;
   addrinfo* found = nullptr;
   if (::getaddrinfo(host.c_str(), "9", &hints, &found) != 0 || found == nullptr) return "";
   std::string source;
@@ -108,16 +110,21 @@ coord::BackendFactory glooFactory(const c10::intrusive_ptr<c10d::Store>& groupSt
                        std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
     auto options = c10::make_intrusive<c10d::ProcessGroupGloo::Options>(timeout);
     options->devices = makeDevices();
-    options->threads = static_cast<int>(options->devices.size()) * 2;
-    c10::intrusive_ptr<c10d::Backend> gloo =
+    options->threads = 2;  // the Python package's (torch's Options default)
+    c10::intrusive_ptr<c10d::Backend> made =
         c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+    // Asked through the vtable torch's constructor installed (a volatile
+    // pointer, so the compiler cannot answer from the header instead): the
+    // object is torch's Gloo group of this rank and size.
+    c10d::Backend* volatile opaque = made.get();
+    c10d::Backend* gloo = opaque;
     TPCOMM_CHECK(gloo->getBackendName() == "gloo" && gloo->getRank() == rank &&
-                     gloo->getSize() == size,
+                     gloo->getSize() == size && gloo->getBackendOptions()->timeout == timeout,
                  kSystem, "torch's ProcessGroupGloo made from C++ answers as '",
                  gloo->getBackendName(), "' rank ", gloo->getRank(), " of ", gloo->getSize(),
                  " instead of 'gloo' rank ", rank, " of ", size,
                  ": this tpcomm was built against another torch");
-    return gloo;
+    return made;
   };
 }
 

@@ -3,6 +3,7 @@
 // up from Python: readers on the writer's host attach to its ring, readers on
 // other hosts receive through the group's CPU backend.
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 
 #include <ATen/ATen.h>
@@ -63,7 +64,7 @@ struct MessageQueue::Impl {
   std::vector<int> remote;  // readers on other hosts (writer's view)
   std::unique_ptr<mq::Writer> writer;
   std::unique_ptr<mq::Reader> reader;
-  bool closed = false;
+  std::atomic<bool> closed{false};
 
   bool isWriter() const { return rank == options.writerRank; }
 
@@ -121,11 +122,17 @@ std::unique_ptr<MessageQueue> MessageQueue::create(
   TORCH_CHECK(options.writerRank >= 0 && options.writerRank < size,
               "tpcomm::MessageQueue::create: writerRank ", options.writerRank,
               " is out of range for a group of ", size);
-  TORCH_CHECK(options.maxChunkBytes >= 1 && options.maxChunkBytes <= (1ull << 31) &&
-                  options.maxChunks >= 1 && options.maxChunks <= (1ull << 20),
-              "tpcomm::MessageQueue::create: maxChunkBytes must be in [1, 2^31] and maxChunks in "
-              "[1, 2^20], got ",
-              options.maxChunkBytes, " and ", options.maxChunks);
+  // The ring's own limits (message_queue/ring), checked here on every rank
+  // before any collective step.
+  TORCH_CHECK(options.maxChunkBytes >= 64 && options.maxChunkBytes <= (1ull << 32) - 64,
+              "tpcomm::MessageQueue::create: maxChunkBytes must be in [64, 2^32 - 64], got ",
+              options.maxChunkBytes);
+  TORCH_CHECK(options.maxChunks >= 1 && options.maxChunks <= (1ull << 20),
+              "tpcomm::MessageQueue::create: maxChunks must be in [1, 2^20], got ",
+              options.maxChunks);
+  TORCH_CHECK(options.maxChunkBytes * options.maxChunks <= (64ull << 30),
+              "tpcomm::MessageQueue::create: a ring of ", options.maxChunks, " x ",
+              options.maxChunkBytes, " bytes exceeds 64 GiB");
   TORCH_CHECK(options.timeout.count() > 0, "tpcomm::MessageQueue::create: timeout must be > 0 "
               "ms, got ", options.timeout.count());
   return backend::translateErrors([&] {
@@ -223,8 +230,7 @@ TensorDict MessageQueue::broadcastTensorDict(const TensorDict& tensors) {
 
 void MessageQueue::shutdown() {
   auto& q = *impl_;
-  if (q.closed) return;
-  q.closed = true;
+  if (q.closed.exchange(true)) return;
   if (q.writer) q.writer->shutdown();
   if (q.reader) q.reader->shutdown();
 }

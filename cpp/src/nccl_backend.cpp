@@ -13,6 +13,13 @@ namespace tpcomm::cpp {
 coord::BackendFactory ncclFactory() {
   return [](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
             std::chrono::milliseconds timeout) -> c10::intrusive_ptr<c10d::Backend> {
+    // Options are allocated here with the size this build's nccl.h gives
+    // them (its ncclConfig_t): only the NCCL torch was built with fits.
+    TPCOMM_CHECK(std::string(TPCOMM_NCCL_HEADER_VERSION) == TPCOMM_TORCH_NCCL_VERSION, kSystem,
+                 "tpcomm's C++ interface was built with NCCL ", TPCOMM_NCCL_HEADER_VERSION,
+                 "'s header but torch uses NCCL '", TPCOMM_TORCH_NCCL_VERSION,
+                 "': it cannot make torch's ProcessGroupNCCL (rebuild tpcomm with the "
+                 "nvidia-nccl wheel torch pins)");
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
     c10::intrusive_ptr<c10d::Backend> nccl =

@@ -55,11 +55,15 @@ c10::intrusive_ptr<c10d::Backend> makeBackend(const c10::intrusive_ptr<c10d::Sto
   // writer it replaces (backend/flight_dump.hpp); as `import tpcomm` does.
   static std::once_flag dumpWriter;
   std::call_once(dumpWriter, [] { backend::registerMergingDumpWriter(); });
+  const std::string name = options.groupName.empty() ? "0" : options.groupName;
   return backend::translateErrors([&]() -> c10::intrusive_ptr<c10d::Backend> {
-    // Every key of the group under the prefix of this life of the group:
-    // nothing of a group made earlier on the same store reaches it.
-    const std::string life = coord::agreeOnLife(store, rank, size, options.timeout);
-    auto lifeStore = coord::storeOfLife(store, life);
+    // Every key of the group under its name (groups made at once on one
+    // store, as torch's front door prefixes them), then under the prefix of
+    // this life of the group: nothing of a group made earlier under the
+    // same name on the same store reaches it.
+    auto groupStore = c10::make_intrusive<c10d::PrefixStore>(name + "/tpcomm/", store);
+    const std::string life = coord::agreeOnLife(groupStore, rank, size, options.timeout);
+    auto lifeStore = coord::storeOfLife(groupStore, life);
     auto cpuStore = c10::make_intrusive<c10d::PrefixStore>("cpu/", lifeStore);
     coord::BackendFactory gloo = cpp::glooFactory(lifeStore);
     auto cpu = gloo(cpuStore, rank, size, options.timeout);
@@ -68,7 +72,7 @@ c10::intrusive_ptr<c10d::Backend> makeBackend(const c10::intrusive_ptr<c10d::Sto
     group.rank = rank;
     group.size = size;
     group.timeout = options.timeout;
-    group.groupName = options.groupName.empty() ? "0" : options.groupName;
+    group.groupName = name;
     group.debugChecks = settings().debug;
     auto coordinator =
         std::make_shared<coord::GroupCoordinator>(group, lifeStore, cpu, cpp::ncclFactory());
@@ -81,6 +85,7 @@ c10::intrusive_ptr<c10d::Backend> makeBackend(const c10::intrusive_ptr<c10d::Sto
     std::vector<uint64_t> globalRanks = options.globalRanks;
     for (int r = 0; globalRanks.empty() && r < size; ++r) globalRanks.push_back(r);
     backend->setGlobalRanks(std::move(globalRanks));
+    backend->setGroupDesc(name);
     return backend;
   });
 }
@@ -88,12 +93,15 @@ c10::intrusive_ptr<c10d::Backend> makeBackend(const c10::intrusive_ptr<c10d::Sto
 c10::intrusive_ptr<c10d::ProcessGroup> makeProcessGroup(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, const Options& options) {
   auto backend = makeBackend(store, rank, size, options);
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+  const std::string name = options.groupName.empty() ? "0" : options.groupName;
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(
+      c10::make_intrusive<c10d::PrefixStore>(name + "/", store), rank, size);
   using Type = c10d::ProcessGroup::BackendType;
   pg->setDefaultBackend(Type::CUSTOM);
   pg->setBackend(c10::DeviceType::CPU, Type::CUSTOM, backend);
   pg->setBackend(c10::DeviceType::CUDA, Type::CUSTOM, backend);
-  pg->setGroupName(options.groupName.empty() ? "0" : options.groupName);
+  pg->setGroupName(name);
+  pg->setGroupDesc(name);
   return pg;
 }
 

@@ -105,7 +105,9 @@ Frame encodeTensorDict(const TensorDict& tensors) {
                               static_cast<uint16_t>(tensor.dim())});
     frame.head += name;
     for (int64_t size : tensor.sizes()) put(frame.head, size);
-    (cuda ? frame.cudaData : frame.cpuData).push_back(tensor.contiguous());
+    // The values, not a lazy conjugate or negation of them.
+    (cuda ? frame.cudaData : frame.cpuData)
+        .push_back(tensor.resolve_conj().resolve_neg().contiguous());
   }
   return frame;
 }

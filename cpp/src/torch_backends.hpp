@@ -18,8 +18,8 @@ namespace tpcomm::cpp {
 // group is checked (name, rank, size) before it is returned.
 coord::BackendFactory glooFactory(const c10::intrusive_ptr<c10d::Store>& groupStore);
 
-// Makes torch's ProcessGroupNCCL (store, rank, size, timeout), or returns an
-// empty factory when this torch has no NCCL.
+// Makes torch's ProcessGroupNCCL (store, rank, size, timeout). Throws
+// (kSystem) when the NCCL header this build used is not torch's NCCL.
 coord::BackendFactory ncclFactory();
 
 }  // namespace tpcomm::cpp

@@ -49,7 +49,9 @@ std::string builtWithTorch();
 struct Options {
   // Bounds every wait of every call of the group (torch's default: 30 min).
   std::chrono::milliseconds timeout = std::chrono::minutes(30);
-  // Names the group in errors and in the flight recorder ("" : "0").
+  // Names the group in errors and in the flight recorder ("": "0"), and
+  // scopes its keys in the store: groups made on one store need distinct
+  // names (as torch names its groups "0", "1", ...).
   std::string groupName;
   // The group's ranks in the whole job, for the flight recorder's group
   // table (empty: 0 .. size-1).
@@ -59,8 +61,9 @@ struct Options {
 // Makes a tpcomm backend over `store` for group rank `rank` of `size`.
 // Collective: every rank of the group calls it with its own rank and the
 // same store, size and options; it returns once the group's CPU (Gloo)
-// connections are up. The store may be shared with other groups (every key
-// of this group sits under a prefix of its own life). Throws c10::Error for
+// connections are up. The store may be shared with other groups of other
+// names (every key of a group sits under its name, then under a prefix of
+// its own life, so a group remade under the same name starts afresh). Throws c10::Error for
 // a bad argument and c10d::DistBackendError when a rank does not take part
 // within the timeout. Thread safety: as any c10d::Backend (one thread per
 // group at a time, as torch's own backends).
@@ -108,8 +111,9 @@ struct MessageQueueOptions {
   int writerRank = 0;                  // group rank that writes
   uint64_t maxChunkBytes = 1u << 20;   // ring chunk; larger messages stream
   uint64_t maxChunks = 8;              // chunks in the ring
-  // Bounds each wait for the other end (a full ring, a message not yet
-  // written).
+  // Bounds each wait on the ring for the other end (a full ring, a message
+  // not yet written). Readers on other hosts wait in the group's
+  // send/recv, bounded by the group's timeout instead.
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
 };
 
@@ -149,7 +153,12 @@ class MessageQueue {
   // new tensors equal to the writer's (CUDA ones on the current device).
   TensorDict broadcastTensorDict(const TensorDict& tensors = {});
 
-  // Wakes every waiter of this end; later calls throw. Idempotent.
+  // Shuts the host's ring down: every waiter on it, on any rank of this
+  // host, wakes and throws, and later calls throw (the ring is shared by the
+  // host's ranks, so one rank's shutdown ends it for all of them). May be
+  // called from another thread; idempotent. A wait in the group's send/recv
+  // (readers on other hosts) or CUDA broadcast is not woken: it ends with
+  // the group's timeout, or at once when the group is aborted.
   void shutdown();
 
  private:

@@ -67,12 +67,31 @@ TEST(CppInterface, WorldSizeOneGroupComputesAndCounts) {
   EXPECT_THROW(pg->allreduce(x)->wait(), c10::DistBackendError);
 }
 
+// Groups of different names on one store keep apart; a group remade under
+// a name starts afresh.
+TEST(CppInterface, GroupsOnOneStoreAreScopedByName) {
+  auto shared = store();
+  for (const char* name : {"a", "b", "a"}) {
+    tpcomm::Options options;
+    options.groupName = name;
+    auto pg = tpcomm::makeProcessGroup(shared, 0, 1, options);
+    std::vector<at::Tensor> x{at::ones({2})};
+    pg->allreduce(x)->wait();
+    EXPECT_TRUE(at::equal(x[0], at::ones({2}))) << name;
+    EXPECT_EQ(pg->getGroupName(), name);
+  }
+}
+
 TEST(CppInterface, QueueOptionsAreCheckedOnEveryRank) {
   auto pg = tpcomm::makeProcessGroup(store(), 0, 1);
   tpcomm::MessageQueueOptions options;
   options.writerRank = 1;
   EXPECT_NE(messageOf([&] { tpcomm::MessageQueue::create(pg, options); })
                 .find("writerRank 1 is out of range"),
+            std::string::npos);
+  options = {};
+  options.maxChunkBytes = 32;
+  EXPECT_NE(messageOf([&] { tpcomm::MessageQueue::create(pg, options); }).find("[64, 2^32 - 64]"),
             std::string::npos);
   options = {};
   options.maxChunks = 0;

@@ -49,6 +49,16 @@ TEST(TensorFrame, EveryDtypeAndShapeRoundTrips) {
   }
 }
 
+// A lazy conjugate or negation travels as its values.
+TEST(TensorFrame, ConjugateAndNegativeViewsTravelAsTheirValues) {
+  const at::Tensor z = at::complex(at::arange(4, at::kFloat), at::ones({4}));
+  const TensorDict in{{"conj", z.conj()}, {"neg", at::imag(z.conj())}};
+  const std::string bytes = flatten(encodeTensorDict(in));
+  const Decoded out = decode(bytes.data(), bytes.size());
+  EXPECT_TRUE(at::equal(out.tensors.at("conj"), z.conj().resolve_conj()));
+  EXPECT_TRUE(at::equal(out.tensors.at("neg"), at::full({4}, -1.0f)));
+}
+
 TEST(TensorFrame, BytesRoundTripIncludingEmptyAndZeros) {
   for (const std::string payload : {std::string(), std::string("a"), std::string(1000, '\0')}) {
     const std::string bytes = encodeBytes(payload) + payload;
