@@ -218,6 +218,7 @@ class GroupCoordinator {
     std::string layout;
     std::string hierReason;
     uint64_t hierSliceBytes = 0;
+    uint64_t hierGatherBytes = 0;
   };
   CpuShmState cpuShmState() const;
   // Benchmarks and tests: this group's TPCOMM_CPU_SHM mode (auto, 0, 1)

@@ -209,6 +209,7 @@ tensors through the device backend (NCCL), created on first use.)")
             hier["hosts"] = shmState.layout;
             hier["reason"] = shmState.hierReason;
             hier["slice_bytes"] = shmState.hierSliceBytes;
+            hier["gather_bytes"] = shmState.hierGatherBytes;
             shm["across_hosts"] = hier;
             out["cpu_shm"] = shm;
             out["route_mode"] = routing.config().mode;

@@ -94,6 +94,12 @@ const std::vector<SettingInfo> kSettingTable = {
      "CPU allreduces from this size on reduce-scatter then all-gather inside shared memory "
      "(each rank reduces a slice); smaller ones are reduced whole by every rank. Must be equal "
      "on every rank."},
+    {"TPCOMM_CPU_HIER_GATHER_BYTES", "int", "4096",
+     "Groups whose ranks sit on several hosts: CPU allreduces up to this size cross hosts as "
+     "every host gathering every host's partial (ceil(log2 hosts) rounds, each host sending "
+     "hosts - 1 copies); larger ones as a reduce-scatter then an all-gather between hosts "
+     "(two rounds, each host sending twice the payload at most). Set-up takes the smallest "
+     "value of any rank."},
     {"TPCOMM_CPU_HIER_SLICE_BYTES", "int", "4194304",
      "Groups whose ranks sit on several hosts, each with the same number of ranks: CPU "
      "allreduces from this size on cross hosts in slices, one per rank of a host, all at once "
@@ -223,6 +229,9 @@ Settings Settings::parse(const Lookup& lookup) {
         s.cpuShmBufferBytes == 0 || (s.cpuShmBufferBytes >= 4096 && s.cpuShmBufferBytes % 64 == 0),
         kInvalidUsage, "setting TPCOMM_CPU_SHM_BUFFER_BYTES=", *v,
         " is neither 0 (auto) nor a multiple of 64 of at least 4096");
+  }
+  if (auto v = lookup("TPCOMM_CPU_HIER_GATHER_BYTES")) {
+    s.cpuHierGatherBytes = parseInt("TPCOMM_CPU_HIER_GATHER_BYTES", *v, 0, int64_t{1} << 62);
   }
   if (auto v = lookup("TPCOMM_CPU_HIER_SLICE_BYTES")) {
     s.cpuHierSliceBytes = parseInt("TPCOMM_CPU_HIER_SLICE_BYTES", *v, 0, int64_t{1} << 62);

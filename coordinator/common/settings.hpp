@@ -78,6 +78,10 @@ struct Settings {
   // TPCOMM_CPU_SHM_TWO_PHASE_BYTES: allreduces from this size on reduce-
   // scatter then all-gather inside shared memory.
   int64_t cpuShmTwoPhaseBytes = 16 << 10;
+  // TPCOMM_CPU_HIER_GATHER_BYTES: allreduces of groups across hosts up to
+  // this size gather every host's partial; larger ones reduce-scatter then
+  // all-gather between hosts.
+  int64_t cpuHierGatherBytes = 4096;
   // TPCOMM_CPU_HIER_SLICE_BYTES: allreduces of groups across hosts (the
   // same number of ranks on each) from this size on cross hosts in slices.
   int64_t cpuHierSliceBytes = 4 << 20;

@@ -1,4 +1,5 @@
 #include "coordinator/cpu/cpu_hier_path.hpp"
+#include "coordinator/cpu/cpu_hier_call.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -9,75 +10,6 @@
 
 namespace tpcomm::coord {
 
-// ---- the call's description --------------------------------------------------
-
-namespace {
-
-constexpr uint64_t kCallMagic = 0x7470636f6d6d6831ULL;  // "tpcommh1"
-constexpr size_t kCallBytes = 64;
-// Payload bytes that travel with a call's description between hosts (one
-// round); larger ones follow in a second round.
-constexpr size_t kInlineBytes = 4096;
-
-enum class HierOp : uint32_t { kAllreduce = 1, kAllgather, kReduceScatter, kBroadcast, kBarrier };
-
-const char* hierOpName(uint32_t op) {
-  switch (static_cast<HierOp>(op)) {
-    case HierOp::kAllreduce:
-      return "allreduce";
-    case HierOp::kAllgather:
-      return "all_gather";
-    case HierOp::kReduceScatter:
-      return "reduce_scatter";
-    case HierOp::kBroadcast:
-      return "broadcast";
-    case HierOp::kBarrier:
-      return "barrier";
-  }
-  return "unknown call";
-}
-
-// The reduction's code in a description: kind, AVG, PREMUL_SUM.
-uint32_t reductionCode(const mq::ReduceSpec& spec) {
-  return static_cast<uint32_t>(spec.kind) | (spec.divisor != 1 ? 16u : 0u) |
-         (spec.premultiply ? 32u : 0u);
-}
-
-}  // namespace
-
-struct HierGroup::Call {
-  uint64_t magic = kCallMagic;
-  uint64_t number = 0;
-  uint32_t op = 0;
-  uint32_t dtype = 0xff;  // none
-  uint64_t count = 0;     // elements (bytes for all-gather and broadcast)
-  int64_t root = -1;
-  uint32_t reduction = 0xff;  // none
-  uint32_t partIndex = 0;
-  uint32_t partOf = 1;
-  uint32_t pad[3] = {0, 0, 0};
-
-  std::string describe() const {
-    if (magic != kCallMagic) return "something that is not a tpcomm call";
-    std::string out = hierOpName(op);
-    if (reduction != 0xff) {
-      std::string how = mq::reduceKindName(static_cast<mq::ReduceKind>(reduction & 15));
-      if (reduction & 16) how = "avg";
-      if (reduction & 32) how = "premul_sum";
-      out += " " + how;
-    }
-    if (dtype != 0xff) {
-      out += detail::concat(" ", mq::dtypeName(static_cast<mq::DType>(dtype)), "[", count, "]");
-    } else if (static_cast<HierOp>(op) != HierOp::kBarrier) {
-      out += detail::concat(" of ", count, " B");
-    }
-    if (root >= 0) out += detail::concat(" root=", root);
-    if (partOf > 1) out += detail::concat(" (tensor ", partIndex + 1, " of ", partOf, ")");
-    return out + detail::concat(" (call #", number, ")");
-  }
-  bool operator==(const Call& o) const { return std::memcmp(this, &o, sizeof(Call)) == 0; }
-};
-static_assert(sizeof(HierGroup::Call) == kCallBytes, "a call's description is one cache line");
 
 // ---- HierGroup ---------------------------------------------------------------
 
@@ -155,176 +87,6 @@ void HierGroup::onHost(const Fn& fn) {
   }
 }
 
-void HierGroup::failBetweenHosts(const Call& call, const std::exception& e) {
-  const HostLayout& l = layout();
-  std::string others;
-  for (int h = 0; h < l.hosts(); ++h) {
-    if (h != l.host()) others += (others.empty() ? "" : ", ") + l.describeHost(h);
-  }
-  const std::string what = detail::concat(
-      l.hosts() == 2 ? "" : "one of ", others,
-      l.hosts() == 2 ? " went away or failed" : " went away or failed", " during ", call.describe(),
-      " (group rank ", l.rank, " on ", l.describeHost(l.host()), "): ", e.what());
-  abort(what);
-  const std::string text = e.what();
-  if (text.find("imed out") != std::string::npos || text.find("imeout") != std::string::npos)
-    TPCOMM_THROW(kTimeout, what);
-  TPCOMM_THROW(kPeerLost, what);
-}
-
-void HierGroup::checkCalls(const Call& mine, const std::vector<Call>& theirs) {
-  const HostLayout& l = layout();
-  for (int h = 0; h < static_cast<int>(theirs.size()); ++h) {
-    if (theirs[h] == mine) continue;
-    const std::string what =
-        detail::concat("mismatched collectives across hosts: ", l.describeHost(l.host()), " calls ",
-                       mine.describe(), " but ", l.describeHost(h), " calls ", theirs[h].describe(),
-                       " (every rank must issue the same collectives in the same order)");
-    abort(what);
-    TPCOMM_THROW(kInvalidUsage, what);
-  }
-}
-
-namespace {
-
-// Every member of `backend` (one rank per host) sends `mine` to every other
-// and receives theirs into slice h of `all` (bytes each; mine is copied to
-// its own slice): point-to-point sends and receives, which Gloo runs in the
-// calling thread (its collectives hop to a worker thread and back, which
-// costs more than the message between two hosts of a fast network).
-// Waits for every one of `works` within one deadline `timeout` from now.
-// On a failure it still waits for the others (each fails at once when its
-// peer is gone, else by the deadline), so that no send or receive outlives
-// the call whose memory it uses; then rethrows the first failure.
-void waitAll(std::vector<c10::intrusive_ptr<c10d::Work>>& works,
-             std::chrono::milliseconds timeout) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  std::exception_ptr first;
-  for (auto& w : works) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-        deadline - std::chrono::steady_clock::now());
-    try {
-      if (!waitWork(*w, std::max(left, std::chrono::milliseconds(1)))) {
-        TPCOMM_THROW(kTimeout, "timed out after ", timeout.count(), " ms");
-      }
-    } catch (...) {
-      if (!first) first = std::current_exception();
-      w->abort();
-    }
-  }
-  if (first) std::rethrow_exception(first);
-}
-
-void exchange(c10d::Backend& backend, int me, int hosts, const at::Tensor& mine, at::Tensor& all,
-              int tag, std::chrono::milliseconds timeout) {
-  const int64_t bytes = mine.numel();
-  if (bytes > 0)
-    std::memcpy(static_cast<char*>(all.data_ptr()) + me * bytes, mine.data_ptr(), bytes);
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  std::vector<std::vector<at::Tensor>> buffers;
-  buffers.reserve(2 * hosts);
-  for (int step = 1; step < hosts; ++step) {
-    const int from = (me - step + hosts) % hosts;
-    buffers.push_back({all.narrow(0, from * bytes, bytes)});
-    works.push_back(backend.recv(buffers.back(), from, tag));
-  }
-  for (int step = 1; step < hosts; ++step) {
-    const int to = (me + step) % hosts;
-    buffers.push_back({mine});
-    works.push_back(backend.send(buffers.back(), to, tag));
-  }
-  waitAll(works, timeout);
-}
-
-constexpr int kDescriptionTag = 0x7470;
-constexpr int kPayloadTag = 0x7471;
-
-}  // namespace
-
-HierGroup::Received HierGroup::allgatherBetweenHosts(c10d::Backend& backend, const Call& call,
-                                                     const void* payload, size_t bytes) {
-  // Round 1, the same size on every rank whatever the call (Gloo ends the
-  // process on a size mismatch): the description, and the payload if it
-  // fits. Round 2, once every host described the same call: the payload.
-  const int hosts = layout().hosts();
-  const int me = layout().host();
-  const size_t fixed = kCallBytes + kInlineBytes;
-  const auto options = at::TensorOptions().dtype(at::kByte);
-  const bool inlined = bytes <= kInlineBytes;
-  at::Tensor send = scratch(kSendSlot, fixed);
-  std::memset(send.data_ptr(), 0, fixed);
-  Received out;
-  out.buffer = scratch(kDescriptionsSlot, fixed * hosts);
-  auto* s = static_cast<char*>(send.data_ptr());
-  std::memcpy(s, &call, kCallBytes);
-  if (inlined && bytes > 0) std::memcpy(s + kCallBytes, payload, bytes);
-  try {
-    exchange(backend, me, hosts, send, out.buffer, kDescriptionTag, parts_.timeout);
-  } catch (const std::exception& e) {
-    failBetweenHosts(call, e);
-  }
-  std::vector<Call> theirs(hosts);
-  const auto* r = static_cast<const char*>(out.buffer.data_ptr());
-  for (int h = 0; h < hosts; ++h) std::memcpy(&theirs[h], r + h * fixed, kCallBytes);
-  checkCalls(call, theirs);
-  if (inlined) {
-    out.stride = fixed;
-    out.offset = kCallBytes;
-    return out;
-  }
-  at::Tensor mine =
-      at::from_blob(const_cast<void*>(payload), {static_cast<int64_t>(bytes)}, options);
-  out.buffer = scratch(kPayloadsSlot, bytes * hosts);
-  out.stride = bytes;
-  out.offset = 0;
-  try {
-    exchange(backend, me, hosts, mine, out.buffer, kPayloadTag, parts_.timeout);
-  } catch (const std::exception& e) {
-    failBetweenHosts(call, e);
-  }
-  return out;
-}
-
-void HierGroup::broadcastBetweenHosts(const Call& call, void* data, size_t bytes, int rootHost) {
-  // Round 1 as in allgatherBetweenHosts (every leader's description; the
-  // root's data when it fits), round 2 the rest from the root's leader.
-  const bool root = layout().host() == rootHost;
-  const Received first =
-      allgatherBetweenHosts(*parts_.leaders, call, data, root && bytes <= kInlineBytes ? bytes : 0);
-  if (bytes == 0) return;
-  if (bytes <= kInlineBytes) {
-    if (!root) std::memcpy(data, first.source(rootHost), bytes);
-    return;
-  }
-  const at::Tensor message =
-      at::from_blob(data, {static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte));
-  try {
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    std::vector<std::vector<at::Tensor>> buffers(layout().hosts(), {message});
-    if (root) {
-      for (int h = 0; h < layout().hosts(); ++h) {
-        if (h != rootHost) works.push_back(parts_.leaders->send(buffers[h], h, kPayloadTag));
-      }
-    } else {
-      works.push_back(parts_.leaders->recv(buffers[0], rootHost, kPayloadTag));
-    }
-    waitAll(works, parts_.timeout);
-  } catch (const std::exception& e) {
-    failBetweenHosts(call, e);
-  }
-}
-
-void HierGroup::reduceHosts(const Received& received, void* out, size_t count, mq::DType dtype,
-                            const mq::ReduceSpec& spec) {
-  const int hosts = layout().hosts();
-  std::vector<const void*> sources(hosts);
-  for (int h = 0; h < hosts; ++h) sources[h] = received.source(h);
-  mq::ReduceSpec between;
-  between.kind = spec.kind;
-  between.divisor = spec.divisor;
-  mq::reduceIntoWith(reduceIsa(), out, sources.data(), hosts, count, dtype, between);
-}
-
 const char* HierGroup::allreducePath(size_t count, mq::DType dtype) const {
   const HostLayout& l = layout();
   const int local = l.localSize();
@@ -337,7 +99,7 @@ void HierGroup::allreduce(const void* in, void* out, size_t count, mq::DType dty
                           const mq::ReduceSpec& spec, const mq::ShmPart& part) {
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
-  reduceAll(static_cast<uint32_t>(HierOp::kAllreduce), in, out, count, dtype, spec, part);
+  reduceAll(static_cast<uint32_t>(hier::HierOp::kAllreduce), in, out, count, dtype, spec, part);
 }
 
 void HierGroup::reduceAll(uint32_t op, const void* in, void* out, size_t count, mq::DType dtype,
@@ -345,7 +107,7 @@ void HierGroup::reduceAll(uint32_t op, const void* in, void* out, size_t count, 
   Call call = nextCall(op);
   call.dtype = static_cast<uint32_t>(dtype);
   call.count = count;
-  call.reduction = reductionCode(spec);
+  call.reduction = hier::reductionCode(spec);
   call.partIndex = part.index;
   call.partOf = part.of;
   const size_t esize = mq::dtypeBytes(dtype);
@@ -366,45 +128,67 @@ void HierGroup::reduceAll(uint32_t op, const void* in, void* out, size_t count, 
     // 2. This local rank's slice across hosts, 3. the slices inside the host.
     const size_t each = count / l.localSize();
     char* slice = static_cast<char*>(out) + l.localRank() * each * esize;
-    const Received received = allgatherBetweenHosts(*parts_.slices, call, slice, each * esize);
-    reduceHosts(received, slice, each, dtype, spec);
+    allreduceBetweenHosts(*parts_.slices, call, slice, each, dtype, spec);
     std::vector<void*> slices(l.localSize());
     for (int i = 0; i < l.localSize(); ++i) slices[i] = static_cast<char*>(out) + i * each * esize;
     onHost([&](mq::ShmGroup& g) { g.allgather(slice, each * esize, slices, part); });
     return;
   }
   // 2. The hosts' partials reduced by each leader, 3. sent inside the host.
-  if (parts_.leaders) {
-    const Received received = allgatherBetweenHosts(*parts_.leaders, call, out, count * esize);
-    reduceHosts(received, out, count, dtype, spec);
-  }
+  if (parts_.leaders) allreduceBetweenHosts(*parts_.leaders, call, out, count, dtype, spec);
   onHost([&](mq::ShmGroup& g) { g.broadcast(out, count * esize, 0); });
 }
 
 void HierGroup::reduceScatter(const std::vector<const void*>& ins, void* out, size_t count,
                               mq::DType dtype, const mq::ReduceSpec& spec,
                               const mq::ShmPart& part) {
-  // The whole input reduced (its parts in rank order, one buffer), this
-  // rank's part kept.
+  // The whole input (its parts in rank order, one buffer) reduced on the
+  // host; then up to the gather size the allreduce of it, each rank keeping
+  // its part; larger, a reduce-scatter between hosts (each host gets its
+  // ranks' parts) and a broadcast of them inside the host.
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
   const size_t bytes = count * mq::dtypeBytes(dtype);
-  const int size = static_cast<int>(layout().hostOf.size());
+  const HostLayout& l = layout();
+  const int size = static_cast<int>(l.hostOf.size());
   std::vector<char>& whole = wholeInput_;
   whole.resize(bytes * size);
   for (int r = 0; r < size; ++r) {
     if (bytes > 0) std::memcpy(whole.data() + r * bytes, ins[r], bytes);
   }
-  reduceAll(static_cast<uint32_t>(HierOp::kReduceScatter), whole.data(), whole.data(), count * size,
-            dtype, spec, part);
-  if (bytes > 0) std::memcpy(out, whole.data() + layout().rank * bytes, bytes);
+  const uint32_t op = static_cast<uint32_t>(hier::HierOp::kReduceScatter);
+  if (bytes * size <= parts_.gatherMaxBytes) {
+    reduceAll(op, whole.data(), whole.data(), count * size, dtype, spec, part);
+    if (bytes > 0) std::memcpy(out, whole.data() + l.rank * bytes, bytes);
+    return;
+  }
+  Call call = nextCall(op);
+  call.dtype = static_cast<uint32_t>(dtype);
+  call.count = count * size;
+  call.reduction = hier::reductionCode(spec);
+  call.partIndex = part.index;
+  call.partOf = part.of;
+  mq::ReduceSpec onHostSpec = spec;
+  onHostSpec.divisor = 1;
+  if (parts_.local) {
+    onHost([&](mq::ShmGroup& g) {
+      g.allreduce(whole.data(), whole.data(), count * size, dtype, onHostSpec, part);
+    });
+  } else if (onHostSpec.premultiply) {
+    mq::copyScaled(whole.data(), whole.data(), count * size, dtype, onHostSpec);
+  }
+  const size_t ours = l.localSize() * bytes;
+  char* mine = static_cast<char*>(scratch(kHostPartsSlot, ours).data_ptr());
+  if (parts_.leaders) reduceScatterBetweenHosts(call, whole.data(), count, dtype, spec, mine);
+  onHost([&](mq::ShmGroup& g) { g.broadcast(mine, ours, 0); });
+  if (bytes > 0) std::memcpy(out, mine + l.localRank() * bytes, bytes);
 }
 
 void HierGroup::allgather(const void* in, size_t bytes, const std::vector<void*>& outs,
                           const mq::ShmPart& part) {
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
-  Call call = nextCall(static_cast<uint32_t>(HierOp::kAllgather));
+  Call call = nextCall(static_cast<uint32_t>(hier::HierOp::kAllgather));
   call.count = bytes;
   call.partIndex = part.index;
   call.partOf = part.of;
@@ -430,7 +214,7 @@ void HierGroup::allgather(const void* in, size_t bytes, const std::vector<void*>
     for (size_t i = 0; i < mine.size(); ++i) {
       if (bytes > 0) std::memcpy(ours + i * bytes, outs[mine[i]], bytes);
     }
-    const Received got = allgatherBetweenHosts(*parts_.leaders, call, ours, block);
+    const Received got = gatherBetweenHosts(*parts_.leaders, call, ours, block);
     for (int h = 0; h < l.hosts(); ++h) {
       if (block > 0) std::memcpy(all + h * block, got.source(h), block);
     }
@@ -448,7 +232,7 @@ void HierGroup::allgather(const void* in, size_t bytes, const std::vector<void*>
 void HierGroup::broadcast(void* data, size_t bytes, int root) {
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
-  Call call = nextCall(static_cast<uint32_t>(HierOp::kBroadcast));
+  Call call = nextCall(static_cast<uint32_t>(hier::HierOp::kBroadcast));
   call.count = bytes;
   call.root = root;
   const HostLayout& l = layout();
@@ -464,9 +248,9 @@ void HierGroup::broadcast(void* data, size_t bytes, int root) {
 void HierGroup::barrier() {
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
-  Call call = nextCall(static_cast<uint32_t>(HierOp::kBarrier));
+  Call call = nextCall(static_cast<uint32_t>(hier::HierOp::kBarrier));
   onHost([](mq::ShmGroup& g) { g.barrier(); });
-  if (parts_.leaders) allgatherBetweenHosts(*parts_.leaders, call, nullptr, 0);
+  if (parts_.leaders) gatherBetweenHosts(*parts_.leaders, call, nullptr, 0);
   onHost([](mq::ShmGroup& g) { g.barrier(); });
 }
 

@@ -9,28 +9,51 @@
 //
 //   allreduce   1. shared-memory allreduce inside each host (the host's
 //                  partial; PREMUL_SUM's factor applied here)
-//               2. leaders path: the leaders all-gather the partials over
-//                  Gloo and each reduces them in host order; slices path
-//                  (every host has the same L >= 2 ranks, the count divides
-//                  by L, the call is at least TPCOMM_CPU_HIER_SLICE_BYTES):
-//                  local rank i does that for slice i with its peers of
-//                  local rank i on every host, all slices at once
+//               2. between hosts (below), by the leaders (leaders path), or
+//                  (slices path: every host has the same L >= 2 ranks, the
+//                  count divides by L, the call is at least
+//                  TPCOMM_CPU_HIER_SLICE_BYTES) by local rank i for slice i
+//                  with its peers of local rank i on every host, all slices
+//                  at once
 //               3. leaders path: shared-memory broadcast from the leader;
 //                  slices path: shared-memory all-gather of the slices
 //   all-gather  shared memory inside each host, the leaders all-gather their
 //               hosts' parts over Gloo, shared-memory broadcast of the rest
-//   reduce-     the allreduce above over the whole input, each rank keeps
-//   scatter     its part
-//   broadcast   shared memory on the root's host, Gloo among leaders, shared
-//               memory on the other hosts
+//   reduce-     up to TPCOMM_CPU_HIER_GATHER_BYTES: the allreduce above over
+//   scatter     the whole input, each rank keeps its part; larger: the
+//               host's partial in shared memory, a reduce-scatter between
+//               the leaders (each host receives only its ranks' parts), a
+//               shared-memory broadcast of the host's parts
+//   broadcast   shared memory on the root's host, Gloo among leaders (up to
+//               the gather size the root's leader sends it whole to each
+//               host; larger: a scatter then an all-gather), shared memory
+//               on the other hosts
 //   barrier     shared memory, Gloo among leaders, shared memory
 //
-// Steps between hosts are Gloo sends and receives (which run in the calling
-// thread; Gloo's collectives hop to a worker thread and back, several times
-// the cost of a small message between two hosts). Every step starts with an
-// all-to-all exchange of one size whatever the call (the call's description, with a payload of up
-// to 4 KiB), so that mismatched calls are found before Gloo sees messages of different sizes (which
-// it answers by ending the process); larger payloads follow in a second round.
+// Between hosts (H of them, in host order), each step is Gloo sends and
+// receives, which run in the calling thread (Gloo's collectives hop to a
+// worker thread and back, several times the cost of a small message, and
+// cannot check that the hosts' calls agree). Every step starts with a
+// gather of the hosts' call descriptions, in fixed-size blocks (the
+// description and up to 4 KiB of payload) whatever the call, so that
+// mismatched calls are found before Gloo sees messages of different sizes
+// (which it answers by ending the process); the gather is Bruck's:
+// ceil(log2 H) rounds, round k sending min(2^k, H - 2^k) blocks to the host
+// 2^k below and receiving as many from the host 2^k above. Then:
+//
+//   payload (bytes)      | allreduce                          | bytes a host sends
+//   ---------------------+------------------------------------+-------------------
+//   <= 4 KiB             | in the description blocks; every   | (H - 1) x 4.2 KiB
+//                        | host reduces all H in host order   |
+//   <= gather size       | every host sends its partial to    | (H - 1) x payload
+//                        | every other; each reduces in order |
+//   larger               | reduce-scatter: host h gets chunk h| 2 (H - 1) / H
+//                        | of every host, reduces it in host  |   x payload
+//                        | order; all-gather of the chunks    |
+//
+// Every algorithm reduces each element over the hosts' partials in host
+// order with the same kernels, so the result is the same bits whichever
+// one a call takes.
 //
 // Results are bitwise identical on every rank and on both allreduce paths:
 // each element is reduced in rank order within a host (shm_reduce.hpp's
@@ -99,6 +122,9 @@ class HierGroup {
     // with two or more ranks per host; the leaders' group for local rank 0.
     c10::intrusive_ptr<c10d::Backend> slices;
     uint64_t sliceMinBytes = 256 << 10;
+    // Allreduce payloads between hosts up to this size gather every host's
+    // partial; larger ones reduce-scatter then all-gather.
+    uint64_t gatherMaxBytes = 4096;
     // Ranks of the group on this machine's cores (hosts that are namespaces
     // of one kernel share them): the local group's waiting policy.
     int machineRanks = 1;
@@ -129,6 +155,12 @@ class HierGroup {
   // "leaders" or "slices".
   const char* allreducePath(size_t count, mq::DType dtype) const;
   uint64_t sliceMinBytes() const { return parts_.sliceMinBytes; }
+  uint64_t gatherMaxBytes() const { return parts_.gatherMaxBytes; }
+  // How a step between hosts of `bytes` of payload reduces: "gather" or
+  // "reduce_scatter" (the table above).
+  const char* betweenHostsAlgorithm(size_t bytes) const {
+    return bytes <= parts_.gatherMaxBytes ? "gather" : "reduce_scatter";
+  }
   int machineRanks() const { return parts_.machineRanks; }
   // The reductions' kernel level (inside the host and between hosts); every
   // rank of the group sets the same, as ShmGroup::setReduceIsa.
@@ -154,22 +186,35 @@ class HierGroup {
   template <typename Fn>
   void onHost(const Fn& fn);
   // What a step between hosts received: host h's payload at
-  // buffer + h * stride + offset.
+  // buffer + ((h - rotation) mod hosts) * stride + offset (Bruck's gather
+  // leaves host me + i at block i).
   struct Received {
     at::Tensor buffer;
     size_t stride = 0;
     size_t offset = 0;
+    int rotation = 0;
+    int hosts = 1;
     const char* source(int h) const {
-      return static_cast<const char*>(buffer.data_ptr()) + h * stride + offset;
+      const int at = ((h - rotation) % hosts + hosts) % hosts;
+      return static_cast<const char*>(buffer.data_ptr()) + at * stride + offset;
     }
   };
-  // Gloo steps between hosts over `backend` (one rank per host, in host
-  // order), through Gloo's point-to-point sends and receives: each first
-  // exchanges every host's description of the call (a message of one size
-  // whatever the call) and checks it against this rank's, then moves the
-  // payload (to every other host: latency over bandwidth, for a few hosts).
-  Received allgatherBetweenHosts(c10d::Backend& backend, const Call& call, const void* payload,
-                                 size_t bytes);
+  // Steps between hosts over `backend` (one rank per host, in host order;
+  // cpu_hier_steps.cpp), through Gloo's point-to-point sends and receives.
+  // Each starts by gathering every host's description of the call and
+  // checking it against this rank's (the table above).
+  // Every host's `bytes` of payload.
+  Received gatherBetweenHosts(c10d::Backend& backend, const Call& call, const void* payload,
+                              size_t bytes);
+  // `data` (count elements, this host's partial) becomes the hosts' partials
+  // reduced in host order.
+  void allreduceBetweenHosts(c10d::Backend& backend, const Call& call, void* data, size_t count,
+                             mq::DType dtype, const mq::ReduceSpec& spec);
+  // `whole` (this host's partial of every rank's part, rank order, `bytes`
+  // per rank) reduced over the hosts for this host's ranks only, into
+  // `mine` (this host's ranks' parts, in their order). Leaders.
+  void reduceScatterBetweenHosts(const Call& call, const char* whole, size_t count,
+                                 mq::DType dtype, const mq::ReduceSpec& spec, char* mine);
   void broadcastBetweenHosts(const Call& call, void* data, size_t bytes, int rootHost);
   [[noreturn]] void failBetweenHosts(const Call& call, const std::exception& e);
   void checkCalls(const Call& mine, const std::vector<Call>& theirs);
@@ -179,7 +224,15 @@ class HierGroup {
   // A buffer of at least `bytes` kept for the next calls (a fresh large
   // allocation is mapped anew and faulted in on every call). Calls hold
   // mutex_; each slot has one use per call.
-  enum Slot { kSendSlot, kDescriptionsSlot, kPayloadsSlot, kGatheredSlot, kBlockSlot, kSlots };
+  enum Slot {
+    kSendSlot,
+    kDescriptionsSlot,
+    kPayloadsSlot,
+    kGatheredSlot,
+    kBlockSlot,
+    kHostPartsSlot,
+    kSlots
+  };
   at::Tensor scratch(int slot, size_t bytes);
 
   // Declared before parts_ so that they outlive the Gloo sub-groups.

@@ -95,6 +95,7 @@ HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
   parts.layout = layout;
   parts.timeout = timeout;
   parts.sliceMinBytes = static_cast<uint64_t>(config.hierSliceBytes);
+  parts.gatherMaxBytes = static_cast<uint64_t>(config.hierGatherBytes);
   parts.reduceIsa = reduceIsaOf(config.reduceIsa);
   std::string failure;
   const int host = layout.host();
@@ -143,18 +144,22 @@ HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
       });
     }
   }
-  // Every rank's failure, and its slice crossover (the smallest counts, so
-  // that every host takes the same path for a call).
+  // Every rank's failure, and its crossovers (the smallest counts, so that
+  // every host takes the same path and algorithm for a call).
   constexpr size_t kFailureWidth = 384;
   const auto statuses = allgatherBytes(
       cpu, size,
-      fixedWidth(failure, kFailureWidth) + fixedWidth(std::to_string(config.hierSliceBytes), 24));
+      fixedWidth(failure, kFailureWidth) + fixedWidth(std::to_string(config.hierSliceBytes), 24) +
+          fixedWidth(std::to_string(config.hierGatherBytes), 24));
   std::vector<std::string> failures;
   for (const auto& s : statuses) {
     failures.push_back(trimmed(s.substr(0, kFailureWidth)));
-    const std::string slice = trimmed(s.substr(kFailureWidth));
+    const std::string slice = trimmed(s.substr(kFailureWidth, 24));
     if (!slice.empty())
       parts.sliceMinBytes = std::min<uint64_t>(parts.sliceMinBytes, std::stoull(slice));
+    const std::string gather = trimmed(s.substr(kFailureWidth + 24));
+    if (!gather.empty())
+      parts.gatherMaxBytes = std::min<uint64_t>(parts.gatherMaxBytes, std::stoull(gather));
   }
   const std::string reason = firstFailure(failures);
   if (!reason.empty()) return refuse(reason);

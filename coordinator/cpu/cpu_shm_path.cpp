@@ -210,6 +210,7 @@ CpuShmConfig CpuShmConfig::fromSettings() {
   c.reduceIsa = settings().cpuReduceIsa;
   c.threads = settings().cpuShmThreads;
   c.hierSliceBytes = settings().cpuHierSliceBytes;
+  c.hierGatherBytes = settings().cpuHierGatherBytes;
   return c;
 }
 

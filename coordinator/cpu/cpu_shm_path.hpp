@@ -47,6 +47,7 @@ struct CpuShmConfig {
   std::string reduceIsa = "auto";    // TPCOMM_CPU_REDUCE_ISA
   int64_t threads = 0;               // TPCOMM_CPU_SHM_THREADS (0: threadsFor's choice)
   int64_t hierSliceBytes = 4 << 20;  // TPCOMM_CPU_HIER_SLICE_BYTES
+  int64_t hierGatherBytes = 4096;    // TPCOMM_CPU_HIER_GATHER_BYTES
   // Ranks of a larger group on this machine's cores (a group across hosts
   // that are namespaces of one kernel): the waiting policy and the threads
   // count them (0: the group's size alone).

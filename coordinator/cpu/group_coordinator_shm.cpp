@@ -157,6 +157,7 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
   state.hierReason = hierReason_;
   if (hier_) {
     state.hierSliceBytes = hier_->sliceMinBytes();
+    state.hierGatherBytes = hier_->gatherMaxBytes();
     if (hier_->local()) {
       state.spinUs = hier_->local()->spin().count();
       state.yields = hier_->local()->yields();

@@ -1,6 +1,10 @@
 """python -m tpcomm.bench cpu --hosts H [--ranks-per-host L]: CPU allreduce of
 a group spread over H simulated hosts (tpcomm.simhosts: separate network,
-UTS, mount and pid namespaces; root only), L ranks on each, µs per call.
+UTS, mount and pid namespaces; root only), L ranks on each: µs per call,
+and the bytes each host's interface sent per call (its kernel counter,
+/sys/class/net/eth0/statistics/tx_bytes inside the host's namespace, read
+by the host's first rank around the timed loop; the most of any host, as a
+multiple of the payload: TCP/IP and Gloo headers included).
 
 Every size is timed in one run, interleaved, on three groups of the same
 ranks: tpcomm (hierarchical: shared memory inside each host, Gloo between),
@@ -22,12 +26,24 @@ import time
 SIZES = [4, 1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 
-def _time(fn, iters):
+def _sent():
+    """Bytes this host's interface has sent (its network namespace's)."""
+    try:
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return 0
+
+
+def _time(fn, iters, counts):
+    """µs per call, and bytes this host sent per call (where `counts`)."""
     fn()
+    sent = _sent() if counts else 0
     start = time.perf_counter()
     for _ in range(iters):
         fn()
-    return (time.perf_counter() - start) / iters * 1e6
+    took = (time.perf_counter() - start) / iters * 1e6
+    return took, ((_sent() - sent) / iters if counts else 0.0)
 
 
 def _worker(max_bytes, rounds, quick):
@@ -53,7 +69,9 @@ def _worker(max_bytes, rounds, quick):
     sizes = [s for s in SIZES if s <= max_bytes]
     if quick:
         sizes = [s for s in sizes if s in (4, 16 << 10, 64 << 10, 1 << 20)]
+    counts = rank % local == 0  # the host's first rank reads its counter
     best = {}
+    sent = {}
     for _ in range(rounds):
         for size in sizes:
             n = max(1, size // 4)
@@ -62,11 +80,13 @@ def _worker(max_bytes, rounds, quick):
                 iters = max(4, iters // 4)
             for name, group in groups.items():
                 x = torch.ones(n)
-                t = _time(lambda: dist.all_reduce(x, group=group), iters)
-                worst = torch.tensor([t], dtype=torch.float64)
+                dist.barrier(group=gloo)
+                t, b = _time(lambda: dist.all_reduce(x, group=group), iters, counts)
+                worst = torch.tensor([t, b], dtype=torch.float64)
                 dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=gloo)
                 key = (name, size)
-                best[key] = min(best.get(key, float("inf")), worst.item())
+                best[key] = min(best.get(key, float("inf")), worst[0].item())
+                sent[key] = min(sent.get(key, float("inf")), worst[1].item())
             # Each host's part alone (the other hosts wait), as inside the
             # hierarchical call, where the hosts' parts do not overlap with
             # the step between them.
@@ -74,20 +94,23 @@ def _worker(max_bytes, rounds, quick):
             for h in range(hosts):
                 if local > 1 and rank // local == h:
                     x = torch.ones(n)
-                    t = _time(lambda: dist.all_reduce(x, group=host_group), iters)
+                    t, _ = _time(lambda: dist.all_reduce(x, group=host_group), iters, False)
                 dist.barrier(group=gloo)
             worst = torch.tensor([t], dtype=torch.float64)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=gloo)
             best[("host", size)] = min(best.get(("host", size), float("inf")), worst.item())
     if rank == 0:
         d = tpcomm.describe()["cpu_shm"]["across_hosts"]
-        print(f"group: {d['hosts']}; {d['reason']}; slices from {d['slice_bytes']} B")
+        print(f"group: {d['hosts']}; {d['reason']}; slices from {d['slice_bytes']} B; "
+              f"gather up to {d.get('gather_bytes', '?')} B")
         print(f"{'bytes':>10} {'tpcomm us':>10} {'gloo us':>10} {'speed-up':>9} "
-              f"{'shm off us':>11} {'host part us':>13} {'host share':>11}")
+              f"{'shm off us':>11} {'host part us':>13} {'host share':>11} "
+              f"{'sent/host tpcomm':>17} {'sent/host gloo':>15}")
         for size in sizes:
             hier, flat, host = best[("tpcomm", size)], best[("gloo", size)], best[("host", size)]
             print(f"{size:>10} {hier:>10.1f} {flat:>10.1f} {flat / hier:>8.2f}x "
-                  f"{best[('off', size)]:>11.1f} {host:>13.1f} {100 * host / hier:>10.0f}%")
+                  f"{best[('off', size)]:>11.1f} {host:>13.1f} {100 * host / hier:>10.0f}% "
+                  f"{sent[('tpcomm', size)] / size:>16.2f}x {sent[('gloo', size)] / size:>14.2f}x")
         sys.stdout.flush()
     dist.destroy_process_group()
 
