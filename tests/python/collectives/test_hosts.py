@@ -26,6 +26,9 @@ LAYOUTS = {
     "2x1": [[0], [1]],
     "3+1": [[0, 1, 2], [3]],
     "2x3": [[0, 2, 4], [1, 3, 5]],  # ranks interleaved across the hosts
+    "2+1+1": [[0, 1], [2], [3]],
+    "4x2": [[0, 1], [2, 3], [4, 5], [6, 7]],
+    "8x1-2": [[0, 1], [2], [3, 4], [5], [6, 7], [8], [9, 10], [11]],
 }
 
 
@@ -128,11 +131,16 @@ def check_collectives(outs, world):
     assert torch.allclose(outs[0]["results"][("coalesced",)].double(), want, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["2x2", "3+1", "2x3"])
+# Layouts of many ranks run fewer sizes (on 2 cores): 4 KB and under gather
+# every host's partial, 70,000 elements reduce-scatter then all-gather.
+FEWER_SIZES = {"TEST_SIZES": "7,1000,70000"}
+
+
+@pytest.mark.parametrize("name", ["2x2", "3+1", "2x3", "2+1+1", "4x2", "8x1-2"])
 def test_every_collective_across_hosts_matches_float64_and_is_bitwise_equal(name, tmp_path):
     layout = LAYOUTS[name]
     world = sum(len(r) for r in layout)
-    outs = completed(layout, "collectives", tmp_path)
+    outs = completed(layout, "collectives", tmp_path, FEWER_SIZES if len(layout) > 2 else None)
     check_collectives(outs, world)
     for o in outs:
         across = o["describe"]["across_hosts"]
@@ -152,6 +160,40 @@ def test_both_allreduce_paths_give_the_same_bits(tmp_path):
                         {"TPCOMM_CPU_HIER_SLICE_BYTES": str(1 << 40)})
     for key, value in sliced[0]["results"].items():
         assert torch.equal(value, leaders[0]["results"][key]), key
+
+
+def test_gather_and_reduce_scatter_between_hosts_give_the_same_bits(tmp_path):
+    """Every call across 4 hosts by gathering every host's partial, then by
+    reduce-scatter and all-gather between hosts: identical results (each
+    element reduced over the hosts in host order either way)."""
+    layout = LAYOUTS["4x2"]
+    gather = completed(layout, "collectives", tmp_path / "gather",
+                       dict(FEWER_SIZES, TPCOMM_CPU_HIER_GATHER_BYTES=str(1 << 40)))
+    scatter = completed(layout, "collectives", tmp_path / "scatter",
+                        dict(FEWER_SIZES, TPCOMM_CPU_HIER_GATHER_BYTES="0"))
+    assert gather[0]["describe"]["across_hosts"]["gather_bytes"] == 1 << 40
+    assert scatter[0]["describe"]["across_hosts"]["gather_bytes"] == 0
+    for key, value in gather[0]["results"].items():
+        assert torch.equal(value, scatter[0]["results"][key]), key
+
+
+@pytest.mark.parametrize("name", ["2x2", "4x2", "8x1-2"])
+def test_each_host_sends_at_most_twice_the_payload(name, tmp_path):
+    """Bytes, not time: each host's interface (its kernel counter) sends at
+    most 2.2x the payload per 1 MiB allreduce, and about 2x at most per
+    broadcast and reduce-scatter, whatever the number of hosts."""
+    layout = LAYOUTS[name]
+    outs = completed(layout, "bytes", tmp_path)
+    payload = outs[0]["payload"]
+    for o in outs:
+        assert o["stats"]["cpu_hier"]["calls"] > 0, o["stats"]
+        for call in ("allreduce", "broadcast", "reduce_scatter"):
+            assert o[call] <= 2.2 * payload, (o["rank"], call, o[call] / payload)
+    hosts = len(layout)
+    # A host's share of a reduce-scatter and all-gather between hosts:
+    # 2 (hosts - 1) / hosts of the payload, plus headers.
+    first = [ranks[0] for ranks in layout]
+    assert max(outs[r]["allreduce"] for r in first) <= payload * (2 * (hosts - 1) / hosts + 0.1)
 
 
 def test_ranks_alone_on_their_hosts_use_gloo_and_say_why(tmp_path):
@@ -203,7 +245,8 @@ def test_mismatched_calls_across_hosts_raise_on_every_rank(tmp_path):
 
 
 @pytest.mark.parametrize("name,named", [("3+1", "host 'simhost1' (rank 3)"),
-                                        ("2x2", "host 'simhost1' (ranks 2, 3)")])
+                                        ("2x2", "host 'simhost1' (ranks 2, 3)"),
+                                        ("4x2", "host 'simhost3' (ranks 6, 7)")])
 def test_a_host_that_goes_away_is_named_by_every_other_rank(name, named, tmp_path):
     layout = LAYOUTS[name]
     survivors = [r for ranks in layout[:-1] for r in ranks]
