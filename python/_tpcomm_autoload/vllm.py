@@ -123,6 +123,8 @@ def _patch(chosen, log, version):
             _profile(self, unique_name)
 
     communicator.__init__ = init
+    if chosen is not None:
+        _patch_single_reader(shm_broadcast, parallel_state, version)
 
     if chosen == "tpcomm":
         queue = shm_broadcast.MessageQueue
@@ -150,6 +152,41 @@ def _patch(chosen, log, version):
         queue.create_from_process_group = staticmethod(create_from_process_group)
         if not hasattr(parallel_state, "GroupCoordinator"):
             raise _moved("vllm.distributed.parallel_state has no GroupCoordinator", version)
+
+
+def _patch_single_reader(shm_broadcast, parallel_state, version):
+    """vLLM's multi-node launch (nnodes > 1, the mp executor) gives every
+    worker a queue to the driver worker, local (shared memory) when the
+    writer shares the driver's node. vLLM decides that by
+    rank // device_count(), which on its CPU platform (device_count() == 1)
+    puts every rank but the driver on another node: the executor then finds
+    no local queue for the driver's node's other workers and fails
+    (`assert local_message_queue is not None`, multiproc_executor.py). The
+    replacement asks vLLM's own test of the memory system instead
+    (in_the_same_node_as), for tpcomm and Gloo alike."""
+    import torch.distributed as dist
+
+    queue = shm_broadcast.MessageQueue
+    same_node_as = getattr(parallel_state, "in_the_same_node_as", None)
+    if not hasattr(queue, "create_from_process_group_single_reader") or same_node_as is None:
+        raise _moved("vLLM's MessageQueue has no create_from_process_group_single_reader, or "
+                     "parallel_state no in_the_same_node_as", version)
+
+    def create_from_process_group_single_reader(pg, max_chunk_bytes, max_chunks, reader_rank=0,
+                                                blocking=False):
+        # reader_rank is global, as vLLM's callers give it.
+        same = same_node_as(pg, source_rank=dist.get_group_rank(pg, reader_rank))
+        mine = queue(n_reader=1, n_local_reader=1 if same[dist.get_rank(group=pg)] else 0,
+                     max_chunk_bytes=max_chunk_bytes, max_chunks=max_chunks)
+        handle = mine.export_handle()
+        handles = [None] * dist.get_world_size(pg) if dist.get_rank() == reader_rank else None
+        dist.gather_object(handle, handles, dst=reader_rank, group=pg)
+        if blocking:
+            mine.wait_until_ready()
+        return mine, handles or []
+
+    queue.create_from_process_group_single_reader = staticmethod(
+        create_from_process_group_single_reader)
 
 
 def _torch_distributed():

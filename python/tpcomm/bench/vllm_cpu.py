@@ -282,6 +282,9 @@ def add_arguments(parser):
     parser.add_argument("--eager", action="store_true", help="no torch.compile in vLLM")
     parser.add_argument("--tp1", action="store_true", help="also TP=1, for token equality")
     parser.add_argument("--timeout", type=float, default=600.0, help="per vLLM run (s)")
+    parser.add_argument("--hosts", type=int, default=0, choices=(0, 2),
+                        help="2: across two simulated hosts, TP=2 in each and PP=2 across, "
+                             "tpcomm against Gloo (root; tpcomm/bench/vllm_hosts.py)")
 
 
 def run(args):
@@ -292,6 +295,10 @@ def run(args):
     if missing:
         print(f"vllm-cpu: {missing}", file=sys.stderr)
         return 2
+    if args.hosts:
+        from tpcomm.bench.vllm_hosts import run as run_across_hosts
+
+        return run_across_hosts(args)
     if args.dtype is None:
         args.dtype = "float32" if args.check else "bfloat16"
     with tempfile.TemporaryDirectory(prefix="tpcomm-vllm-") as folder:
