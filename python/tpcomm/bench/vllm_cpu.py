@@ -283,8 +283,11 @@ def add_arguments(parser):
     parser.add_argument("--tp1", action="store_true", help="also TP=1, for token equality")
     parser.add_argument("--timeout", type=float, default=600.0, help="per vLLM run (s)")
     parser.add_argument("--hosts", type=int, default=0, choices=(0, 2),
-                        help="2: across two simulated hosts, TP=2 in each and PP=2 across, "
-                             "tpcomm against Gloo (root; tpcomm/bench/vllm_hosts.py)")
+                        help="2: across two simulated hosts, two workers on each, tpcomm "
+                             "against Gloo (root; tpcomm/bench/vllm_hosts.py)")
+    parser.add_argument("--layout", choices=("tp4", "tp2pp2"), default="tp4",
+                        help="with --hosts: TP=4 across both hosts, or TP=2 in each and PP=2 "
+                             "across")
 
 
 def run(args):

@@ -1,9 +1,12 @@
 """vLLM for CPU across two simulated hosts (tpcomm.simhosts; root): vLLM's
 own multi-node launch (the mp executor with nnodes 2: node 0 runs the
-engine, node 1 its headless workers), tensor parallelism 2 inside each host
-and pipeline parallelism 2 across them, on tpcomm (TPCOMM_VLLM=1) and on
-Gloo (TPCOMM_VLLM=gloo), alternated round by round; tokens against TP=1 in
-one process. Run through `bash python/run.sh vllm-cpu --hosts 2` (the vLLM
+engine, node 1 its headless workers), two workers on each host, on tpcomm
+(TPCOMM_VLLM=1) and on Gloo (TPCOMM_VLLM=gloo), alternated round by round;
+tokens against TP=1 in one process. --layout tp4 (the default): tensor
+parallelism 4 across both hosts; tp2pp2: TP=2 inside each host and pipeline
+parallelism 2 across them, which vllm-cpu 0.32 fails at its first step
+even on one host with Gloo (`assert self.intermediate_tensors is not None`,
+vllm/v1/worker/gpu_model_runner.py, sync_and_gather_intermediate_tensors). Run through `bash python/run.sh vllm-cpu --hosts 2` (the vLLM
 environment); `python -m tpcomm.bench vllm-cpu --hosts 2` there."""
 
 import json
@@ -17,7 +20,8 @@ _RESULT = "TPCOMM_VLLM_HOSTS_RESULT "
 
 
 def _engine_kwargs(args):
-    return dict(model=args.model, tensor_parallel_size=2, pipeline_parallel_size=2,
+    tp, pp = (4, 1) if args.layout == "tp4" else (2, 2)
+    return dict(model=args.model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                 distributed_executor_backend="mp", nnodes=2, node_rank=args.node_rank,
                 master_addr=args.master_addr, master_port=args.master_port,
                 skip_tokenizer_init=True, dtype=args.dtype, seed=0,
@@ -36,6 +40,17 @@ def _node(args):
         executor = MultiprocExecutor(config, monitor_workers=False)
         executor.start_worker_monitor(inline=True)
         return
+    try:
+        _engine(args)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)  # not waiting at exit for workers of a failed engine
+
+
+def _engine(args):
     from vllm import LLM, SamplingParams
 
     from tpcomm.bench.vllm_cpu import _prompts
@@ -70,7 +85,8 @@ def _across_hosts(way, model, args, log):
                     "--model", model, "--master-addr", hosts.address(0),
                     "--master-port", str(port), "--tokens", str(args.tokens),
                     "--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
-                    "--dtype", args.dtype] + (["--eager"] if args.eager else [])
+                    "--dtype", args.dtype, "--layout", args.layout] + (
+                        ["--eager"] if args.eager else [])
             # One process per host: vLLM starts its own workers.
             procs.append(hosts.launch(node, [node], argv, env, 2, port + 1, stdout=out,
                                       stderr=subprocess.STDOUT))
@@ -104,7 +120,8 @@ def run(args):
         make_model(model, args.layers, args.hidden)
         log = os.path.join(tempfile.gettempdir(), "tpcomm-vllm-hosts.log")
         open(log, "w").close()
-        print(f"vLLM across 2 simulated hosts (TP=2 in each, PP=2 across), {args.batch} "
+        shape = "TP=4 across both" if args.layout == "tp4" else "TP=2 in each, PP=2 across"
+        print(f"vLLM across 2 simulated hosts ({shape}), {args.batch} "
               f"requests x {args.tokens} tokens, {args.dtype}; log: {log}", flush=True)
         reference = _run("tpcomm", 1, model, args, log)["tokens"]
         best, failures = {}, []
@@ -143,6 +160,7 @@ def main(argv=None):
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--eager", action="store_true")
+    parser.add_argument("--layout", choices=("tp4", "tp2pp2"), default="tp4")
     _node(parser.parse_args(argv))
     return 0
 
