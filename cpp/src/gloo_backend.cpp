@@ -111,20 +111,8 @@ coord::BackendFactory glooFactory(const c10::intrusive_ptr<c10d::Store>& groupSt
     auto options = c10::make_intrusive<c10d::ProcessGroupGloo::Options>(timeout);
     options->devices = makeDevices();
     options->threads = 2;  // the Python package's (torch's Options default)
-    c10::intrusive_ptr<c10d::Backend> made =
-        c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
-    // Asked through the vtable torch's constructor installed (a volatile
-    // pointer, so the compiler cannot answer from the header instead): the
-    // object is torch's Gloo group of this rank and size.
-    c10d::Backend* volatile opaque = made.get();
-    c10d::Backend* gloo = opaque;
-    TPCOMM_CHECK(gloo->getBackendName() == "gloo" && gloo->getRank() == rank &&
-                     gloo->getSize() == size && gloo->getBackendOptions()->timeout == timeout,
-                 kSystem, "torch's ProcessGroupGloo made from C++ answers as '",
-                 gloo->getBackendName(), "' rank ", gloo->getRank(), " of ", gloo->getSize(),
-                 " instead of 'gloo' rank ", rank, " of ", size,
-                 ": this tpcomm was built against another torch");
-    return made;
+    return checkMade(c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options),
+                     "gloo", rank, size, timeout);
   };
 }
 

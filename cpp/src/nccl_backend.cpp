@@ -22,15 +22,8 @@ coord::BackendFactory ncclFactory() {
                  "nvidia-nccl wheel torch pins)");
     auto options = c10d::ProcessGroupNCCL::Options::create();
     options->timeout = timeout;
-    c10::intrusive_ptr<c10d::Backend> nccl =
-        c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
-    TPCOMM_CHECK(nccl->getBackendName() == "nccl" && nccl->getRank() == rank &&
-                     nccl->getSize() == size,
-                 kSystem, "torch's ProcessGroupNCCL made from C++ answers as '",
-                 nccl->getBackendName(), "' rank ", nccl->getRank(), " of ", nccl->getSize(),
-                 " instead of 'nccl' rank ", rank, " of ", size,
-                 ": this tpcomm was built against another torch");
-    return nccl;
+    return checkMade(c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options),
+                     "nccl", rank, size);
   };
 }
 

@@ -17,6 +17,25 @@
 
 namespace tpcomm {
 
+namespace cpp {
+
+c10::intrusive_ptr<c10d::Backend> checkMade(c10::intrusive_ptr<c10d::Backend> made,
+                                            const char* name, int rank, int size,
+                                            std::optional<std::chrono::milliseconds> timeout) {
+  c10d::Backend* volatile opaque = made.get();
+  c10d::Backend* backend = opaque;
+  TPCOMM_CHECK(backend->getBackendName() == name && backend->getRank() == rank &&
+                   backend->getSize() == size &&
+                   (!timeout || backend->getBackendOptions()->timeout == *timeout),
+               kSystem, "torch's ", name, " group made from C++ answers as '",
+               backend->getBackendName(), "' rank ", backend->getRank(), " of ",
+               backend->getSize(), " instead of rank ", rank, " of ", size,
+               ": this tpcomm was built against another torch");
+  return made;
+}
+
+}  // namespace cpp
+
 std::string version() { return TPCOMM_VERSION; }
 std::string builtWithTorch() { return TPCOMM_TORCH_VERSION; }
 

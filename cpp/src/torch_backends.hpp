@@ -3,6 +3,8 @@
 // (torch's ProcessGroupGloo) and its device group (torch's ProcessGroupNCCL,
 // made on the first CUDA call), made without Python.
 
+#include <optional>
+
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "coordinator/cpu/cpu_hier_path.hpp"
@@ -21,5 +23,14 @@ coord::BackendFactory glooFactory(const c10::intrusive_ptr<c10d::Store>& groupSt
 // Makes torch's ProcessGroupNCCL (store, rank, size, timeout). Throws
 // (kSystem) when the NCCL header this build used is not torch's NCCL.
 coord::BackendFactory ncclFactory();
+
+// Asks `made` through the vtable torch's constructor installed (a volatile
+// pointer, so that the compiler cannot answer from the header instead)
+// whether it is torch's `name` group of this rank and size (and timeout,
+// where given); throws (kSystem) naming what it answered otherwise. Returns
+// `made`.
+c10::intrusive_ptr<c10d::Backend> checkMade(
+    c10::intrusive_ptr<c10d::Backend> made, const char* name, int rank, int size,
+    std::optional<std::chrono::milliseconds> timeout = std::nullopt);
 
 }  // namespace tpcomm::cpp

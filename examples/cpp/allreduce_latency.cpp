@@ -27,14 +27,7 @@ int main(int argc, char** argv) {
        {"sizes", "4,64,1024,16384"}, {"iters", "2000"}, {"rounds", "5"}});
   const int world = std::stoi(args.at("world-size"));
   const int rank = std::stoi(args.at("rank"));
-  if (rank < 0) {
-    std::vector<std::string> again(argv + 1, argv + argc);
-    if (args.at("port") == "0") {
-      again.push_back("--port");
-      again.push_back(std::to_string(example::freePort()));
-    }
-    return example::launchRanks(again, world, std::chrono::seconds(1200));
-  }
+  if (rank < 0) return example::launchSelf(argc, argv, args, world, std::chrono::seconds(1200));
   at::set_num_threads(1);
   auto store = example::makeStore(args.at("master-addr"), std::stoi(args.at("port")), rank, world);
   auto pg = tpcomm::makeProcessGroup(store, rank, world);

@@ -115,6 +115,19 @@ inline std::string fromEnv(const char* name, const std::string& otherwise) {
   return value != nullptr && *value != '\0' ? value : otherwise;
 }
 
+// The launcher (no --rank and no RANK): runs `world` ranks of this program
+// with its own arguments, on a free port unless --port names one, and
+// returns their status.
+inline int launchSelf(int argc, char** argv, const std::map<std::string, std::string>& args,
+                      int world, std::chrono::seconds limit) {
+  std::vector<std::string> again(argv + 1, argv + argc);
+  if (args.at("port") == "0") {
+    again.push_back("--port");
+    again.push_back(std::to_string(freePort()));
+  }
+  return launchRanks(again, world, limit);
+}
+
 // Rank 0 serves the store and the others connect; under torchrun, whose
 // agent already serves one at MASTER_ADDR:MASTER_PORT
 // (TORCHELASTIC_USE_AGENT_STORE=True), every rank connects to it. The

@@ -195,14 +195,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "need --world-size >= 1 dividing --ffn, --dtype float32|float64\n");
     return 64;
   }
-  if (rank < 0) {  // the launcher: one process per rank
-    std::vector<std::string> again(argv + 1, argv + argc);
-    if (args.at("port") == "0") {
-      again.push_back("--port");
-      again.push_back(std::to_string(example::freePort()));
-    }
-    return example::launchRanks(again, world, std::chrono::seconds(600));
-  }
+  if (rank < 0) return example::launchSelf(argc, argv, args, world, std::chrono::seconds(600));
   at::set_num_threads(1);
   return runRank(args, c, rank);
 }
