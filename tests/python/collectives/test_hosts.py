@@ -163,10 +163,11 @@ def test_both_allreduce_paths_give_the_same_bits(tmp_path):
 
 
 def test_gather_and_reduce_scatter_between_hosts_give_the_same_bits(tmp_path):
-    """Every call across 4 hosts by gathering every host's partial, then by
-    reduce-scatter and all-gather between hosts: identical results (each
-    element reduced over the hosts in host order either way)."""
-    layout = LAYOUTS["4x2"]
+    """Every call across 3 uneven hosts (chunks of unequal sizes) by
+    gathering every host's partial, then by reduce-scatter and all-gather
+    between hosts: identical results (each element reduced over the hosts in
+    host order either way)."""
+    layout = LAYOUTS["2+1+1"]
     gather = completed(layout, "collectives", tmp_path / "gather",
                        dict(FEWER_SIZES, TPCOMM_CPU_HIER_GATHER_BYTES=str(1 << 40)))
     scatter = completed(layout, "collectives", tmp_path / "scatter",
@@ -177,7 +178,7 @@ def test_gather_and_reduce_scatter_between_hosts_give_the_same_bits(tmp_path):
         assert torch.equal(value, scatter[0]["results"][key]), key
 
 
-@pytest.mark.parametrize("name", ["2x2", "4x2", "8x1-2"])
+@pytest.mark.parametrize("name", ["4x2", "8x1-2"])
 def test_each_host_sends_at_most_twice_the_payload(name, tmp_path):
     """Bytes, not time: each host's interface (its kernel counter) sends at
     most 2.2x the payload per 1 MiB allreduce, and about 2x at most per
