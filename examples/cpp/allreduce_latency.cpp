@@ -20,11 +20,7 @@
 int main(int argc, char** argv) {
   const auto args = example::parseArgs(
       argc, argv,
-      {{"world-size", example::fromEnv("WORLD_SIZE", "2")},
-       {"rank", example::fromEnv("RANK", "-1")},
-       {"master-addr", example::fromEnv("MASTER_ADDR", "127.0.0.1")},
-       {"port", example::fromEnv("MASTER_PORT", "0")},
-       {"sizes", "4,64,1024,16384"}, {"iters", "2000"}, {"rounds", "5"}});
+      example::withLaunchArgs({{"sizes", "4,64,1024,16384"}, {"iters", "2000"}, {"rounds", "5"}}));
   const int world = std::stoi(args.at("world-size"));
   const int rank = std::stoi(args.at("rank"));
   if (rank < 0) return example::launchSelf(argc, argv, args, world, std::chrono::seconds(1200));

@@ -128,6 +128,16 @@ inline int launchSelf(int argc, char** argv, const std::map<std::string, std::st
   return launchRanks(again, world, limit);
 }
 
+// `own` arguments plus the launch's: --world-size, --rank, --master-addr and
+// --port, defaulting to the launcher's environment.
+inline std::map<std::string, std::string> withLaunchArgs(std::map<std::string, std::string> own) {
+  own.insert({{"world-size", fromEnv("WORLD_SIZE", "2")},
+              {"rank", fromEnv("RANK", "-1")},
+              {"master-addr", fromEnv("MASTER_ADDR", "127.0.0.1")},
+              {"port", fromEnv("MASTER_PORT", "0")}});
+  return own;
+}
+
 // Rank 0 serves the store and the others connect; under torchrun, whose
 // agent already serves one at MASTER_ADDR:MASTER_PORT
 // (TORCHELASTIC_USE_AGENT_STORE=True), every rank connects to it. The

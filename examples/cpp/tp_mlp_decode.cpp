@@ -177,13 +177,9 @@ int runRank(const std::map<std::string, std::string>& args, const Config& c, int
 int main(int argc, char** argv) {
   const auto args = example::parseArgs(
       argc, argv,
-      {{"world-size", example::fromEnv("WORLD_SIZE", "2")},
-       {"rank", example::fromEnv("RANK", "-1")},
-       {"master-addr", example::fromEnv("MASTER_ADDR", "127.0.0.1")},
-       {"port", example::fromEnv("MASTER_PORT", "0")},
-       {"steps", "32"}, {"vocab", "512"}, {"hidden", "256"}, {"ffn", "1024"},
+      example::withLaunchArgs({{"steps", "32"}, {"vocab", "512"}, {"hidden", "256"}, {"ffn", "1024"},
        {"layers", "4"}, {"batch", "4"}, {"dtype", "float64"}, {"timeout-s", "60"},
-       {"fault", "none"}, {"fault-rank", "-1"}, {"fault-step", "-1"}});
+       {"fault", "none"}, {"fault-rank", "-1"}, {"fault-step", "-1"}}));
   const int world = std::stoi(args.at("world-size"));
   const int rank = std::stoi(args.at("rank"));
   const std::string dtype = args.at("dtype");
