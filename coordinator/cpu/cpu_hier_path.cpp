@@ -102,17 +102,19 @@ void HierGroup::allreduce(const void* in, void* out, size_t count, mq::DType dty
   reduceAll(static_cast<uint32_t>(hier::HierOp::kAllreduce), in, out, count, dtype, spec, part);
 }
 
-void HierGroup::reduceAll(uint32_t op, const void* in, void* out, size_t count, mq::DType dtype,
-                          const mq::ReduceSpec& spec, const mq::ShmPart& part) {
+HierGroup::Call HierGroup::reductionCall(uint32_t op, size_t count, mq::DType dtype,
+                                         const mq::ReduceSpec& spec, const mq::ShmPart& part) {
   Call call = nextCall(op);
   call.dtype = static_cast<uint32_t>(dtype);
   call.count = count;
   call.reduction = hier::reductionCode(spec);
   call.partIndex = part.index;
   call.partOf = part.of;
-  const size_t esize = mq::dtypeBytes(dtype);
+  return call;
+}
 
-  // 1. The host's partial, with the ranks' factors applied (PREMUL_SUM).
+void HierGroup::hostPartial(const void* in, void* out, size_t count, mq::DType dtype,
+                            const mq::ReduceSpec& spec, const mq::ShmPart& part) {
   mq::ReduceSpec onHostSpec = spec;
   onHostSpec.divisor = 1;
   if (parts_.local) {
@@ -120,8 +122,16 @@ void HierGroup::reduceAll(uint32_t op, const void* in, void* out, size_t count, 
   } else if (onHostSpec.premultiply) {
     mq::copyScaled(out, in, count, dtype, onHostSpec);
   } else if (out != in && count > 0) {
-    std::memmove(out, in, count * esize);
+    std::memmove(out, in, count * mq::dtypeBytes(dtype));
   }
+}
+
+void HierGroup::reduceAll(uint32_t op, const void* in, void* out, size_t count, mq::DType dtype,
+                          const mq::ReduceSpec& spec, const mq::ShmPart& part) {
+  const Call call = reductionCall(op, count, dtype, spec, part);
+  const size_t esize = mq::dtypeBytes(dtype);
+  // 1. The host's partial.
+  hostPartial(in, out, count, dtype, spec, part);
 
   const HostLayout& l = layout();
   if (std::strcmp(allreducePath(count, dtype), "slices") == 0) {
@@ -162,21 +172,8 @@ void HierGroup::reduceScatter(const std::vector<const void*>& ins, void* out, si
     if (bytes > 0) std::memcpy(out, whole.data() + l.rank * bytes, bytes);
     return;
   }
-  Call call = nextCall(op);
-  call.dtype = static_cast<uint32_t>(dtype);
-  call.count = count * size;
-  call.reduction = hier::reductionCode(spec);
-  call.partIndex = part.index;
-  call.partOf = part.of;
-  mq::ReduceSpec onHostSpec = spec;
-  onHostSpec.divisor = 1;
-  if (parts_.local) {
-    onHost([&](mq::ShmGroup& g) {
-      g.allreduce(whole.data(), whole.data(), count * size, dtype, onHostSpec, part);
-    });
-  } else if (onHostSpec.premultiply) {
-    mq::copyScaled(whole.data(), whole.data(), count * size, dtype, onHostSpec);
-  }
+  const Call call = reductionCall(op, count * size, dtype, spec, part);
+  hostPartial(whole.data(), whole.data(), count * size, dtype, spec, part);
   const size_t ours = l.localSize() * bytes;
   char* mine = static_cast<char*>(scratch(kHostPartsSlot, ours).data_ptr());
   if (parts_.leaders) reduceScatterBetweenHosts(call, whole.data(), count, dtype, spec, mine);

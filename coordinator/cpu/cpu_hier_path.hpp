@@ -179,6 +179,13 @@ class HierGroup {
   // caller holds mutex_.
   void reduceAll(uint32_t op, const void* in, void* out, size_t count, mq::DType dtype,
                  const mq::ReduceSpec& spec, const mq::ShmPart& part);
+  // The next call's description as a reduction `op` of `count` elements.
+  Call reductionCall(uint32_t op, size_t count, mq::DType dtype, const mq::ReduceSpec& spec,
+                     const mq::ShmPart& part);
+  // Step 1 of a reduction: the host's partial in `out` (shared memory; the
+  // ranks' PREMUL_SUM factors applied, AVG's divisor left for later).
+  void hostPartial(const void* in, void* out, size_t count, mq::DType dtype,
+                   const mq::ReduceSpec& spec, const mq::ShmPart& part);
   void throwIfFailed() const;
   // The next call's description, numbered (the caller holds mutex_).
   Call nextCall(uint32_t op);
