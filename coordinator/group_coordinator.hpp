@@ -212,6 +212,10 @@ class GroupCoordinator {
     bool yields = true;        // whether they yield the core while polling
     int threads = 1;           // threads per rank for large calls (set up only)
     uint64_t bufferBytes = 0;  // the chunk in force (set up only)
+    // Where each rank of the group runs and keeps its halves (set up on one
+    // host only), and the NUMA nodes with memory this machine has.
+    std::vector<RankShare> ranks;
+    int numaNodes = 1;
     // A group across hosts (set up only): the hosts, and why the
     // hierarchical path is or is not used.
     bool hierarchical = false;
@@ -352,6 +356,7 @@ class GroupCoordinator {
   std::string shmIsa_;                 // setCpuReduceIsa's override; guarded by shmMutex_
   std::optional<int64_t> shmSpinUs_;   // setCpuShmSpinUs's override; guarded by shmMutex_
   int shmCpus_ = 0;                    // CpuShmSetup::cpus; guarded by shmMutex_
+  std::vector<RankShare> shmRanks_;    // CpuShmSetup::ranks; guarded by shmMutex_
   std::optional<int64_t> shmThreads_;  // setCpuShmThreads's override; guarded by shmMutex_
   std::string shmError_;               // a refused TPCOMM_CPU_SHM=1 set-up, raised by every call
   std::atomic<int> registrationDepth_{0};  // read on every custom call, without the lock

@@ -204,6 +204,19 @@ tensors through the device backend (NCCL), created on first use.)")
             shm["threads"] = shmState.threads;
             shm["reduce_isa"] = shmState.reduceIsa;
             shm["memfd"] = shmState.memfd;
+            shm["numa_nodes"] = shmState.numaNodes;
+            py::list ranks;
+            for (const auto& share : shmState.ranks) {
+              py::dict one;
+              one["node"] = share.node;
+              one["allowed_cpus"] = share.allowed;
+              one["cpus"] = share.cpus;
+              one["threads"] = share.threads;
+              one["pinned_workers"] = share.pinnedWorkers;
+              one["memory"] = share.memory;
+              ranks.append(one);
+            }
+            shm["ranks"] = ranks;
             py::dict hier;
             hier["used"] = shmState.hierarchical;
             hier["hosts"] = shmState.layout;

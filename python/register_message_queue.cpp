@@ -15,8 +15,8 @@
 #include "coordinator/common/settings.hpp"
 #include "coordinator/cpu/cpu_shm_path.hpp"
 #include "message_queue/arena/arena.hpp"
-#include "message_queue/ring/ring.hpp"
 #include "message_queue/collectives/shm_reduce.hpp"
+#include "message_queue/ring/ring.hpp"
 #include "python/mq_frames.hpp"
 
 namespace py = pybind11;
@@ -379,8 +379,39 @@ void registerMessageQueue(py::module_& m) {
   m.def(
       "cpu_reduce_isa", [] { return std::string(mq::reduceIsaName(mq::bestReduceIsa())); },
       "The widest reduction kernels this CPU runs (avx512, avx2, portable).");
+  m.def(
+      "cpu_reduce_isas",
+      [] {
+        std::vector<std::string> levels;
+        for (auto isa : {mq::ReduceIsa::kAvx512, mq::ReduceIsa::kAvx2, mq::ReduceIsa::kPortable}) {
+          if (mq::cpuRunsReduceIsa(isa)) levels.emplace_back(mq::reduceIsaName(isa));
+        }
+        return levels;
+      },
+      "Every reduction kernel level this CPU runs, widest first.");
+  m.def(
+      "cpu_reduce_isa_of",
+      [](const std::string& setting) {
+        return std::string(mq::reduceIsaName(coord::reduceIsaOf(setting)));
+      },
+      py::arg("setting"),
+      "The level a TPCOMM_CPU_REDUCE_ISA value gives on this CPU (auto: the best).");
   m.def("usable_cpus", &coord::usableCpus,
         "The CPUs this process may use (its affinity, capped by a cgroup v2 quota).");
+  m.def(
+      "set_cpu_shm_cpus",
+      [](const std::string& cpus) {
+        coord::setProcessCpus(cpus.empty() ? std::vector<int>{}
+                                           : coord::parseCpuList(cpus, "set_cpu_shm_cpus"));
+      },
+      py::arg("cpus"),
+      "The CPUs this process's shared-memory groups set up from now on may use (\"0-7\"; "
+      "\"\": back to TPCOMM_CPU_SHM_CPUS or the affinity mask).");
+  m.def(
+      "rank_cpus", [] { return coord::formatCpuList(coord::rankCpus()); },
+      "The CPUs a shared-memory group set up now would take as this rank's.");
+  m.def("numa_nodes", &coord::numaNodes, "The NUMA nodes with memory this machine has.");
+  m.def("numa_node_of", &coord::numaNodeOf, py::arg("cpu"), "The NUMA node of a CPU.");
 }
 
 }  // namespace tpcomm::python

@@ -112,9 +112,16 @@ const std::vector<SettingInfo> kSettingTable = {
      "50 us yielding the core each round."},
     {"TPCOMM_CPU_SHM_THREADS", "int", "0",
      "Threads per rank (its own included) that split the copies and reductions of large "
-     "shared-memory CPU collectives, at least 256 KiB each; smaller calls use one. 0: the CPUs "
-     "this process may run on divided among the group's ranks (at most 8). Results do not "
-     "depend on it."},
+     "shared-memory CPU collectives, at least 256 KiB each; smaller calls use one. 0: the "
+     "rank's share of the CPUs its group's ranks may use (their affinity masks, exchanged at "
+     "set-up: CPUs of its own, plus an equal part of those it shares with other ranks), at most "
+     "8, capped by a cgroup quota divided among the ranks. Results do not depend on it."},
+    {"TPCOMM_CPU_SHM_CPUS", "string", "",
+     "The CPUs this process's shared-memory groups may use (a list such as 0-7,16-23), instead "
+     "of the affinity mask of the thread that sets the group up: its share of them holds its "
+     "worker threads (one pinned to each CPU) and decides its NUMA node. For a process whose "
+     "main thread an OpenMP runtime pinned to one core of its list (vLLM's plugin passes the "
+     "list itself)."},
     {"TPCOMM_CPU_REDUCE_ISA", "string", "auto",
      "The widest vector kernels the shared-memory CPU reductions use: auto (the best this CPU "
      "runs), avx512, avx2, portable (the compiler's loops). A level the CPU lacks falls back to "
@@ -252,6 +259,7 @@ Settings Settings::parse(const Lookup& lookup) {
   if (auto v = lookup("TPCOMM_CPU_SHM_THREADS")) {
     s.cpuShmThreads = parseInt("TPCOMM_CPU_SHM_THREADS", *v, 0, 64);
   }
+  if (auto v = lookup("TPCOMM_CPU_SHM_CPUS")) s.cpuShmCpus = *v;
   if (auto v = lookup("TPCOMM_CPU_REDUCE_ISA")) {
     s.cpuReduceIsa = v->empty() ? "auto" : *v;
     TPCOMM_CHECK(s.cpuReduceIsa == "auto" || s.cpuReduceIsa == "avx512" ||

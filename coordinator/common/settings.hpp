@@ -89,9 +89,11 @@ struct Settings {
   // sleeps on a futex (-1: by the group, see cpu_shm_path.hpp's spinPolicy).
   int64_t cpuShmSpinUs = -1;
   // TPCOMM_CPU_SHM_THREADS: threads per rank that split large copies and
-  // reductions (0: the CPUs this process may run on, divided among the
-  // group's ranks).
+  // reductions (0: the rank's share of the CPUs, cpu_placement.hpp).
   int64_t cpuShmThreads = 0;
+  // TPCOMM_CPU_SHM_CPUS: the CPUs this process's shared-memory groups may
+  // use ("0-7"), instead of the calling thread's affinity mask (empty).
+  std::string cpuShmCpus;
   // TPCOMM_CPU_REDUCE_ISA: the vector kernels the shared-memory reductions
   // use at most: auto (the best this CPU has), avx512, avx2, portable.
   std::string cpuReduceIsa = "auto";

@@ -14,6 +14,7 @@
 #include "coordinator/common/error.hpp"
 #include "coordinator/common/settings.hpp"
 #include "coordinator/composite_ops.hpp"
+#include "coordinator/cpu/cpu_placement.hpp"
 #include "coordinator/cuda/custom_setup.hpp"  // the set-up exchange helpers
 
 namespace tpcomm::coord {
@@ -89,42 +90,19 @@ std::string agreement(const std::vector<std::string>& modes, const std::vector<i
 
 namespace {
 
-// A cgroup (v2) CPU quota in whole CPUs, at least 1; 0 when there is none.
-int quotaCpus() {
-  int cpus = 0;
-  // "max 100000" (none) or "<quota> <period>".
-  if (FILE* f = std::fopen("/sys/fs/cgroup/cpu.max", "r")) {
-    char quota[32] = {};
-    long long period = 0;
-    if (std::fscanf(f, "%31s %lld", quota, &period) == 2 && std::strcmp(quota, "max") != 0 &&
-        period > 0) {
-      const long long q = std::atoll(quota);
-      if (q > 0) cpus = static_cast<int>(std::max<long long>(1, q / period));
-    }
-    std::fclose(f);
-  }
-  return cpus;
-}
-
-// This process's affinity mask as kMaskWidth hex digits, CPU 0 in the
-// lowest bit of the first digit; all CPUs online when it cannot be read.
-std::string affinityHex() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof(set), &set) != 0 || CPU_COUNT(&set) == 0) {
-    const long online = std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
-    for (long c = 0; c < online && c < CPU_SETSIZE; ++c) CPU_SET(c, &set);
-  }
+// A CPU list as kMaskWidth hex digits, CPU 0 in the lowest bit of the first
+// digit, and back.
+std::string maskHex(const std::vector<int>& cpus) {
   std::string hex(kMaskWidth, '0');
-  for (size_t d = 0; d < kMaskWidth; ++d) {
-    int digit = 0;
-    for (int b = 0; b < 4; ++b) digit |= CPU_ISSET(d * 4 + b, &set) ? (1 << b) : 0;
-    hex[d] = "0123456789abcdef"[digit];
+  for (int c : cpus) {
+    if (c < 0 || c >= static_cast<int>(kMaskWidth * 4)) continue;
+    const int digit =
+        (hex[c / 4] >= 'a' ? hex[c / 4] - 'a' + 10 : hex[c / 4] - '0') | (1 << (c % 4));
+    hex[c / 4] = "0123456789abcdef"[digit];
   }
   return hex;
 }
 
-// The CPUs of one mask.
 std::vector<int> cpusOf(const std::string& mask) {
   std::vector<int> cpus;
   for (size_t d = 0; d < kMaskWidth && d < mask.size(); ++d) {
@@ -138,53 +116,6 @@ std::vector<int> cpusOf(const std::string& mask) {
 }
 
 }  // namespace
-
-int ranksWithOwnCpu(const std::vector<std::vector<int>>& allowed) {
-  std::vector<int> holder(CPU_SETSIZE, -1);  // CPU -> the rank it is given to
-  std::vector<char> seen;
-  // Kuhn's augmenting paths: at most ranks x (ranks x CPUs) steps.
-  std::function<bool(int)> place = [&](int rank) {
-    for (int cpu : allowed[rank]) {
-      if (cpu < 0 || cpu >= CPU_SETSIZE || seen[cpu]) continue;
-      seen[cpu] = 1;
-      if (holder[cpu] < 0 || place(holder[cpu])) {
-        holder[cpu] = rank;
-        return true;
-      }
-    }
-    return false;
-  };
-  int placed = 0;
-  for (size_t r = 0; r < allowed.size(); ++r) {
-    seen.assign(CPU_SETSIZE, 0);
-    placed += place(static_cast<int>(r)) ? 1 : 0;
-  }
-  return placed;
-}
-
-namespace {
-
-int ranksWithOwnCpuOfMasks(const std::vector<std::string>& masks) {
-  std::vector<std::vector<int>> allowed;
-  for (const auto& m : masks) allowed.push_back(cpusOf(m));
-  return ranksWithOwnCpu(allowed);
-}
-
-}  // namespace
-
-int usableCpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  int cpus = ::sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 0;
-  if (cpus <= 0) cpus = static_cast<int>(std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN)));
-  const int quota = quotaCpus();
-  return quota > 0 ? std::min(cpus, quota) : cpus;
-}
-
-int threadsFor(int64_t setting, int size) {
-  if (setting > 0) return static_cast<int>(setting);
-  return std::max(1, std::min(8, usableCpus() / std::max(1, size)));
-}
 
 SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus) {
   const bool oversubscribed = size > (cpus > 0 ? cpus : usableCpus());
@@ -218,25 +149,36 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
                         const CpuShmConfig& config, std::chrono::milliseconds timeout) {
   CpuShmSetup result;
   // The ranks that share this machine's cores: this group's, or more (a
-  // group across namespaced hosts of one machine).
+  // group across namespaced hosts of one machine, whose masks this group
+  // alone does not see: each rank then takes its CPUs divided among them).
   const int sharing = std::max(size, config.machineRanks);
-  const int threads = threadsFor(config.threads, sharing);
-  // Round 1: settings, host, pid, the chunk this rank would choose.
+  std::vector<int> cpus;
+  std::string cpusError;
+  try {
+    cpus = rankCpus();
+  } catch (const std::exception& e) {
+    cpusError = failureOf(e);
+  }
+  const int64_t sharedThreads =
+      config.threads > 0 ? config.threads : std::clamp(usableCpus() / std::max(1, sharing), 1, 8);
+  // Round 1: settings, host, pid, this rank's CPUs and threads setting.
   Record mine;
   mine.put(config.mode, kModeWidth).put(hostId, kHostWidth).put(::getpid());
   mine.put(config.bufferBytes).put(config.twoPhaseBytes);
-  mine.put(kAutoBufferBytesPerThread * threads);
   mine.put(static_cast<int64_t>(reduceIsaOf(config.reduceIsa)));
-  mine.put(affinityHex(), kMaskWidth);
+  mine.put(maskHex(cpus), kMaskWidth);
+  mine.put(config.threads).put(sharedThreads).put(quotaCpus());
+  mine.put(cpusError, kMessageWidth);
   const auto records = allgatherBytes(cpu, size, mine.bytes());
-  std::vector<std::string> modes(size), hosts(size);
-  std::vector<int64_t> pids(size), buffers(size), twoPhase(size);
-  int64_t autoBuffer = 0;  // the largest any rank would choose: every rank's threads get 256 KiB
+  std::vector<std::string> modes(size), hosts(size), cpusErrors(size);
+  std::vector<int64_t> pids(size), buffers(size), twoPhase(size), threadSettings(size),
+      shared(size);
+  std::vector<int> quotas(size);
   // The reductions' kernel level: the lowest any rank asks for or runs, so
   // that every rank computes the same bits (a SUM of two NaNs keeps the NaN
   // the instruction order picks, which may differ between levels).
   int64_t isaLevel = static_cast<int64_t>(mq::ReduceIsa::kAvx512);
-  std::vector<std::string> masks(size);
+  std::vector<std::vector<int>> allowed(size);
   for (int r = 0; r < size; ++r) {
     Fields f(records[r]);
     modes[r] = f.text(kModeWidth);
@@ -244,9 +186,12 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
     pids[r] = f.number();
     buffers[r] = f.number();
     twoPhase[r] = f.number();
-    autoBuffer = std::max(autoBuffer, f.number());
     isaLevel = std::min(isaLevel, f.number());
-    masks[r] = f.text(kMaskWidth);
+    allowed[r] = cpusOf(f.text(kMaskWidth));
+    threadSettings[r] = f.number();
+    shared[r] = f.number();
+    quotas[r] = static_cast<int>(f.number());
+    cpusErrors[r] = f.text(kMessageWidth);
   }
   // TPCOMM_CPU_SHM=1 on any rank makes a refusal an error on every rank, so
   // that no rank goes on through Gloo while another raised.
@@ -262,6 +207,9 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   };
   std::string reason = agreement(modes, buffers, twoPhase);
   if (!reason.empty()) return refuse(reason);
+  for (int r = 0; r < size; ++r) {
+    if (!cpusErrors[r].empty()) return refuse(detail::concat("rank ", r, ": ", cpusErrors[r]));
+  }
   for (int r = 1; r < size; ++r) {
     if (hosts[r] == hosts[0]) continue;
     // A group across hosts: the caller decides (hierarchical collectives).
@@ -273,26 +221,39 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
     return result;
   }
 
+  // Every rank's share of the CPUs, threads and node (cpu_placement.hpp),
+  // the same table on every rank. A group across namespaced hosts of one
+  // machine sees only its own masks: its ranks take their CPUs divided among
+  // the machine's ranks, unpinned.
+  std::vector<RankPlace> places = placeRanks(allowed, threadSettings, quotas);
+  const bool machineShared = config.machineRanks > size;
+  for (int r = 0; r < size && machineShared; ++r) places[r].threads = static_cast<int>(shared[r]);
+  int64_t autoBuffer = 0;  // the largest any rank's threads ask for: 256 KiB each
+  for (const auto& p : places) autoBuffer = std::max<int64_t>(autoBuffer, p.threads);
+  autoBuffer *= kAutoBufferBytesPerThread;
+
   mq::ShmGroupOptions options;
   options.rank = rank;
   options.size = size;
   options.bufferBytes = static_cast<uint64_t>(buffers[0] != 0 ? buffers[0] : autoBuffer);
   options.twoPhaseMinBytes = static_cast<uint64_t>(config.twoPhaseBytes);
-  // Whether the group's ranks compete for CPUs, from all their affinity
-  // masks: ranks pinned each to cores of their own (as vLLM's CPU workers
-  // are) do not, though each process alone may use fewer CPUs than there
-  // are ranks. `cpus` counts the ranks that can each have a CPU of their
-  // own, so the ranks outnumber it exactly when some must share. A group
-  // across namespaced hosts of one machine (machineRanks) sees only its own
-  // masks: its processes' alone count there.
-  int groupCpus = config.machineRanks > size ? usableCpus() : ranksWithOwnCpuOfMasks(masks);
+  // Whether the group's ranks compete for CPUs, from all their CPU lists:
+  // ranks pinned each to cores of their own (as vLLM's CPU workers are) do
+  // not, though each process alone may use fewer CPUs than there are ranks.
+  // `cpus` counts the ranks that can each have a CPU of their own, so the
+  // ranks outnumber it exactly when some must share.
+  int groupCpus = machineShared ? usableCpus() : ranksWithOwnCpu(allowed);
   if (const int quota = quotaCpus(); quota > 0) groupCpus = std::min(groupCpus, quota);
   result.cpus = std::max(1, groupCpus);
   const SpinPolicy policy = spinPolicy(config.spinUs, sharing, result.cpus);
   options.spin = policy.spin;
   options.yield = policy.yield;
   options.reduceIsa = static_cast<mq::ReduceIsa>(std::max<int64_t>(0, isaLevel));
-  options.threads = threads;
+  options.threads = places[rank].threads;
+  if (!machineShared) {
+    options.workerCpus = workerCpus(places[rank], threadCpus());
+    options.memoryNode = places[rank].node;
+  }
   options.timeout = timeout;
 
   // Round 2: rank 0 creates the region; the others map it.
@@ -332,10 +293,29 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   }
 
   // Round 3: did everyone map it? Also the point after which rank 0 may
-  // close its descriptor (the mapping stays).
-  const auto mapped = allgatherBytes(cpu, size, fixedWidth(failure, kMessageWidth));
+  // close its descriptor (the mapping stays), and where each rank's threads
+  // and halves went.
+  Record outcome;
+  outcome.put(failure, kMessageWidth);
+  outcome.put(group ? group->memoryBinding() : -1).put(group ? group->pinnedWorkers() : 0);
+  const auto mapped = allgatherBytes(cpu, size, outcome.bytes());
   std::vector<std::string> failures;
-  for (const auto& m : mapped) failures.push_back(trimmed(m));
+  for (int r = 0; r < size; ++r) {
+    Fields f(mapped[r]);
+    failures.push_back(f.text(kMessageWidth));
+    RankShare share;
+    share.cpus = formatCpuList(places[r].cpus);
+    share.allowed = formatCpuList(allowed[r]);
+    share.node = places[r].node;
+    share.threads = places[r].threads;
+    const int64_t binding = f.number();
+    share.memory = binding == 0  ? detail::concat("bound to node ", places[r].node)
+                   : binding < 0 ? std::string("first touch")
+                                 : detail::concat("first touch (mbind refused: ",
+                                                  std::strerror(static_cast<int>(binding)), ")");
+    share.pinnedWorkers = static_cast<int>(f.number());
+    result.ranks.push_back(std::move(share));
+  }
   reason = firstFailure(failures);
   if (!reason.empty()) return refuse(reason);
   group->closeDescriptor();

@@ -25,6 +25,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "coordinator/cpu/cpu_placement.hpp"
 #include "coordinator/pending.hpp"
 #include "message_queue/collectives/shm_group.hpp"
 
@@ -55,6 +56,16 @@ struct CpuShmConfig {
   static CpuShmConfig fromSettings();
 };
 
+// One rank's place as describe() shows it (cpu_placement.hpp).
+struct RankShare {
+  std::string allowed;  // the CPUs it may use ("0-7")
+  std::string cpus;     // its share of them
+  int node = 0;         // its NUMA node
+  int threads = 1;
+  int pinnedWorkers = 0;  // worker threads pinned to its share
+  std::string memory;     // where its halves went: "bound to node 0", "first touch (...)"
+};
+
 struct CpuShmSetup {
   std::unique_ptr<mq::ShmGroup> group;  // null when the group does not use the path
   std::string reason;                   // why not (empty when it does)
@@ -69,6 +80,8 @@ struct CpuShmSetup {
   // their affinity masks allow (capped by a cgroup quota): spinPolicy's
   // `cpus`; the ranks outnumber it when some must share a CPU.
   int cpus = 0;
+  // Where every rank runs and keeps its halves (set up only).
+  std::vector<RankShare> ranks;
 };
 
 // Throws InvalidUsage on every rank when mode is "1" and the set-up failed
@@ -79,10 +92,6 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
 // The reductions' kernel level for a TPCOMM_CPU_REDUCE_ISA value: the level
 // named if this CPU runs it, else the best it runs.
 mq::ReduceIsa reduceIsaOf(const std::string& setting);
-
-// The CPUs this process may use: its affinity mask, capped by a cgroup v2
-// CPU quota.
-int usableCpus();
 
 // How a group of `size` ranks on this host waits for its peers: polling
 // `spin` (then sleeping), yielding the core each round or not. spinUs -1:
@@ -97,16 +106,6 @@ struct SpinPolicy {
   bool yield;
 };
 SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus = 0);
-
-// How many ranks can each have a CPU of their own, rank r among the CPUs
-// `allowed[r]` (a maximum matching of ranks to CPUs): all of them when each
-// is pinned to cores of its own, or none is pinned and the CPUs are enough;
-// fewer when masks overlap ({0}, {0}, {1, 2} give 2).
-int ranksWithOwnCpu(const std::vector<std::vector<int>>& allowed);
-
-// Threads per rank for a group of `size` ranks on this host: `setting` when
-// positive, else usableCpus() divided among the ranks, 1 to 8.
-int threadsFor(int64_t setting, int size);
 
 // The path's dtype for a tensor's, if it reduces that dtype.
 std::optional<mq::DType> shmDtype(at::ScalarType dtype);

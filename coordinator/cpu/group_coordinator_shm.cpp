@@ -45,6 +45,7 @@ mq::ShmGroup* GroupCoordinator::cpuShm() {
   shmReason_ = setup.reason;
   shm_ = std::move(setup.group);
   shmCpus_ = setup.cpus;
+  shmRanks_ = setup.ranks;
   if (!shm_ && !setup.hosts.empty()) setUpHierLocked(setup, config);
   shmFast_.store(shm_.get(), std::memory_order_release);
   return shm_.get();
@@ -152,6 +153,8 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
                       : "not sealed against execution (the kernel refused MFD_NOEXEC_SEAL: "
                         "before Linux 6.3)";
   }
+  state.ranks = shmRanks_;
+  state.numaNodes = numaNodes();
   state.hierarchical = hier_ != nullptr;
   state.layout = hierLayout_;
   state.hierReason = hierReason_;

@@ -10,8 +10,8 @@
 #include <cstring>
 
 #include "coordinator/common/error.hpp"
-#include "message_queue/region/futex.hpp"
 #include "message_queue/collectives/shm_group_internal.hpp"
+#include "message_queue/region/futex.hpp"
 
 namespace tpcomm::mq {
 
@@ -175,10 +175,15 @@ ShmGroup::ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& 
   timeoutMs_.store(options_.timeout.count());
   data_ = region_->base() + dataOffset(options_.size);
   for (int32_t pid : pids) peers_.emplace_back(pid);
-  // This rank's halves are allocated by this rank (on its NUMA node), now.
-  region_->prefault(static_cast<size_t>(half(options_.rank, 0) - region_->base()),
-                    2 * options_.bufferBytes, true);
-  if (options_.threads > 1) pool_ = std::make_unique<WorkerPool>(options_.threads);
+  // This rank's halves are allocated by this rank, now, on its NUMA node:
+  // bound there first where the kernel lets it (a policy of the memfd's, so
+  // a peer's touch cannot move them), else first touched by this thread.
+  const size_t mine = static_cast<size_t>(half(options_.rank, 0) - region_->base());
+  if (options_.memoryNode >= 0)
+    memoryBinding_ = region_->bindToNode(mine, 2 * options_.bufferBytes, options_.memoryNode);
+  region_->prefault(mine, 2 * options_.bufferBytes, true);
+  if (options_.threads > 1)
+    pool_ = std::make_unique<WorkerPool>(options_.threads, options_.workerCpus);
 }
 
 ShmGroup::~ShmGroup() {

@@ -66,10 +66,10 @@
 #include <string>
 #include <vector>
 
-#include "message_queue/region/futex.hpp"
-#include "message_queue/region/shared_region.hpp"
 #include "message_queue/collectives/shm_reduce.hpp"
 #include "message_queue/collectives/worker_pool.hpp"
+#include "message_queue/region/futex.hpp"
+#include "message_queue/region/shared_region.hpp"
 
 namespace tpcomm::mq {
 
@@ -92,6 +92,12 @@ struct ShmGroupOptions {
   // large chunk (at least 256 KiB a thread); 1: this thread only. Results do
   // not depend on it.
   int threads = 1;
+  // The CPUs the threads - 1 worker threads are pinned to, one each (empty:
+  // where the scheduler puts them).
+  std::vector<int> workerCpus;
+  // The NUMA node this rank's halves are bound to before it allocates them
+  // (SharedRegion::bindToNode; -1: wherever this thread first touches them).
+  int memoryNode = -1;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
 };
 
@@ -155,6 +161,11 @@ class ShmGroup {
   }
   bool yields() const { return yield_.load(std::memory_order_relaxed); }
   int threads() const { return pool_ ? pool_->threads() : 1; }
+  // Worker threads pinned as options.workerCpus asked.
+  int pinnedWorkers() const { return pool_ ? pool_->pinned() : 0; }
+  // 0 when this rank's halves were bound to options.memoryNode, else why not
+  // (an errno; -1: no node was asked for).
+  int memoryBinding() const { return memoryBinding_; }
   ReduceIsa reduceIsa() const { return reduceIsa_.load(std::memory_order_relaxed); }
   void setTimeout(std::chrono::milliseconds timeout);
   std::chrono::milliseconds timeout() const;
@@ -210,6 +221,7 @@ class ShmGroup {
   std::unique_ptr<WorkerPool> pool_;  // null: every part on the calling thread
   uint64_t forkGeneration_;           // the process's forks seen when it was set up
   char* data_ = nullptr;
+  int memoryBinding_ = -1;
   uint64_t steps_ = 0;
   uint64_t chunks_ = 0;
   std::atomic<int64_t> timeoutMs_{0};

@@ -1,9 +1,24 @@
 #include "message_queue/collectives/worker_pool.hpp"
 
+#include <pthread.h>
+#include <sched.h>
+
+#include <cstdio>
+
 namespace tpcomm::mq {
 
-WorkerPool::WorkerPool(int threads) {
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this, i] { loop(i); });
+WorkerPool::WorkerPool(int threads, const std::vector<int>& cpus) {
+  for (int i = 1; i < threads; ++i) {
+    workers_.emplace_back([this, i] { loop(i); });
+    if (static_cast<size_t>(i - 1) >= cpus.size()) continue;
+    const int cpu = cpus[i - 1];
+    if (cpu < 0 || cpu >= CPU_SETSIZE) continue;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    if (::pthread_setaffinity_np(workers_.back().native_handle(), sizeof(set), &set) == 0)
+      ++pinned_;
+  }
 }
 
 WorkerPool::~WorkerPool() {
@@ -53,7 +68,11 @@ void WorkerPool::run(size_t parts, const std::function<void(size_t)>& fn) {
   }
 }
 
-void WorkerPool::loop(size_t /*index*/) {
+void WorkerPool::loop(size_t index) {
+  // Named for top -H, perf and the tests: "tpcomm-shm:1" ...
+  char name[16];
+  std::snprintf(name, sizeof(name), "tpcomm-shm:%zu", index);
+  ::pthread_setname_np(::pthread_self(), name);
   uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {

@@ -9,7 +9,8 @@
 // returned; the first exception a part threw is rethrown in the caller.
 // Parts never wait for anything outside the pool, so run() ends. One run()
 // at a time (the group's lock serialises them). Idle threads sleep on a
-// condition variable; the destructor wakes and joins them.
+// condition variable; the destructor wakes and joins them. Worker i is
+// named "tpcomm-shm:<i>" (top -H, perf).
 
 #include <condition_variable>
 #include <cstddef>
@@ -24,12 +25,16 @@ namespace tpcomm::mq {
 class WorkerPool {
  public:
   // `threads` counts the caller: threads - 1 are started (none for 1).
-  explicit WorkerPool(int threads);
+  // With `cpus` (threads - 1 of them), worker i runs pinned to cpus[i - 1];
+  // a CPU the kernel refuses leaves that worker where it was.
+  explicit WorkerPool(int threads, const std::vector<int>& cpus = {});
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
 
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
+  // The workers pinned as asked.
+  int pinned() const { return pinned_; }
   void run(size_t parts, const std::function<void(size_t)>& fn);
 
  private:
@@ -46,6 +51,7 @@ class WorkerPool {
   uint64_t generation_ = 0;
   std::exception_ptr error_;
   bool stop_ = false;
+  int pinned_ = 0;
 };
 
 }  // namespace tpcomm::mq

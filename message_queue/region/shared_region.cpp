@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -147,6 +148,21 @@ void SharedRegion::prefault(size_t offset, size_t length, bool write) {
       (void)*p;
     }
   }
+}
+
+int SharedRegion::bindToNode(size_t offset, size_t length, int node) {
+  constexpr size_t kPage = 4096;
+  constexpr int kMpolPreferred = 1;             // <linux/mempolicy.h>, without libnuma's headers
+  if (node < 0 || node >= 1023) return EINVAL;  // mbind reads maxnode - 1 bits
+  const auto start = reinterpret_cast<uintptr_t>(base() + offset);
+  const uintptr_t first = (start + kPage - 1) / kPage * kPage;
+  const uintptr_t end = (start + length) / kPage * kPage;
+  if (end <= first) return 0;
+  unsigned long mask[1024 / (8 * sizeof(unsigned long))] = {};
+  mask[node / (8 * sizeof(unsigned long))] = 1UL << (node % (8 * sizeof(unsigned long)));
+  const long done = ::syscall(SYS_mbind, first, end - first, kMpolPreferred, mask,
+                              static_cast<unsigned long>(1024), 0u);
+  return done == 0 ? 0 : errno;
 }
 
 void SharedRegion::closeDescriptor() {

@@ -82,11 +82,46 @@ def register():
         log.info("tpcomm %s: vLLM %s's process groups use torch.distributed backend "
                  "'tpcomm'; all-reduce, gather and all-gather go through tpcomm (vLLM's CPU "
                  "shared memory off)", tpcomm.__version__, vllm.__version__)
+        cpus = omp_cpus(os.environ)
+        if cpus:
+            # The worker's main thread is pinned to the first of them by the
+            # OpenMP runtime; tpcomm's worker threads take the others.
+            tpcomm.set_cpu_shm_cpus(cpus)
+            log.info("tpcomm: this worker's CPUs (VLLM_CPU_OMP_THREADS_BIND): %s",
+                     ",".join(map(str, cpus)))
     else:
         log.info("tpcomm: %s=gloo: vLLM's process groups stay on Gloo and vLLM's CPU shared "
                  "memory is off (every collective through torch.distributed on Gloo)", ENV)
     _patch(chosen, log, vllm.__version__)
     _state["mode"] = chosen or "profile"
+
+
+def _cpu_items(text):
+    """CPUs of "0,2-3" or "0 2 3" (a range "a-b" or "a-b:stride" included)."""
+    cpus = []
+    for item in text.replace(",", " ").split():
+        first, _, rest = item.partition("-")
+        last, _, stride = rest.partition(":")
+        if not first.isdigit() or (last and not last.isdigit()) or (stride and not stride.isdigit()):
+            return []
+        cpus.extend(range(int(first), int(last or first) + 1, int(stride or 1)))
+    return cpus
+
+
+def omp_cpus(env):
+    """The CPUs vLLM gave this worker's OpenMP threads (its
+    VLLM_CPU_OMP_THREADS_BIND share, passed as GNU OpenMP's
+    GOMP_CPU_AFFINITY, Intel OpenMP's KMP_AFFINITY proclist or OMP_PLACES of
+    single CPUs), in order; [] when none is set or it is not a plain list."""
+    if env.get("GOMP_CPU_AFFINITY"):
+        return _cpu_items(env["GOMP_CPU_AFFINITY"])
+    kmp = env.get("KMP_AFFINITY", "")
+    if "proclist=[" in kmp:
+        return _cpu_items(kmp.split("proclist=[", 1)[1].split("]", 1)[0])
+    places = env.get("OMP_PLACES", "").strip()
+    if places.startswith("{") and places.endswith("}") and places.count("{") == 1:
+        return _cpu_items(places[1:-1])
+    return []
 
 
 def _moved(what, version):

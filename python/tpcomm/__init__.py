@@ -114,6 +114,20 @@ def reset_custom_allreduce(group=None):
     _backend_of(group).reset_custom_allreduce()
 
 
+def set_cpu_shm_cpus(cpus):
+    """The CPUs this process's shared-memory groups set up from now on may use
+    ("0-7,16-23", or a list of ints; "" or None: back to TPCOMM_CPU_SHM_CPUS or
+    the setting-up thread's affinity mask). Each rank's share of them holds its
+    worker threads (one pinned to each CPU) and decides the NUMA node its part
+    of the group's memory is bound to: for a process whose main thread an
+    OpenMP runtime pinned to one core of its list."""
+    if cpus is None:
+        cpus = ""
+    elif not isinstance(cpus, str):
+        cpus = ",".join(str(int(c)) for c in cpus)
+    _C.set_cpu_shm_cpus(cpus)
+
+
 def reset_stats(group=None):
     """Sets the group's route counters on this rank back to zero."""
     _backend_of(group).reset_stats()
@@ -131,6 +145,7 @@ __all__ = [
     "get_world_group", "graph_capture", "in_the_same_node_as", "init_distributed_environment",
     "init_model_parallel_group", "init_world_group", "initialize_model_parallel",
     "is_global_first_rank", "is_local_first_rank", "model_parallel_is_initialized",
-    "model_parallel_layout", "register", "reset_custom_allreduce", "reset_stats", "settings",
+    "model_parallel_layout", "register", "reset_custom_allreduce", "reset_stats", "set_cpu_shm_cpus",
+    "settings",
     "stats", "tensor_model_parallel_all_gather", "tensor_model_parallel_all_reduce",
     "tensor_model_parallel_gather", "tensor_model_parallel_reduce_scatter", "torch_hooks"]

@@ -515,6 +515,118 @@ def test_ranks_pinned_to_cores_of_their_own_poll_without_yielding(cores, waits):
         assert (spin_us, yields) == waits
 
 
+def _region_vmas():
+    """This process's mappings of shared-memory groups' regions, in address
+    order: (start, end, policy, {node: pages})."""
+    ends = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            if "memfd:tpcomm-shm" in line:
+                a, b = line.split()[0].split("-")
+                ends[int(a, 16)] = int(b, 16)
+    vmas = []
+    with open("/proc/self/numa_maps") as f:
+        for line in f:
+            fields = line.split()
+            start = int(fields[0], 16)
+            if start not in ends:
+                continue
+            pages = {int(x[1:x.index("=")]): int(x[x.index("=") + 1:]) for x in fields
+                     if x[0] == "N" and x[1:2].isdigit()}
+            vmas.append((start, ends[start], fields[1], pages))
+    return sorted(vmas)
+
+
+def _placement(ctx):
+    """Each rank's halves on its node, its share of the CPUs and its worker
+    threads pinned inside it, as describe() and /proc show them."""
+    import tpcomm
+
+    x = torch.full((1 << 18,), float(ctx.rank + 1))
+    dist.all_reduce(x)
+    assert x[0].item() == ctx.world_size * (ctx.world_size + 1) / 2
+    shm = tpcomm.describe()["cpu_shm"]
+    me = shm["ranks"][ctx.rank]
+    halves = 2 * shm["buffer_bytes"]
+    # The region's pages of this rank: one mapping of exactly its halves,
+    # bound to its node ("prefer:N"), every page allocated there.
+    mine = [v for v in _region_vmas() if v[1] - v[0] == halves and v[2] == f"prefer:{me['node']}"]
+    assert mine, (me, _region_vmas())
+    assert mine[0][3] == {me["node"]: halves // 4096}, mine
+    assert me["memory"] == f"bound to node {me['node']}", me
+    # Worker threads: named, each pinned to one CPU of the rank's share.
+    pinned = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            name = f.read().strip()
+        if name.startswith("tpcomm-shm:"):
+            with open(f"/proc/self/task/{tid}/status") as f:
+                allowed = [l.split()[1] for l in f if l.startswith("Cpus_allowed_list")][0]
+            pinned.append(allowed)
+    return shm["ranks"], shm["numa_nodes"], shm["threads"], sorted(pinned)
+
+
+def _cpu_list(cpus):
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def test_each_rank_keeps_its_memory_on_its_node_and_its_threads_on_its_cpus():
+    """Placement (docs/cpu-shm.md#placement): on this machine's nodes (one
+    here: the binding and the page counts are still read back from /proc),
+    at world size 1 (a worker pinned to the second CPU) and at 2 ranks with
+    TPCOMM_CPU_SHM_CPUS giving each a CPU of its own."""
+    online = sorted(os.sched_getaffinity(0))
+    if len(online) < 2:
+        pytest.fail(f"needs two CPUs, this process may use {online}")
+    one = Group(1, env={"TPCOMM_CPU_SHM": "1"})
+    try:
+        ranks, nodes, threads, pinned = one.run(_placement)[0]
+    finally:
+        one.close()
+    assert ranks[0]["allowed_cpus"] == ranks[0]["cpus"], ranks
+    assert threads == min(8, len(online)) == ranks[0]["threads"], (threads, ranks)
+    # The rank's own thread keeps the first CPU; a worker on each other.
+    assert pinned == sorted(str(c) for c in online[1:threads]), pinned
+    assert ranks[0]["pinned_workers"] == threads - 1
+    two = Group(2, env_per_rank={r: {"TPCOMM_CPU_SHM": "1", "TPCOMM_CPU_SHM_CPUS": str(online[r]),
+                                     "TPCOMM_CPU_SHM_THREADS": "2"} for r in range(2)})
+    try:
+        results = two.run(_placement)
+    finally:
+        two.close()
+    for r, (ranks, nodes, threads, pinned) in enumerate(results):
+        assert [x["cpus"] for x in ranks] == [str(online[0]), str(online[1])], ranks
+        assert [x["node"] for x in ranks] == [tpcomm_numa_node(online[0]),
+                                              tpcomm_numa_node(online[1])], ranks
+        # Two threads asked for, one CPU in the share: the worker is not pinned.
+        assert threads == 2 and ranks[r]["pinned_workers"] == 0 and len(pinned) == 1, ranks
+
+
+def tpcomm_numa_node(cpu):
+    from tpcomm import _C
+
+    return _C.numa_node_of(cpu)
+
+
+def _bad_cpu_list(ctx):
+    try:
+        dist.all_reduce(torch.ones(3))
+        return None
+    except RuntimeError as e:
+        return str(e)
+
+
+def test_a_bad_cpu_list_is_named_on_every_rank():
+    group = Group(2, env={"TPCOMM_CPU_SHM": "1"},
+                  env_per_rank={1: {"TPCOMM_CPU_SHM_CPUS": "0-99999"}})
+    try:
+        messages = group.run(_bad_cpu_list)
+    finally:
+        group.close()
+    for m in messages:
+        assert m and "rank 1" in m and "TPCOMM_CPU_SHM_CPUS='0-99999'" in m, messages
+
+
 def _required_but_refused(ctx):
     messages = []
     for _ in range(2):  # the set-up, then a later call: both raise

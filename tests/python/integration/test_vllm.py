@@ -51,6 +51,19 @@ def test_the_plugin_names_a_bad_switch(monkeypatch):
         _register("yes please", monkeypatch)
 
 
+def test_the_plugin_reads_the_workers_cpus_from_vllms_openmp_settings():
+    # vLLM hands each worker its VLLM_CPU_OMP_THREADS_BIND share as the
+    # OpenMP runtime's settings; the plugin passes them to tpcomm's threads.
+    from _tpcomm_autoload import vllm as plugin
+
+    assert plugin.omp_cpus({"OMP_PLACES": "{4,5,6,7}", "OMP_PROC_BIND": "true"}) == [4, 5, 6, 7]
+    assert plugin.omp_cpus({"GOMP_CPU_AFFINITY": "0 1 8-9"}) == [0, 1, 8, 9]
+    assert plugin.omp_cpus({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[2,3]"}) == [2, 3]
+    for unset in ({}, {"OMP_PLACES": "cores"}, {"OMP_PLACES": "{0},{1}"},
+                  {"GOMP_CPU_AFFINITY": "x"}):
+        assert plugin.omp_cpus(unset) == [], unset
+
+
 def test_the_plugin_is_declared_to_vllm():
     from importlib.metadata import entry_points
 
