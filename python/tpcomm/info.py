@@ -133,8 +133,12 @@ def main():
     _line("GPUs", ", ".join(gpus) if gpus else "none")
     _line("host name", _C.host_name())
     _line("host identity", _C.host_id())
-    _line("usable CPUs", _C.usable_cpus())
-    _line("CPU reduction kernels", _C.cpu_reduce_isa())
+    _line("usable CPUs", f"{_C.usable_cpus()} ({_C.rank_cpus()}; NUMA nodes with memory: "
+          f"{_C.numa_nodes()})")
+    asked = os.environ.get("TPCOMM_CPU_REDUCE_ISA", "auto") or "auto"
+    _line("CPU reduction kernels",
+          f"{_C.cpu_reduce_isa_of(asked)} in use (TPCOMM_CPU_REDUCE_ISA={asked}; this CPU "
+          f"runs {', '.join(_C.cpu_reduce_isas())})")
     _line("autoload at import torch", _autoload())
     print("hooks into torch's internals (off: the calls take torch's own route):")
     for name, state in tpcomm.torch_hooks().items():

@@ -31,7 +31,8 @@ def main(argv=None):
     ar.add_argument("--max-mib", type=int, default=64, help="largest size (default 64 MiB)")
     ar.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     cpu = sub.add_parser("cpu", help="CPU collectives: Gloo vs tpcomm shared memory off/on")
-    cpu.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    cpu.add_argument("--world-sizes", type=int, nargs="+", default=None,
+                     help="default 2 4 (--scaling: 2 4 8)")
     cpu.add_argument("--max-mib", type=int, default=64, help="largest size (default 64 MiB)")
     cpu.add_argument("--quick", action="store_true", help="fewer sizes and iterations")
     cpu.add_argument("--rounds", type=int, default=3, help="interleaved rounds (best kept)")
@@ -53,6 +54,12 @@ def main(argv=None):
     cpu.add_argument("--hosts", type=int, default=0,
                      help="allreduce across this many simulated hosts (namespaces; root)")
     cpu.add_argument("--ranks-per-host", type=int, default=2, help="with --hosts (default 2)")
+    cpu.add_argument("--scaling", action="store_true",
+                     help="allreduce at each world size and threads per rank against Gloo and "
+                          "the memory bandwidth measured in the same run (default world sizes "
+                          "2 4 8)")
+    cpu.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2, 4, 8],
+                     help="with --scaling: worker threads per rank (default 1 2 4 8)")
     cpu.add_argument("--late", action="store_true",
                      help="what a late peer costs under each waiting policy (2 ranks)")
     hf = sub.add_parser("hf", help="transformers' tensor parallelism: tpcomm vs Gloo tokens/s")
@@ -123,6 +130,12 @@ def main(argv=None):
 
         return run_allreduce(args.max_mib, args.quick)
     if args.what == "cpu":
+        if args.world_sizes is None:
+            args.world_sizes = [2, 4, 8] if args.scaling else [2, 4]
+        if args.scaling:
+            from tpcomm.bench.cpu.scaling import run
+
+            return run(args.world_sizes, args.thread_counts, args.max_mib, args.quick, args.rounds)
         if args.hosts:
             from tpcomm.bench.cpu.hosts import run
 

@@ -238,9 +238,24 @@ def _every_kernel_level(ctx):
 
 
 def test_every_reduction_kernel_level_gives_the_reference_bits(shm):
+    import subprocess
+    import sys
+
+    from tpcomm import _C
+
     levels = shm.run(_every_kernel_level, timeout_s=120)
     print("kernel levels run:", levels[0])
-    assert "portable" in levels[0]
+    # Every level this CPU runs was run (AVX-512 and AVX2 on an AVX-512
+    # server, AVX2 on an AVX2-only one, the portable loops everywhere).
+    assert sorted(levels[0]) == sorted(_C.cpu_reduce_isas()), (levels, _C.cpu_reduce_isas())
+    # python -m tpcomm.info names the level in use and those the CPU runs.
+    for asked in ("auto", "portable"):
+        out = subprocess.run([sys.executable, "-m", "tpcomm.info"], capture_output=True,
+                             text=True, timeout=120,
+                             env={**os.environ, "TPCOMM_CPU_REDUCE_ISA": asked}).stdout
+        want = _C.cpu_reduce_isa() if asked == "auto" else "portable"
+        assert (f"{want} in use (TPCOMM_CPU_REDUCE_ISA={asked}; this CPU runs "
+                f"{', '.join(_C.cpu_reduce_isas())})") in out, out
 
 
 def _async_and_routes(ctx):
@@ -777,7 +792,8 @@ def test_cpu_benchmark_runs_and_prints_its_tables():
     for extra, expect in ((["--dtype", "bfloat16", "--threads", "2"], "on/thr"),
                           (["--dtypes"], "bf16/f32"), (["--paths"], "coordinator"),
                           (["--late"], "late rank in its call"),
-                          (["--bound"], "of the bandwidth bound")):
+                          (["--bound"], "of the bandwidth bound"),
+                          (["--scaling", "--thread-counts", "1", "2"], "best/1t")):
         out = subprocess.run([sys.executable, "-m", "tpcomm.bench", "cpu", "--world-sizes", "2",
                               "--max-mib", "1", "--quick", "--rounds", "1", "--png", "", *extra],
                              capture_output=True, text=True, timeout=300)
