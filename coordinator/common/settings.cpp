@@ -259,7 +259,29 @@ Settings Settings::parse(const Lookup& lookup) {
   if (auto v = lookup("TPCOMM_CPU_SHM_THREADS")) {
     s.cpuShmThreads = parseInt("TPCOMM_CPU_SHM_THREADS", *v, 0, 64);
   }
-  if (auto v = lookup("TPCOMM_CPU_SHM_CPUS")) s.cpuShmCpus = *v;
+  if (auto v = lookup("TPCOMM_CPU_SHM_CPUS")) {
+    // The syntax here, on every rank before any exchange; the CPUs at set-up
+    // (coordinator/cpu/cpu_placement.hpp).
+    s.cpuShmCpus = *v;
+    bool ok = true;
+    size_t from = 0;
+    while (ok && !v->empty()) {
+      const size_t comma = v->find(',', from);
+      const std::string item = v->substr(from, comma == std::string::npos ? comma : comma - from);
+      const size_t dash = item.find('-');
+      const auto digits = [](const std::string& t) {
+        return !t.empty() && t.size() <= 5 &&
+               t.find_first_not_of("0123456789") == std::string::npos;
+      };
+      ok = dash == std::string::npos
+               ? digits(item)
+               : digits(item.substr(0, dash)) && digits(item.substr(dash + 1));
+      if (comma == std::string::npos) break;
+      from = comma + 1;
+    }
+    TPCOMM_CHECK(ok, kInvalidUsage, "setting TPCOMM_CPU_SHM_CPUS='", *v,
+                 "' is not a CPU list such as 0-7,16-23");
+  }
   if (auto v = lookup("TPCOMM_CPU_REDUCE_ISA")) {
     s.cpuReduceIsa = v->empty() ? "auto" : *v;
     TPCOMM_CHECK(s.cpuReduceIsa == "auto" || s.cpuReduceIsa == "avx512" ||

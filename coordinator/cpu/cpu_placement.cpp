@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <mutex>
 
@@ -145,14 +146,33 @@ std::vector<int> threadCpus() {
   return cpus;
 }
 
+std::vector<int> containerCpus() {
+  std::vector<int> cpus = sysList("/sys/fs/cgroup/cpuset.cpus.effective");
+  if (cpus.empty()) cpus = sysList("/sys/devices/system/cpu/online");
+  return cpus;
+}
+
 std::vector<int> rankCpus() {
+  std::vector<int> declared;
+  const char* from = "tpcomm.set_cpu_shm_cpus";
   {
     std::lock_guard<std::mutex> lock(gProcessCpusMutex);
-    if (!gProcessCpus.empty()) return gProcessCpus;
+    declared = gProcessCpus;
   }
-  if (!settings().cpuShmCpus.empty())
-    return parseCpuList(settings().cpuShmCpus, "TPCOMM_CPU_SHM_CPUS");
-  return threadCpus();
+  if (declared.empty() && !settings().cpuShmCpus.empty()) {
+    declared = parseCpuList(settings().cpuShmCpus, "TPCOMM_CPU_SHM_CPUS");
+    from = "TPCOMM_CPU_SHM_CPUS";
+  }
+  if (declared.empty()) return threadCpus();
+  // A declared list counts only the CPUs this process's cgroup lets it use.
+  const std::vector<int> usable = containerCpus();
+  if (usable.empty()) return declared;
+  std::vector<int> kept;
+  std::set_intersection(declared.begin(), declared.end(), usable.begin(), usable.end(),
+                        std::back_inserter(kept));
+  TPCOMM_CHECK(!kept.empty(), kInvalidUsage, from, " gives CPUs ", formatCpuList(declared),
+               ", none of which this process may use (", formatCpuList(usable), ")");
+  return kept;
 }
 
 int quotaCpus() {
@@ -220,11 +240,30 @@ std::vector<RankPlace> placeRanks(const std::vector<std::vector<int>>& allowed,
   for (int r = 0; r < size; ++r) {
     for (int cpu : allowed[r]) owners[cpu].push_back(r);
   }
-  // Each rank's fair share: every CPU split equally among its owners.
+  // Each rank's fair share: every CPU split equally among its owners; then
+  // whole targets, the leftover CPUs one each to the ranks with the largest
+  // remainders (then the fewest CPUs, then the lowest rank first), so that handing the shared CPUs
+  // out in ascending order gives unpinned ranks contiguous blocks.
   std::vector<double> fair(size, 0.0);
   for (const auto& [cpu, ranks] : owners) {
     for (int r : ranks) fair[r] += 1.0 / static_cast<double>(ranks.size());
   }
+  std::vector<size_t> target(size, 0);
+  size_t given = 0;
+  for (int r = 0; r < size; ++r) {
+    target[r] = static_cast<size_t>(fair[r] + 1e-9);
+    given += target[r];
+  }
+  std::vector<int> byRemainder(size);
+  for (int r = 0; r < size; ++r) byRemainder[r] = r;
+  std::stable_sort(byRemainder.begin(), byRemainder.end(), [&](int a, int b) {
+    const double ra = fair[a] - static_cast<double>(target[a]);
+    const double rb = fair[b] - static_cast<double>(target[b]);
+    if (ra > rb + 1e-9 || rb > ra + 1e-9) return ra > rb;
+    return target[a] < target[b];  // equal remainders: the rank with fewer first
+  });
+  for (size_t i = 0; given < owners.size() && i < byRemainder.size(); ++i, ++given)
+    ++target[byRemainder[i]];
   std::vector<RankPlace> places(size);
   for (const auto& [cpu, ranks] : owners) {
     if (ranks.size() == 1) places[ranks[0]].cpus.push_back(cpu);
@@ -233,7 +272,7 @@ std::vector<RankPlace> placeRanks(const std::vector<std::vector<int>>& allowed,
     if (ranks.size() == 1) continue;
     int chosen = -1;
     for (int r : ranks) {
-      if (static_cast<double>(places[r].cpus.size()) + 1.0 <= fair[r] + 1e-9) {
+      if (places[r].cpus.size() < target[r]) {
         chosen = r;
         break;
       }

@@ -9,10 +9,12 @@
 // so every rank computes the same table for the whole group:
 //   1. a CPU in one rank's list only is that rank's;
 //   2. a CPU in several lists goes, in ascending order, to the lowest rank
-//      among them still below its fair share (each CPU split equally among
-//      the ranks that list it), else to the one holding fewest; so ranks that
-//      share a machine unpinned get contiguous blocks (0-7 and 8-15 of 16),
-//      which keep each rank inside one NUMA node where the nodes are blocks;
+//      among them still below its target (its fair share, each CPU split
+//      equally among the ranks that list it, rounded to whole CPUs: the
+//      leftovers to the largest remainders, then the fewest), else to the
+//      one holding fewest; so ranks that share a machine unpinned get
+//      contiguous blocks (0-7 and 8-15 of 16; 0-5, 6-10, 11-15 for 3), which
+//      keep each rank inside one NUMA node where the nodes are blocks;
 //   3. a rank's threads: its share (1 to 8), capped by its cgroup quota
 //      divided among the group's ranks; its worker threads are pinned each to
 //      a CPU of its share (none to the CPU its own thread is pinned to), so
@@ -38,9 +40,13 @@ std::string formatCpuList(const std::vector<int>& cpus);
 // plugin; empty: back to TPCOMM_CPU_SHM_CPUS or the mask). Any thread.
 void setProcessCpus(std::vector<int> cpus);
 // The CPUs a rank set up now may use: setProcessCpus's, else
-// TPCOMM_CPU_SHM_CPUS, else the calling thread's affinity mask (every online
-// CPU when it cannot be read).
+// TPCOMM_CPU_SHM_CPUS (either less the CPUs outside this process's cgroup
+// cpuset; InvalidUsage naming both lists when none is left), else the
+// calling thread's affinity mask (every online CPU when it cannot be read).
 std::vector<int> rankCpus();
+// The CPUs this process's cgroup lets it use (cpuset.cpus.effective, else
+// every online CPU).
+std::vector<int> containerCpus();
 // The calling thread's affinity mask.
 std::vector<int> threadCpus();
 

@@ -164,7 +164,7 @@ class ShmGroup {
   // Worker threads pinned as options.workerCpus asked.
   int pinnedWorkers() const { return pool_ ? pool_->pinned() : 0; }
   // 0 when this rank's halves were bound to options.memoryNode, else why not
-  // (an errno; -1: no node was asked for).
+  // (an errno; -1: no node was asked for, or no whole page to bind).
   int memoryBinding() const { return memoryBinding_; }
   ReduceIsa reduceIsa() const { return reduceIsa_.load(std::memory_order_relaxed); }
   void setTimeout(std::chrono::milliseconds timeout);

@@ -151,13 +151,14 @@ void SharedRegion::prefault(size_t offset, size_t length, bool write) {
 }
 
 int SharedRegion::bindToNode(size_t offset, size_t length, int node) {
-  constexpr size_t kPage = 4096;
   constexpr int kMpolPreferred = 1;             // <linux/mempolicy.h>, without libnuma's headers
   if (node < 0 || node >= 1023) return EINVAL;  // mbind reads maxnode - 1 bits
+  const long pageSize = ::sysconf(_SC_PAGESIZE);
+  const uintptr_t page = pageSize > 0 ? static_cast<uintptr_t>(pageSize) : 4096;
   const auto start = reinterpret_cast<uintptr_t>(base() + offset);
-  const uintptr_t first = (start + kPage - 1) / kPage * kPage;
-  const uintptr_t end = (start + length) / kPage * kPage;
-  if (end <= first) return 0;
+  const uintptr_t first = (start + page - 1) / page * page;
+  const uintptr_t end = (start + length) / page * page;
+  if (end <= first) return -1;
   unsigned long mask[1024 / (8 * sizeof(unsigned long))] = {};
   mask[node / (8 * sizeof(unsigned long))] = 1UL << (node % (8 * sizeof(unsigned long)));
   const long done = ::syscall(SYS_mbind, first, end - first, kMpolPreferred, mask,

@@ -71,9 +71,10 @@ class SharedRegion {
   // are not allocated yet on NUMA node `node` (mbind, MPOL_PREFERRED: another
   // node when that one is full), whoever touches them first; the policy
   // belongs to the memfd, so every process that maps it follows it. Only
-  // whole pages inside the range are bound. Returns 0, or the errno of a
-  // refusal (EPERM where a seccomp filter forbids mbind, ENOSYS without
-  // NUMA): the pages then go where they are first touched.
+  // whole pages inside the range are bound. Returns 0, -1 when the range
+  // holds no whole page, or the errno of a refusal (EPERM where a seccomp
+  // filter forbids mbind, ENOSYS without NUMA): the pages then go where
+  // they are first touched.
   int bindToNode(size_t offset, size_t length, int node);
   // Whether the memfd is sealed against execution (MFD_NOEXEC_SEAL).
   bool execSealed() const { return execSealed_; }

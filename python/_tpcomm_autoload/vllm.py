@@ -84,11 +84,15 @@ def register():
                  "shared memory off)", tpcomm.__version__, vllm.__version__)
         cpus = omp_cpus(os.environ)
         if cpus:
-            # The worker's main thread is pinned to the first of them by the
-            # OpenMP runtime; tpcomm's worker threads take the others.
-            tpcomm.set_cpu_shm_cpus(cpus)
-            log.info("tpcomm: this worker's CPUs (VLLM_CPU_OMP_THREADS_BIND): %s",
-                     ",".join(map(str, cpus)))
+            # This worker's OpenMP threads run there (its main thread on one
+            # of them); tpcomm's worker threads take the others.
+            try:
+                tpcomm.set_cpu_shm_cpus(cpus)
+                log.info("tpcomm: this worker's CPUs (VLLM_CPU_OMP_THREADS_BIND): %s",
+                         ",".join(map(str, cpus)))
+            except (RuntimeError, ValueError) as e:
+                log.warning("tpcomm: this worker's OpenMP CPUs %s are not usable (%s); "
+                            "tpcomm's threads follow the process's affinity instead", cpus, e)
     else:
         log.info("tpcomm: %s=gloo: vLLM's process groups stay on Gloo and vLLM's CPU shared "
                  "memory is off (every collective through torch.distributed on Gloo)", ENV)
@@ -102,7 +106,8 @@ def _cpu_items(text):
     for item in text.replace(",", " ").split():
         first, _, rest = item.partition("-")
         last, _, stride = rest.partition(":")
-        if not first.isdigit() or (last and not last.isdigit()) or (stride and not stride.isdigit()):
+        if not first.isdigit() or (last and not last.isdigit()) or (
+                stride and (not stride.isdigit() or int(stride) == 0)):
             return []
         cpus.extend(range(int(first), int(last or first) + 1, int(stride or 1)))
     return cpus

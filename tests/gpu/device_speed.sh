@@ -22,6 +22,10 @@
 #   probe.txt     the kernels' own durations against the replay time, with and
 #                 without external event nodes (tests/gpu/probe_car_graph.py)
 #                 (TPCOMM_DEVICE_FULL=1 only)
+#   lscpu.txt     lscpu and numactl --hardware (or /sys's nodes)
+#   cpu.txt       the 16 cores (TPCOMM_DEVICE_CPU=0: not run): placement and
+#                 kernel-level tests, bench cpu --scaling at 2, 4 and 8 ranks
+#   hosts.txt     bench cpu --hosts 4 (TPCOMM_DEVICE_HOSTS=0: not run)
 #
 #   bash tests/gpu/device_speed.sh
 set -uo pipefail
@@ -66,8 +70,20 @@ fi
 [[ "${TPCOMM_DEVICE_FULL:-0}" == 1 ]] && step probe 40 "$py" tests/gpu/probe_car_graph.py "${peer[@]}"
 # The 16 cores: groups across simulated hosts (issue 52's time goals, which
 # 2 shared cores cannot show; root and iproute2 needed, else it says why).
+if [[ "${TPCOMM_DEVICE_CPU:-1}" == 1 ]]; then
+  { lscpu; echo; numactl --hardware 2>&1 || grep . /sys/devices/system/node/node*/cpulist; } \
+    > "$out/lscpu.txt" 2>&1
+  # Many cores and NUMA nodes (issue 53): the placement read back from /proc
+  # and every reduction level, then the scaling against Gloo and the memory
+  # bandwidth (2 ranks x 1-8 threads; 4 and 8 ranks x 1-2).
+  step cpu 60 "$py" -m pytest -q -rs -p no:cacheprovider tests/python/collectives/test_cpu_shm.py \
+    -k "node or kernel_level or pinned"
+  step cpu 120 "$py" -m tpcomm.bench cpu --scaling --world-sizes 2 --thread-counts 1 2 4 8 \
+    --quick --rounds 2
+  step cpu 120 "$py" -m tpcomm.bench cpu --scaling --world-sizes 4 8 --thread-counts 1 2 \
+    --quick --rounds 2
+fi
 if [[ "${TPCOMM_DEVICE_HOSTS:-1}" == 1 ]]; then
-  lscpu > "$out/lscpu.txt" 2>&1
   step hosts 120 "$py" -m tpcomm.bench cpu --hosts 4 --ranks-per-host 2 --max-mib 16 --rounds 2
 fi
 tail -n 40 "$out/car.txt"

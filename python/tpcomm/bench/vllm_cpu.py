@@ -14,6 +14,17 @@ Printed per way: tokens/s (best round and every round), the share of the
 workers' model-step time spent in the tensor-parallel all-reduce, and
 whether its tokens equal TP=1's and vLLM's own path's.
 
+`--cpu-level avx2` runs every way as on a CPU without AVX-512 (an AMD EPYC of
+Zen 2 or 3, an Intel Xeon before Skylake-SP): each vLLM process is told the
+CPU has no AVX-512 or AMX (torch.cpu's checks answer False), so vLLM loads its
+AVX2 kernels (`vllm._C_AVX2`, which has no shared-memory all-reduce: "vLLM as
+shipped" is then torch.distributed on Gloo); torch's own kernels run at AVX2
+(ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2) and tpcomm's reductions
+too (TPCOMM_CPU_REDUCE_ISA=avx2). It implies --eager and turns torch.compile
+off (TORCHDYNAMO_DISABLE=1): on the AVX-512 machine it was built on,
+torch.compile's AVX2 code for vLLM's vocabulary mask gave out-of-range token
+ids on every way.
+
 `--check` is the end-to-end test: TP=1, TP=2 on vLLM's own path and TP=2 on
 tpcomm generate the same tokens, and the tpcomm run's workers log that their
 groups use tpcomm; it exits 1 naming what differs.
@@ -33,6 +44,31 @@ import time
 
 WAYS = ("vllm-shm", "gloo", "tpcomm")
 _RESULT = "TPCOMM_VLLM_RESULT "
+# Loaded first by every Python process of a --cpu-level avx2 run: the CPU
+# checks vLLM chooses its kernels by answer as on a CPU without AVX-512.
+_NO_AVX512 = """import torch.cpu
+for _name in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
+              "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+    if hasattr(torch.cpu, _name):
+        setattr(torch.cpu, _name, lambda: False)
+"""
+
+
+def _cpu_level_env(env, level, folder):
+    """Makes a run's processes see a CPU of `level` (None: this CPU)."""
+    if level != "avx2":
+        return
+    with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+        f.write(_NO_AVX512)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (folder, env.get("PYTHONPATH")) if p)
+    env["ATEN_CPU_CAPABILITY"] = "avx2"
+    env["ONEDNN_MAX_CPU_ISA"] = "AVX2"
+    env["TPCOMM_CPU_REDUCE_ISA"] = "avx2"
+    # Eager only: on the AVX-512 machine this was built on, torch.compile's
+    # AVX2 code for vLLM's vocabulary mask (get_masked_input_and_mask, which
+    # vLLM compiles even with enforce_eager) gave token ids out of range
+    # (IndexError in the embedding) on every way, vLLM's own included.
+    env["TORCHDYNAMO_DISABLE"] = "1"
 
 
 def _missing():
@@ -119,10 +155,42 @@ def _child(args):
     per_call = sum(per_call) / len(per_call) if per_call else None
     through_tpcomm = sum(after[r]["tpcomm_calls"] - before.get(r, {}).get("tpcomm_calls", 0.0)
                          for r in after)
+    import torch
+
+    kernels = _vllm_kernels()
     print(_RESULT + json.dumps({"tokens": tokens, "tokens_per_s": produced / seconds,
+                                "kernels": kernels,
+                                "shm_allreduce": hasattr(torch.ops._C, "init_shm_manager"),
                                 "seconds": seconds, "all_reduce_share": share,
                                 "all_reduce_us": per_call and per_call * 1e6,
                                 "tpcomm_calls": through_tpcomm}), flush=True)
+
+
+def _vllm_kernels():
+    """The kernel libraries vLLM loaded in this process and its workers (its
+    descendants), read from their memory maps: vLLM's import of the AVX2 one
+    "fails" after loading it."""
+    parents = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    mine, seen = {os.getpid()}, set()
+    while True:
+        more = {p for p, parent in parents.items() if parent in mine} - mine
+        if not more:
+            break
+        mine |= more
+    for pid in mine:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                maps = f.read()
+        except OSError:
+            continue
+        seen |= {m for m in ("_C", "_C_AVX512", "_C_AVX2") if f"/vllm/{m}.abi3.so" in maps}
+    return ", ".join(f"vllm/{m}.abi3.so" for m in sorted(seen)) or "no kernel library"
 
 
 def _run(way, tp, model, args, log):
@@ -142,6 +210,7 @@ def _run(way, tp, model, args, log):
             for r in range(tp))
     profile = tempfile.mkdtemp(prefix="tpcomm-vllm-profile-")
     env["TPCOMM_VLLM_PROFILE"] = profile
+    _cpu_level_env(env, getattr(args, "cpu_level", None), profile)
     # Run by path, not as tpcomm.bench.vllm_cpu: vLLM's own and Gloo's runs
     # then load nothing of tpcomm.
     command = [sys.executable, os.path.abspath(__file__), "--child", "--model", model,
@@ -218,6 +287,11 @@ def bench(args, model, log):
             rounds[way].append(_run(way, 2, model, args, log))
             last = rounds[way][-1]
             print(f"  round {r + 1} {way:>8}: {last['tokens_per_s']:8.1f} tok/s", flush=True)
+    level = getattr(args, "cpu_level", None)
+    first = next(iter(rounds.values()))[0]
+    print(f"\n{'as on a CPU with ' + level + ' and no AVX-512 (--cpu-level): ' if level else ''}"
+          f"vLLM loaded {first['kernels']}, which "
+          f"{'has' if first['shm_allreduce'] else 'has no'} shared-memory all-reduce")
     print(f"\nvLLM {_vllm_version()} on CPU ({os.cpu_count()} cores), TP=2, {args.batch} "
           f"requests x {args.tokens} new tokens, {args.layers} layers of width {args.hidden}, "
           f"{args.dtype}, greedy; best of {args.rounds} alternated rounds")
@@ -280,6 +354,9 @@ def add_arguments(parser):
                         help="default bfloat16; float32 with --check (TP=1 and TP=2 then "
                              "round alike)")
     parser.add_argument("--eager", action="store_true", help="no torch.compile in vLLM")
+    parser.add_argument("--cpu-level", choices=("avx2",), default=None,
+                        help="run as on a CPU with AVX2 and no AVX-512 (vLLM's AVX2 kernels, "
+                             "which have no shared-memory all-reduce)")
     parser.add_argument("--tp1", action="store_true", help="also TP=1, for token equality")
     parser.add_argument("--timeout", type=float, default=600.0, help="per vLLM run (s)")
     parser.add_argument("--hosts", type=int, default=0, choices=(0, 2),
@@ -303,7 +380,9 @@ def run(args):
 
         return run_across_hosts(args)
     if args.dtype is None:
-        args.dtype = "float32" if args.check else "bfloat16"
+        args.dtype = "float32" if args.check or args.cpu_level else "bfloat16"
+    if args.cpu_level:
+        args.eager = True
     with tempfile.TemporaryDirectory(prefix="tpcomm-vllm-") as folder:
         model = os.path.join(folder, "model")
         make_model(model, args.layers, args.hidden)

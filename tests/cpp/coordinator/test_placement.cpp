@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <set>
 
 #include "coordinator/common/error.hpp"
@@ -79,8 +80,9 @@ TEST(Placement, UnpinnedRanksGetContiguousEqualBlocks) {
   const std::vector<std::vector<int>> three(3, range(0, 15));
   const auto t = placeRanks(three, {0, 0, 0}, {0, 0, 0});
   expectPartition(three, t);
-  EXPECT_EQ(t[0].cpus.size() + t[1].cpus.size() + t[2].cpus.size(), 16u);
-  EXPECT_EQ(t[0].cpus.size(), 6u);
+  EXPECT_EQ(t[0].cpus, range(0, 5));
+  EXPECT_EQ(t[1].cpus, range(6, 10));
+  EXPECT_EQ(t[2].cpus, range(11, 15));
   // More than 8 CPUs a rank: 8 threads at most.
   const auto one = placeRanks({range(0, 31)}, {0}, {0});
   EXPECT_EQ(one[0].threads, 8);
@@ -94,20 +96,19 @@ TEST(Placement, PinnedRanksKeepTheirOwnCpus) {
   EXPECT_EQ(places[1].cpus, range(4, 7));
   EXPECT_EQ(places[0].threads, 4);
   // Overlapping lists: each keeps what is its alone; the shared CPU goes to
-  // the rank holding fewest (neither is below its fair share of 2.5 / 1.5).
+  // rank 1 (fair shares 2.5 and 1.5: the leftover CPU to the rank with fewer).
   const std::vector<std::vector<int>> overlap = {{0, 1, 2}, {2, 3}};
   const auto o = placeRanks(overlap, {0, 0}, {0, 0});
   expectPartition(overlap, o);
   EXPECT_EQ(o[0].cpus, (std::vector<int>{0, 1}));
   EXPECT_EQ(o[1].cpus, (std::vector<int>{2, 3}));
   // Three CPUs shared by two ranks that each have one of their own (fair
-  // shares 2.5): the lowest rank below its share takes 2, then rank 1 takes
-  // 3, and 4 goes to the lowest of the ranks holding fewest.
+  // shares 2.5, targets 3 and 2): rank 0 takes 2 and 3, rank 1 takes 4.
   const std::vector<std::vector<int>> wide = {{0, 2, 3, 4}, {1, 2, 3, 4}};
   const auto w = placeRanks(wide, {0, 0}, {0, 0});
   expectPartition(wide, w);
-  EXPECT_EQ(w[0].cpus, (std::vector<int>{0, 2, 4}));
-  EXPECT_EQ(w[1].cpus, (std::vector<int>{1, 3}));
+  EXPECT_EQ(w[0].cpus, (std::vector<int>{0, 2, 3}));
+  EXPECT_EQ(w[1].cpus, (std::vector<int>{1, 4}));
   // Two ranks on one CPU: one has it, the other none; both run one thread.
   const auto crowded = placeRanks({{0}, {0}}, {0, 0}, {0, 0});
   EXPECT_EQ(crowded[0].cpus.size() + crowded[1].cpus.size(), 1u);
@@ -152,8 +153,31 @@ TEST(Placement, NodesComeFromSys) {
   for (int cpu : threadCpus()) {
     EXPECT_GE(numaNodeOf(cpu), 0);
   }
+  // A rank's node is the one most of its share lies on.
   const auto places = placeRanks({threadCpus()}, {0}, {0});
-  EXPECT_EQ(places[0].node, numaNodeOf(places[0].cpus.front()));
+  std::map<int, int> onNode;
+  for (int cpu : places[0].cpus) ++onNode[numaNodeOf(cpu)];
+  int most = -1, node = -1;
+  for (const auto& [n, count] : onNode) {
+    if (count > most) most = count, node = n;
+  }
+  EXPECT_EQ(places[0].node, node);
+  // Declared lists are cut to the CPUs the cgroup allows; none left is an
+  // error naming both lists.
+  const auto usable = containerCpus();
+  ASSERT_FALSE(usable.empty());
+  setProcessCpus({usable.front(), 1023});
+  EXPECT_EQ(rankCpus(), std::vector<int>{usable.front()});
+  setProcessCpus({1023});
+  try {
+    rankCpus();
+    ADD_FAILURE() << "a list of CPUs outside the cgroup was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("none of which this process may use"), std::string::npos)
+        << e.what();
+  }
+  setProcessCpus({});
+  EXPECT_EQ(rankCpus(), threadCpus());
 }
 
 }  // namespace

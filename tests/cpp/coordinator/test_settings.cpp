@@ -96,8 +96,11 @@ TEST(Settings, CpuSharedMemory) {
       {"TPCOMM_CPU_SHM_BUFFER_BYTES", "1024"},  {"TPCOMM_CPU_SHM_BUFFER_BYTES", "-64"},
       {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "-1"}, {"TPCOMM_CPU_SHM_SPIN_US", "2000000"},
       {"TPCOMM_CPU_SHM_SPIN_US", "-2"},         {"TPCOMM_CPU_REDUCE_ISA", "sse9"},
-      {"TPCOMM_CPU_HIER_SLICE_BYTES", "-1"}};
+      {"TPCOMM_CPU_HIER_SLICE_BYTES", "-1"},     {"TPCOMM_CPU_SHM_CPUS", "0-"},
+      {"TPCOMM_CPU_SHM_CPUS", "a"},              {"TPCOMM_CPU_SHM_CPUS", "1,,2"}};
   expectEachRefused(bad);
+  EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_CPU_SHM_CPUS", "0-7,16-23"}})).cpuShmCpus,
+            "0-7,16-23");
   for (const char* level : {"avx512", "avx2", "portable", "auto"}) {
     EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_CPU_REDUCE_ISA", level}})).cpuReduceIsa, level);
   }

@@ -60,7 +60,7 @@ def test_the_plugin_reads_the_workers_cpus_from_vllms_openmp_settings():
     assert plugin.omp_cpus({"GOMP_CPU_AFFINITY": "0 1 8-9"}) == [0, 1, 8, 9]
     assert plugin.omp_cpus({"KMP_AFFINITY": "granularity=fine,explicit,proclist=[2,3]"}) == [2, 3]
     for unset in ({}, {"OMP_PLACES": "cores"}, {"OMP_PLACES": "{0},{1}"},
-                  {"GOMP_CPU_AFFINITY": "x"}):
+                  {"GOMP_CPU_AFFINITY": "x"}, {"GOMP_CPU_AFFINITY": "0-7:0"}):
         assert plugin.omp_cpus(unset) == [], unset
 
 
