@@ -112,10 +112,16 @@ const std::vector<SettingInfo> kSettingTable = {
      "50 us yielding the core each round."},
     {"TPCOMM_CPU_SHM_THREADS", "int", "0",
      "Threads per rank (its own included) that split the copies and reductions of large "
-     "shared-memory CPU collectives, at least 256 KiB each; smaller calls use one. 0: the "
+     "shared-memory CPU collectives, each part moving at least 512 KiB (read + written); smaller "
+     "calls use one. 0: the "
      "rank's share of the CPUs its group's ranks may use (their affinity masks, exchanged at "
      "set-up: CPUs of its own, plus an equal part of those it shares with other ranks), at most "
      "8, capped by a cgroup quota divided among the ranks. Results do not depend on it."},
+    {"TPCOMM_CPU_SHM_WORKER_SPIN_US", "int", "50",
+     "How long a shared-memory worker thread pinned to a CPU of its rank's own share polls for "
+     "the next part of a large CPU collective before it sleeps (so a call's chunks pay no "
+     "wake-up each; run()'s caller polls as long for the last parts). 0: sleep at once, as "
+     "workers that are not pinned always do."},
     {"TPCOMM_CPU_SHM_CPUS", "string", "",
      "The CPUs this process's shared-memory groups may use (a list such as 0-7,16-23), instead "
      "of the affinity mask of the thread that sets the group up: its share of them holds its "
@@ -258,6 +264,9 @@ Settings Settings::parse(const Lookup& lookup) {
   }
   if (auto v = lookup("TPCOMM_CPU_SHM_THREADS")) {
     s.cpuShmThreads = parseInt("TPCOMM_CPU_SHM_THREADS", *v, 0, 64);
+  }
+  if (auto v = lookup("TPCOMM_CPU_SHM_WORKER_SPIN_US")) {
+    s.cpuShmWorkerSpinUs = parseInt("TPCOMM_CPU_SHM_WORKER_SPIN_US", *v, 0, 100000);
   }
   if (auto v = lookup("TPCOMM_CPU_SHM_CPUS")) {
     // The syntax here, on every rank before any exchange; the CPUs at set-up

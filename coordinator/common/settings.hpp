@@ -91,6 +91,9 @@ struct Settings {
   // TPCOMM_CPU_SHM_THREADS: threads per rank that split large copies and
   // reductions (0: the rank's share of the CPUs, cpu_placement.hpp).
   int64_t cpuShmThreads = 0;
+  // TPCOMM_CPU_SHM_WORKER_SPIN_US: how long worker threads pinned to CPUs
+  // of their rank's own poll for a large call's next part before sleeping.
+  int64_t cpuShmWorkerSpinUs = 50;
   // TPCOMM_CPU_SHM_CPUS: the CPUs this process's shared-memory groups may
   // use ("0-7"), instead of the calling thread's affinity mask (empty).
   std::string cpuShmCpus;

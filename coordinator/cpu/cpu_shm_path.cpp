@@ -140,6 +140,7 @@ CpuShmConfig CpuShmConfig::fromSettings() {
   c.spinUs = settings().cpuShmSpinUs;
   c.reduceIsa = settings().cpuReduceIsa;
   c.threads = settings().cpuShmThreads;
+  c.workerSpinUs = settings().cpuShmWorkerSpinUs;
   c.hierSliceBytes = settings().cpuHierSliceBytes;
   c.hierGatherBytes = settings().cpuHierGatherBytes;
   return c;
@@ -253,6 +254,9 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   if (!machineShared) {
     options.workerCpus = workerCpus(places[rank], threadCpus());
     options.memoryNode = places[rank].node;
+    // Workers on CPUs of their own poll between a large call's chunks.
+    if (!options.workerCpus.empty())
+      options.workerSpin = std::chrono::microseconds(config.workerSpinUs);
   }
   options.timeout = timeout;
 

@@ -46,7 +46,10 @@ struct CpuShmConfig {
   int64_t twoPhaseBytes = 16 << 10;
   int64_t spinUs = -1;               // -1: spinPolicy's choice
   std::string reduceIsa = "auto";    // TPCOMM_CPU_REDUCE_ISA
-  int64_t threads = 0;               // TPCOMM_CPU_SHM_THREADS (0: threadsFor's choice)
+  int64_t threads = 0;               // TPCOMM_CPU_SHM_THREADS (0: the rank's share)
+  // TPCOMM_CPU_SHM_WORKER_SPIN_US: how long workers pinned to CPUs of their
+  // own poll for a large call's next part (WorkerPool) before sleeping.
+  int64_t workerSpinUs = 50;
   int64_t hierSliceBytes = 4 << 20;  // TPCOMM_CPU_HIER_SLICE_BYTES
   int64_t hierGatherBytes = 4096;    // TPCOMM_CPU_HIER_GATHER_BYTES
   // Ranks of a larger group on this machine's cores (a group across hosts

@@ -183,7 +183,8 @@ ShmGroup::ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& 
     memoryBinding_ = region_->bindToNode(mine, 2 * options_.bufferBytes, options_.memoryNode);
   region_->prefault(mine, 2 * options_.bufferBytes, true);
   if (options_.threads > 1)
-    pool_ = std::make_unique<WorkerPool>(options_.threads, options_.workerCpus);
+    pool_ =
+        std::make_unique<WorkerPool>(options_.threads, options_.workerCpus, options_.workerSpin);
 }
 
 ShmGroup::~ShmGroup() {

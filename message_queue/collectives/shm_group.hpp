@@ -89,12 +89,15 @@ struct ShmGroupOptions {
   // this CPU cannot run falls back to the best it can.
   ReduceIsa reduceIsa = bestReduceIsa();
   // Threads (this one included) that split the copies and reductions of a
-  // large chunk (at least 256 KiB a thread); 1: this thread only. Results do
+  // large chunk (a part moving at least 512 KiB, read + written, a thread);
+  // 1: this thread only. Results do
   // not depend on it.
   int threads = 1;
   // The CPUs the threads - 1 worker threads are pinned to, one each (empty:
-  // where the scheduler puts them).
+  // where the scheduler puts them), and how long a worker out of parts polls
+  // for the next before it sleeps (WorkerPool; 0: sleeps at once).
   std::vector<int> workerCpus;
+  std::chrono::microseconds workerSpin{0};
   // The NUMA node this rank's halves are bound to before it allocates them
   // (SharedRegion::bindToNode; -1: wherever this thread first touches them).
   int memoryNode = -1;
@@ -193,10 +196,12 @@ class ShmGroup {
   // Every rank's half of `chunk` from byteOffset on, in rank order (valid
   // until this thread's next call).
   const void* const* sourcesAt(uint64_t chunk, size_t byteOffset) const;
-  // fn(a, b) over parts of [0, count) elements of esize bytes: on the pool's
-  // threads and this one when the range is large enough, else fn(0, count).
+  // fn(a, b) over parts of [0, count) elements of esize bytes, each element
+  // moving `moved` bytes (read + written: 2 x esize for a copy, (n + 1) x
+  // esize for a reduction over n ranks): on the pool's threads and this one
+  // when each part moves at least kSplitMinBytes, else fn(0, count).
   template <typename Fn>
-  void split(size_t count, size_t esize, const Fn& fn);
+  void split(size_t count, size_t esize, size_t moved, const Fn& fn);
 
   // Arrives at the next step and waits for every rank; throws InvalidUsage
   // when signatures differ, Timeout/PeerLost as described above.

@@ -19,8 +19,8 @@ const void* const* ShmGroup::sourcesAt(uint64_t chunk, size_t byteOffset) const 
 }
 
 template <typename Fn>
-void ShmGroup::split(size_t count, size_t esize, const Fn& fn) {
-  const size_t bytes = count * esize;
+void ShmGroup::split(size_t count, size_t esize, size_t moved, const Fn& fn) {
+  const size_t bytes = count * moved;
   const size_t parts =
       pool_ ? std::min<size_t>(pool_->threads(), bytes / kSplitMinBytes) : size_t{1};
   if (parts <= 1) return fn(0, count);
@@ -117,13 +117,13 @@ void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
     const size_t m = std::min(chunkElements, count - offset);
     const uint64_t k = chunks_++;
     const char* src = static_cast<const char*>(in) + offset * esize;
-    split(m, esize, [&](size_t a, size_t b) {
+    split(m, esize, 2 * esize, [&](size_t a, size_t b) {
       copyScaled(half(me, k) + a * esize, src + a * esize, b - a, dtype, spec);
     });
     step(sig);
     char* dst = static_cast<char*>(out) + offset * esize;
     if (!twoPhase) {
-      split(m, esize, [&](size_t a, size_t b) {
+      split(m, esize, (n + 1) * esize, [&](size_t a, size_t b) {
         reduceIntoWith(isa, dst + a * esize, sourcesAt(k, a * esize), n, b - a, dtype, reduce);
       });
       continue;
@@ -131,12 +131,12 @@ void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
     const size_t slice = sliceElements(m, n, esize);
     const size_t from = std::min(m, slice * me);
     const size_t to = std::min(m, from + slice);
-    split(to - from, esize, [&](size_t a, size_t b) {
+    split(to - from, esize, (n + 1) * esize, [&](size_t a, size_t b) {
       reduceIntoWith(isa, half(me, k) + (from + a) * esize, sourcesAt(k, (from + a) * esize), n,
                      b - a, dtype, reduce);
     });
     step(sig);
-    split(m, esize, [&](size_t a, size_t b) {
+    split(m, esize, 2 * esize, [&](size_t a, size_t b) {
       for (int r = 0; r < n; ++r) {  // the part of [a, b) that rank r owns
         const size_t lo = std::max(a, std::min(m, slice * r));
         const size_t hi = std::min(b, std::min(m, slice * r + slice));
@@ -159,10 +159,10 @@ void ShmGroup::allgather(const void* in, size_t bytes, const std::vector<void*>&
     const size_t m = std::min(chunk, bytes - offset);
     const uint64_t k = chunks_++;
     const char* src = static_cast<const char*>(in) + offset;
-    split(m, 1,
+    split(m, 1, 2,
           [&](size_t a, size_t b) { std::memcpy(half(options_.rank, k) + a, src + a, b - a); });
     step(sig);
-    split(m, 1, [&](size_t a, size_t b) {
+    split(m, 1, 2 * options_.size, [&](size_t a, size_t b) {
       for (int r = 0; r < options_.size; ++r) {
         // An in-place call's own part is in place already.
         if (r == options_.rank && outs[r] == in) continue;
@@ -198,14 +198,14 @@ void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, siz
   for (size_t offset = 0; offset < count; offset += piece) {
     const size_t m = std::min(piece, count - offset);
     const uint64_t k = chunks_++;
-    split(m, esize, [&](size_t a, size_t b) {
+    split(m, esize, 2 * n * esize, [&](size_t a, size_t b) {
       for (int r = 0; r < n; ++r) {
         copyScaled(half(options_.rank, k) + (r * piece + a) * esize,
                    static_cast<const char*>(ins[r]) + (offset + a) * esize, b - a, dtype, spec);
       }
     });
     step(sig);
-    split(m, esize, [&](size_t a, size_t b) {
+    split(m, esize, (n + 1) * esize, [&](size_t a, size_t b) {
       reduceIntoWith(isa, static_cast<char*>(out) + (offset + a) * esize,
                      sourcesAt(k, mine + a * esize), n, b - a, dtype, reduce);
     });
@@ -226,11 +226,11 @@ void ShmGroup::broadcast(void* data, size_t bytes, int root) {
     const uint64_t k = chunks_++;
     char* mine = static_cast<char*>(data) + offset;
     if (options_.rank == root) {
-      split(m, 1, [&](size_t a, size_t b) { std::memcpy(half(root, k) + a, mine + a, b - a); });
+      split(m, 1, 2, [&](size_t a, size_t b) { std::memcpy(half(root, k) + a, mine + a, b - a); });
     }
     step(sig);
     if (options_.rank != root) {
-      split(m, 1, [&](size_t a, size_t b) { std::memcpy(mine + a, half(root, k) + a, b - a); });
+      split(m, 1, 2, [&](size_t a, size_t b) { std::memcpy(mine + a, half(root, k) + a, b - a); });
     }
   }
 }

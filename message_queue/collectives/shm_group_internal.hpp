@@ -16,9 +16,10 @@ constexpr size_t kLine = 64;
 constexpr size_t kControlOffset = 1024;
 constexpr size_t kReasonBytes = 512;  // an abort's text, as peers read it
 constexpr size_t kPage = 4096;
-// The least a worker thread is given of a copy or reduction (a smaller part
-// costs more to hand over than it saves).
-constexpr size_t kSplitMinBytes = 256 << 10;
+// The least a worker thread's part of a copy or reduction moves, bytes read
+// plus bytes written (a smaller part costs more to hand over than it saves):
+// a copy of 256 KiB, or 128 KiB of a slice reduced over 3 ranks.
+constexpr size_t kSplitMinBytes = 512 << 10;
 
 enum class Op : uint8_t {
   kBarrier = 1,

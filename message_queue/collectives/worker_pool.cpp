@@ -7,7 +7,32 @@
 
 namespace tpcomm::mq {
 
-WorkerPool::WorkerPool(int threads, const std::vector<int>& cpus) {
+namespace {
+
+inline void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Polls `done` for at most `window`; true when it held.
+template <typename Done>
+bool pollFor(std::chrono::microseconds window, const Done& done) {
+  if (window.count() <= 0) return done();
+  const auto until = std::chrono::steady_clock::now() + window;
+  while (!done()) {
+    for (int i = 0; i < 32; ++i) pause();
+    if (std::chrono::steady_clock::now() >= until) return done();
+  }
+  return true;
+}
+
+}  // namespace
+
+WorkerPool::WorkerPool(int threads, const std::vector<int>& cpus, std::chrono::microseconds spin)
+    : spin_(spin) {
   for (int i = 1; i < threads; ++i) {
     workers_.emplace_back([this, i] { loop(i); });
     if (static_cast<size_t>(i - 1) >= cpus.size()) continue;
@@ -25,6 +50,7 @@ WorkerPool::~WorkerPool() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stop_ = true;
+    posted_.fetch_add(1, std::memory_order_release);  // ends a polling worker's window
   }
   wake_.notify_all();
   for (auto& t : workers_) t.join();
@@ -41,8 +67,10 @@ void WorkerPool::run(size_t parts, const std::function<void(size_t)>& fn) {
     parts_ = parts;
     next_ = 1;  // part 0 is the caller's
     finished_ = 0;
+    finishedSeen_.store(0, std::memory_order_relaxed);
     error_ = nullptr;
     ++generation_;
+    posted_.store(generation_, std::memory_order_release);
   }
   wake_.notify_all();
   // The caller takes parts too, starting with part 0.
@@ -57,9 +85,16 @@ void WorkerPool::run(size_t parts, const std::function<void(size_t)>& fn) {
     std::unique_lock<std::mutex> lock(mutex_);
     if (error && !error_) error_ = error;
     ++finished_;
+    finishedSeen_.store(finished_, std::memory_order_release);
     if (next_ < parts_) {
       part = next_++;
       continue;
+    }
+    if (finished_ != parts_ && spin_.count() > 0) {
+      // The workers' last parts end about now: poll before sleeping.
+      lock.unlock();
+      pollFor(spin_, [&] { return finishedSeen_.load(std::memory_order_acquire) == parts; });
+      lock.lock();
     }
     done_.wait(lock, [&] { return finished_ == parts_; });
     task_ = nullptr;
@@ -76,7 +111,15 @@ void WorkerPool::loop(size_t index) {
   uint64_t seen = 0;
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
-    wake_.wait(lock, [&] { return stop_ || (generation_ != seen && next_ < parts_); });
+    const auto ready = [&] { return stop_ || (generation_ != seen && next_ < parts_); };
+    if (!ready() && spin_.count() > 0) {
+      // A large call hands out parts chunk after chunk: poll for the next
+      // task a while (without the lock) before sleeping on the condition.
+      lock.unlock();
+      pollFor(spin_, [&] { return posted_.load(std::memory_order_acquire) != seen; });
+      lock.lock();
+    }
+    wake_.wait(lock, ready);
     if (stop_) return;
     seen = generation_;
     while (task_ != nullptr && next_ < parts_) {
@@ -91,7 +134,8 @@ void WorkerPool::loop(size_t index) {
       }
       lock.lock();
       if (error && !error_) error_ = error;
-      if (++finished_ == parts_) done_.notify_all();
+      finishedSeen_.store(++finished_, std::memory_order_release);
+      if (finished_ == parts_) done_.notify_all();
     }
   }
 }

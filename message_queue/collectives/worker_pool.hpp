@@ -10,8 +10,13 @@
 // Parts never wait for anything outside the pool, so run() ends. One run()
 // at a time (the group's lock serialises them). Idle threads sleep on a
 // condition variable; the destructor wakes and joins them. Worker i is
-// named "tpcomm-shm:<i>" (top -H, perf).
+// named "tpcomm-shm:<i>" (top -H, perf). With a polling window (workers on
+// CPUs of their own), a worker that ran out of parts polls that long for the
+// next task before it sleeps, and run()'s caller polls for the last parts
+// before it sleeps: a large call's chunks then pay no wake-up each.
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <exception>
@@ -27,7 +32,9 @@ class WorkerPool {
   // `threads` counts the caller: threads - 1 are started (none for 1).
   // With `cpus` (threads - 1 of them), worker i runs pinned to cpus[i - 1];
   // a CPU the kernel refuses leaves that worker where it was.
-  explicit WorkerPool(int threads, const std::vector<int>& cpus = {});
+  // `spin`: the polling window (0: sleep at once).
+  explicit WorkerPool(int threads, const std::vector<int>& cpus = {},
+                      std::chrono::microseconds spin = std::chrono::microseconds(0));
   ~WorkerPool();
   WorkerPool(const WorkerPool&) = delete;
   WorkerPool& operator=(const WorkerPool&) = delete;
@@ -52,6 +59,9 @@ class WorkerPool {
   std::exception_ptr error_;
   bool stop_ = false;
   int pinned_ = 0;
+  const std::chrono::microseconds spin_;
+  std::atomic<uint64_t> posted_{0};      // generation_, for polling workers
+  std::atomic<size_t> finishedSeen_{0};  // finished_, for the polling caller
 };
 
 }  // namespace tpcomm::mq

@@ -3,6 +3,7 @@
 // the call signature's eps and coalesced position, a peer whose main thread
 // ended, a rank that destroys its group, and calls in a forked child.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -98,21 +99,61 @@ TEST(ShmGroup, WorkerThreadsGiveTheBitsOfOneThread) {
 }
 
 TEST(WorkerPool, RunsEveryPartOnceAndRethrowsAPartsError) {
-  WorkerPool pool(4);
-  EXPECT_EQ(pool.threads(), 4);
-  for (int round = 0; round < 200; ++round) {
-    std::vector<std::atomic<int>> hits(1 + round % 9);
-    pool.run(hits.size(), [&](size_t p) { hits[p].fetch_add(1); });
-    for (auto& h : hits) ASSERT_EQ(h.load(), 1) << round;
+  // Sleeping workers, and workers that poll for the next task (as those
+  // pinned to CPUs of their own do), with runs back to back and apart.
+  for (const auto spin : {std::chrono::microseconds(0), std::chrono::microseconds(200)}) {
+    WorkerPool pool(4, {}, spin);
+    EXPECT_EQ(pool.threads(), 4);
+    for (int round = 0; round < 200; ++round) {
+      std::vector<std::atomic<int>> hits(1 + round % 9);
+      pool.run(hits.size(), [&](size_t p) { hits[p].fetch_add(1); });
+      for (auto& h : hits) ASSERT_EQ(h.load(), 1) << round << " spin " << spin.count();
+      if (round % 50 == 0) std::this_thread::sleep_for(std::chrono::microseconds(300));
+    }
+    EXPECT_THROW(pool.run(6,
+                          [](size_t p) {
+                            if (p == 4) throw std::runtime_error("part 4");
+                          }),
+                 std::runtime_error);
+    std::atomic<int> after{0};
+    pool.run(5, [&](size_t) { after.fetch_add(1); });
+    EXPECT_EQ(after.load(), 5);
   }
-  EXPECT_THROW(pool.run(6,
-                        [](size_t p) {
-                          if (p == 4) throw std::runtime_error("part 4");
-                        }),
-               std::runtime_error);
-  std::atomic<int> after{0};
-  pool.run(5, [&](size_t) { after.fetch_add(1); });
-  EXPECT_EQ(after.load(), 5);
+  // Destroyed while its workers poll: they end at once.
+  const auto start = std::chrono::steady_clock::now();
+  {
+    WorkerPool polling(3, {}, std::chrono::microseconds(100000));
+    polling.run(3, [](size_t) {});
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(90));
+}
+
+TEST(WorkerPool, PinsEachWorkerToItsCpu) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(::sched_getaffinity(0, sizeof(set), &set), 0);
+  int cpu = -1;
+  for (int c = CPU_SETSIZE - 1; c >= 0 && cpu < 0; --c) cpu = CPU_ISSET(c, &set) ? c : -1;
+  WorkerPool pool(2, {cpu});
+  EXPECT_EQ(pool.pinned(), 1);
+  // Part 1 runs on the worker (the caller takes part 0, sleeps in it, then
+  // waits), which runs on its CPU and nowhere else.
+  const auto caller = std::this_thread::get_id();
+  for (int round = 0; round < 20; ++round) {
+    std::atomic<int> where{-1};
+    std::atomic<bool> byWorker{false};
+    pool.run(2, [&](size_t p) {
+      if (p == 1) {
+        where = ::sched_getcpu();
+        byWorker = std::this_thread::get_id() != caller;
+      }
+      if (p == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    });
+    if (byWorker.load()) EXPECT_EQ(where.load(), cpu);
+  }
+  // A CPU the kernel refuses leaves the worker unpinned.
+  WorkerPool refused(2, {CPU_SETSIZE - 1});
+  EXPECT_EQ(refused.pinned(), CPU_ISSET(CPU_SETSIZE - 1, &set) ? 1 : 0);
 }
 
 TEST(ShmGroup, CoalescedPositionsAndTheFusedEpsArePartOfTheSignature) {
