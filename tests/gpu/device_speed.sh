@@ -82,6 +82,9 @@ if [[ "${TPCOMM_DEVICE_CPU:-1}" == 1 ]]; then
     --quick --rounds 2
   step cpu 120 "$py" -m tpcomm.bench cpu --scaling --world-sizes 4 8 --thread-counts 1 2 \
     --quick --rounds 2
+  # The workers' polling between a call's chunks, off: against the 8t column above.
+  step cpu 60 env TPCOMM_CPU_SHM_WORKER_SPIN_US=0 "$py" -m tpcomm.bench cpu --scaling \
+    --world-sizes 2 --thread-counts 8 --quick --rounds 2
 fi
 if [[ "${TPCOMM_DEVICE_HOSTS:-1}" == 1 ]]; then
   step hosts 120 "$py" -m tpcomm.bench cpu --hosts 4 --ranks-per-host 2 --max-mib 16 --rounds 2
