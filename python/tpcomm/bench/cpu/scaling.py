@@ -33,6 +33,17 @@ from tpcomm.bench.cpu import best_interleaved, fmt_bytes, iters_for, sizes
 BOUND_FROM = 64 << 10  # bytes: the copy and the triad run from this size on
 
 
+def _threaded(fn, t):
+    """fn run with torch's intra-op threads set to t (1 again after)."""
+    def call():
+        torch.set_num_threads(t)
+        try:
+            fn()
+        finally:
+            torch.set_num_threads(1)
+    return call
+
+
 def _worker(rank, world, port, thread_counts, max_mib, quick, rounds, results):
     import tpcomm
 
@@ -58,18 +69,9 @@ def _worker(rank, world, port, thread_counts, max_mib, quick, rounds, results):
         if nbytes >= BOUND_FROM:
             a, b, c = torch.empty(n), torch.ones(n), torch.ones(n)
 
-            def threaded(fn, t):
-                def call():
-                    torch.set_num_threads(t)
-                    try:
-                        fn()
-                    finally:
-                        torch.set_num_threads(1)
-                return call
-
             for t in thread_counts:
-                calls[("copy", t)] = threaded(lambda: a.copy_(b), t)
-                calls[("triad", t)] = threaded(lambda: torch.add(b, c, alpha=0.5, out=a), t)
+                calls[("copy", t)] = _threaded(lambda: a.copy_(b), t)
+                calls[("triad", t)] = _threaded(lambda: torch.add(b, c, alpha=0.5, out=a), t)
         for fn in calls.values():
             fn()  # warm-up
         rows.append((nbytes, best_interleaved(calls, iters_for(nbytes, quick), rounds, control)))
