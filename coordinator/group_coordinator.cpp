@@ -540,39 +540,41 @@ void GroupCoordinator::monitoredBarrier(const c10d::BarrierOptions& opts, bool w
 std::shared_ptr<GroupCoordinator> GroupCoordinator::split(
     const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
     std::chrono::milliseconds timeout, const std::string& groupName) {
-  c10::intrusive_ptr<c10d::Backend> cpu;
   const auto at = std::find(ranks.begin(), ranks.end(), rank());
   TPCOMM_CHECK(at != ranks.end(), kInvalidUsage, "rank ", rank(), " is not in the split ranks");
   // Every key of the child (its Gloo group's too) under its life's prefix:
   // nothing of a split made earlier under the same name reaches it.
-  const auto lifeStore = storeOfLife(store, agreeOnLife(store, static_cast<int>(at - ranks.begin()),
-                                                        static_cast<int>(ranks.size()), timeout));
-  auto cpuStore = c10::make_intrusive<c10d::PrefixStore>("cpu/", lifeStore);
-  GlooSockets sockets;
-  if (cpuFactory_) {
-    // A Gloo group on this group's network interface (the CPU backend
-    // factory's, with a device of its own), where Gloo's own split would
-    // bind its default one.
-    const int childRank = static_cast<int>(at - ranks.begin());
-    const int childSize = static_cast<int>(ranks.size());
-    cpu = cpuFactory_(cpuStore, childRank, childSize, timeout);
-    sockets = GlooSockets::ofGroup(cpuStore, childRank, childSize);
-  } else {
-    auto cpuOptions = c10::make_intrusive<c10d::Backend::Options>("gloo", timeout);
-    cpuOptions->group_name = groupName;
-    cpu = cpu_->split(cpuStore, ranks, cpuOptions);
-    sockets = GlooSockets::unknown("made by Gloo's own split, which shares its parent's device");
-  }
-  TPCOMM_CHECK(cpu, kInvalidUsage, "rank ", rank(), " is not in the split ranks");
-  GroupOptions options = options_;
-  options.rank = cpu->getRank();
-  options.size = cpu->getSize();
-  options.timeout = timeout;
-  options.groupName = groupName;
-  auto child = std::make_shared<GroupCoordinator>(options, lifeStore, cpu, deviceFactory_);
-  child->setCpuBackendFactory(cpuFactory_);
-  child->fault().addGlooSockets(sockets);
-  return child;
+  const int childRank = static_cast<int>(at - ranks.begin());
+  const int childSize = static_cast<int>(ranks.size());
+  const auto lifeStore = storeOfLife(store, agreeOnLife(store, childRank, childSize, timeout));
+  // Returned once every rank of the child made its part (group_life.hpp).
+  return makeTogether(lifeStore, childRank, childSize, timeout, [&] {
+    auto cpuStore = c10::make_intrusive<c10d::PrefixStore>("cpu/", lifeStore);
+    c10::intrusive_ptr<c10d::Backend> cpu;
+    GlooSockets sockets;
+    if (cpuFactory_) {
+      // A Gloo group on this group's network interface (the CPU backend
+      // factory's, with a device of its own), where Gloo's own split would
+      // bind its default one.
+      cpu = cpuFactory_(cpuStore, childRank, childSize, timeout);
+      sockets = GlooSockets::ofGroup(cpuStore, childRank, childSize);
+    } else {
+      auto cpuOptions = c10::make_intrusive<c10d::Backend::Options>("gloo", timeout);
+      cpuOptions->group_name = groupName;
+      cpu = cpu_->split(cpuStore, ranks, cpuOptions);
+      sockets = GlooSockets::unknown("made by Gloo's own split, which shares its parent's device");
+    }
+    TPCOMM_CHECK(cpu, kInvalidUsage, "rank ", rank(), " is not in the split ranks");
+    GroupOptions options = options_;
+    options.rank = cpu->getRank();
+    options.size = cpu->getSize();
+    options.timeout = timeout;
+    options.groupName = groupName;
+    auto child = std::make_shared<GroupCoordinator>(options, lifeStore, cpu, deviceFactory_);
+    child->setCpuBackendFactory(cpuFactory_);
+    child->fault().addGlooSockets(sockets);
+    return child;
+  });
 }
 
 }  // namespace tpcomm::coord

@@ -23,6 +23,12 @@ std::string readKey(const std::string& life) { return "tpcomm/life-read/" + life
 std::string doneKey(const std::string& life) { return "tpcomm/life-done/" + life; }
 // Kept (16 bytes per life): a rank may still be about to read it.
 std::string okKey(const std::string& life) { return "tpcomm/life-ok/" + life; }
+// The end of a making, under the life's prefix (group_life.hpp).
+const std::string kMadeCount = "tpcomm/made";
+const std::string kMadeAll = "tpcomm/made-all";
+const std::string kNotMade = "tpcomm/not-made";
+
+std::string firstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
 
 std::string randomLife() {
   std::random_device device;
@@ -117,6 +123,50 @@ std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
       if (now != life && now != kSpent + life) break;
     }
     life = now;
+  }
+}
+
+void finishMaking(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, int size,
+                  std::chrono::milliseconds timeout, const std::string& failure) {
+  if (size <= 1) return;
+  if (!failure.empty()) {
+    try {
+      const auto line = detail::concat("rank ", rank, ": ", firstLine(failure), "\n");
+      lifeStore->append(kNotMade, bytesOf(line));
+      lifeStore->set(kMadeAll, bytesOf("0"));
+    } catch (const std::exception&) {
+      // A store that went away: the peers' wait ends at their timeout,
+      // and this rank raises its own error.
+    }
+    return;
+  }
+  TPCOMM_CHECK(lifeStore, kInvalidUsage, "a group's making needs its store");
+  if (lifeStore->add(kMadeCount, 1) == size) lifeStore->set(kMadeAll, bytesOf("1"));
+  try {
+    lifeStore->wait({kMadeAll}, timeout);
+  } catch (const std::exception& e) {
+    std::string done = "?";
+    try {
+      done = std::to_string(lifeStore->add(kMadeCount, 0));
+    } catch (const std::exception&) {
+    }
+    TPCOMM_THROW(kTimeout, "rank ", rank, " waited ", timeout.count(),
+                 " ms for every rank to make its part of the group (", done, " of ", size,
+                 " did; store key '", kMadeAll, "'): ", firstLine(e.what()));
+  }
+  if (lifeStore->check({kNotMade})) {
+    const auto why = lifeStore->get(kNotMade);
+    // One line per rank whose part failed, joined with "; ".
+    std::string text;
+    for (size_t i = 0; i < why.size(); ++i) {
+      if (why[i] != '\n') {
+        text += static_cast<char>(why[i]);
+      } else if (i + 1 < why.size()) {
+        text += "; ";
+      }
+    }
+    TPCOMM_THROW(kPeerLost, "rank ", rank, " made its part of the group, but not every rank did: ",
+                 text);
   }
 }
 

@@ -22,6 +22,21 @@
 // the group's Gloo group, which no rank completes without it: so a rank
 // that asks for the next life (after it made this one) never takes this
 // life's id. Every wait is bounded by the group's timeout.
+//
+// A making ends together (finishMaking): no rank returns the group before
+// every rank's part of it is made. Gloo's side that opens a connection is
+// done once its bytes are sent, before the peer took the connection; a rank
+// that destroys a group it just made (a group made to read its settings,
+// vLLM's switch of routes) would close connections a slower peer is still
+// to take, and that peer's making fails ("Connection closed by peer") while
+// the others have gone on. A rank whose part fails says why in the store,
+// and every other rank raises it at once instead of waiting out the
+// timeout:
+//   each rank: adds 1 to "tpcomm/made" under the life's prefix (the last
+//             sets "tpcomm/made-all"), waits for "tpcomm/made-all", then
+//             raises what "tpcomm/not-made" holds, if anything;
+//   a rank whose part failed: appends "rank <r>: <why>" to
+//             "tpcomm/not-made", then sets "tpcomm/made-all".
 
 #include <chrono>
 #include <string>
@@ -35,6 +50,32 @@ namespace tpcomm::coord {
 // part within `timeout`.
 std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
                         std::chrono::milliseconds timeout);
+
+// The end of a making, on the life's store (storeOfLife): returns once every
+// rank of the group of `size` called it after making its part. Collective.
+// Throws kPeerLost naming each rank whose part failed and why, kTimeout
+// naming how many ranks finished when one did not come within `timeout`.
+// With a `failure` (this rank's part failed) it only says so to the others
+// and returns: the caller raises its own error. Never throws then.
+void finishMaking(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, int size,
+                  std::chrono::milliseconds timeout, const std::string& failure = {});
+
+// Runs `make` (this rank's part of a group: its Gloo group, its coordinator)
+// and ends the making together (finishMaking), reporting what `make` threw.
+template <typename Make>
+auto makeTogether(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, int size,
+                  std::chrono::milliseconds timeout, Make&& make) -> decltype(make()) {
+  auto made = [&] {
+    try {
+      return make();
+    } catch (const std::exception& e) {
+      finishMaking(lifeStore, rank, size, timeout, e.what());
+      throw;
+    }
+  }();
+  finishMaking(lifeStore, rank, size, timeout);
+  return made;
+}
 
 // `store` with every key under the life's prefix ("tpcomm-life-<life>/").
 c10::intrusive_ptr<c10d::Store> storeOfLife(const c10::intrusive_ptr<c10d::Store>& store,

@@ -336,6 +336,11 @@ tensors through the device backend (NCCL), created on first use.)")
         py::arg("timeout"), py::call_guard<py::gil_scoped_release>(),
         "Collective: the id every rank of a group being made agrees on, under which the "
         "group's store keys live (coordinator/group_life.hpp).");
+  m.def("_finish_making", &coord::finishMaking, py::arg("store"), py::arg("rank"),
+        py::arg("size"), py::arg("timeout"), py::arg("failure") = std::string(),
+        py::call_guard<py::gil_scoped_release>(),
+        "Collective: the end of a group's making on its life's store; returns once every rank "
+        "made its part, raises the failure a rank reported (coordinator/group_life.hpp).");
   m.def(
       "_fr_rename_internal", [] { backend::FlightRecord::get().renameInternal(); },
       "Renames the flight recorder's entries of tpcomm's own Gloo groups for torchfrtrace.");

@@ -83,29 +83,32 @@ c10::intrusive_ptr<c10d::Backend> makeBackend(const c10::intrusive_ptr<c10d::Sto
     auto groupStore = c10::make_intrusive<c10d::PrefixStore>(name + "/tpcomm/", store);
     const std::string life = coord::agreeOnLife(groupStore, rank, size, options.timeout);
     auto lifeStore = coord::storeOfLife(groupStore, life);
-    auto cpuStore = c10::make_intrusive<c10d::PrefixStore>("cpu/", lifeStore);
-    coord::BackendFactory gloo = cpp::glooFactory(lifeStore);
-    auto cpu = gloo(cpuStore, rank, size, options.timeout);
+    // Returned once every rank made its part (coordinator/group_life.hpp).
+    return coord::makeTogether(lifeStore, rank, size, options.timeout, [&] {
+      auto cpuStore = c10::make_intrusive<c10d::PrefixStore>("cpu/", lifeStore);
+      coord::BackendFactory gloo = cpp::glooFactory(lifeStore);
+      auto cpu = gloo(cpuStore, rank, size, options.timeout);
 
-    coord::GroupOptions group;
-    group.rank = rank;
-    group.size = size;
-    group.timeout = options.timeout;
-    group.groupName = name;
-    group.debugChecks = settings().debug;
-    auto coordinator =
-        std::make_shared<coord::GroupCoordinator>(group, lifeStore, cpu, cpp::ncclFactory());
-    coordinator->setCpuBackendFactory(gloo);
-    auto backend = c10::make_intrusive<backend::ProcessGroupTpcomm>(std::move(coordinator));
-    // The group's Gloo connections, told by the listening addresses its
-    // ranks left in the store, are shut down if the group breaks.
-    backend->coordinator().fault().addGlooSockets(
-        coord::GlooSockets::ofGroup(cpuStore, rank, size));
-    std::vector<uint64_t> globalRanks = options.globalRanks;
-    for (int r = 0; globalRanks.empty() && r < size; ++r) globalRanks.push_back(r);
-    backend->setGlobalRanks(std::move(globalRanks));
-    backend->setGroupDesc(name);
-    return backend;
+      coord::GroupOptions group;
+      group.rank = rank;
+      group.size = size;
+      group.timeout = options.timeout;
+      group.groupName = name;
+      group.debugChecks = settings().debug;
+      auto coordinator =
+          std::make_shared<coord::GroupCoordinator>(group, lifeStore, cpu, cpp::ncclFactory());
+      coordinator->setCpuBackendFactory(gloo);
+      auto backend = c10::make_intrusive<backend::ProcessGroupTpcomm>(std::move(coordinator));
+      // The group's Gloo connections, told by the listening addresses its
+      // ranks left in the store, are shut down if the group breaks.
+      backend->coordinator().fault().addGlooSockets(
+          coord::GlooSockets::ofGroup(cpuStore, rank, size));
+      std::vector<uint64_t> globalRanks = options.globalRanks;
+      for (int r = 0; globalRanks.empty() && r < size; ++r) globalRanks.push_back(r);
+      backend->setGlobalRanks(std::move(globalRanks));
+      backend->setGroupDesc(name);
+      return backend;
+    });
   });
 }
 

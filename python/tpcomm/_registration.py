@@ -44,19 +44,28 @@ def _create_backend(dist_opts, backend_options):
     # under the same name on the same store reaches it.
     life = _C._agree_on_life(dist_opts.store, rank, size, timeout)
     store = dist.PrefixStore(f"tpcomm-life-{life}", dist_opts.store)
-    make_devices = gloo_device_maker(store)
-    cpu_store = dist.PrefixStore("cpu/", store)
-    cpu = _gloo_factory(make_devices)(cpu_store, rank, size, timeout)
-    device_factory = _make_device_backend if dist.is_nccl_available() else None
-    pg = _C.ProcessGroupTpcomm(
-        store, rank, size, timeout, dist_opts.group_id or "", cpu, device_factory,
-        _gloo_factory(make_devices),
-    )
-    # The group's Gloo connections, told by the listening addresses its
-    # ranks exchanged there, are shut down if the group breaks (abort, a
-    # failure): the peers' Gloo calls then fail at once.
-    pg._set_gloo_store(cpu_store)
-    pg._set_global_ranks([int(r) for r in (dist_opts.global_ranks_in_group or range(size))])
+    try:
+        make_devices = gloo_device_maker(store)
+        cpu_store = dist.PrefixStore("cpu/", store)
+        cpu = _gloo_factory(make_devices)(cpu_store, rank, size, timeout)
+        device_factory = _make_device_backend if dist.is_nccl_available() else None
+        pg = _C.ProcessGroupTpcomm(
+            store, rank, size, timeout, dist_opts.group_id or "", cpu, device_factory,
+            _gloo_factory(make_devices),
+        )
+        # The group's Gloo connections, told by the listening addresses its
+        # ranks exchanged there, are shut down if the group breaks (abort, a
+        # failure): the peers' Gloo calls then fail at once.
+        pg._set_gloo_store(cpu_store)
+        pg._set_global_ranks([int(r) for r in (dist_opts.global_ranks_in_group or range(size))])
+    except Exception as e:
+        # Every other rank raises it at once instead of waiting out the timeout.
+        _C._finish_making(store, rank, size, timeout, f"{type(e).__name__}: {e}")
+        raise
+    # Returned once every rank made its part: a rank that destroys the group
+    # at once would otherwise close Gloo connections a slower peer is still
+    # to take, failing that peer's making (coordinator/group_life.hpp).
+    _C._finish_making(store, rank, size, timeout)
     return pg
 
 

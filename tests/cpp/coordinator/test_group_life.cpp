@@ -1,15 +1,20 @@
 // A group's life (coordinator/group_life.hpp): the ranks of one making of a
 // group agree on one id, every making gets another, and an id a dead rank 0
-// left behind is dropped. Ranks are threads over one in-memory store.
+// left behind is dropped; a making ends together, and a rank whose part
+// failed is named by every other. Ranks are threads over one in-memory store.
 #include <gtest/gtest.h>
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 
+#include <atomic>
+#include <chrono>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "coordinator/common/error.hpp"
 #include "coordinator/group_life.hpp"
 
 namespace tpcomm {
@@ -71,6 +76,110 @@ TEST(GroupLife, ARankZeroThatNeverComesIsATimeoutNamingIt) {
     EXPECT_NE(std::string(e.what()).find("rank 1 waited 200 ms for rank 0 to make the group"),
               std::string::npos)
         << e.what();
+  }
+}
+
+using Clock = std::chrono::steady_clock;
+
+TEST(GroupLife, AMakingEndsWhenTheLastRankMadeItsPart) {
+  auto store = coord::storeOfLife(c10::make_intrusive<c10d::HashStore>(), "0123456789abcdef");
+  constexpr int kSize = 3;
+  std::vector<Clock::time_point> returned(kSize);
+  Clock::time_point lastCame;
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kSize; ++r) {
+    ranks.emplace_back([&, r] {
+      if (r == kSize - 1) {
+        std::this_thread::sleep_for(300ms);
+        lastCame = Clock::now();
+      }
+      coord::finishMaking(store, r, kSize, 20s);
+      returned[r] = Clock::now();
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < kSize; ++r) {
+    EXPECT_GE(returned[r], lastCame) << "rank " << r << " returned before the last rank came";
+  }
+  // Alone, a rank never waits.
+  coord::finishMaking(c10::make_intrusive<c10d::HashStore>(), 0, 1, 1ms);
+}
+
+TEST(GroupLife, APartThatFailedIsRaisedAtOnceByEveryOtherRank) {
+  auto store = coord::storeOfLife(c10::make_intrusive<c10d::HashStore>(), "0123456789abcdef");
+  constexpr int kSize = 4;
+  std::vector<std::string> errors(kSize);
+  std::vector<ErrorCode> codes(kSize, ErrorCode::kInvalidUsage);
+  std::atomic<int> threw{0};
+  const auto start = Clock::now();
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < kSize; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        auto made = coord::makeTogether(store, r, kSize, 20s, [&] {
+          if (r == 1) throw std::runtime_error("connect failed\nException raised from frame #0");
+          if (r == 3) std::this_thread::sleep_for(100ms);  // comes after the failure
+          return r * 10;
+        });
+        errors[r] = "made " + std::to_string(made);
+      } catch (const Error& e) {
+        errors[r] = e.what();
+        codes[r] = e.code();
+        ++threw;
+      } catch (const std::runtime_error& e) {
+        errors[r] = std::string("own: ") + e.what();
+        ++threw;
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  EXPECT_LT(Clock::now() - start, 5s) << "the ranks waited out the timeout";
+  EXPECT_EQ(threw.load(), kSize);
+  EXPECT_EQ(errors[1].rfind("own: connect failed", 0), 0u) << errors[1];
+  for (int r : {0, 2, 3}) {
+    EXPECT_EQ(codes[r], ErrorCode::kPeerLost) << errors[r];
+    EXPECT_NE(errors[r].find("rank " + std::to_string(r) +
+                             " made its part of the group, but not every rank did: "
+                             "rank 1: connect failed"),
+              std::string::npos)
+        << errors[r];
+    EXPECT_EQ(errors[r].find("frame #0"), std::string::npos) << "only the first line: " << errors[r];
+  }
+}
+
+TEST(GroupLife, EveryFailedPartIsNamed) {
+  auto store = coord::storeOfLife(c10::make_intrusive<c10d::HashStore>(), "0123456789abcdef");
+  coord::finishMaking(store, 0, 3, 20s, "no listener");
+  coord::finishMaking(store, 2, 3, 20s, "refused");
+  try {
+    coord::finishMaking(store, 1, 3, 20s);
+    FAIL() << "a failed making went through";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 0: no listener; rank 2: refused"), std::string::npos)
+        << e.what();
+  }
+}
+
+TEST(GroupLife, ARankThatNeverFinishesIsATimeoutSayingHowManyDid) {
+  auto store = coord::storeOfLife(c10::make_intrusive<c10d::HashStore>(), "0123456789abcdef");
+  std::vector<std::string> errors(2);
+  std::vector<std::thread> ranks;
+  for (int r = 0; r < 2; ++r) {
+    ranks.emplace_back([&, r] {
+      try {
+        coord::finishMaking(store, r, 3, 300ms);
+      } catch (const Error& e) {
+        if (e.code() == ErrorCode::kTimeout) errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : ranks) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_NE(errors[r].find("rank " + std::to_string(r) +
+                             " waited 300 ms for every rank to make its part of the group "
+                             "(2 of 3 did"),
+              std::string::npos)
+        << errors[r];
   }
 }
 
