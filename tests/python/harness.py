@@ -58,6 +58,12 @@ def _worker(rank, world_size, port, env, pg_timeout_s, conn, paths, before_impor
             getattr(importlib.import_module(module), name)()
         import tpcomm  # noqa: F401  (registers the backend)
 
+        # Every rank joins once every rank is ready to: the imports take
+        # seconds on a loaded machine, and a short group timeout (a test of
+        # timeouts) must not run out on one rank's slow start.
+        conn.send(("imported", None))
+        if conn.recv() != "go":
+            return
         torch.manual_seed(1234 + rank)
         dist.init_process_group(
             "tpcomm",
@@ -107,6 +113,9 @@ class Group:
             p.start()
             self._conns.append(parent)
             self._procs.append(p)
+        self._collect("import", start_timeout_s)
+        for conn in self._conns:
+            conn.send("go")
         self._collect("start", start_timeout_s)
 
     def _collect(self, what, timeout_s, grace_s=15):
