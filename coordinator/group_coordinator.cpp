@@ -547,10 +547,11 @@ std::shared_ptr<GroupCoordinator> GroupCoordinator::split(
   const int childRank = static_cast<int>(at - ranks.begin());
   const int childSize = static_cast<int>(ranks.size());
   const auto lifeStore = storeOfLife(store, agreeOnLife(store, childRank, childSize, timeout));
-  // Returned once every rank of the child made its part (group_life.hpp).
+  // Returned once every rank of the child made its part; the Gloo group
+  // outlives a failure until every rank ended the making (group_life.hpp).
+  c10::intrusive_ptr<c10d::Backend> cpu;
   return makeTogether(lifeStore, childRank, childSize, timeout, [&] {
     auto cpuStore = c10::make_intrusive<c10d::PrefixStore>("cpu/", lifeStore);
-    c10::intrusive_ptr<c10d::Backend> cpu;
     GlooSockets sockets;
     if (cpuFactory_) {
       // A Gloo group on this group's network interface (the CPU backend

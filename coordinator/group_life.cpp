@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -27,6 +28,7 @@ std::string okKey(const std::string& life) { return "tpcomm/life-ok/" + life; }
 const std::string kMadeCount = "tpcomm/made";
 const std::string kMadeAll = "tpcomm/made-all";
 const std::string kNotMade = "tpcomm/not-made";
+const std::string kEnded = "tpcomm/made-or-failed";
 
 std::string firstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
 
@@ -126,21 +128,59 @@ std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
   }
 }
 
+namespace {
+
+// Waits, without raising, until every rank of the group ended its making
+// (made its part or failed it) or `deadline` passes: a rank whose making
+// failed keeps its part (its Gloo group) until then, so that a peer still
+// in Gloo's rendezvous never finds a connection closed under it.
+void waitUntilEveryRankEnded(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size,
+                             std::chrono::steady_clock::time_point deadline) {
+  auto pause = std::chrono::milliseconds(1);
+  try {
+    while (lifeStore->add(kEnded, 0) < size && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(50));
+    }
+  } catch (const std::exception&) {
+    // A store that went away: no rank can end through it any more.
+  }
+}
+
+std::string joinedLines(const std::vector<uint8_t>& bytes) {
+  std::string text;
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    if (bytes[i] != '\n') {
+      text += static_cast<char>(bytes[i]);
+    } else if (i + 1 < bytes.size()) {
+      text += "; ";
+    }
+  }
+  return text;
+}
+
+}  // namespace
+
 void finishMaking(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, int size,
-                  std::chrono::milliseconds timeout, const std::string& failure) {
+                  std::chrono::milliseconds timeout, const std::optional<std::string>& failure) {
   if (size <= 1) return;
-  if (!failure.empty()) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  if (failure) {
     try {
-      const auto line = detail::concat("rank ", rank, ": ", firstLine(failure), "\n");
-      lifeStore->append(kNotMade, bytesOf(line));
+      const std::string why = failure->empty() ? "(an error without a message)" : *failure;
+      lifeStore->append(kNotMade, bytesOf(detail::concat("rank ", rank, ": ", firstLine(why), "\n")));
       lifeStore->set(kMadeAll, bytesOf("0"));
+      lifeStore->add(kEnded, 1);
     } catch (const std::exception&) {
       // A store that went away: the peers' wait ends at their timeout,
       // and this rank raises its own error.
+      return;
     }
+    waitUntilEveryRankEnded(lifeStore, size, deadline);
     return;
   }
   TPCOMM_CHECK(lifeStore, kInvalidUsage, "a group's making needs its store");
+  lifeStore->add(kEnded, 1);
   if (lifeStore->add(kMadeCount, 1) == size) lifeStore->set(kMadeAll, bytesOf("1"));
   try {
     lifeStore->wait({kMadeAll}, timeout);
@@ -148,6 +188,11 @@ void finishMaking(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
     std::string done = "?";
     try {
       done = std::to_string(lifeStore->add(kMadeCount, 0));
+      // A rank that comes later raises this instead of returning a group
+      // without this one; the others still waiting raise it at once.
+      lifeStore->append(kNotMade, bytesOf(detail::concat("rank ", rank, ": gave up after ",
+                                                         timeout.count(), " ms\n")));
+      lifeStore->set(kMadeAll, bytesOf("0"));
     } catch (const std::exception&) {
     }
     TPCOMM_THROW(kTimeout, "rank ", rank, " waited ", timeout.count(),
@@ -155,16 +200,8 @@ void finishMaking(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
                  " did; store key '", kMadeAll, "'): ", firstLine(e.what()));
   }
   if (lifeStore->check({kNotMade})) {
-    const auto why = lifeStore->get(kNotMade);
-    // One line per rank whose part failed, joined with "; ".
-    std::string text;
-    for (size_t i = 0; i < why.size(); ++i) {
-      if (why[i] != '\n') {
-        text += static_cast<char>(why[i]);
-      } else if (i + 1 < why.size()) {
-        text += "; ";
-      }
-    }
+    const std::string text = joinedLines(lifeStore->get(kNotMade));
+    waitUntilEveryRankEnded(lifeStore, size, deadline);
     TPCOMM_THROW(kPeerLost, "rank ", rank, " made its part of the group, but not every rank did: ",
                  text);
   }

@@ -26,19 +26,27 @@
 // A making ends together (finishMaking): no rank returns the group before
 // every rank's part of it is made. Gloo's side that opens a connection is
 // done once its bytes are sent, before the peer took the connection; a rank
-// that destroys a group it just made (a group made to read its settings,
-// vLLM's switch of routes) would close connections a slower peer is still
-// to take, and that peer's making fails ("Connection closed by peer") while
-// the others have gone on. A rank whose part fails says why in the store,
-// and every other rank raises it at once instead of waiting out the
-// timeout:
-//   each rank: adds 1 to "tpcomm/made" under the life's prefix (the last
-//             sets "tpcomm/made-all"), waits for "tpcomm/made-all", then
-//             raises what "tpcomm/not-made" holds, if anything;
-//   a rank whose part failed: appends "rank <r>: <why>" to
-//             "tpcomm/not-made", then sets "tpcomm/made-all".
+// that destroys a group it just made (a group made and dropped at once, as
+// vLLM's switch of routes does) would close connections a slower peer is
+// still to take, and that peer's making fails ("Connection closed by peer")
+// while the others have gone on. A rank whose part fails says why in the
+// store, and every other rank past its Gloo rendezvous raises it at once
+// instead of waiting out the timeout. Under the life's prefix:
+//   each rank: adds 1 to "tpcomm/made-or-failed" and to "tpcomm/made" (the
+//             last to "made" sets "tpcomm/made-all"), waits for
+//             "tpcomm/made-all", then raises what "tpcomm/not-made" holds,
+//             if anything; one whose wait runs out appends "gave up" there
+//             and sets "tpcomm/made-all" (a later rank raises it too);
+//   a rank whose part failed: appends "rank <r>: <why>" to "tpcomm/not-made",
+//             sets "tpcomm/made-all", adds 1 to "tpcomm/made-or-failed".
+// When the making failed, a rank raises only once every rank ended it
+// ("tpcomm/made-or-failed" at the group's size, within the timeout),
+// keeping its Gloo group until then: no peer still in Gloo's rendezvous
+// loses a connection under it. A making thus waits up to three timeouts
+// (the life, Gloo's rendezvous, the end), each bounded.
 
 #include <chrono>
+#include <optional>
 #include <string>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -55,13 +63,18 @@ std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
 // rank of the group of `size` called it after making its part. Collective.
 // Throws kPeerLost naming each rank whose part failed and why, kTimeout
 // naming how many ranks finished when one did not come within `timeout`.
-// With a `failure` (this rank's part failed) it only says so to the others
-// and returns: the caller raises its own error. Never throws then.
+// With a `failure` (this rank's part failed) it says so to the others, waits
+// (bounded) until every rank ended its making, and returns: the caller
+// raises its own error, and keeps what it made of its part (its Gloo group)
+// alive until then. Never throws then.
 void finishMaking(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, int size,
-                  std::chrono::milliseconds timeout, const std::string& failure = {});
+                  std::chrono::milliseconds timeout,
+                  const std::optional<std::string>& failure = std::nullopt);
 
 // Runs `make` (this rank's part of a group: its Gloo group, its coordinator)
 // and ends the making together (finishMaking), reporting what `make` threw.
+// `make` assigns its Gloo group to a variable of the caller's, so that the
+// group outlives a throw until every rank ended the making.
 template <typename Make>
 auto makeTogether(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, int size,
                   std::chrono::milliseconds timeout, Make&& make) -> decltype(make()) {
@@ -69,7 +82,11 @@ auto makeTogether(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
     try {
       return make();
     } catch (const std::exception& e) {
-      finishMaking(lifeStore, rank, size, timeout, e.what());
+      finishMaking(lifeStore, rank, size, timeout, std::string(e.what()));
+      throw;
+    } catch (...) {
+      finishMaking(lifeStore, rank, size, timeout,
+                   std::string("an exception that is not a std::exception"));
       throw;
     }
   }();

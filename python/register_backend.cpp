@@ -337,7 +337,7 @@ tensors through the device backend (NCCL), created on first use.)")
         "Collective: the id every rank of a group being made agrees on, under which the "
         "group's store keys live (coordinator/group_life.hpp).");
   m.def("_finish_making", &coord::finishMaking, py::arg("store"), py::arg("rank"),
-        py::arg("size"), py::arg("timeout"), py::arg("failure") = std::string(),
+        py::arg("size"), py::arg("timeout"), py::arg("failure") = py::none(),
         py::call_guard<py::gil_scoped_release>(),
         "Collective: the end of a group's making on its life's store; returns once every rank "
         "made its part, raises the failure a rank reported (coordinator/group_life.hpp).");

@@ -83,11 +83,13 @@ c10::intrusive_ptr<c10d::Backend> makeBackend(const c10::intrusive_ptr<c10d::Sto
     auto groupStore = c10::make_intrusive<c10d::PrefixStore>(name + "/tpcomm/", store);
     const std::string life = coord::agreeOnLife(groupStore, rank, size, options.timeout);
     auto lifeStore = coord::storeOfLife(groupStore, life);
-    // Returned once every rank made its part (coordinator/group_life.hpp).
+    // Returned once every rank made its part; the Gloo group outlives a
+    // failure until every rank ended the making (coordinator/group_life.hpp).
+    c10::intrusive_ptr<c10d::Backend> cpu;
     return coord::makeTogether(lifeStore, rank, size, options.timeout, [&] {
       auto cpuStore = c10::make_intrusive<c10d::PrefixStore>("cpu/", lifeStore);
       coord::BackendFactory gloo = cpp::glooFactory(lifeStore);
-      auto cpu = gloo(cpuStore, rank, size, options.timeout);
+      cpu = gloo(cpuStore, rank, size, options.timeout);
 
       coord::GroupOptions group;
       group.rank = rank;

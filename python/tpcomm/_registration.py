@@ -59,7 +59,9 @@ def _create_backend(dist_opts, backend_options):
         pg._set_gloo_store(cpu_store)
         pg._set_global_ranks([int(r) for r in (dist_opts.global_ranks_in_group or range(size))])
     except Exception as e:
-        # Every other rank raises it at once instead of waiting out the timeout.
+        # Every other rank raises it at once instead of waiting out the
+        # timeout; this rank's Gloo group (`cpu`, if made) stays open until
+        # every rank ended the making.
         _C._finish_making(store, rank, size, timeout, f"{type(e).__name__}: {e}")
         raise
     # Returned once every rank made its part: a rank that destroys the group

@@ -113,10 +113,15 @@ class Group:
             p.start()
             self._conns.append(parent)
             self._procs.append(p)
-        self._collect("import", start_timeout_s)
-        for conn in self._conns:
-            conn.send("go")
-        self._collect("start", start_timeout_s)
+        try:
+            self._collect("import", start_timeout_s)
+            for conn in self._conns:
+                conn.send("go")
+            self._collect("start", start_timeout_s)
+        except RankFailure:
+            # The ranks that answered wait for "go" or in the group: none is left.
+            self.close(kill=True)
+            raise
 
     def _collect(self, what, timeout_s, grace_s=15):
         """Every rank's answer, in rank order. A rank that fails is reported

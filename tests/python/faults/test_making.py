@@ -107,13 +107,16 @@ class _Injected(RuntimeError):
 
 
 def _one_part_fails(ctx, failing):
-    def wrap(make):
-        def failing_make(store, rank, size, timeout):
-            make(store, rank, size, timeout)  # its Gloo group is made...
-            raise _Injected("injected failure after the Gloo group")  # ...the rest is not
-        return failing_make
+    """Rank `failing` makes its Gloo group, then its coordinator fails."""
+    from tpcomm import _C
 
-    restore = _patched_gloo(ctx, failing, wrap)
+    original = _C.ProcessGroupTpcomm
+
+    def failing_coordinator(*args, **kwargs):
+        raise _Injected("injected failure after the Gloo group")
+
+    if ctx.rank == failing:
+        _C.ProcessGroupTpcomm = failing_coordinator
     start = time.monotonic()
     try:
         dist.new_group(list(range(ctx.world_size)), backend="tpcomm",
@@ -122,7 +125,7 @@ def _one_part_fails(ctx, failing):
     except Exception as e:  # noqa: BLE001 - the message is what is checked
         error = f"{type(e).__name__}: {e}"
     finally:
-        restore()
+        _C.ProcessGroupTpcomm = original
     took = time.monotonic() - start
     x = torch.full((3,), float(ctx.rank + 1))
     dist.all_reduce(x)
