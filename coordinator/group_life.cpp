@@ -167,10 +167,13 @@ void finishMaking(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   if (failure) {
     try {
+      lifeStore->add(kEnded, 1);
+    } catch (const std::exception&) {
+    }
+    try {
       const std::string why = failure->empty() ? "(an error without a message)" : *failure;
       lifeStore->append(kNotMade, bytesOf(detail::concat("rank ", rank, ": ", firstLine(why), "\n")));
       lifeStore->set(kMadeAll, bytesOf("0"));
-      lifeStore->add(kEnded, 1);
     } catch (const std::exception&) {
       // A store that went away: the peers' wait ends at their timeout,
       // and this rank raises its own error.
@@ -185,19 +188,30 @@ void finishMaking(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
   try {
     lifeStore->wait({kMadeAll}, timeout);
   } catch (const std::exception& e) {
-    std::string done = "?";
+    // Decided on the counter itself, atomically: adding more than the size
+    // either finds every rank made its part (the making finished as the
+    // wait ran out: go on as made) or makes the count unreachable, so that
+    // no rank that comes later can end the making as made.
+    int64_t before = -1;
     try {
-      done = std::to_string(lifeStore->add(kMadeCount, 0));
-      // A rank that comes later raises this instead of returning a group
-      // without this one; the others still waiting raise it at once.
-      lifeStore->append(kNotMade, bytesOf(detail::concat("rank ", rank, ": gave up after ",
-                                                         timeout.count(), " ms\n")));
-      lifeStore->set(kMadeAll, bytesOf("0"));
+      before = lifeStore->add(kMadeCount, size + 1) - (size + 1);
     } catch (const std::exception&) {
     }
-    TPCOMM_THROW(kTimeout, "rank ", rank, " waited ", timeout.count(),
-                 " ms for every rank to make its part of the group (", done, " of ", size,
-                 " did; store key '", kMadeAll, "'): ", firstLine(e.what()));
+    if (before != size) {
+      try {
+        // A rank that comes later raises this instead of returning a group
+        // without this one; the others still waiting raise it at once.
+        lifeStore->append(kNotMade, bytesOf(detail::concat("rank ", rank, ": gave up after ",
+                                                           timeout.count(), " ms\n")));
+        lifeStore->set(kMadeAll, bytesOf("0"));
+      } catch (const std::exception&) {
+      }
+      // Each rank that gave up before added size + 1: what is left made its part.
+      const std::string done = before < 0 ? std::string("?") : std::to_string(before % (size + 1));
+      TPCOMM_THROW(kTimeout, "rank ", rank, " waited ", timeout.count(),
+                   " ms for every rank to make its part of the group (", done, " of ", size,
+                   " did; store key '", kMadeAll, "'): ", firstLine(e.what()));
+    }
   }
   if (lifeStore->check({kNotMade})) {
     const std::string text = joinedLines(lifeStore->get(kNotMade));

@@ -35,8 +35,11 @@
 //   each rank: adds 1 to "tpcomm/made-or-failed" and to "tpcomm/made" (the
 //             last to "made" sets "tpcomm/made-all"), waits for
 //             "tpcomm/made-all", then raises what "tpcomm/not-made" holds,
-//             if anything; one whose wait runs out appends "gave up" there
-//             and sets "tpcomm/made-all" (a later rank raises it too);
+//             if anything; one whose wait runs out adds size + 1 to
+//             "tpcomm/made": if that finds every rank made its part, it
+//             goes on as made, else no rank can end the making as made any
+//             more, and it appends "gave up" to "tpcomm/not-made" and sets
+//             "tpcomm/made-all" (the others, later ones too, raise it);
 //   a rank whose part failed: appends "rank <r>: <why>" to "tpcomm/not-made",
 //             sets "tpcomm/made-all", adds 1 to "tpcomm/made-or-failed".
 // When the making failed, a rank raises only once every rank ended it

@@ -58,7 +58,7 @@ def _create_backend(dist_opts, backend_options):
         # failure): the peers' Gloo calls then fail at once.
         pg._set_gloo_store(cpu_store)
         pg._set_global_ranks([int(r) for r in (dist_opts.global_ranks_in_group or range(size))])
-    except Exception as e:
+    except BaseException as e:  # an interrupt too: the making failed on this rank
         # Every other rank raises it at once instead of waiting out the
         # timeout; this rank's Gloo group (`cpu`, if made) stays open until
         # every rank ended the making.

@@ -224,5 +224,28 @@ TEST(GroupLife, ARankThatNeverFinishesIsATimeoutThatALaterRankRaisesToo) {
   }
 }
 
+TEST(GroupLife, AWaitThatRunsOutAsTheLastRankCameEndsAsMade) {
+  // The last rank added its 1 but had not yet said so ("tpcomm/made-all")
+  // when this rank's wait ran out: the count decides, and the group is made
+  // on both, never made on one and refused on the other.
+  auto store = coord::storeOfLife(c10::make_intrusive<c10d::HashStore>(), "0123456789abcdef");
+  std::string error = "not returned";
+  std::thread rank0([&] {
+    try {
+      coord::finishMaking(store, 0, 2, 1s);
+      error.clear();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  std::this_thread::sleep_for(50ms);
+  store->add("tpcomm/made-or-failed", 1);
+  store->add("tpcomm/made", 1);  // rank 1, descheduled before it set the end
+  rank0.join();
+  EXPECT_EQ(error, "");
+  EXPECT_FALSE(store->check({"tpcomm/not-made"}));
+  EXPECT_FALSE(store->check({"tpcomm/made-all"})) << "rank 0 was not the one to end it";
+}
+
 }  // namespace
 }  // namespace tpcomm

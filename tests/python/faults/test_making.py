@@ -107,7 +107,9 @@ class _Injected(RuntimeError):
 
 
 def _one_part_fails(ctx, failing):
-    """Rank `failing` makes its Gloo group, then its coordinator fails."""
+    """Rank `failing` makes its Gloo group, then its coordinator fails, while
+    rank 0's Gloo reads come a second late: the failing rank must keep its
+    Gloo group until rank 0 took its connections."""
     from tpcomm import _C
 
     original = _C.ProcessGroupTpcomm
@@ -117,6 +119,8 @@ def _one_part_fails(ctx, failing):
 
     if ctx.rank == failing:
         _C.ProcessGroupTpcomm = failing_coordinator
+    restore = _patched_gloo(ctx, 0, lambda make: (
+        lambda store, rank, size, timeout: make(_LateReads(store, DELAY_S), rank, size, timeout)))
     start = time.monotonic()
     try:
         dist.new_group(list(range(ctx.world_size)), backend="tpcomm",
@@ -126,6 +130,7 @@ def _one_part_fails(ctx, failing):
         error = f"{type(e).__name__}: {e}"
     finally:
         _C.ProcessGroupTpcomm = original
+        restore()
     took = time.monotonic() - start
     x = torch.full((3,), float(ctx.rank + 1))
     dist.all_reduce(x)
