@@ -212,7 +212,7 @@ class GroupCoordinator {
     bool yields = true;        // whether they yield the core while polling
     int threads = 1;           // threads per rank for large calls (set up only)
     uint64_t bufferBytes = 0;  // the chunk in force (set up only)
-    // Where each rank of the group runs and keeps its halves (set up on one
+    // Where each rank of the group runs and keeps its slots (set up on one
     // host only), and the NUMA nodes with memory this machine has.
     std::vector<RankShare> ranks;
     int numaNodes = 1;

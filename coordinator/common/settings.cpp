@@ -106,14 +106,20 @@ const std::vector<SettingInfo> kSettingTable = {
      "(smaller ones: the hosts' leaders alone). Set-up takes the smallest value of any rank."},
     {"TPCOMM_CPU_SHM_SPIN_US", "int", "-1",
      "How long a shared-memory CPU collective polls for its peers before it sleeps on a futex. "
-     "-1: 1000 us without yielding the core when each of the group's ranks on a host can have "
-     "a CPU of its own among those its affinity mask allows (capped by a cgroup quota: ranks "
-     "pinned to cores of their own do; a late peer is met without a wake-up), else "
-     "50 us yielding the core each round."},
+     "-1: 1000 us when each of the group's ranks on a host can have a CPU of its own among "
+     "those its affinity mask allows (capped by a cgroup quota: ranks pinned to cores of their "
+     "own do; a late peer is met without a wake-up), else 50 us."},
+    {"TPCOMM_CPU_SHM_YIELD", "bool", "1",
+     "Whether a shared-memory CPU collective's wait yields its core between polls (after the "
+     "first few microseconds): 1: always, so that processes sharing the rank's CPU (a "
+     "server's API process, its scheduler) run while it waits, at the cost of a system call "
+     "a poll where nothing else is runnable; 0: only when the group's ranks outnumber their "
+     "CPUs (each rank on a core of its own that nothing else uses)."},
     {"TPCOMM_CPU_SHM_THREADS", "int", "0",
      "Threads per rank (its own included) that split the copies and reductions of large "
-     "shared-memory CPU collectives, each part moving at least 512 KiB (read + written); smaller "
-     "calls use one. 0: the "
+     "shared-memory CPU collectives: a chunk with at least 256 KiB a thread is split in one part a "
+     "thread for each of its phases (copy in, reduce, copy out), a smaller one in a part per "
+     "256 KiB; smaller calls use one. 0: the "
      "rank's share of the CPUs its group's ranks may use (their affinity masks, exchanged at "
      "set-up: CPUs of its own, plus an equal part of those it shares with other ranks), at most "
      "8, capped by a cgroup quota divided among the ranks. Results do not depend on it."},
@@ -262,6 +268,7 @@ Settings Settings::parse(const Lookup& lookup) {
   if (auto v = lookup("TPCOMM_CPU_SHM_SPIN_US")) {
     s.cpuShmSpinUs = parseInt("TPCOMM_CPU_SHM_SPIN_US", *v, -1, 1000000);
   }
+  if (auto v = lookup("TPCOMM_CPU_SHM_YIELD")) s.cpuShmYield = parseBool("TPCOMM_CPU_SHM_YIELD", *v);
   if (auto v = lookup("TPCOMM_CPU_SHM_THREADS")) {
     s.cpuShmThreads = parseInt("TPCOMM_CPU_SHM_THREADS", *v, 0, 64);
   }

@@ -71,7 +71,7 @@ struct Settings {
   // "auto" (where every rank agrees and set-up works, else Gloo), "0" (never),
   // "1" (like auto, but a failed set-up on a group is an error).
   std::string cpuShm = "auto";
-  // TPCOMM_CPU_SHM_BUFFER_BYTES: each rank's chunk buffer (twice this per
+  // TPCOMM_CPU_SHM_BUFFER_BYTES: each rank's chunk slot (two of them per
   // rank); larger calls stream through it in chunks. 0: 256 KiB per worker
   // thread (coordinator/cpu/cpu_shm_path.hpp).
   int64_t cpuShmBufferBytes = 0;
@@ -88,6 +88,9 @@ struct Settings {
   // TPCOMM_CPU_SHM_SPIN_US: how long a shared-memory wait polls before it
   // sleeps on a futex (-1: by the group, see cpu_shm_path.hpp's spinPolicy).
   int64_t cpuShmSpinUs = -1;
+  // TPCOMM_CPU_SHM_YIELD: whether that wait yields its core between polls
+  // also when each rank has a CPU of its own (spinPolicy).
+  bool cpuShmYield = true;
   // TPCOMM_CPU_SHM_THREADS: threads per rank that split large copies and
   // reductions (0: the rank's share of the CPUs, cpu_placement.hpp).
   int64_t cpuShmThreads = 0;

@@ -20,7 +20,7 @@
 //      a CPU of its share (none to the CPU its own thread is pinned to), so
 //      no worker polls on another rank's CPU;
 //   4. its node: the node most of its share lies on (its list's first CPU's
-//      when its share is empty); its halves of the region are bound there.
+//      when its share is empty); its slots of the region are bound there.
 
 #include <cstdint>
 #include <string>

@@ -117,11 +117,11 @@ std::vector<int> cpusOf(const std::string& mask) {
 
 }  // namespace
 
-SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus) {
+SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus, bool yieldWhenFree) {
   const bool oversubscribed = size > (cpus > 0 ? cpus : usableCpus());
-  if (spinUs >= 0) return {std::chrono::microseconds(spinUs), oversubscribed};
-  if (oversubscribed) return {std::chrono::microseconds(50), true};
-  return {std::chrono::microseconds(1000), false};
+  const bool yield = oversubscribed || yieldWhenFree;
+  if (spinUs >= 0) return {std::chrono::microseconds(spinUs), yield};
+  return {std::chrono::microseconds(oversubscribed ? 50 : 1000), yield};
 }
 
 mq::ReduceIsa reduceIsaOf(const std::string& setting) {
@@ -138,6 +138,7 @@ CpuShmConfig CpuShmConfig::fromSettings() {
   c.bufferBytes = settings().cpuShmBufferBytes;
   c.twoPhaseBytes = settings().cpuShmTwoPhaseBytes;
   c.spinUs = settings().cpuShmSpinUs;
+  c.yield = settings().cpuShmYield;
   c.reduceIsa = settings().cpuReduceIsa;
   c.threads = settings().cpuShmThreads;
   c.workerSpinUs = settings().cpuShmWorkerSpinUs;
@@ -246,7 +247,7 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   int groupCpus = machineShared ? usableCpus() : ranksWithOwnCpu(allowed);
   if (const int quota = quotaCpus(); quota > 0) groupCpus = std::min(groupCpus, quota);
   result.cpus = std::max(1, groupCpus);
-  const SpinPolicy policy = spinPolicy(config.spinUs, sharing, result.cpus);
+  const SpinPolicy policy = spinPolicy(config.spinUs, sharing, result.cpus, config.yield);
   options.spin = policy.spin;
   options.yield = policy.yield;
   options.reduceIsa = static_cast<mq::ReduceIsa>(std::max<int64_t>(0, isaLevel));
@@ -298,7 +299,7 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
 
   // Round 3: did everyone map it? Also the point after which rank 0 may
   // close its descriptor (the mapping stays), and where each rank's threads
-  // and halves went.
+  // and slots went.
   Record outcome;
   outcome.put(failure, kMessageWidth);
   outcome.put(group ? group->memoryBinding() : -1).put(group ? group->pinnedWorkers() : 0);

@@ -45,6 +45,7 @@ struct CpuShmConfig {
   int64_t bufferBytes = 0;  // TPCOMM_CPU_SHM_BUFFER_BYTES (0: kAutoBufferBytesPerThread x threads)
   int64_t twoPhaseBytes = 16 << 10;
   int64_t spinUs = -1;               // -1: spinPolicy's choice
+  bool yield = true;                 // TPCOMM_CPU_SHM_YIELD
   std::string reduceIsa = "auto";    // TPCOMM_CPU_REDUCE_ISA
   int64_t threads = 0;               // TPCOMM_CPU_SHM_THREADS (0: the rank's share)
   // TPCOMM_CPU_SHM_WORKER_SPIN_US: how long workers pinned to CPUs of their
@@ -66,7 +67,7 @@ struct RankShare {
   int node = 0;         // its NUMA node
   int threads = 1;
   int pinnedWorkers = 0;  // worker threads pinned to its share
-  std::string memory;     // where its halves went: "bound to node 0", "first touch (...)"
+  std::string memory;     // where its slots went: "bound to node 0", "first touch (...)"
 };
 
 struct CpuShmSetup {
@@ -83,7 +84,7 @@ struct CpuShmSetup {
   // their affinity masks allow (capped by a cgroup quota): spinPolicy's
   // `cpus`; the ranks outnumber it when some must share a CPU.
   int cpus = 0;
-  // Where every rank runs and keeps its halves (set up only).
+  // Where every rank runs and keeps its slots (set up only).
   std::vector<RankShare> ranks;
 };
 
@@ -98,17 +99,20 @@ mq::ReduceIsa reduceIsaOf(const std::string& setting);
 
 // How a group of `size` ranks on this host waits for its peers: polling
 // `spin` (then sleeping), yielding the core each round or not. spinUs -1:
-// 1000 us without yielding when the ranks do not outnumber `cpus` (the CPUs
-// they may run on together; 0: this process's usableCpus()),
-// so that a peer up to about 1 ms late is met without a sleep and a wake-up
-// (measured: python -m tpcomm.bench cpu --late); else 50 us, yielding, so
-// that oversubscribed ranks progress. Another spinUs: that window, yielding
-// only when oversubscribed.
+// 1000 us when the ranks do not outnumber `cpus` (the CPUs they may run on
+// together; 0: this process's usableCpus()), so that a peer up to about 1 ms
+// late is met without a sleep and a wake-up (measured: python -m
+// tpcomm.bench cpu --late); else 50 us. Another spinUs: that window. The
+// polls yield the core when the ranks are oversubscribed, and otherwise as
+// `yieldWhenFree` says (TPCOMM_CPU_SHM_YIELD, default on: a serving
+// process's other processes share the ranks' CPUs, and a poll that never
+// yields takes the core from them; where nothing else is runnable a yield
+// returns at once, so a late peer is still met within a system call).
 struct SpinPolicy {
   std::chrono::microseconds spin;
   bool yield;
 };
-SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus = 0);
+SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus = 0, bool yieldWhenFree = true);
 
 // The path's dtype for a tensor's, if it reduces that dtype.
 std::optional<mq::DType> shmDtype(at::ScalarType dtype);

@@ -118,11 +118,11 @@ void GroupCoordinator::setCpuShmSpinUs(int64_t spinUs) {
   std::lock_guard<std::mutex> lock(shmMutex_);
   shmSpinUs_ = spinUs;
   if (shm_) {
-    const SpinPolicy policy = spinPolicy(spinUs, size(), shmCpus_);
+    const SpinPolicy policy = spinPolicy(spinUs, size(), shmCpus_, settings().cpuShmYield);
     shm_->setSpin(policy.spin, policy.yield);
   }
   if (hier_ && hier_->local()) {
-    const SpinPolicy policy = spinPolicy(spinUs, hier_->machineRanks());
+    const SpinPolicy policy = spinPolicy(spinUs, hier_->machineRanks(), 0, settings().cpuShmYield);
     hier_->local()->setSpin(policy.spin, policy.yield);
   }
 }

@@ -18,7 +18,7 @@ namespace tpcomm::mq {
 namespace {
 
 constexpr uint64_t kMagic = 0x7470636f6d6d7332ULL;  // "tpcomms2"
-constexpr uint32_t kVersion = 3;
+constexpr uint32_t kVersion = 4;  // 4: the pipelined two-phase allreduce
 constexpr int kMaxRanks = 1024;
 constexpr auto kSleepSlice = std::chrono::milliseconds(10);
 constexpr int kPausePolls = 8;  // rounds of 16 polls before the first sched_yield
@@ -141,7 +141,7 @@ size_t ShmGroup::regionBytes(int size, uint64_t bufferBytes) {
   TPCOMM_CHECK(bufferBytes >= kLine && bufferBytes % kLine == 0 && bufferBytes <= (1ull << 32),
                kInvalidUsage, "shared-memory buffer of ", bufferBytes,
                " bytes: must be a multiple of 64 within 64..4 GiB");
-  return dataOffset(size) + static_cast<size_t>(size) * 2 * bufferBytes;
+  return dataOffset(size) + static_cast<size_t>(size) * kSlots * bufferBytes;
 }
 
 void ShmGroup::initRegion(char* base, int size, uint64_t bufferBytes, uint64_t twoPhaseMinBytes) {
@@ -175,13 +175,13 @@ ShmGroup::ShmGroup(std::unique_ptr<SharedRegion> region, const ShmGroupOptions& 
   timeoutMs_.store(options_.timeout.count());
   data_ = region_->base() + dataOffset(options_.size);
   for (int32_t pid : pids) peers_.emplace_back(pid);
-  // This rank's halves are allocated by this rank, now, on its NUMA node:
+  // This rank's slots are allocated by this rank, now, on its NUMA node:
   // bound there first where the kernel lets it (a policy of the memfd's, so
   // a peer's touch cannot move them), else first touched by this thread.
-  const size_t mine = static_cast<size_t>(half(options_.rank, 0) - region_->base());
+  const size_t mine = static_cast<size_t>(slot(options_.rank, 0) - region_->base());
   if (options_.memoryNode >= 0)
-    memoryBinding_ = region_->bindToNode(mine, 2 * options_.bufferBytes, options_.memoryNode);
-  region_->prefault(mine, 2 * options_.bufferBytes, true);
+    memoryBinding_ = region_->bindToNode(mine, kSlots * options_.bufferBytes, options_.memoryNode);
+  region_->prefault(mine, kSlots * options_.bufferBytes, true);
   if (options_.threads > 1)
     pool_ =
         std::make_unique<WorkerPool>(options_.threads, options_.workerCpus, options_.workerSpin);
@@ -206,8 +206,8 @@ void ShmGroup::checkNotForked() const {
 void ShmGroup::prefaultPeers() {
   for (int r = 0; r < options_.size; ++r) {
     if (r == options_.rank) continue;
-    region_->prefault(static_cast<size_t>(half(r, 0) - region_->base()), 2 * options_.bufferBytes,
-                      false);
+    region_->prefault(static_cast<size_t>(slot(r, 0) - region_->base()),
+                      kSlots * options_.bufferBytes, false);
   }
 }
 
@@ -222,8 +222,8 @@ ShmGroup::Control& ShmGroup::control(int r) const {
   return *reinterpret_cast<Control*>(region_->base() + kControlOffset + kLine * r);
 }
 
-char* ShmGroup::half(int r, uint64_t chunk) const {
-  return data_ + (static_cast<size_t>(r) * 2 + (chunk & 1)) * options_.bufferBytes;
+char* ShmGroup::slot(int r, uint64_t chunk) const {
+  return data_ + (static_cast<size_t>(r) * kSlots + chunk % kSlots) * options_.bufferBytes;
 }
 
 void ShmGroup::setReduceIsa(ReduceIsa isa) {
@@ -303,7 +303,7 @@ void ShmGroup::step(const Signature& signature) {
   mine.signature[s & 1].head.store(signature.head, std::memory_order_relaxed);
   mine.signature[s & 1].count.store(signature.count, std::memory_order_relaxed);
   mine.signature[s & 1].extra.store(signature.extra, std::memory_order_relaxed);
-  mine.arrived.store(s, std::memory_order_seq_cst);  // publishes this rank's half
+  mine.arrived.store(s, std::memory_order_seq_cst);  // publishes this rank's slot
   Header& h = header();
   wakeSleepers(h.wake, h.sleepers);
   waitAll(s, signature);

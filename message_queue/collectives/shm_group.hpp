@@ -16,29 +16,46 @@
 //   | Control[size]                |  one cache line per rank: arrived (u64),
 //   |                              |  signature[2] (3 x u64, by step parity)
 //   +------------------------------+ dataOffset (page aligned)
-//   | rank 0: half 0 | half 1      |  2 x bufferBytes per rank
-//   | rank 1: half 0 | half 1      |
+//   | rank 0: slot 0 | slot 1      |  2 x bufferBytes per rank
+//   | rank 1: slot 0 | slot 1      |
 //   | ...                          |
 //   +------------------------------+
 //
 // Protocol. Every rank counts synchronisation steps s = 1, 2, ... and data
-// chunks k = 0, 1, ...; chunk k uses half k % 2 of every rank's buffer.
+// chunks k = 0, 1, ...; chunk k uses slot k % 2 of every rank's buffer.
 //
 //   action                      | by          | ordering
 //   ----------------------------+-------------+-------------------------------
-//   write own half (chunk k)    | owner       | before arriving at its step s
+//   write own slot (chunk k)    | owner       | before arriving at its step s
 //   arrive at step s            | every rank  | signature[s%2] relaxed, then
 //                               |             | arrived = s (seq_cst store)
 //   wait for step s             | every rank  | arrived[j] >= s (acquire) for
 //                               |             | every j, then compare signatures
-//   read peers' halves          | every rank  | after step s, done before the
+//   read peers' slots           | every rank  | after step s, done before the
 //                               |             | rank arrives at its next step
 //
-// A half is written again only by chunk k + 2, after its owner passed the
-// first step of chunk k + 1, which every rank reaches only once it finished
-// reading chunk k; so one step per chunk suffices (two for a two-phase
-// allreduce, whose ranks write their reduced slice into their own half
-// between the two, a slice no other rank reads until the second step).
+// Most calls take one step a chunk (copy in, step, read): a slot is written
+// again only by chunk k + 2, after its owner passed the first step of chunk
+// k + 1, which every rank reaches only once it finished reading chunk k.
+// A two-phase allreduce is a pipeline of one step a chunk too (K chunks:
+// K + 1 steps). Between steps j and j + 1 every rank, r among them,
+//
+//   copies out chunk j - 2  reads every rank's slot (j - 2) % 2 at its owner's
+//                           slice (the reduced slice the owner wrote there)
+//   reduces chunk j - 1     reads every rank's slot (j - 1) % 2 at r's slice
+//                           (r's own input in r's place), writes it into
+//                           r's slot (j - 1) % 2 at r's slice
+//   copies in chunk j       writes r's slot j % 2 = (j - 2) % 2 everywhere
+//                           but at r's slice
+//
+// No rank is a phase ahead or behind (each phase ends at a step every rank
+// must reach), and in one phase every write to r's slots misses every read
+// of them: a rank never copies in its own slice (it reduces that slice from
+// its input, or, for PREMUL_SUM, from its scaled copy in its output), the
+// only part of slot (j - 2) % 2 read in that phase, and reduces into its
+// own slice only, the only part of slot (j - 1) % 2 its peers do not read.
+// That needs a rank's slice to be the same part of every chunk: one slice
+// size serves every chunk of a call, its shorter last one included.
 // Flags are never reset: step numbers only grow, so a stale value cannot
 // pass a wait.
 //
@@ -76,7 +93,7 @@ namespace tpcomm::mq {
 struct ShmGroupOptions {
   int rank = 0;
   int size = 1;
-  // Bytes of each half of a rank's buffer (the chunk size); a multiple of 64.
+  // Bytes of each of a rank's two slots (the chunk size); a multiple of 64.
   uint64_t bufferBytes = 1 << 20;
   // Allreduces of at least this many bytes reduce-scatter then all-gather
   // inside shared memory (each rank reduces 1/size of every chunk).
@@ -89,16 +106,17 @@ struct ShmGroupOptions {
   // this CPU cannot run falls back to the best it can.
   ReduceIsa reduceIsa = bestReduceIsa();
   // Threads (this one included) that split the copies and reductions of a
-  // large chunk (a part moving at least 512 KiB, read + written, a thread);
-  // 1: this thread only. Results do
-  // not depend on it.
+  // large chunk: a chunk of at least 256 KiB a thread is split in as many
+  // parts as threads for every phase of it (copy in, reduce, copy out); a
+  // smaller one in as many parts as it has 256 KiB. 1: this thread only.
+  // Results do not depend on it.
   int threads = 1;
   // The CPUs the threads - 1 worker threads are pinned to, one each (empty:
   // where the scheduler puts them), and how long a worker out of parts polls
   // for the next before it sleeps (WorkerPool; 0: sleeps at once).
   std::vector<int> workerCpus;
   std::chrono::microseconds workerSpin{0};
-  // The NUMA node this rank's halves are bound to before it allocates them
+  // The NUMA node this rank's slots are bound to before it allocates them
   // (SharedRegion::bindToNode; -1: wherever this thread first touches them).
   int memoryNode = -1;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
@@ -166,7 +184,10 @@ class ShmGroup {
   int threads() const { return pool_ ? pool_->threads() : 1; }
   // Worker threads pinned as options.workerCpus asked.
   int pinnedWorkers() const { return pool_ ? pool_->pinned() : 0; }
-  // 0 when this rank's halves were bound to options.memoryNode, else why not
+  // Parts of chunks handed to the worker threads so far (WorkerPool's
+  // partsSplit; 0 without workers).
+  uint64_t partsSplit() const { return pool_ ? pool_->partsSplit() : 0; }
+  // 0 when this rank's slots were bound to options.memoryNode, else why not
   // (an errno; -1: no node was asked for, or no whole page to bind).
   int memoryBinding() const { return memoryBinding_; }
   ReduceIsa reduceIsa() const { return reduceIsa_.load(std::memory_order_relaxed); }
@@ -180,7 +201,7 @@ class ShmGroup {
   void abort(const std::string& why);
   // Whether the region's memfd is sealed against execution.
   bool execSealed() const { return region_->execSealed(); }
-  // Maps every peer's halves into this process now (set-up, once every
+  // Maps every peer's slots into this process now (set-up, once every
   // peer allocated its own), not on the first calls.
   void prefaultPeers();
   // Closes the region's descriptor once every peer mapped it (set-up).
@@ -192,16 +213,24 @@ class ShmGroup {
   struct Signature;
   Header& header() const;
   Control& control(int r) const;
-  char* half(int r, uint64_t chunk) const;
-  // Every rank's half of `chunk` from byteOffset on, in rank order (valid
-  // until this thread's next call).
-  const void* const* sourcesAt(uint64_t chunk, size_t byteOffset) const;
-  // fn(a, b) over parts of [0, count) elements of esize bytes, each element
-  // moving `moved` bytes (read + written: 2 x esize for a copy, (n + 1) x
-  // esize for a reduction over n ranks): on the pool's threads and this one
-  // when each part moves at least kSplitMinBytes, else fn(0, count).
+  char* slot(int r, uint64_t chunk) const;
+  // Every rank's slot of `chunk` from byteOffset on, in rank order, but
+  // `own` in this rank's place where given (valid until this thread's next
+  // call).
+  const void* const* sourcesAt(uint64_t chunk, size_t byteOffset,
+                               const void* own = nullptr) const;
+  // The parts a chunk of `bytes` (a rank's copy-in) is split in: one a
+  // thread when each gets at least kSplitBytes of it, else one per
+  // kSplitBytes it holds, at least 1. Every phase of the chunk uses them.
+  size_t partsFor(size_t bytes) const;
+  // fn(a, b) over `parts` parts of [0, count) elements of esize bytes (on
+  // the pool's threads and this one), whole cache lines each; empty parts
+  // are skipped.
   template <typename Fn>
-  void split(size_t count, size_t esize, size_t moved, const Fn& fn);
+  void split(size_t count, size_t esize, size_t parts, const Fn& fn);
+  // The two-phase allreduce's pipeline (see the protocol above).
+  void allreducePipelined(const char* in, char* out, size_t count, DType dtype,
+                          const ReduceSpec& spec, const Signature& sig);
 
   // Arrives at the next step and waits for every rank; throws InvalidUsage
   // when signatures differ, Timeout/PeerLost as described above.

@@ -1,6 +1,6 @@
 // The shared-memory collectives' data movement (shm_group.hpp): each call
-// copies its chunks into this rank's halves, steps (shm_group.cpp) and
-// reduces or copies out of every rank's halves, splitting large chunks among
+// copies its chunks into this rank's slots, steps (shm_group.cpp) and
+// reduces or copies out of every rank's slots, splitting large chunks among
 // the worker threads.
 #include <algorithm>
 #include <cstring>
@@ -11,18 +11,23 @@
 
 namespace tpcomm::mq {
 
-const void* const* ShmGroup::sourcesAt(uint64_t chunk, size_t byteOffset) const {
+const void* const* ShmGroup::sourcesAt(uint64_t chunk, size_t byteOffset,
+                                      const void* own) const {
   thread_local std::vector<const void*> sources;  // one per thread: parts run at once
   sources.resize(options_.size);
-  for (int r = 0; r < options_.size; ++r) sources[r] = half(r, chunk) + byteOffset;
+  for (int r = 0; r < options_.size; ++r) sources[r] = slot(r, chunk) + byteOffset;
+  if (own != nullptr) sources[options_.rank] = own;
   return sources.data();
 }
 
+size_t ShmGroup::partsFor(size_t bytes) const {
+  if (!pool_) return 1;
+  return std::clamp<size_t>(bytes / kSplitBytes, 1, static_cast<size_t>(pool_->threads()));
+}
+
 template <typename Fn>
-void ShmGroup::split(size_t count, size_t esize, size_t moved, const Fn& fn) {
-  const size_t bytes = count * moved;
-  const size_t parts =
-      pool_ ? std::min<size_t>(pool_->threads(), bytes / kSplitMinBytes) : size_t{1};
+void ShmGroup::split(size_t count, size_t esize, size_t parts, const Fn& fn) {
+  if (count == 0) return;
   if (parts <= 1) return fn(0, count);
   const size_t perLine = std::max<size_t>(1, kLine / esize);
   const size_t each = alignUp((count + parts - 1) / parts, perLine);
@@ -63,7 +68,7 @@ void ShmGroup::allreduceAddRmsNorm(const void* in, size_t rows, DType dtype, con
   for (size_t first = 0; first < rows; first += chunkRows) {
     const size_t m = std::min(chunkRows, rows - first);
     const uint64_t k = chunks_++;
-    std::memcpy(half(me, k), static_cast<const char*>(in) + first * rowBytes, m * rowBytes);
+    std::memcpy(slot(me, k), static_cast<const char*>(in) + first * rowBytes, m * rowBytes);
     step(sig);
     NormRows at = norm;
     auto rowsFrom = [&](size_t row) {
@@ -78,19 +83,19 @@ void ShmGroup::allreduceAddRmsNorm(const void* in, size_t rows, DType dtype, con
       continue;
     }
     // Rank r sums rows [per x r, per x (r + 1)) of the chunk into its own
-    // half; after the second step every rank finishes every row from its
+    // slot; after the second step every rank finishes every row from its
     // owner's sums with its own residual.
     const size_t per = (m + n - 1) / n;
     const size_t from = std::min(m, per * me);
     const size_t to = std::min(m, from + per);
-    reduceIntoWith(isa, half(me, k) + from * rowBytes, sourcesAt(k, from * rowBytes), n,
+    reduceIntoWith(isa, slot(me, k) + from * rowBytes, sourcesAt(k, from * rowBytes), n,
                    (to - from) * norm.hidden, dtype, sum);
     step(sig);
     for (int r = 0; r < n; ++r) {
       const size_t a = std::min(m, per * r);
       const size_t b = std::min(m, a + per);
       if (b == a) continue;
-      const void* owner = half(r, k) + a * rowBytes;
+      const void* owner = slot(r, k) + a * rowBytes;
       rowsFrom(a);
       reduceAddRmsNorm(&owner, 1, b - a, dtype, at);
     }
@@ -102,48 +107,125 @@ void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
   checkNotForked();  // before the lock: a fork may have copied it held
   std::lock_guard<std::mutex> lock(mutex_);
   throwIfFailed();
-  const ReduceIsa isa = reduceIsa_.load(std::memory_order_relaxed);
   const Signature sig(static_cast<int>(Op::kAllreduce), static_cast<int>(dtype),
                       reductionCode(spec), 0, count, Signature::ofPart(part));
   const int n = options_.size;
-  const int me = options_.rank;
   const size_t esize = dtypeBytes(dtype);
   if (count == 0) return step(sig);
-  const bool twoPhase = n > 1 && count * esize >= options_.twoPhaseMinBytes;
+  if (n > 1 && count * esize >= options_.twoPhaseMinBytes) {
+    return allreducePipelined(static_cast<const char*>(in), static_cast<char*>(out), count, dtype,
+                              spec, sig);
+  }
+  // Small: every rank reduces the whole chunk from every rank's slot.
+  const ReduceIsa isa = reduceIsa_.load(std::memory_order_relaxed);
+  const int me = options_.rank;
   const size_t chunkElements = options_.bufferBytes / esize;
   ReduceSpec reduce = spec;
   reduce.premultiply = false;  // applied while copying in
   for (size_t offset = 0; offset < count; offset += chunkElements) {
     const size_t m = std::min(chunkElements, count - offset);
     const uint64_t k = chunks_++;
+    const size_t parts = partsFor(m * esize);
     const char* src = static_cast<const char*>(in) + offset * esize;
-    split(m, esize, 2 * esize, [&](size_t a, size_t b) {
-      copyScaled(half(me, k) + a * esize, src + a * esize, b - a, dtype, spec);
+    split(m, esize, parts, [&](size_t a, size_t b) {
+      copyScaled(slot(me, k) + a * esize, src + a * esize, b - a, dtype, spec);
     });
     step(sig);
     char* dst = static_cast<char*>(out) + offset * esize;
-    if (!twoPhase) {
-      split(m, esize, (n + 1) * esize, [&](size_t a, size_t b) {
-        reduceIntoWith(isa, dst + a * esize, sourcesAt(k, a * esize), n, b - a, dtype, reduce);
-      });
-      continue;
-    }
-    const size_t slice = sliceElements(m, n, esize);
-    const size_t from = std::min(m, slice * me);
-    const size_t to = std::min(m, from + slice);
-    split(to - from, esize, (n + 1) * esize, [&](size_t a, size_t b) {
-      reduceIntoWith(isa, half(me, k) + (from + a) * esize, sourcesAt(k, (from + a) * esize), n,
-                     b - a, dtype, reduce);
-    });
-    step(sig);
-    split(m, esize, 2 * esize, [&](size_t a, size_t b) {
-      for (int r = 0; r < n; ++r) {  // the part of [a, b) that rank r owns
-        const size_t lo = std::max(a, std::min(m, slice * r));
-        const size_t hi = std::min(b, std::min(m, slice * r + slice));
-        if (hi > lo) std::memcpy(dst + lo * esize, half(r, k) + lo * esize, (hi - lo) * esize);
-      }
+    split(m, esize, parts, [&](size_t a, size_t b) {
+      reduceIntoWith(isa, dst + a * esize, sourcesAt(k, a * esize), n, b - a, dtype, reduce);
     });
   }
+}
+
+void ShmGroup::allreducePipelined(const char* in, char* out, size_t count, DType dtype,
+                                  const ReduceSpec& spec, const Signature& sig) {
+  const ReduceIsa isa = reduceIsa_.load(std::memory_order_relaxed);
+  const int n = options_.size;
+  const int me = options_.rank;
+  const size_t esize = dtypeBytes(dtype);
+  const size_t chunkElements = options_.bufferBytes / esize;
+  const size_t chunks = (count + chunkElements - 1) / chunkElements;
+  const uint64_t first = chunks_;
+  // One slice size for every chunk of the call, the last (shorter) one
+  // included, so that a rank's own slice is the same part of every slot:
+  // the part its copy-in skips is then exactly the part its peers read
+  // there in the same phase.
+  const size_t slice = sliceElements(std::min(chunkElements, count), n, esize);
+  // This rank's own slice of a chunk never enters its slot (peers still
+  // read that part of the slot, the reduced slice of the chunk before the
+  // last, while this rank copies in: shm_group.hpp): it is reduced from the
+  // input, or, for PREMUL_SUM, from its scaled copy in the output (which
+  // the output gets only after the reduction, a phase later).
+  const bool scaled = spec.premultiply;
+  ReduceSpec reduce = spec;
+  reduce.premultiply = false;
+  struct Chunk {
+    size_t offset, m, from, to, parts;
+    uint64_t k;
+  };
+  const auto chunk = [&](size_t j) {
+    Chunk c;
+    c.offset = j * chunkElements;
+    c.m = std::min(chunkElements, count - c.offset);
+    c.from = std::min(c.m, slice * me);
+    c.to = std::min(c.m, c.from + slice);
+    c.parts = partsFor(c.m * esize);
+    c.k = first + j;
+    return c;
+  };
+  // This rank's slot of chunk j: every element a peer reads (all but its
+  // own slice, unless the slice must come from the slot too).
+  const auto copyIn = [&](const Chunk& c) {
+    const char* src = in + c.offset * esize;
+    char* dst = slot(me, c.k);
+    split(c.m, esize, c.parts, [&](size_t a, size_t b) {
+      const auto copy = [&](size_t lo, size_t hi) {
+        if (hi > lo) copyScaled(dst + lo * esize, src + lo * esize, hi - lo, dtype, spec);
+      };
+      copy(a, std::min(b, c.from));
+      copy(std::max(a, c.to), b);
+      const size_t lo = std::max(a, c.from), hi = std::min(b, c.to);
+      if (scaled && hi > lo) {
+        copyScaled(out + (c.offset + lo) * esize, src + lo * esize, hi - lo, dtype, spec);
+      }
+    });
+  };
+  // This rank's slice of chunk j, reduced from every rank's slot (its own
+  // input, or its scaled copy, in its place) into its own slot.
+  const auto reduceSlice = [&](const Chunk& c) {
+    split(c.to - c.from, esize, c.parts, [&](size_t a, size_t b) {
+      const size_t at = (c.from + a) * esize;
+      const void* own = (scaled ? out : in) + c.offset * esize + at;
+      reduceIntoWith(isa, slot(me, c.k) + at, sourcesAt(c.k, at, own), n, b - a, dtype, reduce);
+    });
+  };
+  // Every rank's reduced slice of chunk j into the output.
+  const auto copyOut = [&](const Chunk& c) {
+    char* dst = out + c.offset * esize;
+    split(c.m, esize, c.parts, [&](size_t a, size_t b) {
+      for (int r = 0; r < n; ++r) {  // the part of [a, b) that rank r owns
+        const size_t lo = std::max(a, std::min(c.m, slice * r));
+        const size_t hi = std::min(b, std::min(c.m, slice * r + slice));
+        if (hi > lo) std::memcpy(dst + lo * esize, slot(r, c.k) + lo * esize, (hi - lo) * esize);
+      }
+    });
+  };
+  // chunks_ counts a chunk once its slot is written; a step that throws on
+  // disagreeing calls (the first) sets it itself.
+  copyIn(chunk(0));
+  chunks_ = first + 1;
+  step(sig);
+  for (size_t j = 1; j <= chunks; ++j) {
+    if (j >= 2) copyOut(chunk(j - 2));
+    reduceSlice(chunk(j - 1));
+    if (j < chunks) {
+      copyIn(chunk(j));
+      chunks_ = first + j + 1;
+    }
+    step(sig);
+  }
+  copyOut(chunk(chunks - 1));
 }
 
 void ShmGroup::allgather(const void* in, size_t bytes, const std::vector<void*>& outs,
@@ -158,15 +240,16 @@ void ShmGroup::allgather(const void* in, size_t bytes, const std::vector<void*>&
   for (size_t offset = 0; offset < bytes; offset += chunk) {
     const size_t m = std::min(chunk, bytes - offset);
     const uint64_t k = chunks_++;
+    const size_t parts = partsFor(m);
     const char* src = static_cast<const char*>(in) + offset;
-    split(m, 1, 2,
-          [&](size_t a, size_t b) { std::memcpy(half(options_.rank, k) + a, src + a, b - a); });
+    split(m, 1, parts,
+          [&](size_t a, size_t b) { std::memcpy(slot(options_.rank, k) + a, src + a, b - a); });
     step(sig);
-    split(m, 1, 2 * options_.size, [&](size_t a, size_t b) {
+    split(m, 1, parts, [&](size_t a, size_t b) {
       for (int r = 0; r < options_.size; ++r) {
         // An in-place call's own part is in place already.
         if (r == options_.rank && outs[r] == in) continue;
-        std::memcpy(static_cast<char*>(outs[r]) + offset + a, half(r, k) + a, b - a);
+        std::memcpy(static_cast<char*>(outs[r]) + offset + a, slot(r, k) + a, b - a);
       }
     });
   }
@@ -184,7 +267,7 @@ void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, siz
                       reductionCode(spec), 0, count, Signature::ofPart(part));
   if (count == 0) return step(sig);
   const size_t esize = dtypeBytes(dtype);
-  // Each half holds one piece per destination rank, whole cache lines each
+  // Each slot holds one piece per destination rank, whole cache lines each
   // where the buffer allows.
   const size_t perLine = kLine / esize;
   size_t piece = options_.bufferBytes / n / esize;
@@ -194,18 +277,19 @@ void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, siz
                " ranks");
   ReduceSpec reduce = spec;
   reduce.premultiply = false;
-  const size_t mine = options_.rank * piece * esize;  // this rank's piece in every half
+  const size_t mine = options_.rank * piece * esize;  // this rank's piece in every slot
   for (size_t offset = 0; offset < count; offset += piece) {
     const size_t m = std::min(piece, count - offset);
     const uint64_t k = chunks_++;
-    split(m, esize, 2 * n * esize, [&](size_t a, size_t b) {
+    const size_t parts = partsFor(n * m * esize);
+    split(m, esize, parts, [&](size_t a, size_t b) {
       for (int r = 0; r < n; ++r) {
-        copyScaled(half(options_.rank, k) + (r * piece + a) * esize,
+        copyScaled(slot(options_.rank, k) + (r * piece + a) * esize,
                    static_cast<const char*>(ins[r]) + (offset + a) * esize, b - a, dtype, spec);
       }
     });
     step(sig);
-    split(m, esize, (n + 1) * esize, [&](size_t a, size_t b) {
+    split(m, esize, parts, [&](size_t a, size_t b) {
       reduceIntoWith(isa, static_cast<char*>(out) + (offset + a) * esize,
                      sourcesAt(k, mine + a * esize), n, b - a, dtype, reduce);
     });
@@ -225,12 +309,13 @@ void ShmGroup::broadcast(void* data, size_t bytes, int root) {
     const size_t m = std::min(chunk, bytes - offset);
     const uint64_t k = chunks_++;
     char* mine = static_cast<char*>(data) + offset;
+    const size_t parts = partsFor(m);
     if (options_.rank == root) {
-      split(m, 1, 2, [&](size_t a, size_t b) { std::memcpy(half(root, k) + a, mine + a, b - a); });
+      split(m, 1, parts, [&](size_t a, size_t b) { std::memcpy(slot(root, k) + a, mine + a, b - a); });
     }
     step(sig);
     if (options_.rank != root) {
-      split(m, 1, 2, [&](size_t a, size_t b) { std::memcpy(mine + a, half(root, k) + a, b - a); });
+      split(m, 1, parts, [&](size_t a, size_t b) { std::memcpy(mine + a, slot(root, k) + a, b - a); });
     }
   }
 }

@@ -16,10 +16,16 @@ constexpr size_t kLine = 64;
 constexpr size_t kControlOffset = 1024;
 constexpr size_t kReasonBytes = 512;  // an abort's text, as peers read it
 constexpr size_t kPage = 4096;
-// The least a worker thread's part of a copy or reduction moves, bytes read
-// plus bytes written (a smaller part costs more to hand over than it saves):
-// a copy of 256 KiB, or 128 KiB of a slice reduced over 3 ranks.
-constexpr size_t kSplitMinBytes = 512 << 10;
+// Chunk slots of each rank's buffer, used in turn (chunk k in slot k % 2).
+// Two suffice for the two-phase allreduce's pipeline because no rank ever
+// writes its own slice of a slot while copying in (shm_group.hpp).
+constexpr size_t kSlots = 2;
+// The least of a chunk (bytes a rank copies in) a worker thread's part
+// holds (a smaller part costs more to hand over than it saves). Every phase
+// of a chunk is split in the same parts, so the reduce phase of a two-phase
+// allreduce, which moves (n + 1) / n of a slice, gives every thread work
+// as the copies do, whatever the number of ranks.
+constexpr size_t kSplitBytes = 256 << 10;
 
 enum class Op : uint8_t {
   kBarrier = 1,

@@ -61,6 +61,7 @@ void WorkerPool::run(size_t parts, const std::function<void(size_t)>& fn) {
     for (size_t p = 0; p < parts; ++p) fn(p);
     return;
   }
+  partsSplit_.fetch_add(parts, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     task_ = &fn;

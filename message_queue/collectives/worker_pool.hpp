@@ -43,6 +43,9 @@ class WorkerPool {
   // The workers pinned as asked.
   int pinned() const { return pinned_; }
   void run(size_t parts, const std::function<void(size_t)>& fn);
+  // Parts of every run() of more than one part so far (tests: how a
+  // caller split its work).
+  uint64_t partsSplit() const { return partsSplit_.load(std::memory_order_relaxed); }
 
  private:
   void loop(size_t index);
@@ -62,6 +65,7 @@ class WorkerPool {
   const std::chrono::microseconds spin_;
   std::atomic<uint64_t> posted_{0};      // generation_, for polling workers
   std::atomic<size_t> finishedSeen_{0};  // finished_, for the polling caller
+  std::atomic<uint64_t> partsSplit_{0};
 };
 
 }  // namespace tpcomm::mq

@@ -60,6 +60,9 @@ def main(argv=None):
                           "2 4 8)")
     cpu.add_argument("--thread-counts", type=int, nargs="+", default=[1, 2, 4, 8],
                      help="with --scaling: worker threads per rank (default 1 2 4 8)")
+    cpu.add_argument("--peers", action="store_true",
+                     help="allreduce against DeepSpeed's and vLLM-CPU's shared-memory "
+                          "allreduces in the same processes (default world sizes 2 4 8)")
     cpu.add_argument("--late", action="store_true",
                      help="what a late peer costs under each waiting policy (2 ranks)")
     hf = sub.add_parser("hf", help="transformers' tensor parallelism: tpcomm vs Gloo tokens/s")
@@ -131,7 +134,11 @@ def main(argv=None):
         return run_allreduce(args.max_mib, args.quick)
     if args.what == "cpu":
         if args.world_sizes is None:
-            args.world_sizes = [2, 4, 8] if args.scaling else [2, 4]
+            args.world_sizes = [2, 4, 8] if args.scaling or args.peers else [2, 4]
+        if args.peers:
+            from tpcomm.bench.cpu.peers import run
+
+            return run(args.world_sizes, args.max_mib, args.quick, args.rounds)
         if args.scaling:
             from tpcomm.bench.cpu.scaling import run
 

@@ -109,22 +109,25 @@ TEST(Settings, CpuSharedMemory) {
 TEST(Settings, CpuSharedMemoryWaitingPolicy) {
   const int cpus = coord::usableCpus();
   EXPECT_GE(cpus, 1);
-  // Ranks that fit the CPUs poll 1 ms without yielding; more ranks than CPUs
-  // poll 50 us, yielding; an explicit window yields only when oversubscribed.
+  // Ranks that fit the CPUs poll 1 ms, more ranks than CPUs 50 us; the
+  // polls yield the core unless TPCOMM_CPU_SHM_YIELD=0 and the ranks fit.
   const auto fits = coord::spinPolicy(-1, 1);
   EXPECT_EQ(fits.spin.count(), 1000);
-  EXPECT_FALSE(fits.yield);
-  const auto crowded = coord::spinPolicy(-1, static_cast<int>(cpus) + 1);
+  EXPECT_TRUE(fits.yield);
+  EXPECT_FALSE(coord::spinPolicy(-1, 1, 0, false).yield);
+  EXPECT_EQ(coord::spinPolicy(-1, 1, 0, false).spin.count(), 1000);
+  const auto crowded = coord::spinPolicy(-1, static_cast<int>(cpus) + 1, 0, false);
   EXPECT_EQ(crowded.spin.count(), 50);
   EXPECT_TRUE(crowded.yield);
   EXPECT_EQ(coord::spinPolicy(7, 1).spin.count(), 7);
-  EXPECT_FALSE(coord::spinPolicy(7, 1).yield);
-  EXPECT_TRUE(coord::spinPolicy(0, static_cast<int>(cpus) + 1).yield);
+  EXPECT_TRUE(coord::spinPolicy(7, 1).yield);
+  EXPECT_FALSE(coord::spinPolicy(7, 1, 0, false).yield);
+  EXPECT_TRUE(coord::spinPolicy(0, static_cast<int>(cpus) + 1, 0, false).yield);
   // The group's CPUs, when given (the union of its ranks' affinity masks),
   // decide instead of this process's: two ranks pinned to a core each fit.
-  EXPECT_FALSE(coord::spinPolicy(-1, 2, 2).yield);
+  EXPECT_FALSE(coord::spinPolicy(-1, 2, 2, false).yield);
   EXPECT_EQ(coord::spinPolicy(-1, 2, 2).spin.count(), 1000);
-  EXPECT_TRUE(coord::spinPolicy(-1, 3, 2).yield);
+  EXPECT_TRUE(coord::spinPolicy(-1, 3, 2, false).yield);
   EXPECT_EQ(coord::spinPolicy(-1, 3, 2).spin.count(), 50);
   // The group's CPUs: how many ranks can each have one of their own.
   EXPECT_EQ(coord::ranksWithOwnCpu({{0}, {1}}), 2);        // pinned apart

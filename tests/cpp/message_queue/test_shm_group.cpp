@@ -165,6 +165,109 @@ TEST(ShmGroup, DefaultBuffersLargeAllreduceBothAlgorithms) {
   for (int code : runRanks(3, o, body)) EXPECT_EQ(code, 0);
 }
 
+// The two-phase allreduce's pipeline (shm_group.hpp: a rank copies in chunk
+// j into the slot its peers may still copy chunk j - 2 out of) with one rank
+// stopped and resumed at arbitrary points: every call still gives the
+// rank-order reference, bit for bit, in place and not, SUM and PREMUL_SUM
+// (whose own slice comes from the output). With a rank's own slice copied
+// into its slot too, this test fails (seen: 2 runs of 2).
+TEST(ShmGroup, APipelinedAllreduceWithARankHeldBackAtRandomPointsGivesTheReference) {
+  ShmGroupOptions o;
+  o.bufferBytes = 4096;  // 1,024 floats a chunk: every call below is a pipeline of 6
+  o.twoPhaseMinBytes = 1;
+  o.spin = 0us;          // more ranks than cores here: sleep at once
+  o.timeout = 60s;
+  const auto body = [](ShmGroup& g) {
+    const int n = g.options().size, me = g.options().rank;
+    const size_t count = 5 * 1024 + 700;  // a last chunk of other slices than the full ones
+    for (int call = 0; call < 300; ++call) {
+      ReduceSpec spec;
+      spec.premultiply = call % 4 >= 2;
+      spec.scale = 0.5;  // exact on these integers
+      std::vector<char> in, want;
+      std::vector<double> exact;
+      makeInput(DType::kFloat32, me + call, count, in, false);
+      // Every rank's input is makeInput(rank + call): the reference of
+      // ranks call .. call + n - 1.
+      std::vector<std::vector<char>> all(n);
+      for (int r = 0; r < n; ++r) makeInput(DType::kFloat32, r + call, count, all[r], false);
+      std::vector<float> expect(count, 0.0f);
+      for (int r = 0; r < n; ++r) {
+        const float* x = reinterpret_cast<const float*>(all[r].data());
+        const float scale = spec.premultiply ? 0.5f : 1.0f;
+        for (size_t i = 0; i < count; ++i) {
+          expect[i] = r == 0 ? x[i] * scale : expect[i] + x[i] * scale;
+        }
+      }
+      const bool inPlace = call % 2 == 0;
+      std::vector<char> out = inPlace ? in : std::vector<char>(in.size(), 0x5a);
+      g.allreduce(in.data(), out.data(), count, DType::kFloat32, spec);
+      CHILD_CHECK(std::memcmp(out.data(), expect.data(), count * 4) == 0,
+                  "call %d (%s, %s) differs from the rank-order reference", call,
+                  inPlace ? "in place" : "out of place", spec.premultiply ? "premul" : "sum");
+    }
+    return 0;
+  };
+  std::atomic<bool> running{true};
+  const auto meanwhile = [&](std::vector<pid_t>& pids) {
+    // Rank 1 stopped for 0-2 ms every 0-2 ms until the ranks end.
+    std::thread stopper([&] {
+      unsigned seed = 7;
+      while (running.load()) {
+        seed = seed * 1103515245u + 12345u;
+        std::this_thread::sleep_for(std::chrono::microseconds(seed % 2000));
+        ::kill(pids[1], SIGSTOP);
+        std::this_thread::sleep_for(std::chrono::microseconds((seed >> 11) % 2000));
+        ::kill(pids[1], SIGCONT);
+      }
+    });
+    for (pid_t p : {pids[0], pids[2], pids[1]}) {  // every rank done (reaped after)
+      ::siginfo_t info;
+      ::waitid(P_PID, p, &info, WEXITED | WNOWAIT);
+    }
+    running = false;
+    stopper.join();
+    ::kill(pids[1], SIGCONT);
+  };
+  for (int code : runRanks(3, o, body, meanwhile)) EXPECT_EQ(code, 0);
+}
+
+// Every phase of a large chunk (copy in, reduce, copy out) is split among
+// all of a rank's threads: at 8 ranks of 2 threads the reduce phase moves
+// (n + 1) / n of a slice, a ninth of the copies, and still gets both.
+TEST(ShmGroup, EveryThreadGetsWorkInEveryPhaseOfALargeChunk) {
+  struct Case {
+    int ranks, threads;
+  };
+  for (const Case c : {Case{8, 2}, Case{2, 8}, Case{3, 4}}) {
+    ShmGroupOptions o;
+    o.threads = c.threads;
+    o.bufferBytes = (256u << 10) * c.threads;  // the default chunk: 256 KiB a thread
+    o.spin = 0us;
+    o.timeout = 60s;
+    const auto body = [c](ShmGroup& g) {
+      const size_t chunk = g.options().bufferBytes / 4;
+      const size_t count = 2 * chunk;  // two full chunks of float32
+      ReduceSpec sum;
+      std::vector<char> in, want;
+      std::vector<double> exact;
+      makeInput(DType::kFloat32, g.options().rank, count, in, false);
+      reference(DType::kFloat32, sum, g.options().size, count, false, want, exact);
+      std::vector<char> out(in.size());
+      const uint64_t before = g.partsSplit();
+      g.allreduce(in.data(), out.data(), count, DType::kFloat32, sum);
+      CHILD_CHECK(std::memcmp(out.data(), want.data(), want.size()) == 0, "allreduce differs");
+      // 2 chunks x 3 phases, each in one part a thread.
+      const uint64_t parts = g.partsSplit() - before;
+      CHILD_CHECK(parts == 2u * 3u * static_cast<uint64_t>(c.threads),
+                  "%d ranks x %d threads: %llu parts handed out, want %d", c.ranks, c.threads,
+                  static_cast<unsigned long long>(parts), 6 * c.threads);
+      return 0;
+    };
+    for (int code : runRanks(c.ranks, o, body)) EXPECT_EQ(code, 0) << c.ranks << " x " << c.threads;
+  }
+}
+
 TEST(ShmGroup, MismatchedCallsRaiseOnEveryRankAndTheGroupStaysUsable) {
   const auto body = [](ShmGroup& g) {
     const int me = g.options().rank;
@@ -198,7 +301,7 @@ TEST(ShmGroup, MismatchedCallsRaiseOnEveryRankAndTheGroupStaysUsable) {
       } catch (const Error& e) {
         CHILD_CHECK(e.code() == ErrorCode::kInvalidUsage, "round %d: %s", round, e.what());
       }
-      for (int i = 0; i < 5; ++i) {  // several chunks of 64 floats each, both halves
+      for (int i = 0; i < 5; ++i) {  // several chunks of 64 floats each, every slot
         std::vector<float> v(64 * 3 + i, static_cast<float>(me + i));
         g.allreduce(v.data(), v.data(), v.size(), DType::kFloat32, ReduceSpec{});
         const float want = static_cast<float>(3 * i + 3);

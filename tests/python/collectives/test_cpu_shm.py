@@ -509,18 +509,25 @@ def _policy_when_pinned(ctx, cpus_of_rank):
     return t.tolist(), shm["available"], shm["spin_us"], shm["yields"]
 
 
-@pytest.mark.parametrize("cores,waits", [("own", (1000, False)), ("shared", (50, True))],
-                         ids=["a-core-each", "one-core-for-both"])
-def test_ranks_pinned_to_cores_of_their_own_poll_without_yielding(cores, waits):
+@pytest.mark.parametrize("cores,yield_setting,waits",
+                         [("own", None, (1000, True)), ("own", "0", (1000, False)),
+                          ("shared", "0", (50, True))],
+                         ids=["a-core-each", "a-core-each-no-yield", "one-core-for-both"])
+def test_ranks_pinned_to_cores_of_their_own_poll_1ms(cores, yield_setting, waits):
     # vLLM's CPU workers are pinned to a core each: each process alone may
-    # use one CPU, but the two ranks do not compete, so they poll (1 ms, no
-    # yield) as unpinned ranks on two cores do. Two ranks on one core yield.
+    # use one CPU, but the two ranks do not compete, so they poll 1 ms as
+    # unpinned ranks on two cores do, yielding the core between polls to the
+    # server's other processes unless TPCOMM_CPU_SHM_YIELD=0. Two ranks on
+    # one core poll 50 us and yield whatever the setting.
     online = sorted(os.sched_getaffinity(0))
     if len(online) < 2:
         pytest.fail(f"needs two CPUs, this process may use {online}")
     pins = {0: {online[0]}, 1: {online[1]}} if cores == "own" else {0: {online[0]},
                                                                      1: {online[0]}}
-    group = Group(2, env={"TPCOMM_CPU_SHM": "1"})
+    env = {"TPCOMM_CPU_SHM": "1"}
+    if yield_setting is not None:
+        env["TPCOMM_CPU_SHM_YIELD"] = yield_setting
+    group = Group(2, env=env)
     try:
         results = group.run(_policy_when_pinned, pins)
     finally:
@@ -552,16 +559,18 @@ def _region_vmas():
     return sorted(vmas)
 
 
-def _placement(ctx, pin_main_to_first=False):
-    """Each rank's halves on its node, its share of the CPUs and its worker
+def _placement(ctx, pin_main_to_last=False):
+    """Each rank's slots on its node, its share of the CPUs and its worker
     threads pinned inside it, as describe() and /proc show them."""
     import tpcomm
 
-    if pin_main_to_first:
-        # As an OpenMP runtime pins a vLLM worker's main thread to the first
-        # CPU of its list, which the plugin hands to tpcomm.
+    if pin_main_to_last:
+        # As an OpenMP runtime pins a vLLM worker's main thread to one CPU of
+        # its list (the first there; the last here, so that the workers'
+        # places differ from an unpinned thread's), and the plugin hands the
+        # list to tpcomm.
         cpus = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, cpus[:1])
+        os.sched_setaffinity(0, cpus[-1:])
         tpcomm.set_cpu_shm_cpus(cpus)
     x = torch.full((1 << 18,), float(ctx.rank + 1))
     dist.all_reduce(x)
@@ -569,20 +578,20 @@ def _placement(ctx, pin_main_to_first=False):
     shm = tpcomm.describe()["cpu_shm"]
     me = shm["ranks"][ctx.rank]
     page = os.sysconf("SC_PAGE_SIZE")
-    halves = 2 * shm["buffer_bytes"]
+    slots = 2 * shm["buffer_bytes"]
     vmas = _region_vmas()
     if me["memory"].startswith("first touch (mbind refused"):
         # A seccomp filter forbids mbind: the pages are where this rank
         # touched them, on a node of its own share.
         assert sum(n for v in vmas for n in v[3].values()) > 0, vmas
     else:
-        # The region's pages of this rank: one mapping of exactly its halves,
+        # The region's pages of this rank: one mapping of exactly its slots,
         # bound to its node ("prefer:N"), every page allocated there.
         assert me["memory"] == f"bound to node {me['node']}", me
-        mine = [v for v in vmas if v[1] - v[0] == halves and v[2] == f"prefer:{me['node']}"]
+        mine = [v for v in vmas if v[1] - v[0] == slots and v[2] == f"prefer:{me['node']}"]
         assert mine, (me, vmas)
-        assert mine[0][3] == {me["node"]: halves // page}, mine
-        # The header and the flags before the ranks' halves are not bound.
+        assert mine[0][3] == {me["node"]: slots // page}, mine
+        # The header and the flags before the ranks' slots are not bound.
         assert vmas[0][2] == "default", vmas
     # Worker threads: named, each pinned to one CPU of the rank's share.
     pinned = []
@@ -599,10 +608,11 @@ def _placement(ctx, pin_main_to_first=False):
 def test_each_rank_keeps_its_memory_on_its_node_and_its_threads_on_its_cpus():
     """Placement (docs/cpu-shm.md#placement-many-cores-and-numa-nodes): the
     binding and the page counts read back from /proc on this machine's nodes
-    (one here); at world size 1 a worker pinned to each CPU but the first, or
-    but the one the main thread is pinned to; at 2 ranks, unpinned processes
+    (one here); at world size 1 a worker pinned to each CPU but the first
+    (the rank's own thread, not pinned, keeps it), or but the one the main
+    thread is pinned to (the last: the workers take the first); at 2 ranks, unpinned processes
     that declare a CPU each (TPCOMM_CPU_SHM_CPUS) get those as their shares
-    and, not competing, poll without yielding."""
+    and, not competing, poll 1 ms (yielding the core between polls)."""
     online = sorted(os.sched_getaffinity(0))
     if len(online) < 2:
         pytest.fail(f"needs two CPUs, this process may use {online}")
@@ -616,8 +626,11 @@ def test_each_rank_keeps_its_memory_on_its_node_and_its_threads_on_its_cpus():
         share = ",".join(map(str, online))
         assert ranks[0]["cpus"] in (share, f"{online[0]}-{online[-1]}"), ranks
         assert threads == expect_threads == ranks[0]["threads"], (threads, ranks)
-        # The rank's own thread keeps the first CPU; a worker on each other.
-        assert pinned == sorted(str(c) for c in online[1:expect_threads]), pinned
+        # The rank's own thread keeps the CPU it is pinned to (else the
+        # first); a worker on each other.
+        left = online[-1] if pin_main else online[0]
+        want = [c for c in online if c != left][:expect_threads - 1]
+        assert pinned == sorted(str(c) for c in want), (pin_main, pinned)
         assert ranks[0]["pinned_workers"] == expect_threads - 1, ranks
     two = Group(2, env_per_rank={r: {"TPCOMM_CPU_SHM": "1", "TPCOMM_CPU_SHM_CPUS": str(online[r])}
                                  for r in range(2)})
@@ -629,7 +642,7 @@ def test_each_rank_keeps_its_memory_on_its_node_and_its_threads_on_its_cpus():
         assert [x["cpus"] for x in ranks] == [str(online[0]), str(online[1])], ranks
         assert [x["allowed_cpus"] for x in ranks] == [str(online[0]), str(online[1])], ranks
         assert threads == 1 and pinned == [], (threads, pinned)
-        assert (spin_us, yields) == (1000, False)
+        assert (spin_us, yields) == (1000, True)
 
 
 def _bad_cpu_list(ctx):
@@ -808,3 +821,35 @@ def test_cpu_benchmark_runs_and_prints_its_tables():
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 0, (extra, out.stderr)
         assert expect in out.stdout, (extra, out.stdout)
+
+
+def test_the_peers_benchmark_checks_every_way_and_says_why_a_peer_did_not_run():
+    """bench cpu --peers: DeepSpeed's shared-memory op built from its PyPI
+    sdist and run beside tpcomm where this CPU runs its kernels (float32 on
+    AVX2, bfloat16 on AVX-512), every way checked against float64 first;
+    vLLM's op is not in this interpreter, which the benchmark says."""
+    import subprocess
+    import sys
+
+    from tpcomm.bench.cpu.peers import _cpu_flags
+
+    out = subprocess.run([sys.executable, "-m", "tpcomm.bench", "cpu", "--peers", "--world-sizes",
+                          "2", "--max-mib", "1", "--quick", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, (out.stdout, out.stderr)
+    assert "WRONG RESULT" not in out.stdout, out.stdout
+    assert "vllm, float32: not run: vLLM is not installed" in out.stdout, out.stdout
+    flags = _cpu_flags()
+    tables = out.stdout.split("\n  bfloat16\n")
+    assert len(tables) == 2 and "\n  float32\n" in tables[0], out.stdout
+    float32, bfloat16 = tables[0].split("\n  float32\n")[1], tables[1]
+    # Five sizes (4 B to 256 KB by 16x) in each table, tpcomm's two ways in both.
+    for table in (float32, bfloat16):
+        assert "tpcomm dist.all_reduce" in table and "tpcomm coordinator" in table, table
+        assert sum(line.strip().startswith(("4 B", "64 B", "1 KB", "16 KB", "256 KB"))
+                   for line in table.splitlines()) == 5, table
+    # The header line: a peer's column where it ran.
+    assert ("deepspeed" in float32.splitlines()[0]) == ("avx2" in flags), out.stdout
+    assert ("deepspeed" in bfloat16.splitlines()[0]) == ("avx512bw" in flags), out.stdout
+    if "avx512bw" not in flags:
+        assert "deepspeed, bfloat16: not run: its bfloat16 kernels need AVX-512" in out.stdout
