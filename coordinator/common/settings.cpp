@@ -268,7 +268,8 @@ Settings Settings::parse(const Lookup& lookup) {
   if (auto v = lookup("TPCOMM_CPU_SHM_SPIN_US")) {
     s.cpuShmSpinUs = parseInt("TPCOMM_CPU_SHM_SPIN_US", *v, -1, 1000000);
   }
-  if (auto v = lookup("TPCOMM_CPU_SHM_YIELD")) s.cpuShmYield = parseBool("TPCOMM_CPU_SHM_YIELD", *v);
+  if (auto v = lookup("TPCOMM_CPU_SHM_YIELD"))
+    s.cpuShmYield = parseBool("TPCOMM_CPU_SHM_YIELD", *v);
   if (auto v = lookup("TPCOMM_CPU_SHM_THREADS")) {
     s.cpuShmThreads = parseInt("TPCOMM_CPU_SHM_THREADS", *v, 0, 64);
   }

@@ -44,10 +44,10 @@ struct CpuShmConfig {
   std::string mode = "auto";  // TPCOMM_CPU_SHM: auto, 0, 1
   int64_t bufferBytes = 0;  // TPCOMM_CPU_SHM_BUFFER_BYTES (0: kAutoBufferBytesPerThread x threads)
   int64_t twoPhaseBytes = 16 << 10;
-  int64_t spinUs = -1;               // -1: spinPolicy's choice
-  bool yield = true;                 // TPCOMM_CPU_SHM_YIELD
-  std::string reduceIsa = "auto";    // TPCOMM_CPU_REDUCE_ISA
-  int64_t threads = 0;               // TPCOMM_CPU_SHM_THREADS (0: the rank's share)
+  int64_t spinUs = -1;             // -1: spinPolicy's choice
+  bool yield = true;               // TPCOMM_CPU_SHM_YIELD
+  std::string reduceIsa = "auto";  // TPCOMM_CPU_REDUCE_ISA
+  int64_t threads = 0;             // TPCOMM_CPU_SHM_THREADS (0: the rank's share)
   // TPCOMM_CPU_SHM_WORKER_SPIN_US: how long workers pinned to CPUs of their
   // own poll for a large call's next part (WorkerPool) before sleeping.
   int64_t workerSpinUs = 50;

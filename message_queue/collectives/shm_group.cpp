@@ -18,7 +18,7 @@ namespace tpcomm::mq {
 namespace {
 
 constexpr uint64_t kMagic = 0x7470636f6d6d7332ULL;  // "tpcomms2"
-constexpr uint32_t kVersion = 4;  // 4: the pipelined two-phase allreduce
+constexpr uint32_t kVersion = 4;                    // 4: the pipelined two-phase allreduce
 constexpr int kMaxRanks = 1024;
 constexpr auto kSleepSlice = std::chrono::milliseconds(10);
 constexpr int kPausePolls = 8;  // rounds of 16 polls before the first sched_yield

@@ -217,8 +217,7 @@ class ShmGroup {
   // Every rank's slot of `chunk` from byteOffset on, in rank order, but
   // `own` in this rank's place where given (valid until this thread's next
   // call).
-  const void* const* sourcesAt(uint64_t chunk, size_t byteOffset,
-                               const void* own = nullptr) const;
+  const void* const* sourcesAt(uint64_t chunk, size_t byteOffset, const void* own = nullptr) const;
   // The parts a chunk of `bytes` (a rank's copy-in) is split in: one a
   // thread when each gets at least kSplitBytes of it, else one per
   // kSplitBytes it holds, at least 1. Every phase of the chunk uses them.

@@ -11,8 +11,7 @@
 
 namespace tpcomm::mq {
 
-const void* const* ShmGroup::sourcesAt(uint64_t chunk, size_t byteOffset,
-                                      const void* own) const {
+const void* const* ShmGroup::sourcesAt(uint64_t chunk, size_t byteOffset, const void* own) const {
   thread_local std::vector<const void*> sources;  // one per thread: parts run at once
   sources.resize(options_.size);
   for (int r = 0; r < options_.size; ++r) sources[r] = slot(r, chunk) + byteOffset;
@@ -311,11 +310,13 @@ void ShmGroup::broadcast(void* data, size_t bytes, int root) {
     char* mine = static_cast<char*>(data) + offset;
     const size_t parts = partsFor(m);
     if (options_.rank == root) {
-      split(m, 1, parts, [&](size_t a, size_t b) { std::memcpy(slot(root, k) + a, mine + a, b - a); });
+      split(m, 1, parts,
+            [&](size_t a, size_t b) { std::memcpy(slot(root, k) + a, mine + a, b - a); });
     }
     step(sig);
     if (options_.rank != root) {
-      split(m, 1, parts, [&](size_t a, size_t b) { std::memcpy(mine + a, slot(root, k) + a, b - a); });
+      split(m, 1, parts,
+            [&](size_t a, size_t b) { std::memcpy(mine + a, slot(root, k) + a, b - a); });
     }
   }
 }

@@ -77,6 +77,9 @@ TEST(Settings, CpuSharedMemory) {
   EXPECT_EQ(d.cpuShmBufferBytes, 0);  // 256 KiB per worker thread (coord::setUpCpuShm)
   EXPECT_EQ(d.cpuShmTwoPhaseBytes, 16 << 10);
   EXPECT_EQ(d.cpuShmSpinUs, -1);  // the group's policy (coord::spinPolicy)
+  EXPECT_TRUE(d.cpuShmYield);
+  EXPECT_FALSE(Settings::parse(fakeEnv({{"TPCOMM_CPU_SHM_YIELD", "0"}})).cpuShmYield);
+  expectEachRefused({{"TPCOMM_CPU_SHM_YIELD", "often"}});
   EXPECT_EQ(d.cpuReduceIsa, "auto");
   EXPECT_EQ(d.cpuHierSliceBytes, 4 << 20);
   EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_CPU_HIER_SLICE_BYTES", "0"}})).cpuHierSliceBytes, 0);
@@ -92,12 +95,18 @@ TEST(Settings, CpuSharedMemory) {
   EXPECT_EQ(s.cpuShmTwoPhaseBytes, 0);
   EXPECT_EQ(s.cpuShmSpinUs, 0);
   const std::vector<std::pair<const char*, const char*>> bad = {
-      {"TPCOMM_CPU_SHM", "sometimes"},          {"TPCOMM_CPU_SHM_BUFFER_BYTES", "4100"},
-      {"TPCOMM_CPU_SHM_BUFFER_BYTES", "1024"},  {"TPCOMM_CPU_SHM_BUFFER_BYTES", "-64"},
-      {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "-1"}, {"TPCOMM_CPU_SHM_SPIN_US", "2000000"},
-      {"TPCOMM_CPU_SHM_SPIN_US", "-2"},         {"TPCOMM_CPU_REDUCE_ISA", "sse9"},
-      {"TPCOMM_CPU_HIER_SLICE_BYTES", "-1"},     {"TPCOMM_CPU_SHM_CPUS", "0-"},
-      {"TPCOMM_CPU_SHM_CPUS", "a"},              {"TPCOMM_CPU_SHM_CPUS", "1,,2"}};
+      {"TPCOMM_CPU_SHM", "sometimes"},
+      {"TPCOMM_CPU_SHM_BUFFER_BYTES", "4100"},
+      {"TPCOMM_CPU_SHM_BUFFER_BYTES", "1024"},
+      {"TPCOMM_CPU_SHM_BUFFER_BYTES", "-64"},
+      {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "-1"},
+      {"TPCOMM_CPU_SHM_SPIN_US", "2000000"},
+      {"TPCOMM_CPU_SHM_SPIN_US", "-2"},
+      {"TPCOMM_CPU_REDUCE_ISA", "sse9"},
+      {"TPCOMM_CPU_HIER_SLICE_BYTES", "-1"},
+      {"TPCOMM_CPU_SHM_CPUS", "0-"},
+      {"TPCOMM_CPU_SHM_CPUS", "a"},
+      {"TPCOMM_CPU_SHM_CPUS", "1,,2"}};
   expectEachRefused(bad);
   EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_CPU_SHM_CPUS", "0-7,16-23"}})).cpuShmCpus,
             "0-7,16-23");

@@ -175,7 +175,7 @@ TEST(ShmGroup, APipelinedAllreduceWithARankHeldBackAtRandomPointsGivesTheReferen
   ShmGroupOptions o;
   o.bufferBytes = 4096;  // 1,024 floats a chunk: every call below is a pipeline of 6
   o.twoPhaseMinBytes = 1;
-  o.spin = 0us;          // more ranks than cores here: sleep at once
+  o.spin = 0us;  // more ranks than cores here: sleep at once
   o.timeout = 60s;
   const auto body = [](ShmGroup& g) {
     const int n = g.options().size, me = g.options().rank;

@@ -27,7 +27,6 @@ best peer's, and where the CPU lacks what a peer needs, that peer's reason.
 import os
 import sys
 import tarfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tpcomm._net import run_ranks
-from tpcomm.bench.cpu import fmt_bytes, iters_for
+from tpcomm.bench.cpu import best_interleaved, fmt_bytes, iters_for
 
 DEEPSPEED_VERSION = "0.19.8"
 PEERS = ("deepspeed", "vllm")
@@ -223,20 +222,9 @@ def _worker(rank, world, port, sizes, dtypes, quick, rounds, peers, results):
             calls = {name: make(x) for name, make in ways.items()}
             if nbytes > (16 << 20) and "gloo" in calls and not quick:
                 del calls["gloo"]  # seconds a call at 64 MiB, and not the bar
-            best = {name: float("inf") for name in calls}
-            iters = iters_for(nbytes, quick)
             for fn in calls.values():
-                fn()
-            for _ in range(rounds):
-                for name, fn in calls.items():
-                    x.fill_(1)
-                    dist.barrier(group=control)
-                    start = time.perf_counter()
-                    for _ in range(iters):
-                        fn()
-                    took = torch.tensor([(time.perf_counter() - start) / iters])
-                    dist.all_reduce(took, op=dist.ReduceOp.MAX, group=control)
-                    best[name] = min(best[name], took.item())
+                fn()  # warm-up
+            best = best_interleaved(calls, iters_for(nbytes, quick), rounds, control)
             out["rows"].append((dname, nbytes, best))
     if rank == 0:
         results.put(out)
