@@ -173,9 +173,19 @@ void ShmGroup::allreducePipelined(const char* in, char* out, size_t count, DType
     c.k = first + j;
     return c;
   };
+  // PREMUL_SUM: this rank's own slice of chunk j, scaled, into the output.
+  const auto scaleOwn = [&](const Chunk& c, size_t a, size_t b) {
+    const size_t lo = std::max(a, c.from), hi = std::min(b, c.to);
+    if (hi > lo) {
+      copyScaled(out + (c.offset + lo) * esize, in + (c.offset + lo) * esize, hi - lo, dtype, spec);
+    }
+  };
   // This rank's slot of chunk j: every element a peer reads (all but its
-  // own slice, unless the slice must come from the slot too).
-  const auto copyIn = [&](const Chunk& c) {
+  // own slice), and with `own` (PREMUL_SUM) its scaled own slice into the
+  // output. The first chunk's goes there only after the first step, where
+  // disagreeing calls raise: a refused in-place call leaves its input as
+  // it was.
+  const auto copyIn = [&](const Chunk& c, bool own) {
     const char* src = in + c.offset * esize;
     char* dst = slot(me, c.k);
     split(c.m, esize, c.parts, [&](size_t a, size_t b) {
@@ -184,10 +194,7 @@ void ShmGroup::allreducePipelined(const char* in, char* out, size_t count, DType
       };
       copy(a, std::min(b, c.from));
       copy(std::max(a, c.to), b);
-      const size_t lo = std::max(a, c.from), hi = std::min(b, c.to);
-      if (scaled && hi > lo) {
-        copyScaled(out + (c.offset + lo) * esize, src + lo * esize, hi - lo, dtype, spec);
-      }
+      if (own) scaleOwn(c, a, b);
     });
   };
   // This rank's slice of chunk j, reduced from every rank's slot (its own
@@ -212,14 +219,18 @@ void ShmGroup::allreducePipelined(const char* in, char* out, size_t count, DType
   };
   // chunks_ counts a chunk once its slot is written; a step that throws on
   // disagreeing calls (the first) sets it itself.
-  copyIn(chunk(0));
+  copyIn(chunk(0), false);
   chunks_ = first + 1;
   step(sig);
+  if (scaled) {
+    const Chunk c = chunk(0);
+    split(c.m, esize, c.parts, [&](size_t a, size_t b) { scaleOwn(c, a, b); });
+  }
   for (size_t j = 1; j <= chunks; ++j) {
     if (j >= 2) copyOut(chunk(j - 2));
     reduceSlice(chunk(j - 1));
     if (j < chunks) {
-      copyIn(chunk(j));
+      copyIn(chunk(j), scaled);
       chunks_ = first + j + 1;
     }
     step(sig);

@@ -313,6 +313,31 @@ TEST(ShmGroup, MismatchedCallsRaiseOnEveryRankAndTheGroupStaysUsable) {
   for (int code : runRanks(3, smallBuffers(1ull << 40), body)) EXPECT_EQ(code, 0);
 }
 
+// A two-phase PREMUL_SUM in place that the ranks disagree on raises before
+// it touched the input (its own slice is scaled into the output, which is
+// the input here, only after the first step, where disagreement shows).
+TEST(ShmGroup, ARefusedInPlacePremulSumLeavesItsInputAsItWas) {
+  const auto body = [](ShmGroup& g) {
+    const int me = g.options().rank;
+    ReduceSpec premul;
+    premul.premultiply = true;
+    premul.scale = 0.5;
+    std::vector<float> x(me == 1 ? 300 : 299, static_cast<float>(me + 1));
+    try {
+      g.allreduce(x.data(), x.data(), x.size(), DType::kFloat32, premul);
+      return 2;
+    } catch (const Error& e) {
+      CHILD_CHECK(e.code() == ErrorCode::kInvalidUsage, "code: %s", e.what());
+    }
+    for (float v : x) CHILD_CHECK(v == static_cast<float>(me + 1), "input changed: %g", v);
+    std::vector<float> y(300, static_cast<float>(me + 1));
+    g.allreduce(y.data(), y.data(), y.size(), DType::kFloat32, premul);
+    for (float v : y) CHILD_CHECK(v == 3.0f, "after the refusal: %g", v);  // (1 + 2 + 3) / 2
+    return 0;
+  };
+  for (int code : runRanks(3, smallBuffers(1), body)) EXPECT_EQ(code, 0);
+}
+
 TEST(ShmGroup, AKilledRankMakesTheOthersRaiseNamingIt) {
   ShmGroupOptions o = smallBuffers(1ull << 40);
   o.timeout = 60s;  // far longer than the test may take: death must be noticed
