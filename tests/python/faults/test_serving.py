@@ -32,16 +32,20 @@ ECHO = {}
 def start_echo_before_init():
     """Called before `import tpcomm` on each rank (harness before_import):
     the echo traffic starts before the world group is made, and the world
-    group's creation records how many connections opened meanwhile."""
+    group's creation records how many connections opened meanwhile.
+
+    The traffic started here may have reached its limit by the time the
+    group is made (importing tpcomm under load takes longer than LIMIT
+    connections): the group's creation starts a phase of its own, as
+    new_group's and split's do."""
     ports = [int(p) for p in os.environ["TEST_ECHO_PORTS"].split(",")]
     echo = EchoTraffic(port=ports[int(os.environ["TEST_ECHO_RANK"])])
     ECHO["echo"], ECHO["ports"] = echo, ports
     original = dist.init_process_group
 
     def init_process_group(*args, **kwargs):
-        before = echo.opened
-        original(*args, **kwargs)
-        ECHO["during_world"] = echo.opened - before
+        echo.stop_clients()
+        _, ECHO["during_world"] = _made_during_traffic(lambda: original(*args, **kwargs))
 
     dist.init_process_group = init_process_group
     echo.start_clients(ports=ports, every_s=EVERY_S, limit=LIMIT)
