@@ -36,7 +36,7 @@ except ImportError:  # a source tree that was never built
 _check_build_torch(_BUILD_TORCH, torch.__version__)
 
 from tpcomm import _C, _hooks, _ops  # noqa: E402
-from tpcomm._registration import BACKEND_NAME, register  # noqa: E402
+from tpcomm._registration import BACKEND_NAME, _backend_of, register  # noqa: E402
 from tpcomm.message_queue import MessageQueue, PeerLostError
 
 register()
@@ -66,17 +66,6 @@ def settings():
 def build_info():
     """The CUDA version and SM architectures this build's kernels target."""
     return dict(_C.build_info())
-
-
-def _backend_of(group):
-    if isinstance(group, GroupCoordinator):
-        group = group.device_group
-    if group is None:
-        group = torch.distributed.group.WORLD
-    backend = group._get_backend(torch.device("cpu"))
-    if not isinstance(backend, _C.ProcessGroupTpcomm):
-        raise ValueError(f"group uses backend {torch.distributed.get_backend(group)!r}, not {BACKEND_NAME!r}")
-    return backend
 
 
 def stats(group=None):

@@ -153,6 +153,19 @@ def own_tokens(plan):
     return plan.tokens
 
 
+# The groups initialize_model_parallel made, as (expert-parallel,
+# data-parallel, prefill-context-parallel) or None each: parallel_state
+# registers a function that returns them (parallel_groups), so that this
+# module, below both the coordinator and parallel_state, imports neither.
+_parallel_groups = None
+
+
+def parallel_groups(groups):
+    """Registers `groups()`, the (ep, dp, pcp) groups moe_group reads."""
+    global _parallel_groups
+    _parallel_groups = groups
+
+
 def moe_group(coordinator, is_sequence_parallel):
     """The group vLLM 0.33's all-gather dispatch runs over when called on
     `coordinator`: itself, unless it is the expert-parallel group that
@@ -161,10 +174,9 @@ def moe_group(coordinator, is_sequence_parallel):
     same tokens and reduce their results themselves), or, with one
     data-parallel replica, the prefill-context group; with several
     replicas and prefill context parallelism, itself again."""
-    from tpcomm import parallel_state as ps
-
-    if is_sequence_parallel or coordinator is not ps._EP:
+    ep, dp, pcp = _parallel_groups() if _parallel_groups is not None else (None, None, None)
+    if is_sequence_parallel or ep is None or coordinator is not ep:
         return coordinator
-    if ps._DP is not None and ps._DP.world_size > 1:
-        return coordinator if ps._PCP is not None and ps._PCP.world_size > 1 else ps._DP
-    return ps._PCP if ps._PCP is not None else coordinator
+    if dp is not None and dp.world_size > 1:
+        return coordinator if pcp is not None and pcp.world_size > 1 else dp
+    return pcp if pcp is not None else coordinator

@@ -23,12 +23,12 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from tpcomm import _C, _fast_calls
+from tpcomm._registration import _backend_of
 
 _fast_into = _C._fast_all_reduce_into
 
 
 def _backend(group):
-    from tpcomm import _backend_of
     return _backend_of(group)
 
 

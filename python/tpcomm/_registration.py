@@ -15,6 +15,20 @@ from tpcomm._net import gloo_device_maker
 BACKEND_NAME = "tpcomm"
 
 
+def _backend_of(group):
+    """The tpcomm backend object of `group`: a process group, a
+    GroupCoordinator (its device group) or None (the world)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup) \
+            and hasattr(group, "device_group"):
+        group = group.device_group
+    if group is None:
+        group = dist.group.WORLD
+    backend = group._get_backend(torch.device("cpu"))
+    if not isinstance(backend, _C.ProcessGroupTpcomm):
+        raise ValueError(f"group uses backend {dist.get_backend(group)!r}, not {BACKEND_NAME!r}")
+    return backend
+
+
 def _make_device_backend(store, rank, size, timeout):
     """The device backend (torch's ProcessGroupNCCL), made on the first CUDA call."""
     opts = dist.ProcessGroupNCCL.Options()

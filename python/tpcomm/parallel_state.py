@@ -27,7 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tpcomm import _ops, coordinator as _coordinator
+from tpcomm import _expert_parallel, _ops, coordinator as _coordinator
 from tpcomm._registration import BACKEND_NAME
 from tpcomm.coordinator import GroupCoordinator
 
@@ -41,6 +41,9 @@ _PP = None
 _DP = None
 _EP = None
 _EPLB = None
+# The expert-parallel dispatch (_expert_parallel.moe_group) reads the groups
+# made here through this.
+_expert_parallel.parallel_groups(lambda: (_EP, _DP, _PCP))
 
 
 def init_distributed_environment(world_size=-1, rank=-1, distributed_init_method="env://",

@@ -43,6 +43,10 @@ import tempfile
 import time
 
 WAYS = ("vllm-shm", "gloo", "tpcomm")
+# Chosen by --ways only: tpcomm with waits that keep their core while the
+# ranks fit the CPUs (TPCOMM_CPU_SHM_YIELD=0, the policy before waits
+# yielded by default), to compare the two inside one run.
+EXTRA_WAYS = ("tpcomm-spin",)
 _RESULT = "TPCOMM_VLLM_RESULT "
 # Loaded first by every Python process of a --cpu-level avx2 run: the CPU
 # checks vLLM chooses its kernels by answer as on a CPU without AVX-512.
@@ -166,10 +170,10 @@ def _child(args):
                                 "tpcomm_calls": through_tpcomm}), flush=True)
 
 
-def _vllm_kernels():
-    """The kernel libraries vLLM loaded in this process and its workers (its
-    descendants), read from their memory maps: vLLM's import of the AVX2 one
-    "fails" after loading it."""
+def _vllm_kernels(root=None):
+    """The kernel libraries vLLM loaded in process `root` (default this one)
+    and its descendants (the workers), read from their memory maps: vLLM's
+    import of the AVX2 one "fails" after loading it."""
     parents = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -177,7 +181,7 @@ def _vllm_kernels():
                 parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-    mine, seen = {os.getpid()}, set()
+    mine, seen = {root or os.getpid()}, set()
     while True:
         more = {p for p, parent in parents.items() if parent in mine} - mine
         if not more:
@@ -193,14 +197,17 @@ def _vllm_kernels():
     return ", ".join(f"vllm/{m}.abi3.so" for m in sorted(seen)) or "no kernel library"
 
 
-def _run(way, tp, model, args, log):
-    """Runs one vLLM in a child process; returns its result dict."""
+def _way_env(way, tp, args):
+    """The environment of a vLLM of `way` with `tp` workers, and the folder
+    its workers write their all-reduce totals to (the caller removes it)."""
     env = dict(os.environ)
     env.pop("TPCOMM_VLLM", None)
     if way == "gloo":
         env["TPCOMM_VLLM"] = "gloo"
-    elif way == "tpcomm":
+    elif way in ("tpcomm", "tpcomm-spin"):
         env["TPCOMM_VLLM"] = "1"
+        if way == "tpcomm-spin":
+            env["TPCOMM_CPU_SHM_YIELD"] = "0"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cores = sorted(os.sched_getaffinity(0))  # the CPUs this process may use
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
@@ -211,6 +218,12 @@ def _run(way, tp, model, args, log):
     profile = tempfile.mkdtemp(prefix="tpcomm-vllm-profile-")
     env["TPCOMM_VLLM_PROFILE"] = profile
     _cpu_level_env(env, getattr(args, "cpu_level", None), profile)
+    return env, profile
+
+
+def _run(way, tp, model, args, log):
+    """Runs one vLLM in a child process; returns its result dict."""
+    env, profile = _way_env(way, tp, args)
     # Run by path, not as tpcomm.bench.vllm_cpu: vLLM's own and Gloo's runs
     # then load nothing of tpcomm.
     command = [sys.executable, os.path.abspath(__file__), "--child", "--model", model,
@@ -329,66 +342,28 @@ def _vllm_version():
 
 
 def main(argv=None):
+    """A child run by path (_run): one vLLM, one result line."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m tpcomm.bench vllm-cpu",
-                                     description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--tp", type=int, default=2, help=argparse.SUPPRESS)
-    return run(parser.parse_args(argv))
-
-
-def add_arguments(parser):
-    parser.add_argument("--check", action="store_true",
-                        help="the end-to-end test: TP=1, vLLM's TP=2 and tpcomm's TP=2 agree")
-    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (default 3)")
-    parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS))
-    parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
-    parser.add_argument("--batch", type=int, default=16, help="requests")
+    parser = argparse.ArgumentParser(description="one vLLM of the benchmark (internal)")
+    parser.add_argument("--child", action="store_true", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                        help="default bfloat16; float32 with --check (TP=1 and TP=2 then "
-                             "round alike)")
-    parser.add_argument("--eager", action="store_true", help="no torch.compile in vLLM")
-    parser.add_argument("--cpu-level", choices=("avx2",), default=None,
-                        help="run as on a CPU with AVX2 and no AVX-512 (vLLM's AVX2 kernels, "
-                             "which have no shared-memory all-reduce)")
-    parser.add_argument("--tp1", action="store_true", help="also TP=1, for token equality")
-    parser.add_argument("--timeout", type=float, default=600.0, help="per vLLM run (s)")
-    parser.add_argument("--hosts", type=int, default=0, choices=(0, 2),
-                        help="2: across two simulated hosts, two workers on each, tpcomm "
-                             "against Gloo (root; tpcomm/bench/vllm_hosts.py)")
-    parser.add_argument("--layout", choices=("tp4", "tp2pp2"), default="tp4",
-                        help="with --hosts: TP=4 across both hosts, or TP=2 in each and PP=2 "
-                             "across")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--eager", action="store_true")
+    _child(parser.parse_args(argv))
+    return 0
 
 
-def run(args):
-    if getattr(args, "child", False):
-        _child(args)
-        return 0
-    missing = _missing()
-    if missing:
-        print(f"vllm-cpu: {missing}", file=sys.stderr)
-        return 2
-    if args.hosts:
-        from tpcomm.bench.vllm_hosts import run as run_across_hosts
-
-        return run_across_hosts(args)
+def prepare(args):
+    """The defaults that depend on other options."""
     if args.dtype is None:
         args.dtype = "float32" if args.check or args.cpu_level else "bfloat16"
     if args.cpu_level:
         args.eager = True
-    with tempfile.TemporaryDirectory(prefix="tpcomm-vllm-") as folder:
-        model = os.path.join(folder, "model")
-        make_model(model, args.layers, args.hidden)
-        log = os.path.join(tempfile.gettempdir(), "tpcomm-vllm-cpu.log")
-        open(log, "w").close()
-        return check(args, model, log) if args.check else bench(args, model, log)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import sys
 import tempfile
 import time
 
+from tpcomm.bench.vllm_cpu import _prompts, _run, _tokens_match, make_model
+
 _RESULT = "TPCOMM_VLLM_HOSTS_RESULT "
 
 
@@ -52,8 +54,6 @@ def _node(args):
 
 def _engine(args):
     from vllm import LLM, SamplingParams
-
-    from tpcomm.bench.vllm_cpu import _prompts
 
     llm = LLM(**_engine_kwargs(args))
     requests = [{"prompt_token_ids": p} for p in _prompts(args.batch, args.prompt_len)]
@@ -107,7 +107,6 @@ def run(args):
     """TP=1 in one process, then tpcomm and Gloo across two hosts for
     `args.rounds` rounds; prints tokens/s and token equality."""
     from tpcomm import simhosts
-    from tpcomm.bench.vllm_cpu import _run, _tokens_match, make_model
 
     reason = simhosts.unavailable_reason()
     if reason is not None:

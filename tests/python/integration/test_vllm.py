@@ -102,6 +102,31 @@ def test_vllm_cpu_tensor_parallel_2_on_tpcomm_generates_tp1s_tokens():
     assert "OK: TP=2 on tpcomm generates TP=1's tokens" in done.stdout, out[-6000:]
 
 
+@pytest.mark.timeout(3600)
+def test_vllms_openai_server_on_tpcomm_answers_with_its_own_servers_tokens():
+    """bench vllm-cpu --serve --check: vLLM's OpenAI server, TP=2, on its
+    own path and on tpcomm, concurrent clients: the same tokens, and the
+    tpcomm server's workers run their group on tpcomm."""
+    why = _why_not()
+    if why:
+        pytest.skip(why)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPCOMM_VLLM", "VIRTUAL_ENV"))}
+    done = subprocess.run(
+        ["bash", os.path.join(ROOT, "python", "run.sh"), "vllm-cpu", "--serve", "--check",
+         "--layers", "2", "--hidden", "512", "--requests", "8", "--clients", "4", "--tokens",
+         "16", "--timeout", "900"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=3500)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    assert "OK: the OpenAI server on tpcomm answers 8 concurrent completions" in done.stdout, \
+        out[-6000:]
+    # The table: both ways, their p50/p99 latencies and token equality.
+    rows = {line.split("|")[0].strip(): line for line in done.stdout.splitlines()
+            if line.count("|") >= 8}
+    assert {"vllm-shm", "tpcomm"} <= set(rows), done.stdout
+    assert rows["tpcomm"].split("|")[7].strip() == "True", done.stdout
+
+
 # vLLM 0.33.0's surface (vllm/distributed/parallel_state.py): the public
 # methods and properties of GroupCoordinator and the public functions.
 VLLM_033_COORDINATOR = """

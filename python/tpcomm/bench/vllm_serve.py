@@ -1,0 +1,269 @@
+"""python -m tpcomm.bench vllm-cpu --serve: vLLM's OpenAI server
+(vllm.entrypoints.openai.api_server) with tensor parallelism 2 on CPU, as a
+server runs it: the API server and the engine core share the machine with
+the two workers, and concurrent clients send completions.
+
+Each way (vLLM's own shared-memory path, Gloo, tpcomm; as in the offline
+benchmark, tpcomm/bench/vllm_cpu.py) is a fresh server, rounds alternated.
+The model is the offline benchmark's random Llama, prompts are token ids
+(--skip-tokenizer-init) and every completion returns its token ids
+(`return_token_ids`), greedy and `ignore_eos`, so every way must give the
+same tokens. Printed per way: the median tokens/s over rounds and its
+spread (max/min), p50 and p99 request latency (over every request of every
+round), the workers' share of model-step time in the tensor-parallel
+all-reduce, and whether its tokens equal vLLM's own path's.
+
+`--serve --check` is the end-to-end test of the server: vLLM's own path and
+tpcomm, one round, the same tokens, and the tpcomm server's workers say
+their group runs on tpcomm and count its collectives.
+"""
+
+import http.client
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from tpcomm.bench.vllm_cpu import _prompts, _read_profile, _vllm_kernels, _vllm_version, _way_env
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """One vLLM OpenAI server in its own process group, its output in `log`."""
+
+    def __init__(self, way, model, args, log):
+        self.way, self.port = way, _free_port()
+        self.env, self.profile = _way_env(way, 2, args)
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                   "--model", model, "--host", "127.0.0.1", "--port", str(self.port),
+                   "--tensor-parallel-size", "2", "--distributed-executor-backend", "mp",
+                   "--skip-tokenizer-init", "--dtype", args.dtype, "--seed", "0",
+                   "--max-model-len", str(args.prompt_len + args.tokens + 16),
+                   "--max-num-seqs", str(max(args.clients, 1))]
+        if args.eager:
+            command.append("--enforce-eager")
+        self.model = model
+        self.log_path = log
+        self.out = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen(command, env=self.env, stdout=self.out,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self):
+        self.out.flush()
+        self.out.seek(0)
+        return self.out.read()
+
+    def wait_ready(self, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.way}: the server exited with {self.proc.returncode} "
+                                   f"before it was ready; its output ends:\n"
+                                   f"{self.output()[-4000:]}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.way}: the server was not ready within {timeout_s:.0f} s; its "
+                           f"output ends:\n{self.output()[-4000:]}")
+
+    def complete(self, prompt, tokens, timeout_s):
+        """One completion: (its token ids, seconds)."""
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": tokens,
+                           "temperature": 0.0, "ignore_eos": True,
+                           "return_token_ids": True})
+        start = time.perf_counter()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout_s)
+        try:
+            conn.request("POST", "/v1/completions", body=body,
+                         headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            data = response.read()
+        finally:
+            conn.close()
+        seconds = time.perf_counter() - start
+        if response.status != 200:
+            raise RuntimeError(f"{self.way}: completion answered {response.status}: "
+                               f"{data[:2000]!r}")
+        choice = json.loads(data)["choices"][0]
+        if choice.get("token_ids") is None:
+            raise RuntimeError(f"{self.way}: the completion returned no token ids: {choice}")
+        return list(choice["token_ids"]), seconds
+
+    def stop(self):
+        """SIGINT (vLLM's own shutdown: engine core and workers), then the
+        whole process group."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGINT)
+                self.proc.wait(timeout=30)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=30)
+        with open(self.log_path, "a") as f:
+            f.write(f"===== server {self.way}\n{self.output()}\n")
+        self.out.close()
+        import shutil
+
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+
+def _clients(server, prompts, tokens, clients, timeout_s):
+    """`clients` threads send every prompt, each taking the next one not
+    yet sent: (token ids per prompt, latency per prompt, seconds in all)."""
+    results, latencies, errors = [None] * len(prompts), [None] * len(prompts), []
+    lock, next_index = threading.Lock(), [0]
+
+    def client():
+        while not errors:
+            with lock:
+                i = next_index[0]
+                next_index[0] += 1
+            if i >= len(prompts):
+                return
+            try:
+                results[i], latencies[i] = server.complete(prompts[i], tokens, timeout_s)
+            except Exception as e:  # reported by the caller
+                errors.append(e)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    seconds = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    if any(t.is_alive() for t in threads):
+        raise RuntimeError(f"{server.way}: the clients did not finish within {timeout_s:.0f} s")
+    return results, latencies, seconds
+
+
+def _one_round(way, model, args, log):
+    server = _Server(way, model, args, log)
+    try:
+        server.wait_ready(args.timeout)
+        prompts = _prompts(args.requests, args.prompt_len)
+        # Warm-up: a full batch of concurrent requests (first allocations,
+        # every batch size the measured phase sees), not measured.
+        _clients(server, prompts[:args.clients], 4, args.clients, args.timeout)
+        before = _read_profile(server.profile)
+        tokens, latencies, seconds = _clients(server, prompts, args.tokens, args.clients,
+                                              args.timeout)
+        time.sleep(0.2)  # the workers write their totals after each step
+        after = _read_profile(server.profile)
+        kernels = _vllm_kernels(server.proc.pid)
+        output = server.output()
+    finally:
+        server.stop()
+
+    def delta(r, key):
+        return after[r][key] - before.get(r, {}).get(key, 0.0)
+
+    shares = [delta(r, "all_reduce_s") / delta(r, "step_s") for r in after
+              if delta(r, "step_s") > 0 and delta(r, "calls") > 0]
+    return {"tokens": tokens, "latencies": latencies, "seconds": seconds,
+            "tokens_per_s": sum(map(len, tokens)) / seconds,
+            "all_reduce_share": sum(shares) / len(shares) if shares else None,
+            "tpcomm_calls": sum(delta(r, "tpcomm_calls") for r in after), "log": output,
+            "kernels": kernels}
+
+
+def _percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
+
+
+def serve(args, model, log):
+    rounds = {w: [] for w in args.ways}
+    for r in range(args.rounds):
+        order = args.ways if r % 2 == 0 else tuple(reversed(args.ways))
+        for way in order:
+            rounds[way].append(_one_round(way, model, args, log))
+            last = rounds[way][-1]
+            print(f"  round {r + 1} {way:>11}: {last['tokens_per_s']:8.1f} tok/s, "
+                  f"p50 {1e3 * _percentile(last['latencies'], 0.5):.0f} ms, "
+                  f"p99 {1e3 * _percentile(last['latencies'], 0.99):.0f} ms", flush=True)
+    first = next(iter(rounds.values()))[0]
+    level = getattr(args, "cpu_level", None)
+    print(f"\n{'as on a CPU with ' + level + ' and no AVX-512 (--cpu-level): ' if level else ''}"
+          f"vLLM's servers loaded {first['kernels']}" + (
+              "" if "_C_AVX2" not in first["kernels"] else
+              ", which has no shared-memory all-reduce: vLLM's own path is Gloo there"))
+    print(f"vLLM {_vllm_version()} OpenAI server on CPU ({os.cpu_count()} cores), TP=2, "
+          f"{args.requests} completions from {args.clients} concurrent clients x {args.tokens} "
+          f"new tokens, {args.layers} layers of width {args.hidden}, {args.dtype}, greedy; "
+          f"{args.rounds} alternated rounds")
+    reference = rounds.get("vllm-shm")
+    ref_median = statistics.median(x["tokens_per_s"] for x in reference) if reference else None
+    head = (f"{'way':>11} | {'median tok/s':>12} | {'x vLLM shm':>10} | {'spread':>6} | "
+            f"{'p50 ms':>7} | {'p99 ms':>7} | {'all-reduce share':>16} | {'= vLLM shm':>10} | "
+            f"rounds (tok/s)")
+    print(head)
+    print("-" * len(head))
+    for way in args.ways:
+        runs = rounds[way]
+        rates = [x["tokens_per_s"] for x in runs]
+        median = statistics.median(rates)
+        latencies = [s for x in runs for s in x["latencies"]]
+        shares = [x["all_reduce_share"] for x in runs if x["all_reduce_share"] is not None]
+        share = f"{100 * min(shares):.1f}-{100 * max(shares):.1f}%" if shares else "-"
+        same = (all(x["tokens"] == reference[0]["tokens"] for x in runs) if reference else "-")
+        ratio = f"{median / ref_median:.2f}" if ref_median else "-"
+        print(f"{way:>11} | {median:12.1f} | {ratio:>10} | {max(rates) / min(rates):6.2f} | "
+              f"{1e3 * _percentile(latencies, 0.5):7.0f} | "
+              f"{1e3 * _percentile(latencies, 0.99):7.0f} | {share:>16} | {str(same):>10} | "
+              + ", ".join(f"{x:.0f}" for x in rates))
+    print(f"The servers' output: {log}")
+    return rounds
+
+
+def check(args, model, log):
+    """vLLM's own path and tpcomm, one round each: the same tokens, and the
+    tpcomm server's tensor-parallel group on tpcomm."""
+    args.rounds, args.ways = 1, ["vllm-shm", "tpcomm"]
+    rounds = serve(args, model, log)
+    own, ours = rounds["vllm-shm"][0], rounds["tpcomm"][0]
+    problems = []
+    if "tpcomm: group tp" not in ours["log"] or "backend tpcomm" not in ours["log"]:
+        problems.append("the tpcomm server's log does not say that group tp runs on backend "
+                        "tpcomm (was the plugin loaded? TPCOMM_VLLM=1)")
+    if ours["tpcomm_calls"] <= 0:
+        problems.append("tpcomm's counters of the tensor-parallel group saw no call while the "
+                        "server answered")
+    if "tpcomm: group tp" in own["log"]:
+        problems.append("vLLM's own server logged tpcomm's plugin although TPCOMM_VLLM was unset")
+    total = sum(map(len, own["tokens"]))
+    if total != args.requests * args.tokens:
+        problems.append(f"vLLM's own server generated {total} tokens, not "
+                        f"{args.requests} x {args.tokens}")
+    differ = sum(x != y for a, b in zip(own["tokens"], ours["tokens"]) for x, y in zip(a, b))
+    if own["tokens"] != ours["tokens"]:
+        problems.append(f"the tpcomm server: {differ} of {total} tokens differ from vLLM's own")
+    if problems:
+        print("FAILED:\n  " + "\n  ".join(problems))
+        return 1
+    print(f"OK: the OpenAI server on tpcomm answers {args.requests} concurrent completions with "
+          f"vLLM's own server's tokens; tpcomm's counters saw {ours['tpcomm_calls']:.0f} "
+          "collectives of its tensor-parallel group")
+    return 0
