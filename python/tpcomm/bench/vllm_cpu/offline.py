@@ -224,7 +224,7 @@ def _way_env(way, tp, args):
 def _run(way, tp, model, args, log):
     """Runs one vLLM in a child process; returns its result dict."""
     env, profile = _way_env(way, tp, args)
-    # Run by path, not as tpcomm.bench.vllm_cpu: vLLM's own and Gloo's runs
+    # Run by path, not as tpcomm.bench.vllm_cpu.offline: vLLM's own and Gloo's runs
     # then load nothing of tpcomm.
     command = [sys.executable, os.path.abspath(__file__), "--child", "--model", model,
                "--tp", str(tp), "--tokens", str(args.tokens), "--batch", str(args.batch),

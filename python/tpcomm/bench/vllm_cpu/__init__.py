@@ -1,11 +1,11 @@
 """python -m tpcomm.bench vllm-cpu: the command line of vLLM's benchmarks
 on CPU, each in a module of its own below this one:
 
-    vllm_cpu.py    offline generation (LLM.generate), TP=2: vLLM's own
+    offline.py     offline generation (LLM.generate), TP=2: vLLM's own
                    shared-memory path, Gloo, tpcomm; --check, the end-to-end
                    test (the model, prompts and ways every other one uses)
-    vllm_serve.py  --serve: vLLM's OpenAI server with concurrent clients
-    vllm_hosts.py  --hosts 2: across two simulated hosts
+    serve.py       --serve: vLLM's OpenAI server with concurrent clients
+    hosts.py       --hosts 2: across two simulated hosts
 
 Run through `bash python/run.sh vllm-cpu [args]`, which makes vLLM's CPU
 environment (.venv-vllm-cpu).
@@ -15,8 +15,8 @@ import os
 import sys
 import tempfile
 
-from tpcomm.bench import vllm_cpu, vllm_hosts, vllm_serve
-from tpcomm.bench.vllm_cpu import EXTRA_WAYS, WAYS
+from tpcomm.bench.vllm_cpu import offline
+from tpcomm.bench.vllm_cpu.offline import EXTRA_WAYS, WAYS
 
 
 def add_arguments(parser):
@@ -40,40 +40,47 @@ def add_arguments(parser):
                              "which have no shared-memory all-reduce)")
     parser.add_argument("--serve", action="store_true",
                         help="vLLM's OpenAI server with concurrent clients: tokens/s, p50/p99 "
-                             "latency (tpcomm/bench/vllm_serve.py); with --check its end-to-end "
+                             "latency (tpcomm/bench/vllm_cpu/serve.py); with --check its end-to-end "
                              "test")
     parser.add_argument("--requests", type=int, default=48,
                         help="with --serve: completions per round (default 48)")
     parser.add_argument("--clients", type=int, default=12,
                         help="with --serve: concurrent clients (default 12)")
+    parser.add_argument("--load", type=int, default=0,
+                        help="with --serve: processes that keep a core busy each while the "
+                             "clients run (a machine the server does not have alone)")
     parser.add_argument("--tp1", action="store_true", help="also TP=1, for token equality")
     parser.add_argument("--timeout", type=float, default=600.0, help="per vLLM run (s)")
     parser.add_argument("--hosts", type=int, default=0, choices=(0, 2),
                         help="2: across two simulated hosts, two workers on each, tpcomm "
-                             "against Gloo (root; tpcomm/bench/vllm_hosts.py)")
+                             "against Gloo (root; tpcomm/bench/vllm_cpu/hosts.py)")
     parser.add_argument("--layout", choices=("tp4", "tp2pp2"), default="tp4",
                         help="with --hosts: TP=4 across both hosts, or TP=2 in each and PP=2 "
                              "across")
 
 
 def run(args):
-    missing = vllm_cpu._missing()
+    # Imported here: `python -m tpcomm.bench.vllm_cpu.hosts` (a host's part)
+    # imports this package first.
+    from tpcomm.bench.vllm_cpu import hosts, serve
+
+    missing = offline._missing()
     if missing:
         print(f"vllm-cpu: {missing}", file=sys.stderr)
         return 2
     if args.hosts:
-        return vllm_hosts.run(args)
-    vllm_cpu.prepare(args)
+        return hosts.run(args)
+    offline.prepare(args)
     with tempfile.TemporaryDirectory(prefix="tpcomm-vllm-") as folder:
         model = os.path.join(folder, "model")
-        vllm_cpu.make_model(model, args.layers, args.hidden)
+        offline.make_model(model, args.layers, args.hidden)
         log = os.path.join(tempfile.gettempdir(), "tpcomm-vllm-cpu.log")
         open(log, "w").close()
         if args.serve:
             if args.check:
-                return vllm_serve.check(args, model, log)
-            vllm_serve.serve(args, model, log)
+                return serve.check(args, model, log)
+            serve.serve(args, model, log)
             return 0
         if args.check:
-            return vllm_cpu.check(args, model, log)
-        return vllm_cpu.bench(args, model, log)
+            return offline.check(args, model, log)
+        return offline.bench(args, model, log)

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from tpcomm.bench.vllm_cpu import _prompts, _run, _tokens_match, make_model
+from tpcomm.bench.vllm_cpu.offline import _prompts, _run, _tokens_match, make_model
 
 _RESULT = "TPCOMM_VLLM_HOSTS_RESULT "
 
@@ -81,7 +81,7 @@ def _across_hosts(way, model, args, log):
             env = dict(os.environ, TPCOMM_VLLM="1" if way == "tpcomm" else "gloo",
                        VLLM_HOST_IP=hosts.address(node), GLOO_SOCKET_IFNAME="eth0",
                        VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
-            argv = [sys.executable, "-m", "tpcomm.bench.vllm_hosts", "--node-rank", str(node),
+            argv = [sys.executable, "-m", "tpcomm.bench.vllm_cpu.hosts", "--node-rank", str(node),
                     "--model", model, "--master-addr", hosts.address(0),
                     "--master-port", str(port), "--tokens", str(args.tokens),
                     "--batch", str(args.batch), "--prompt-len", str(args.prompt_len),
