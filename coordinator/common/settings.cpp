@@ -108,13 +108,14 @@ const std::vector<SettingInfo> kSettingTable = {
      "How long a shared-memory CPU collective polls for its peers before it sleeps on a futex. "
      "-1: 1000 us when each of the group's ranks on a host can have a CPU of its own among "
      "those its affinity mask allows (capped by a cgroup quota: ranks pinned to cores of their "
-     "own do; a late peer is met without a wake-up), else 50 us."},
-    {"TPCOMM_CPU_SHM_YIELD", "bool", "1",
-     "Whether a shared-memory CPU collective's wait yields its core between polls (after the "
-     "first few microseconds): 1: always, so that processes sharing the rank's CPU (a "
-     "server's API process, its scheduler) run while it waits, at the cost of a system call "
-     "a poll where nothing else is runnable; 0: only when the group's ranks outnumber their "
-     "CPUs (each rank on a core of its own that nothing else uses)."},
+     "own do; a late peer is met without a wake-up), else 0 (a few polls, then the futex: "
+     "the peer that needs the core gets it)."},
+    {"TPCOMM_CPU_SHM_YIELD", "bool", "0",
+     "Whether a shared-memory CPU collective's wait calls sched_yield between polls (after the "
+     "first few microseconds). 0: never; a wait polls, then sleeps on a futex, which frees the "
+     "core for whatever else runs there until a peer wakes it. 1: yield, which where other "
+     "work is runnable hands it the core for a whole time slice (a 4-byte allreduce of 2 "
+     "ranks on 2 busy cores: 0.5-1.3 ms against 14 us)."},
     {"TPCOMM_CPU_SHM_THREADS", "int", "0",
      "Threads per rank (its own included) that split the copies and reductions of large "
      "shared-memory CPU collectives: a chunk with at least 256 KiB a thread is split in one part a "

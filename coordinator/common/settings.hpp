@@ -90,7 +90,7 @@ struct Settings {
   int64_t cpuShmSpinUs = -1;
   // TPCOMM_CPU_SHM_YIELD: whether that wait yields its core between polls
   // also when each rank has a CPU of its own (spinPolicy).
-  bool cpuShmYield = true;
+  bool cpuShmYield = false;
   // TPCOMM_CPU_SHM_THREADS: threads per rank that split large copies and
   // reductions (0: the rank's share of the CPUs, cpu_placement.hpp).
   int64_t cpuShmThreads = 0;

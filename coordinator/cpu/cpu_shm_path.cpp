@@ -117,11 +117,10 @@ std::vector<int> cpusOf(const std::string& mask) {
 
 }  // namespace
 
-SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus, bool yieldWhenFree) {
+SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus, bool yield) {
   const bool oversubscribed = size > (cpus > 0 ? cpus : usableCpus());
-  const bool yield = oversubscribed || yieldWhenFree;
   if (spinUs >= 0) return {std::chrono::microseconds(spinUs), yield};
-  return {std::chrono::microseconds(oversubscribed ? 50 : 1000), yield};
+  return {std::chrono::microseconds(oversubscribed ? 0 : 1000), yield};
 }
 
 mq::ReduceIsa reduceIsaOf(const std::string& setting) {

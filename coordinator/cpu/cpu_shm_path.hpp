@@ -45,7 +45,7 @@ struct CpuShmConfig {
   int64_t bufferBytes = 0;  // TPCOMM_CPU_SHM_BUFFER_BYTES (0: kAutoBufferBytesPerThread x threads)
   int64_t twoPhaseBytes = 16 << 10;
   int64_t spinUs = -1;             // -1: spinPolicy's choice
-  bool yield = true;               // TPCOMM_CPU_SHM_YIELD
+  bool yield = false;              // TPCOMM_CPU_SHM_YIELD
   std::string reduceIsa = "auto";  // TPCOMM_CPU_REDUCE_ISA
   int64_t threads = 0;             // TPCOMM_CPU_SHM_THREADS (0: the rank's share)
   // TPCOMM_CPU_SHM_WORKER_SPIN_US: how long workers pinned to CPUs of their
@@ -98,21 +98,23 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
 mq::ReduceIsa reduceIsaOf(const std::string& setting);
 
 // How a group of `size` ranks on this host waits for its peers: polling
-// `spin` (then sleeping), yielding the core each round or not. spinUs -1:
-// 1000 us when the ranks do not outnumber `cpus` (the CPUs they may run on
-// together; 0: this process's usableCpus()), so that a peer up to about 1 ms
-// late is met without a sleep and a wake-up (measured: python -m
-// tpcomm.bench cpu --late); else 50 us. Another spinUs: that window. The
-// polls yield the core when the ranks are oversubscribed, and otherwise as
-// `yieldWhenFree` says (TPCOMM_CPU_SHM_YIELD, default on: a serving
-// process's other processes share the ranks' CPUs, and a poll that never
-// yields takes the core from them; where nothing else is runnable a yield
-// returns at once, so a late peer is still met within a system call).
+// `spin` (then sleeping on a futex, which gives the core away until a peer
+// wakes it), yielding the core each round or not. spinUs -1: 1000 us when
+// the ranks do not outnumber `cpus` (the CPUs they may run on together; 0:
+// this process's usableCpus()), so that a peer up to about 1 ms late is met
+// without a sleep and a wake-up (measured: python -m tpcomm.bench cpu
+// --late); else 0 (a few polls, then the futex: a peer that needs this core
+// gets it at once). Another spinUs: that window. `yield`
+// (TPCOMM_CPU_SHM_YIELD, default off): sched_yield between polls. Off, since
+// on a machine with other runnable work (a server's own processes, other
+// jobs) a yield hands the core to them for a whole time slice: with two busy
+// processes beside 2 ranks on 2 cores, a 4-byte allreduce took 0.5-1.3 ms
+// yielding and 14 us not (AMD EPYC Zen 3, 2 vCPUs; docs/cpu-shm.md).
 struct SpinPolicy {
   std::chrono::microseconds spin;
   bool yield;
 };
-SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus = 0, bool yieldWhenFree = true);
+SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus = 0, bool yield = false);
 
 // The path's dtype for a tensor's, if it reduces that dtype.
 std::optional<mq::DType> shmDtype(at::ScalarType dtype);

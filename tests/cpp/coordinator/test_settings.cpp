@@ -77,8 +77,8 @@ TEST(Settings, CpuSharedMemory) {
   EXPECT_EQ(d.cpuShmBufferBytes, 0);  // 256 KiB per worker thread (coord::setUpCpuShm)
   EXPECT_EQ(d.cpuShmTwoPhaseBytes, 16 << 10);
   EXPECT_EQ(d.cpuShmSpinUs, -1);  // the group's policy (coord::spinPolicy)
-  EXPECT_TRUE(d.cpuShmYield);
-  EXPECT_FALSE(Settings::parse(fakeEnv({{"TPCOMM_CPU_SHM_YIELD", "0"}})).cpuShmYield);
+  EXPECT_FALSE(d.cpuShmYield);
+  EXPECT_TRUE(Settings::parse(fakeEnv({{"TPCOMM_CPU_SHM_YIELD", "1"}})).cpuShmYield);
   expectEachRefused({{"TPCOMM_CPU_SHM_YIELD", "often"}});
   EXPECT_EQ(d.cpuReduceIsa, "auto");
   EXPECT_EQ(d.cpuHierSliceBytes, 4 << 20);
@@ -118,26 +118,26 @@ TEST(Settings, CpuSharedMemory) {
 TEST(Settings, CpuSharedMemoryWaitingPolicy) {
   const int cpus = coord::usableCpus();
   EXPECT_GE(cpus, 1);
-  // Ranks that fit the CPUs poll 1 ms, more ranks than CPUs 50 us; the
-  // polls yield the core unless TPCOMM_CPU_SHM_YIELD=0 and the ranks fit.
+  // Ranks that fit the CPUs poll 1 ms, more ranks than CPUs a few polls
+  // (spin 0) before the futex; no wait yields the core unless
+  // TPCOMM_CPU_SHM_YIELD=1 asks, oversubscribed or not.
   const auto fits = coord::spinPolicy(-1, 1);
   EXPECT_EQ(fits.spin.count(), 1000);
-  EXPECT_TRUE(fits.yield);
-  EXPECT_FALSE(coord::spinPolicy(-1, 1, 0, false).yield);
-  EXPECT_EQ(coord::spinPolicy(-1, 1, 0, false).spin.count(), 1000);
-  const auto crowded = coord::spinPolicy(-1, static_cast<int>(cpus) + 1, 0, false);
-  EXPECT_EQ(crowded.spin.count(), 50);
-  EXPECT_TRUE(crowded.yield);
+  EXPECT_FALSE(fits.yield);
+  EXPECT_TRUE(coord::spinPolicy(-1, 1, 0, true).yield);
+  EXPECT_EQ(coord::spinPolicy(-1, 1, 0, true).spin.count(), 1000);
+  const auto crowded = coord::spinPolicy(-1, static_cast<int>(cpus) + 1);
+  EXPECT_EQ(crowded.spin.count(), 0);
+  EXPECT_FALSE(crowded.yield);
+  EXPECT_TRUE(coord::spinPolicy(-1, static_cast<int>(cpus) + 1, 0, true).yield);
   EXPECT_EQ(coord::spinPolicy(7, 1).spin.count(), 7);
-  EXPECT_TRUE(coord::spinPolicy(7, 1).yield);
-  EXPECT_FALSE(coord::spinPolicy(7, 1, 0, false).yield);
-  EXPECT_TRUE(coord::spinPolicy(0, static_cast<int>(cpus) + 1, 0, false).yield);
+  EXPECT_FALSE(coord::spinPolicy(7, 1).yield);
+  EXPECT_TRUE(coord::spinPolicy(7, 1, 0, true).yield);
+  EXPECT_EQ(coord::spinPolicy(7, static_cast<int>(cpus) + 1).spin.count(), 7);
   // The group's CPUs, when given (the union of its ranks' affinity masks),
   // decide instead of this process's: two ranks pinned to a core each fit.
-  EXPECT_FALSE(coord::spinPolicy(-1, 2, 2, false).yield);
   EXPECT_EQ(coord::spinPolicy(-1, 2, 2).spin.count(), 1000);
-  EXPECT_TRUE(coord::spinPolicy(-1, 3, 2, false).yield);
-  EXPECT_EQ(coord::spinPolicy(-1, 3, 2).spin.count(), 50);
+  EXPECT_EQ(coord::spinPolicy(-1, 3, 2).spin.count(), 0);
   // The group's CPUs: how many ranks can each have one of their own.
   EXPECT_EQ(coord::ranksWithOwnCpu({{0}, {1}}), 2);        // pinned apart
   EXPECT_EQ(coord::ranksWithOwnCpu({{0, 1}, {0, 1}}), 2);  // unpinned, enough CPUs

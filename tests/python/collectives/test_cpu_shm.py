@@ -510,15 +510,15 @@ def _policy_when_pinned(ctx, cpus_of_rank):
 
 
 @pytest.mark.parametrize("cores,yield_setting,waits",
-                         [("own", None, (1000, True)), ("own", "0", (1000, False)),
-                          ("shared", "0", (50, True))],
-                         ids=["a-core-each", "a-core-each-no-yield", "one-core-for-both"])
+                         [("own", None, (1000, False)), ("own", "1", (1000, True)),
+                          ("shared", None, (0, False))],
+                         ids=["a-core-each", "a-core-each-yielding", "one-core-for-both"])
 def test_ranks_pinned_to_cores_of_their_own_poll_1ms(cores, yield_setting, waits):
     # vLLM's CPU workers are pinned to a core each: each process alone may
     # use one CPU, but the two ranks do not compete, so they poll 1 ms as
-    # unpinned ranks on two cores do, yielding the core between polls to the
-    # server's other processes unless TPCOMM_CPU_SHM_YIELD=0. Two ranks on
-    # one core poll 50 us and yield whatever the setting.
+    # unpinned ranks on two cores do, without yielding the core between polls
+    # unless TPCOMM_CPU_SHM_YIELD=1. Two ranks on one core poll a few times
+    # (spin 0) and sleep on the futex, which frees the core for the peer.
     online = sorted(os.sched_getaffinity(0))
     if len(online) < 2:
         pytest.fail(f"needs two CPUs, this process may use {online}")
@@ -612,7 +612,7 @@ def test_each_rank_keeps_its_memory_on_its_node_and_its_threads_on_its_cpus():
     (the rank's own thread, not pinned, keeps it), or but the one the main
     thread is pinned to (the last: the workers take the first); at 2 ranks, unpinned processes
     that declare a CPU each (TPCOMM_CPU_SHM_CPUS) get those as their shares
-    and, not competing, poll 1 ms (yielding the core between polls)."""
+    and, not competing, poll 1 ms (without yielding the core between polls)."""
     online = sorted(os.sched_getaffinity(0))
     if len(online) < 2:
         pytest.fail(f"needs two CPUs, this process may use {online}")
@@ -642,7 +642,7 @@ def test_each_rank_keeps_its_memory_on_its_node_and_its_threads_on_its_cpus():
         assert [x["cpus"] for x in ranks] == [str(online[0]), str(online[1])], ranks
         assert [x["allowed_cpus"] for x in ranks] == [str(online[0]), str(online[1])], ranks
         assert threads == 1 and pinned == [], (threads, pinned)
-        assert (spin_us, yields) == (1000, True)
+        assert (spin_us, yields) == (1000, False)
 
 
 def _bad_cpu_list(ctx):

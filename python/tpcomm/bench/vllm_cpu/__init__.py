@@ -24,8 +24,8 @@ def add_arguments(parser):
                         help="the end-to-end test: TP=1, vLLM's TP=2 and tpcomm's TP=2 agree")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (default 3)")
     parser.add_argument("--ways", nargs="+", choices=WAYS + EXTRA_WAYS, default=list(WAYS),
-                        help="default: " + " ".join(WAYS) + "; tpcomm-spin: tpcomm with "
-                             "TPCOMM_CPU_SHM_YIELD=0")
+                        help="default: " + " ".join(WAYS) + "; tpcomm-yield: tpcomm with "
+                             "TPCOMM_CPU_SHM_YIELD=1")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--batch", type=int, default=16, help="requests")
     parser.add_argument("--prompt-len", type=int, default=32)

@@ -43,10 +43,9 @@ import tempfile
 import time
 
 WAYS = ("vllm-shm", "gloo", "tpcomm")
-# Chosen by --ways only: tpcomm with waits that keep their core while the
-# ranks fit the CPUs (TPCOMM_CPU_SHM_YIELD=0, the policy before waits
-# yielded by default), to compare the two inside one run.
-EXTRA_WAYS = ("tpcomm-spin",)
+# Chosen by --ways only: tpcomm with waits that yield the core between polls
+# (TPCOMM_CPU_SHM_YIELD=1), to compare the waiting policies inside one run.
+EXTRA_WAYS = ("tpcomm-yield",)
 _RESULT = "TPCOMM_VLLM_RESULT "
 # Loaded first by every Python process of a --cpu-level avx2 run: the CPU
 # checks vLLM chooses its kernels by answer as on a CPU without AVX-512.
@@ -204,10 +203,10 @@ def _way_env(way, tp, args):
     env.pop("TPCOMM_VLLM", None)
     if way == "gloo":
         env["TPCOMM_VLLM"] = "gloo"
-    elif way in ("tpcomm", "tpcomm-spin"):
+    elif way in ("tpcomm", "tpcomm-yield"):
         env["TPCOMM_VLLM"] = "1"
-        if way == "tpcomm-spin":
-            env["TPCOMM_CPU_SHM_YIELD"] = "0"
+        if way == "tpcomm-yield":
+            env["TPCOMM_CPU_SHM_YIELD"] = "1"
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cores = sorted(os.sched_getaffinity(0))  # the CPUs this process may use
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
