@@ -19,10 +19,17 @@ from tpcomm.bench.vllm_cpu import offline
 from tpcomm.bench.vllm_cpu.offline import EXTRA_WAYS, WAYS
 
 
+def _positive(text):
+    value = int(text)
+    if value < 1:
+        raise ValueError(text)
+    return value
+
+
 def add_arguments(parser):
     parser.add_argument("--check", action="store_true",
                         help="the end-to-end test: TP=1, vLLM's TP=2 and tpcomm's TP=2 agree")
-    parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (default 3)")
+    parser.add_argument("--rounds", type=_positive, default=3, help="alternated rounds (default 3)")
     parser.add_argument("--ways", nargs="+", choices=WAYS + EXTRA_WAYS, default=list(WAYS),
                         help="default: " + " ".join(WAYS) + "; tpcomm-yield: tpcomm with "
                              "TPCOMM_CPU_SHM_YIELD=1")
@@ -42,9 +49,9 @@ def add_arguments(parser):
                         help="vLLM's OpenAI server with concurrent clients: tokens/s, p50/p99 "
                              "latency (tpcomm/bench/vllm_cpu/serve.py); with --check its end-to-end "
                              "test")
-    parser.add_argument("--requests", type=int, default=48,
+    parser.add_argument("--requests", type=_positive, default=48,
                         help="with --serve: completions per round (default 48)")
-    parser.add_argument("--clients", type=int, default=12,
+    parser.add_argument("--clients", type=_positive, default=12,
                         help="with --serve: concurrent clients (default 12)")
     parser.add_argument("--load", type=int, default=0,
                         help="with --serve: processes that keep a core busy each while the "

@@ -56,11 +56,16 @@ class _Server:
             command.append("--enforce-eager")
         self.model = model
         self.log_path = log
+        self.final = None  # the whole output, once the server is stopped
         self.out = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(command, env=self.env, stdout=self.out,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self):
+        """What the server printed; read while it runs only for an error
+        message (its processes write through the same file position)."""
+        if self.final is not None:
+            return self.final
         self.out.flush()
         self.out.seek(0)
         return self.out.read()
@@ -119,13 +124,18 @@ class _Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        self.proc.wait(timeout=30)
-        with open(self.log_path, "a") as f:
-            f.write(f"===== server {self.way}\n{self.output()}\n")
-        self.out.close()
-        import shutil
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass  # reported by the caller's error, if any; the log is kept
+        finally:
+            import shutil
 
-        shutil.rmtree(self.profile, ignore_errors=True)
+            self.final = self.output()
+            with open(self.log_path, "a") as f:
+                f.write(f"===== server {self.way}\n{self.final}\n")
+            self.out.close()
+            shutil.rmtree(self.profile, ignore_errors=True)
 
 
 def _clients(server, prompts, tokens, clients, timeout_s):
@@ -151,7 +161,7 @@ def _clients(server, prompts, tokens, clients, timeout_s):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout_s)
+        t.join(max(0.0, start + timeout_s - time.perf_counter()))
     seconds = time.perf_counter() - start
     if errors:
         raise errors[0]
@@ -163,7 +173,10 @@ def _clients(server, prompts, tokens, clients, timeout_s):
 def _busy(count):
     """`count` processes that keep a core busy each (other work on the
     machine: the server's collectives must not depend on having it alone)."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+    # Each ends by itself once this process is gone (killed before its
+    # finally ran).
+    busy = f"import os\nwhile os.getppid() == {os.getpid()}: pass\n"
+    return [subprocess.Popen([sys.executable, "-c", busy],
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             for _ in range(count)]
 
@@ -183,12 +196,12 @@ def _one_round(way, model, args, log):
         time.sleep(0.2)  # the workers write their totals after each step
         after = _read_profile(server.profile)
         kernels = _vllm_kernels(server.proc.pid)
-        output = server.output()
     finally:
         for p in load:
             p.kill()
             p.wait()
         server.stop()
+    output = server.output()
 
     def delta(r, key):
         return after[r][key] - before.get(r, {}).get(key, 0.0)
@@ -227,7 +240,8 @@ def serve(args, model, log):
           f"{args.requests} completions from {args.clients} concurrent clients x {args.tokens} "
           f"new tokens, {args.layers} layers of width {args.hidden}, {args.dtype}, greedy; "
           f"{args.rounds} alternated rounds"
-          + (f"; {args.load} busy processes beside the server" if args.load else ""))
+          + (f"; {args.load} busy processes beside the server"
+             if getattr(args, "load", 0) else ""))
     reference = rounds.get("vllm-shm")
     ref_median = statistics.median(x["tokens_per_s"] for x in reference) if reference else None
     head = (f"{'way':>11} | {'median tok/s':>12} | {'x vLLM shm':>10} | {'spread':>6} | "
