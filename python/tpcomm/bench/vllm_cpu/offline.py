@@ -256,20 +256,28 @@ def _tokens_match(a, b):
     return a == b, differ
 
 
+def plugin_problems(own, ours, run):
+    """What says the plugin did not do its part: tpcomm's `run` (a run or a
+    server) must log its tensor-parallel group on tpcomm and count its
+    collectives; vLLM's own must not load the plugin."""
+    problems = []
+    if "tpcomm: group tp" not in ours["log"] or "backend tpcomm" not in ours["log"]:
+        problems.append(f"the tpcomm {run}'s log does not say that group tp runs on backend "
+                        "tpcomm (was the plugin loaded? pip show tpcomm; TPCOMM_VLLM=1)")
+    if ours["tpcomm_calls"] <= 0:
+        problems.append(f"tpcomm's counters of the tensor-parallel group saw no call in the "
+                        f"tpcomm {run}")
+    if "tpcomm: group tp" in own["log"]:
+        problems.append(f"vLLM's own {run} logged tpcomm's plugin although TPCOMM_VLLM was unset")
+    return problems
+
+
 def check(args, model, log):
     """TP=1, TP=2 on vLLM's own path and TP=2 on tpcomm: the same tokens."""
     base = _run("vllm-shm", 1, model, args, log)
     own = _run("vllm-shm", 2, model, args, log)
     ours = _run("tpcomm", 2, model, args, log)
-    problems = []
-    if "tpcomm: group tp" not in ours["log"] or "backend tpcomm" not in ours["log"]:
-        problems.append("the tpcomm run's log does not say that group tp runs on backend "
-                        "tpcomm (was the plugin loaded? pip show tpcomm; TPCOMM_VLLM=1)")
-    if ours["tpcomm_calls"] <= 0:
-        problems.append("tpcomm's counters of the tensor-parallel group saw no call while "
-                        "vLLM generated")
-    if "tpcomm: group tp" in own["log"]:
-        problems.append("vLLM's own run logged tpcomm's plugin although TPCOMM_VLLM was unset")
+    problems = plugin_problems(own, ours, "run")
     total = sum(map(len, base["tokens"]))
     for name, result, reference, what in (
             ("TP=2 on vLLM's own path", own, base, "TP=1's"),

@@ -30,8 +30,8 @@ import tempfile
 import threading
 import time
 
-from tpcomm.bench.vllm_cpu.offline import (_prompts, _read_profile, _vllm_kernels, _vllm_version,
-                                           _way_env)
+from tpcomm.bench.vllm_cpu.offline import (_prompts, _read_profile, _tokens_match, _vllm_kernels,
+                                           _vllm_version, _way_env, plugin_problems)
 
 
 def _free_port():
@@ -272,21 +272,13 @@ def check(args, model, log):
     args.rounds, args.ways = 1, ["vllm-shm", "tpcomm"]
     rounds = serve(args, model, log)
     own, ours = rounds["vllm-shm"][0], rounds["tpcomm"][0]
-    problems = []
-    if "tpcomm: group tp" not in ours["log"] or "backend tpcomm" not in ours["log"]:
-        problems.append("the tpcomm server's log does not say that group tp runs on backend "
-                        "tpcomm (was the plugin loaded? TPCOMM_VLLM=1)")
-    if ours["tpcomm_calls"] <= 0:
-        problems.append("tpcomm's counters of the tensor-parallel group saw no call while the "
-                        "server answered")
-    if "tpcomm: group tp" in own["log"]:
-        problems.append("vLLM's own server logged tpcomm's plugin although TPCOMM_VLLM was unset")
+    problems = plugin_problems(own, ours, "server")
     total = sum(map(len, own["tokens"]))
     if total != args.requests * args.tokens:
         problems.append(f"vLLM's own server generated {total} tokens, not "
                         f"{args.requests} x {args.tokens}")
-    differ = sum(x != y for a, b in zip(own["tokens"], ours["tokens"]) for x, y in zip(a, b))
-    if own["tokens"] != ours["tokens"]:
+    equal, differ = _tokens_match(own["tokens"], ours["tokens"])
+    if not equal:
         problems.append(f"the tpcomm server: {differ} of {total} tokens differ from vLLM's own")
     if problems:
         print("FAILED:\n  " + "\n  ".join(problems))
