@@ -5,7 +5,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/exception.h>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 
 namespace tpcomm::backend {
 

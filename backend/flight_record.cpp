@@ -20,8 +20,8 @@
 #include <map>
 #include <thread>
 
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 #include "coordinator/route_stats.hpp"
 
 namespace tpcomm::backend {

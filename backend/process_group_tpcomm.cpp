@@ -7,7 +7,7 @@
 #include "backend/flight_record.hpp"
 #include "backend/validation.hpp"
 #include "backend/work.hpp"
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/cpu/cpu_shm_path.hpp"
 #include "coordinator/route_stats.hpp"
 

@@ -3,7 +3,7 @@
 // entry per call (backend/flight_record.hpp).
 #include "backend/flight_record.hpp"
 #include "backend/process_group_tpcomm.hpp"
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 
 namespace tpcomm::backend {
 

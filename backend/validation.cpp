@@ -3,7 +3,7 @@
 #include <cmath>
 #include <numeric>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/debug/debug_check.hpp"
 
 namespace tpcomm::backend {

@@ -5,7 +5,7 @@
 #include <torch/csrc/distributed/c10d/exception.h>
 
 #include "backend/flight_record.hpp"
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/cpu/framed_p2p.hpp"
 
 namespace tpcomm::backend {

@@ -1,6 +1,6 @@
 #include "coordinator/composite_ops.hpp"
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 
 namespace tpcomm::coord {
 

@@ -4,8 +4,8 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 #include "coordinator/composite_ops.hpp"
 #include "coordinator/debug/debug_check.hpp"
 #include "coordinator/group_life.hpp"

@@ -2,7 +2,7 @@
 // add and RMSNorm, on whichever path an allreduce of its size would take.
 #include <c10/cuda/CUDAStream.h>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/faults/group_fault.hpp"
 #include "coordinator/debug/debug_check.hpp"
 #include "coordinator/group_coordinator.hpp"

@@ -10,7 +10,7 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 
 namespace tpcomm::coord {
 

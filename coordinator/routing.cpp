@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 #include "coordinator/debug/debug_check.hpp"
 #include "custom_allreduce/custom_allreduce.hpp"
 

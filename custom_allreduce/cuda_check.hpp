@@ -4,7 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 
 #define TPCOMM_CUDA_CHECK(call)                                                       \
   do {                                                                                \

@@ -4,7 +4,7 @@
 // Included by kernels.cu for the GPU and by the CPU emulation's launch
 // (tests/cpp/custom_allreduce/test_kernel_emulation.cpp), so both run the same mapping.
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "custom_allreduce/fused_kernels.cuh"
 #include "custom_allreduce/kernels.cuh"
 #include "custom_allreduce/launch.hpp"

@@ -9,7 +9,7 @@
 #include <map>
 #include <mutex>
 
-#include "coordinator/common/settings.hpp"
+#include "common/settings.hpp"
 #include "custom_allreduce/cuda_check.hpp"
 #include "custom_allreduce/custom_allreduce.hpp"
 #include "custom_allreduce/launch.hpp"

@@ -2,7 +2,7 @@
 // block choice, eligibility, error descriptions. No CUDA calls.
 #include <algorithm>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "custom_allreduce/custom_allreduce.hpp"
 #include "custom_allreduce/signal.hpp"
 

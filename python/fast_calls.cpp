@@ -35,7 +35,7 @@
 #include <utility>
 
 #include "backend/process_group_tpcomm.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/settings.hpp"
 #include "python/op_outputs.hpp"
 
 namespace py = pybind11;

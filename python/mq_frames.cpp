@@ -6,7 +6,7 @@
 
 #include <cstring>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 
 namespace tpcomm::python {
 

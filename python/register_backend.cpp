@@ -9,7 +9,7 @@
 #include "backend/flight_dump.hpp"
 #include "backend/flight_record.hpp"
 #include "backend/process_group_tpcomm.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/settings.hpp"
 #include "coordinator/group_life.hpp"
 #include "custom_allreduce/custom_allreduce.hpp"
 

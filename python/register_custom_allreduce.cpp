@@ -11,8 +11,8 @@
 
 #include <memory>
 
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 #include "coordinator/cuda/custom_path.hpp"
 #include "coordinator/cuda/custom_setup.hpp"
 #include "custom_allreduce/custom_allreduce.hpp"

@@ -11,8 +11,8 @@
 
 #include <chrono>
 
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 #include "coordinator/cpu/cpu_shm_path.hpp"
 #include "message_queue/arena/arena.hpp"
 #include "message_queue/collectives/shm_reduce.hpp"

@@ -6,7 +6,7 @@
 #include <cstring>
 #include <string>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/cpu/cpu_hier_path.hpp"
 #include "message_queue/collectives/shm_reduce.hpp"
 

@@ -4,7 +4,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/faults/group_fault.hpp"
 #include "message_queue/collectives/shm_reduce.hpp"
 

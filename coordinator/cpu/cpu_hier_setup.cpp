@@ -6,7 +6,7 @@
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/cpu/cpu_hier_path.hpp"
 #include "coordinator/cuda/custom_setup.hpp"  // the set-up exchange helpers
 

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/cpu/cpu_hier_call.hpp"
 #include "coordinator/cpu/cpu_hier_path.hpp"
 #include "coordinator/faults/group_fault.hpp"

@@ -13,8 +13,8 @@
 #include <map>
 #include <mutex>
 
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 
 namespace tpcomm::coord {
 

@@ -11,8 +11,8 @@
 
 #include <mutex>
 
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 #include "coordinator/composite_ops.hpp"
 #include "coordinator/cpu/cpu_placement.hpp"
 #include "coordinator/cuda/custom_setup.hpp"  // the set-up exchange helpers

@@ -12,7 +12,7 @@
 #include <optional>
 #include <set>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/debug/debug_check.hpp"
 
 namespace tpcomm::coord {

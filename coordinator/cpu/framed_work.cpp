@@ -12,7 +12,7 @@
 #include <tuple>
 #include <vector>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/cpu/framed_p2p.hpp"
 
 namespace tpcomm::coord {

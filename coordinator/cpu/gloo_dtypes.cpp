@@ -1,6 +1,6 @@
 #include "coordinator/cpu/gloo_dtypes.hpp"
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/debug/debug_check.hpp"
 
 namespace tpcomm::coord {

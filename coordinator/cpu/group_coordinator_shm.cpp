@@ -1,8 +1,8 @@
 // GroupCoordinator: CPU collectives through shared memory (cpu_shm_path.hpp).
 #include <cstring>
 
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 #include "coordinator/debug/debug_check.hpp"
 #include "coordinator/group_coordinator.hpp"
 

@@ -10,8 +10,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 
 namespace tpcomm::coord {
 

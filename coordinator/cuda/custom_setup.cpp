@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <map>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/faults/group_fault.hpp"
 
 namespace tpcomm::coord {

@@ -3,8 +3,8 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 #include "coordinator/debug/debug_check.hpp"
 #include "coordinator/group_coordinator.hpp"
 #include "coordinator/stream_work.hpp"

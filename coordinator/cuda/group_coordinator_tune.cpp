@@ -6,8 +6,8 @@
 #include <cstring>
 
 #include "coordinator/cuda/autotune.hpp"
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 #include "coordinator/cuda/cuda_util.hpp"
 #include "coordinator/group_coordinator.hpp"
 #include "custom_allreduce/cuda_check.hpp"

@@ -2,7 +2,7 @@
 
 #include <map>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/faults/group_fault.hpp"
 
 namespace tpcomm::coord {

@@ -9,7 +9,7 @@
 #include <thread>
 #include <tuple>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/debug/debug_check.hpp"
 
 namespace tpcomm::coord {

@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/debug/debug_check.hpp"
 #include "coordinator/group_coordinator.hpp"
 

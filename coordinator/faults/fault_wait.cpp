@@ -3,7 +3,7 @@
 #include <condition_variable>
 #include <mutex>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/faults/group_fault.hpp"
 
 namespace tpcomm::coord {

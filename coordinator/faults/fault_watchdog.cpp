@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <thread>
 
-#include "coordinator/common/settings.hpp"
+#include "common/settings.hpp"
 #include "coordinator/faults/group_fault.hpp"
 
 namespace tpcomm::coord {

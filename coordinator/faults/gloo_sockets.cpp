@@ -12,7 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 

@@ -7,7 +7,7 @@
 #include <thread>
 #include <vector>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/group_coordinator.hpp"
 
 namespace tpcomm::coord {

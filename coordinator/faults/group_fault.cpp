@@ -8,7 +8,7 @@
 #include <optional>
 #include <thread>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/faults/fault_watchdog.hpp"
 
 namespace tpcomm::coord {

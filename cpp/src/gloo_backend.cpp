@@ -16,7 +16,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "cpp/src/torch_backends.hpp"
 
 namespace tpcomm::cpp {

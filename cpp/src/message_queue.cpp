@@ -10,8 +10,8 @@
 #include <c10/util/Exception.h>
 
 #include "backend/boundary.hpp"
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 #include "cpp/src/tensor_frame.hpp"
 #include "message_queue/ring/ring.hpp"
 #include "tpcomm/tpcomm.hpp"

@@ -5,7 +5,7 @@
 #endif
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "cpp/src/torch_backends.hpp"
 
 namespace tpcomm::cpp {

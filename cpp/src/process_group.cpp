@@ -9,7 +9,7 @@
 #include "backend/boundary.hpp"
 #include "backend/flight_dump.hpp"
 #include "backend/process_group_tpcomm.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/settings.hpp"
 #include "coordinator/faults/gloo_sockets.hpp"
 #include "coordinator/group_life.hpp"
 #include "cpp/src/torch_backends.hpp"

@@ -6,7 +6,7 @@
 
 #include <ATen/ATen.h>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 
 namespace tpcomm::cpp {
 

@@ -8,7 +8,7 @@
 #include <new>
 #include <thread>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "message_queue/region/shared_region.hpp"
 
 namespace tpcomm::mq {

@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "message_queue/collectives/shm_group_internal.hpp"
 #include "message_queue/region/futex.hpp"
 

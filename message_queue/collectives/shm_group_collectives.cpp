@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "message_queue/collectives/shm_group.hpp"
 #include "message_queue/collectives/shm_group_internal.hpp"
 

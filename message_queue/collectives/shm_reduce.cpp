@@ -7,7 +7,7 @@
 #include <xmmintrin.h>
 #endif
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "message_queue/collectives/shm_reduce_vector.hpp"
 
 // The loops below are written so that the compiler vectorises them (this file

@@ -11,7 +11,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 
 namespace tpcomm::mq {
 

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 #include "message_queue/region/futex.hpp"
 #include "message_queue/ring/segment.hpp"
 

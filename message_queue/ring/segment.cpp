@@ -10,7 +10,7 @@
 #include <cstdio>
 #include <new>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "message_queue/region/futex.hpp"
 
 namespace tpcomm::mq {

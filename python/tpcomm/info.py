@@ -2,7 +2,7 @@
 (as torch's `python -m torch.utils.collect_env`): versions, host identity,
 the settings in force, and which paths this machine can use, with reasons.
 `python -m tpcomm.info --settings-markdown` prints docs/settings.md, made
-from the one settings table (coordinator/common/settings.cpp);
+from the one settings table (common/settings.cpp);
 `python -m tpcomm.info --cmake-prefix` prints the folder to put on
 CMAKE_PREFIX_PATH for `find_package(tpcomm)` (docs/cpp.md)."""
 
@@ -82,7 +82,7 @@ def settings_markdown():
         "# Settings",
         "",
         "<!-- Made by `python -m tpcomm.info --settings-markdown > docs/settings.md` from the",
-        "     table in coordinator/common/settings.cpp; edit that table, not this file. -->",
+        "     table in common/settings.cpp; edit that table, not this file. -->",
         "",
         "Every setting is an environment variable, read once per process;",
         "`tpcomm.settings()` lists them and `python -m tpcomm.info` shows the ones set.",

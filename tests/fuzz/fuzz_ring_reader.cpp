@@ -17,7 +17,7 @@
 #include <new>
 #include <vector>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "message_queue/ring/ring.hpp"
 #include "message_queue/ring/segment.hpp"
 #include "message_queue/region/shared_region.hpp"

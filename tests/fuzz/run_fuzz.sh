@@ -24,7 +24,7 @@ clang++ -std=c++17 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-reco
   -I"$root" "$root/tests/fuzz/fuzz_ring_reader.cpp" "$root/message_queue/ring/ring.cpp" \
   "$root/message_queue/ring/segment.cpp" "$root/message_queue/region/futex.cpp" \
   "$root/message_queue/region/shared_region.cpp" \
-  "$root/coordinator/common/error.cpp" "$root/coordinator/common/settings.cpp" \
+  "$root/common/error.cpp" "$root/common/settings.cpp" \
   -o "$out/fuzz_ring_reader" -lrt
 
 cd "$out"

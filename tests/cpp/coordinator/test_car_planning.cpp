@@ -6,7 +6,7 @@
 #include <algorithm>
 #include <cstddef>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "custom_allreduce/custom_allreduce.hpp"
 #include "custom_allreduce/signal.hpp"
 

@@ -2,7 +2,7 @@
 // lack them, at world sizes 1..8, against float64 references.
 #include <gtest/gtest.h>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "group_fixture.hpp"
 #include "torch_compat.hpp"
 

@@ -13,7 +13,7 @@
 #include <set>
 #include <thread>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/cuda/custom_path.hpp"
 #include "coordinator/cuda/custom_setup.hpp"
 #include "custom_allreduce/signal.hpp"

@@ -14,7 +14,7 @@
 #include <thread>
 #include <vector>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/group_life.hpp"
 
 namespace tpcomm {

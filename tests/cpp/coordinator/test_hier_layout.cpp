@@ -1,11 +1,11 @@
 // Groups across hosts: which ranks share a host (coordinator/cpu/cpu_hier_path.hpp)
-// and this process's host identity (coordinator/common/settings.hpp).
+// and this process's host identity (common/settings.hpp).
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
-#include "coordinator/common/settings.hpp"
+#include "common/settings.hpp"
 #include "coordinator/cpu/cpu_hier_path.hpp"
 
 namespace tpcomm::coord {

@@ -7,7 +7,7 @@
 #include <map>
 #include <set>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "coordinator/cpu/cpu_placement.hpp"
 
 namespace tpcomm::coord {

@@ -4,8 +4,8 @@
 
 #include <map>
 
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 #include "coordinator/routing.hpp"
 
 namespace tpcomm::coord {

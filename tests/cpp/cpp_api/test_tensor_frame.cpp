@@ -6,7 +6,7 @@
 
 #include <cstring>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "cpp/src/tensor_frame.hpp"
 
 namespace tpcomm::cpp {

@@ -10,7 +10,7 @@
 #include <cstring>
 #include <string>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "message_queue/arena/arena.hpp"
 
 namespace tpcomm::mq {

@@ -18,7 +18,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "message_queue/ring/ring.hpp"
 #include "message_queue/ring/segment.hpp"
 

@@ -14,7 +14,7 @@
 #include <cstring>
 #include <string>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "message_queue/region/shared_region.hpp"
 
 #if defined(__x86_64__)

@@ -16,7 +16,7 @@
 #include <thread>
 #include <vector>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 #include "message_queue/collectives/shm_group.hpp"
 #include "message_queue/collectives/worker_pool.hpp"
 #include "shm_group_support.hpp"

@@ -13,7 +13,7 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 def _pages():
     """The README first, then docs/ and the source folders' READMEs."""
     docs = os.path.join(ROOT, "docs")
-    folders = ["backend", "coordinator", "coordinator/common", "coordinator/cpu",
+    folders = ["backend", "coordinator", "common", "coordinator/cpu",
                "coordinator/cuda", "coordinator/faults", "coordinator/debug",
                "custom_allreduce", "message_queue", "message_queue/region",
                "message_queue/ring", "message_queue/arena", "message_queue/collectives"]

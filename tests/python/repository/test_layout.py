@@ -1,7 +1,7 @@
 """The source tree's layering, checked: dependencies point one way,
-backend -> coordinator -> {custom_allreduce, message_queue}, with
-coordinator/common (the error type and the settings) the floor every layer
-may include; the bindings (python/) and the C++ interface (cpp/) may
+backend -> coordinator -> {custom_allreduce, message_queue} -> common
+(the error type and the settings: the floor, a top-level folder that every
+layer may include and that includes no other); the bindings (python/) and the C++ interface (cpp/) may
 include every layer below them (and not each other); inside
 message_queue, the ring, the arena and the collectives engine stand on
 region/ and not on each other. An include that runs back up fails here,
@@ -27,7 +27,7 @@ LAYERS = {
     "cpp_interface": {"cpp_interface", "backend", "coordinator", "custom_allreduce",
                       "message_queue", "common"},
 }
-TOP = {"backend": "backend", "coordinator": "coordinator", "custom_allreduce":
+TOP = {"common": "common", "backend": "backend", "coordinator": "coordinator", "custom_allreduce":
        "custom_allreduce", "message_queue": "message_queue", "python": "bindings", "cpp": "cpp_interface"}
 
 
@@ -38,9 +38,8 @@ MAX_SOURCES_PER_FOLDER = 20
 
 
 def layer_of(rel):
-    """The layer of a path relative to the repository root, or None."""
-    if rel.startswith("coordinator/common/"):
-        return "common"
+    """The layer of a path relative to the repository root, or None: its
+    top-level folder's, with no exception."""
     return TOP.get(rel.split("/", 1)[0])
 
 
@@ -104,7 +103,7 @@ def test_an_include_that_runs_back_up_is_caught():
     probes = [
         (os.path.join(ROOT, "message_queue", "probe.hpp"),
          '#include "coordinator/group_coordinator.hpp"\n'),
-        (os.path.join(ROOT, "coordinator", "common", "probe.hpp"),
+        (os.path.join(ROOT, "common", "probe.hpp"),
          '// floor\n#include "message_queue/ring/ring.hpp"\n'),
         (os.path.join(ROOT, "coordinator", "probe.cpp"), '#include "backend/work.hpp"\n'),
         (os.path.join(ROOT, "custom_allreduce", "probe.cu"),
@@ -117,7 +116,7 @@ def test_an_include_that_runs_back_up_is_caught():
     found = violations(probes)
     assert len(found) == 6, found
     assert found[0].startswith("message_queue/probe.hpp:1 includes coordinator/"), found
-    assert found[1].startswith("coordinator/common/probe.hpp:2 includes message_queue/"), found
+    assert found[1].startswith("common/probe.hpp:2 includes message_queue/"), found
     assert "coordinator may include only" in found[2], found
     assert "custom_allreduce may include only" in found[3], found
     assert "message_queue/ring may include only" in found[4], found
@@ -126,7 +125,7 @@ def test_an_include_that_runs_back_up_is_caught():
 
 def test_no_folder_holds_more_than_twenty_sources():
     crowded = []
-    for top in ("backend", "coordinator", "custom_allreduce", "message_queue", "python", "cpp",
+    for top in ("common", "backend", "coordinator", "custom_allreduce", "message_queue", "python", "cpp",
                 "tests", "examples"):
         for folder, _, names in os.walk(os.path.join(ROOT, top)):
             n = sum(name.endswith(SOURCES + (".py",)) for name in names)
@@ -137,7 +136,7 @@ def test_no_folder_holds_more_than_twenty_sources():
 
 def test_long_sources_say_why_at_their_top():
     long_ones = []
-    for top in ("backend", "coordinator", "custom_allreduce", "message_queue", "python", "cpp",
+    for top in ("common", "backend", "coordinator", "custom_allreduce", "message_queue", "python", "cpp",
                 "tests"):
         for folder, _, names in os.walk(os.path.join(ROOT, top)):
             for name in names:

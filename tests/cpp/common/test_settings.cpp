@@ -3,8 +3,8 @@
 
 #include <map>
 
-#include "coordinator/common/error.hpp"
-#include "coordinator/common/settings.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
 #include "coordinator/cpu/cpu_shm_path.hpp"
 
 namespace tpcomm {

@@ -1,4 +1,4 @@
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 
 namespace tpcomm {
 

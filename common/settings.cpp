@@ -1,4 +1,4 @@
-#include "coordinator/common/settings.hpp"
+#include "common/settings.hpp"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 
 namespace tpcomm {
 

@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "coordinator/common/error.hpp"
+#include "common/error.hpp"
 
 namespace tpcomm {
 namespace {
