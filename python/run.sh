@@ -177,7 +177,7 @@ ensure_build() {
   local build_tests="$1"
   local stamp="$venv/.tpcomm-build"
   local sources
-  sources="$(find CMakeLists.txt pyproject.toml cmake backend coordinator custom_allreduce \
+  sources="$(find CMakeLists.txt pyproject.toml cmake common backend coordinator custom_allreduce \
     message_queue cpp python tests/cpp tests/fuzz -type f \
     \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \
     -o -name '*.txt' -o -name '*.toml' -o -name '*.inl' -o -name '*.cmake' -o -name '*.in' \

@@ -6,8 +6,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
-#include <sstream>
 
 #ifndef USE_C10D_GLOO
 #define USE_C10D_GLOO
@@ -76,9 +76,11 @@ DeviceMaker deviceMaker(const c10::intrusive_ptr<c10d::Store>& groupStore) {
   const bool lazy = c10d::getDefaultGlooLazyInit();
   std::vector<std::string> names;
   if (const char* env = std::getenv("GLOO_SOCKET_IFNAME")) {
-    std::stringstream list(env);
-    for (std::string name; std::getline(list, name, ',');) {
-      if (!name.empty()) names.push_back(name);
+    const std::string list = env;
+    for (size_t start = 0; start <= list.size();) {
+      const size_t end = std::min(list.find(',', start), list.size());
+      if (end > start) names.push_back(list.substr(start, end - start));
+      start = end + 1;
     }
   }
   if (!names.empty()) {

@@ -139,6 +139,7 @@ TEST(WorkerPool, PinsEachWorkerToItsCpu) {
   // Part 1 runs on the worker (the caller takes part 0, sleeps in it, then
   // waits), which runs on its CPU and nowhere else.
   const auto caller = std::this_thread::get_id();
+  int byWorkerRounds = 0;
   for (int round = 0; round < 20; ++round) {
     std::atomic<int> where{-1};
     std::atomic<bool> byWorker{false};
@@ -149,8 +150,14 @@ TEST(WorkerPool, PinsEachWorkerToItsCpu) {
       }
       if (p == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
     });
-    if (byWorker.load()) EXPECT_EQ(where.load(), cpu);
+    if (byWorker.load()) {
+      ++byWorkerRounds;
+      EXPECT_EQ(where.load(), cpu) << "round " << round;
+    }
   }
+  // The check above needs the worker to have run: with the caller asleep
+  // 2 ms in part 0 it takes part 1 in (nearly) every round.
+  EXPECT_GT(byWorkerRounds, 0) << "the worker took no part in 20 rounds: nothing was checked";
   // A CPU the kernel refuses leaves the worker unpinned.
   WorkerPool refused(2, {CPU_SETSIZE - 1});
   EXPECT_EQ(refused.pinned(), CPU_ISSET(CPU_SETSIZE - 1, &set) ? 1 : 0);

@@ -63,7 +63,8 @@ def test_the_extension_uses_no_iostreams():
     banned = re.compile(r"#include <(sstream|fstream|iostream)>|std::(o|i)?(string|f)stream\b"
                         r"|std::(cout|cerr|clog)\b")
     found = []
-    for top in ("backend", "coordinator", "custom_allreduce", "message_queue", "python"):
+    for top in ("common", "backend", "coordinator", "custom_allreduce", "message_queue", "python",
+                "cpp"):
         for dirpath, _, files in os.walk(os.path.join(root, top)):
             for name in files:
                 if not name.endswith((".cpp", ".hpp", ".cu", ".cuh", ".h")):
