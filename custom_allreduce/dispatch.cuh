@@ -78,6 +78,7 @@ inline KernelArgs kernelArgsOf(const LaunchParams& p) {
   a.resultOffset = p.resultOffset;
   a.pushOffset = p.pushOffset;
   a.pushSlotBytes = p.pushSlotBytes;
+  a.pushDepth = kPushDepth;
   a.deviceScope = p.deviceScope ? 1 : 0;
   a.rank = p.rank;
   a.stage = p.stage ? 1 : 0;

@@ -27,6 +27,9 @@ struct KernelArgs {
   size_t resultOffset;
   size_t pushOffset;     // the push buffers (push_kernels.cuh)
   size_t pushSlotBytes;  // one source's slot in one round
+  // Push rounds in rotation: kPushDepth (the buffers there are). The kernel
+  // emulation runs 2 as well, to show that two are not enough.
+  uint32_t pushDepth;
   int rank;
   int deviceScope;  // every rank on this GPU: flags at GPU scope (else system scope)
   int stage;        // copy the input into this rank's staging first
@@ -144,12 +147,13 @@ __device__ __forceinline__ uint32_t nextEpoch(const KernelArgs& a) {
 }
 
 // This call's push round (push_kernels.cuh): the block's last round + 1,
-// modulo kPushDepth; read like the epoch, committed with it.
+// modulo the rotation's depth (kPushDepth); read like the epoch, committed
+// with it.
 __device__ __forceinline__ uint32_t nextRound(const KernelArgs& a) {
-  return (signalOf(a, a.rank)->round[blockIdx.x] + 1) % kPushDepth;
+  return (signalOf(a, a.rank)->round[blockIdx.x] + 1) % a.pushDepth;
 }
-__device__ __forceinline__ uint32_t previousRound(uint32_t round) {
-  return (round + kPushDepth - 1) % kPushDepth;
+__device__ __forceinline__ uint32_t previousRound(const KernelArgs& a, uint32_t round) {
+  return (round + a.pushDepth - 1) % a.pushDepth;
 }
 
 
@@ -312,7 +316,7 @@ __device__ __forceinline__ Pack* pushSlot(const KernelArgs& a, int owner, uint32
 // The bytes per source that the call before this one pushed into this
 // rank's round previousRound(round) (0 after any other kernel).
 __device__ __forceinline__ uint32_t stalePushBytes(const KernelArgs& a, uint32_t round) {
-  return loadRelaxed(&signalOf(a, a.rank)->pushed[previousRound(round)]);
+  return loadRelaxed(&signalOf(a, a.rank)->pushed[previousRound(a, round)]);
 }
 
 // Zeroes what the previous call pushed into this rank's previous round
@@ -322,7 +326,7 @@ template <int N>
 __device__ __forceinline__ void clearStalePush(const KernelArgs& a, uint32_t round,
                                                uint32_t bytes) {
   if (bytes == 0) return;
-  const uint32_t previous = previousRound(round);
+  const uint32_t previous = previousRound(a, round);
   const size_t packs = bytes / kPackBytes;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
 #pragma unroll

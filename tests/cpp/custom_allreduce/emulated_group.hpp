@@ -117,6 +117,13 @@ class EmulatedGroup {
     });
   }
 
+  // The push rounds in rotation for the kernels this group runs directly
+  // (kPushDepth unless set; 2 shows why kPushDepth is 3). Before run().
+  void setPushDepth(uint32_t depth) {
+    ASSERT_TRUE(depth >= 2 && depth <= static_cast<uint32_t>(kPushDepth)) << depth;
+    pushDepth_ = depth;
+  }
+
   uint32_t error(int rank) const { return errors_[rank]; }
   uint32_t* errorWord(int rank) { return &errors_[rank]; }
   std::vector<void*> bases() const { return {buffers_.begin(), buffers_.end()}; }
@@ -147,6 +154,7 @@ class EmulatedGroup {
     a.resultOffset = layout_.resultOffset;
     a.pushOffset = layout_.pushOffset;
     a.pushSlotBytes = layout_.pushSlotBytes;
+    a.pushDepth = pushDepth_;
     a.rank = rank;
     a.stage = c.zeroCopy ? (c.stages[rank] ? 1 : 0) : 1;
     a.scale = c.scale;
@@ -202,6 +210,7 @@ class EmulatedGroup {
   }
 
   int n_;
+  uint32_t pushDepth_ = kPushDepth;
   BufferLayout layout_;
   std::vector<Call> calls_;
   std::unique_ptr<Arena> arena_;
@@ -257,6 +266,38 @@ void expectResults(const EmulatedGroup& g) {
       }
     }
   }
+}
+
+// The first output of `g` that differs from the float32 rank-order sum, as
+// expectResults compares them, described; empty when every output matches.
+std::string firstWrongOutput(const EmulatedGroup& g) {
+  const int n = g.size();
+  for (const Call& c : g.calls()) {
+    if (!c.check) continue;
+    const size_t elementBytes = dtypeSize(c.dtype);
+    std::vector<char> expected(c.count * elementBytes);
+    for (size_t i = 0; i < c.count; ++i) {
+      float acc = 0.f;
+      for (int r = 0; r < n; ++r) {
+        float v = load(c.dtype, c.original[r].data(), i);
+        if (c.algorithm == Algorithm::kPush && v == 0.f) v = 0.f;
+        acc = r == 0 ? v : acc + v;
+      }
+      store(c.dtype, expected.data(), i, acc * c.scale);
+    }
+    for (int r = 0; r < n; ++r) {
+      const char* out = static_cast<const char*>(c.out[r]);
+      for (size_t i = 0; i < c.count; ++i) {
+        if (std::memcmp(out + i * elementBytes, expected.data() + i * elementBytes,
+                        elementBytes) != 0) {
+          return describe(c, n) + ": rank " + std::to_string(r) + " element " +
+                 std::to_string(i) + " is " + std::to_string(load(c.dtype, out, i)) +
+                 ", expected " + std::to_string(load(c.dtype, expected.data(), i));
+        }
+      }
+    }
+  }
+  return "";
 }
 
 constexpr uint64_t kGenerousNs = 60ull * 1000 * 1000 * 1000;  // a loaded CI machine

@@ -20,10 +20,9 @@ namespace {
 // by the size that was pushed into it), one and several blocks. Every call
 // has fresh inputs, so a value left from three calls ago, or one zeroed
 // before it was read, shows in the result or as a timeout. With two rounds
-// (kPushDepth = 2) this fails (seen: wrong sums on every rank): the
-// held-back reader clears the round its peers are pushing into.
-TEST(KernelEmulationFull, PushSurvivesSlowReadersAndMixedCalls) {
-  constexpr int kRanks = 3;
+// in rotation this fails (PushNeedsThreeRounds): the held-back reader
+// clears the round its peers are pushing into.
+std::vector<Call> slowReadersAndMixedCalls(int kRanks) {
   const size_t counts[] = {901, 17, 4000, 3, 2500, 64};
   std::vector<Call> calls;
   for (int i = 0; i < 24; ++i) {
@@ -39,8 +38,30 @@ TEST(KernelEmulationFull, PushSurvivesSlowReadersAndMixedCalls) {
     c.slowMs = 20;
     calls.push_back(c);
   }
-  EmulatedGroup g(kRanks, 32 << 10, calls);
+  return calls;
+}
+
+TEST(KernelEmulationFull, PushSurvivesSlowReadersAndMixedCalls) {
+  EmulatedGroup g(3, 32 << 10, slowReadersAndMixedCalls(3));
+  ASSERT_EQ(kPushDepth, 3);
   expectCleanRun(g);
+}
+
+// The same calls with two push rounds in rotation instead of kPushDepth's
+// three: they must go wrong (wrong sums, or a push waited for in vain),
+// else the test above does not show why the third round is there.
+TEST(KernelEmulationFull, PushNeedsThreeRounds) {
+  EmulatedGroup g(3, 32 << 10, slowReadersAndMixedCalls(3));
+  g.setPushDepth(2);
+  const bool ran = g.run(allRanks(g.size()), 5ull * 1000 * 1000 * 1000);
+  std::string wrong = ran ? "" : "a rank failed or ran past its deadline";
+  for (int r = 0; r < g.size() && wrong.empty(); ++r) {
+    if (g.error(r) != 0) wrong = "rank " + std::to_string(r) + ": " + describeError(g.error(r));
+  }
+  if (wrong.empty()) wrong = firstWrongOutput(g);
+  EXPECT_FALSE(wrong.empty()) << "two push rounds in rotation gave every call's right sum: "
+                                 "the slow-reader test no longer shows why there are three";
+  std::printf("with two push rounds: %s\n", wrong.c_str());
 }
 
 // A zero of either sign is read as +0 by the push (it sends every zero as

@@ -168,14 +168,23 @@ def test_an_abort_breaks_the_group_on_every_rank(examples):
 
 
 def test_a_cpp_allreduce_costs_no_more_than_the_python_direct_route(examples):
-    """The figures are `python -m tpcomm.bench cpu --paths --cpp`'s; here the
-    program runs and reports a cost per call for each way it calls."""
-    done = _run([str(examples / "allreduce_latency"), "--world-size", "2", "--sizes", "4,4096",
-                 "--iters", "200", "--rounds", "2"], env=BARE_ENV, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    rows = re.findall(r"bytes=(\d+) process_group_us=([0-9.]+) direct_us=([0-9.]+)", done.stdout)
-    assert [int(r[0]) for r in rows] == [4, 4096], done.stdout
-    assert all(0 < float(r[1]) < 1e5 and 0 < float(r[2]) < 1e5 for r in rows), rows
+    """docs/cpp.md's claim (tpcomm::allReduce at 0.72x Python's dist.all_reduce
+    at 4 B on the 2-core machine), as `bench cpu --paths --cpp` measures it:
+    the C++ program and the Python ranks alternated, the best of each. The
+    bound is generous for a shared machine (1.3x), but a direct route that
+    lost its edge over Python's (as pg->allreduce's dispatcher costs,
+    1.25x) shows."""
+    from tpcomm.bench.cpu.cpp_paths import measure
+
+    program = str(examples / "allreduce_latency")
+    best = measure(program, sizes=(4,), iters=1000, rounds=3)
+    direct, python = best[(4, "c++ direct")], best[(4, "dist")]
+    ratio = direct / python
+    print(f"4 B allreduce: C++ direct {direct * 1e6:.2f} us, Python dist.all_reduce "
+          f"{python * 1e6:.2f} us ({ratio:.2f}x); C++ through the process group "
+          f"{best[(4, 'c++ group')] * 1e6:.2f} us")
+    assert ratio <= 1.3, (f"tpcomm::allReduce took {ratio:.2f}x Python's dist.all_reduce "
+                          f"({direct * 1e6:.2f} against {python * 1e6:.2f} us per 4 B call)")
 
 
 def test_the_package_refuses_a_torch_other_than_its_own(installed, tmp_path):

@@ -21,7 +21,7 @@ SIZES = (4, 64, 1024, 16384)
 ITERS = 2000
 
 
-def _python_worker(rank, world, port, results):
+def _python_worker(rank, world, port, sizes, iters, results):
     import tpcomm  # noqa: F401  (registers the backend)
 
     torch.set_num_threads(1)
@@ -30,22 +30,22 @@ def _python_worker(rank, world, port, results):
     control = dist.new_group(backend="gloo")
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     rows = {}
-    for nbytes in SIZES:
+    for nbytes in sizes:
         x = torch.ones(max(1, nbytes // 4))
         cells = {"dist": lambda: dist.all_reduce(x),
                  "backend": lambda: backend.allreduce([x]).wait()}
         for fn in cells.values():
             for _ in range(100):
                 fn()
-        rows[nbytes] = best_interleaved(cells, ITERS, 2, control)
+        rows[nbytes] = best_interleaved(cells, iters, 2, control)
     if rank == 0:
         results.put(rows)
     dist.destroy_process_group()
 
 
-def _cpp(program):
-    done = subprocess.run([program, "--world-size", "2", "--sizes", ",".join(map(str, SIZES)),
-                           "--iters", str(ITERS), "--rounds", "2"],
+def _cpp(program, sizes, iters):
+    done = subprocess.run([program, "--world-size", "2", "--sizes", ",".join(map(str, sizes)),
+                           "--iters", str(iters), "--rounds", "2"],
                           capture_output=True, text=True, timeout=1200)
     if done.returncode != 0:
         raise RuntimeError(f"{program} failed ({done.returncode}): {done.stderr[-2000:]}")
@@ -57,17 +57,29 @@ def _cpp(program):
     return rows
 
 
-def run(program, rounds=3):
+def measure(program, sizes=SIZES, iters=ITERS, rounds=3):
+    """{(bytes, way): best seconds per call} for the ways "dist", "backend"
+    (Python) and "c++ group", "c++ direct" (`program`), the Python run and
+    the program alternated `rounds` times. Raises RuntimeError when either
+    fails."""
     best = {}
     for _ in range(rounds):
-        python = run_ranks(_python_worker, 2, lambda r: (), 1200)
+        python = run_ranks(_python_worker, 2, lambda r: (tuple(sizes), iters), 1200)
         if python is None:
-            print("a Python rank failed", file=sys.stderr)
-            return 1
-        cpp = _cpp(program)
-        for nbytes in SIZES:
+            raise RuntimeError("a Python rank failed")
+        cpp = _cpp(program, sizes, iters)
+        for nbytes in sizes:
             for key, seconds in {**python[nbytes], **cpp[nbytes]}.items():
                 best[(nbytes, key)] = min(best.get((nbytes, key), float("inf")), seconds)
+    return best
+
+
+def run(program, rounds=3):
+    try:
+        best = measure(program, rounds=rounds)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
     print(f"all_reduce SUM float32 in place at 2 ranks, us per call (slowest rank, best of "
           f"{rounds} alternated runs of {ITERS} calls); C++: {program}")
     cols = ("dist", "backend", "c++ group", "c++ direct")
