@@ -11,9 +11,11 @@ With backend "tpcomm" one group serves both CPU and CUDA tensors, so
 `cpu_group` and `device_group` are the same group; any other backend gets a
 separate Gloo group for `cpu_group`.
 
-Longer than 600 lines because it is one class, vLLM 0.33's GroupCoordinator
-surface, each method short and delegating its protocol to a module of its
-own (_tensor_dict, _expert_parallel, message_queue).
+Each method is short and delegates its protocol to a module of its own
+(_tensor_dict, _expert_parallel, message_queue); the point-to-point methods
+and the expert-parallel ones are classes of their own
+(_coordinator_p2p.PointToPointMethods, _coordinator_ep.ExpertParallelMethods)
+that GroupCoordinator takes its methods from.
 """
 
 from collections import deque
@@ -23,9 +25,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tpcomm import _C, _graphs, _mq_pickle, _ops, _tensor_dict
-from tpcomm._expert_parallel import (GatherPlan, combine_tokens, dispatch_tokens,
-                                     gather_tokens, moe_group, own_tokens, scatter_tokens)
+from tpcomm import _C, _graphs, _ops, _tensor_dict
+from tpcomm._coordinator_ep import ExpertParallelMethods
+from tpcomm._coordinator_p2p import PointToPointMethods
 from tpcomm._registration import BACKEND_NAME
 from tpcomm._tensor_dict import TensorMetadata  # noqa: F401  (re-exported)
 from tpcomm.message_queue import MessageQueue
@@ -63,7 +65,7 @@ def default_group_timeout():
     return None
 
 
-class GroupCoordinator:
+class GroupCoordinator(PointToPointMethods, ExpertParallelMethods):
     def __init__(self, group_ranks, local_rank, torch_distributed_backend=BACKEND_NAME,
                  use_device_communicator=True, use_message_queue_broadcaster=False,
                  group_name=None, device=None, timeout=None):
@@ -416,121 +418,6 @@ class GroupCoordinator:
                 tensor_dict if self.rank == root else None)
         return _tensor_dict.broadcast(self, tensor_dict, src, root)
 
-    # -------------------------------------------------------------- point to point
-    def _peer(self, peer, default_step, what):
-        if peer is None:
-            peer = (self.rank_in_group + default_step) % self.world_size
-        root = self._global(peer, what)
-        if root == self.rank:
-            raise ValueError(f"{what} {peer} is this rank itself")
-        return root
-
-    def send_object(self, obj, dst):
-        """Pickles `obj` to group rank `dst` over the CPU group (CPU tensors
-        inside it out of band, as the message queue sends them)."""
-        peer = self._peer(dst, 1, "send_object: dst")
-        payload = _mq_pickle.pack(obj)
-        dist.send(torch.tensor([payload.numel()], dtype=torch.int64), dst=peer,
-                  group=self.cpu_group)
-        dist.send(payload, dst=peer, group=self.cpu_group)
-
-    def recv_object(self, src):
-        """The object group rank `src` sent with send_object."""
-        peer = self._peer(src, -1, "recv_object: src")
-        size = torch.empty(1, dtype=torch.int64)
-        dist.recv(size, src=peer, group=self.cpu_group)
-        payload = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(payload, src=peer, group=self.cpu_group)
-        return _mq_pickle.unpack(payload)
-
-    def isend_object(self, obj, dst):
-        """send_object without waiting: a handle (is_completed(), wait())
-        that keeps the pickled bytes alive until wait(). Pairs with
-        recv_object."""
-        peer = self._peer(dst, 1, "isend_object: dst")
-        return _tensor_dict.isend_object(self, obj, peer)
-
-    def send_tensor_dict(self, tensor_dict, dst=None, all_gather_group=None,
-                         all_gather_tensors=None):
-        """Sends a dict of str -> tensor | picklable to group rank `dst` (the
-        next rank by default). With `all_gather_group` (the tensor-parallel
-        group, whose ranks all send the same dict), each rank sends only its
-        1/TP slice of every tensor whose size divides by TP (per key:
-        `all_gather_tensors[key]` overrides) and the receivers all-gather."""
-        if self.world_size == 1:
-            return tensor_dict
-        peer = self._peer(dst, 1, "send_tensor_dict: dst")
-        _tensor_dict.send(self, tensor_dict, peer, all_gather_group, all_gather_tensors)
-        return None
-
-    def recv_tensor_dict(self, src=None, all_gather_group=None, all_gather_tensors=None):
-        """The dict group rank `src` (the previous rank by default) sent;
-        `all_gather_group` and `all_gather_tensors` must match the sender's."""
-        if self.world_size == 1:
-            return None
-        peer = self._peer(src, -1, "recv_tensor_dict: src")
-        return _tensor_dict.recv(self, peer, all_gather_group, all_gather_tensors)
-
-    def isend_tensor_dict(self, tensor_dict, dst=None, all_gather_group=None,
-                          all_gather_tensors=None):
-        """send_tensor_dict without waiting (a pipeline stage sends its
-        output and goes on): the handles [metadata, one per tensor sent].
-        The group also keeps them, with the tensors they read, until they
-        complete, so a caller may drop them. Pairs with recv_tensor_dict or
-        irecv_tensor_dict."""
-        if self.world_size == 1:
-            return []
-        peer = self._peer(dst, 1, "isend_tensor_dict: dst")
-        self._reap_isends()
-        handles = _tensor_dict.isend(self, tensor_dict, peer, all_gather_group,
-                                     all_gather_tensors)
-        self._pending_isends.append(handles)
-        return handles
-
-    # The isends kept for callers that dropped their handles: beyond this
-    # many, the oldest is waited for (the sender slows to its receiver).
-    MAX_PENDING_ISENDS = 64
-
-    def _reap_isends(self):
-        """Drops kept isends that completed, oldest first. Completion is read
-        from the tensors' handles: a Gloo send reports completion only once
-        waited for, and the receiver takes the metadata before the tensors,
-        so once the tensors went the metadata's wait() returns at once. An
-        entry without tensors has only its metadata to ask; past
-        MAX_PENDING_ISENDS entries the oldest is waited for."""
-        pending = self._pending_isends
-        while pending:
-            handles = pending[0]
-            judged = handles[1:] or handles
-            if not all(h.is_completed() for h in judged):
-                if len(pending) <= self.MAX_PENDING_ISENDS:
-                    break
-            for h in pending.popleft():
-                h.wait()
-
-    def irecv_tensor_dict(self, src=None, all_gather_group=None, all_gather_tensors=None):
-        """recv_tensor_dict with the tensors posted, not waited: (dict,
-        handles, postprocess). The metadata arrives before it returns; after
-        every handle's wait(), call each postprocess() to all-gather the
-        sliced tensors into the dict. (None, [], []) at world size 1."""
-        if self.world_size == 1:
-            return None, [], []
-        peer = self._peer(src, -1, "irecv_tensor_dict: src")
-        return _tensor_dict.irecv(self, peer, all_gather_group, all_gather_tensors)
-
-    def send(self, tensor, dst=None):
-        """Sends `tensor` to group rank `dst` (the next rank by default)."""
-        peer = self._peer(dst, 1, "send: dst")
-        dist.send(tensor.contiguous(), dst=peer, group=self.device_group)
-
-    def recv(self, size, dtype, src=None):
-        """A new tensor of `size` and `dtype` on this group's device, from
-        group rank `src` (the previous rank by default)."""
-        peer = self._peer(src, -1, "recv: src")
-        tensor = torch.empty(size, dtype=dtype, device=self.device)
-        dist.recv(tensor, src=peer, group=self.device_group)
-        return tensor
-
     def barrier(self):
         """Every rank of the group arrives (on the CPU group: no device work)."""
         dist.barrier(group=self.cpu_group)
@@ -546,111 +433,6 @@ class GroupCoordinator:
             if self.rank in ranks:
                 sibling = pg
         return sibling
-
-    # -------------------------------------------------------------- expert parallel
-    def dispatch(self, hidden_states, *args, **kwargs):
-        """Expert-parallel dispatch, in either of two forms:
-
-        dispatch(hidden_states, topk_weights, topk_ids, is_sequence_parallel=False,
-        extra_tensors=None), vLLM 0.33's: every rank receives every rank's
-        tokens (an all-gather along dim 0, by source rank then token order),
-        returns (hidden_states, topk_weights, topk_ids[, extra_tensors]) of
-        them, and runs its own experts on all of them. On the
-        expert-parallel group of initialize_model_parallel without
-        `is_sequence_parallel`, as in vLLM, the tokens are gathered over the
-        data-parallel group only (the prefill-context group with one
-        replica): tensor-parallel peers hold the same tokens and all-reduce
-        their results after combine.
-
-        dispatch(hidden_states, router_logits, is_sequence_parallel=False,
-        extra_tensors=None, top_k=None), the earlier form: an all-to-all. The
-        E experts of router_logits ([tokens, E]) are owned in contiguous
-        blocks of E / world_size by the ranks in order; each token goes only
-        to the ranks owning its `top_k` experts (every rank when None);
-        returns (hidden_states, router_logits[, extra_tensors]) of the
-        received tokens, by source rank then token order.
-
-        combine() then sends each rank's results back and sums them per
-        token. In the earlier form `is_sequence_parallel` changes nothing;
-        token counts are always exchanged."""
-        topk = "topk_ids" in kwargs or (len(args) >= 2 and isinstance(args[1], torch.Tensor))
-        if topk:
-            return self._dispatch_topk(hidden_states, *args, **kwargs)
-        return self._dispatch_router_logits(hidden_states, *args, **kwargs)
-
-    def _dispatch_topk(self, hidden_states, topk_weights, topk_ids, is_sequence_parallel=False,
-                       extra_tensors=None):
-        tensors = [hidden_states, topk_weights, topk_ids] + list(extra_tensors or [])
-        received = self._gather_dispatch("dispatch", tensors, is_sequence_parallel)
-        head = tuple(received[:3])
-        return head + (list(received[3:]),) if extra_tensors is not None else head
-
-    def dispatch_router_logits(self, hidden_states, router_logits, is_sequence_parallel=False,
-                               extra_tensors=None):
-        """vLLM 0.33's dispatch of router logits: every rank receives every
-        rank's tokens (as dispatch's topk form, over the same group); returns
-        (hidden_states, router_logits[, extra_tensors]). combine() pairs with
-        it."""
-        tensors = [hidden_states, router_logits] + list(extra_tensors or [])
-        received = self._gather_dispatch("dispatch_router_logits", tensors,
-                                         is_sequence_parallel)
-        head = tuple(received[:2])
-        return head + (list(received[2:]),) if extra_tensors is not None else head
-
-    def _gather_dispatch(self, name, tensors, is_sequence_parallel):
-        if self.world_size == 1:
-            return tensors
-        plan, received = gather_tokens(moe_group(self, is_sequence_parallel), name, tensors)
-        self._ep_plans.append(plan)
-        return received
-
-    def _dispatch_router_logits(self, hidden_states, router_logits, is_sequence_parallel=False,
-                                extra_tensors=None, top_k=None):
-        if self.world_size == 1:
-            received = (hidden_states, router_logits)
-            return received + (extra_tensors,) if extra_tensors is not None else received
-        plan, received = dispatch_tokens(self, hidden_states, router_logits, extra_tensors,
-                                         top_k)
-        self._ep_plans.append(plan)
-        return received
-
-    def combine(self, hidden_states, is_sequence_parallel=False):
-        """Sends each received token's result (rows in dispatch's order) back
-        to its source and returns, per original token, the sum of the results
-        from the ranks it went to (in rank order). Pairs with the oldest
-        dispatch not yet combined."""
-        if self.world_size == 1:
-            return hidden_states
-        if not self._ep_plans:
-            raise RuntimeError(f"combine on group {self.unique_name} without a dispatch")
-        plan = self._ep_plans[0]
-        if isinstance(plan, GatherPlan):
-            out = scatter_tokens(plan, hidden_states)  # checks before sending
-        else:
-            out = combine_tokens(self, plan, hidden_states)
-        self._ep_plans.popleft()
-        return out
-
-    def allocate_combine_input(self, shape, dtype, device, is_sequence_parallel=False):
-        """None: combine reads any tensor, so the caller allocates its input
-        as it likes (vLLM's contract for "no special buffer")."""
-        return None
-
-    def combine_into_output(self, hidden_states, output, is_sequence_parallel=False):
-        """combine() written into `output` (its shape checked before any
-        communication), which is returned."""
-        if self.world_size == 1:
-            want = tuple(hidden_states.shape)
-        elif not self._ep_plans:
-            raise RuntimeError(f"combine_into_output on group {self.unique_name} without a "
-                               "dispatch")
-        else:
-            rows = own_tokens(self._ep_plans[0])
-            want = (rows,) + tuple(hidden_states.shape[1:])
-        if tuple(output.shape) != want:
-            raise ValueError(f"combine_into_output: output has shape {tuple(output.shape)}, "
-                             f"the combined tokens have {want}")
-        return output.copy_(self.combine(hidden_states, is_sequence_parallel))
 
     # -------------------------------------------------------------- graphs, queues
     @contextmanager
