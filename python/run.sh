@@ -173,8 +173,14 @@ ensure_namespace_tools() {
 }
 
 # Rebuilds and reinstalls the package only when a source file changed.
+# $1: ON (with the C++ tests), OFF, or TORCH (only the C++ tests that link
+# torch).
 ensure_build() {
-  local build_tests="$1"
+  local build_tests="$1" torch_tests_only=OFF
+  if [[ "$build_tests" == TORCH ]]; then
+    build_tests=ON
+    torch_tests_only=ON
+  fi
   local stamp="$venv/.tpcomm-build"
   local sources
   sources="$(find CMakeLists.txt pyproject.toml cmake common backend coordinator custom_allreduce \
@@ -182,7 +188,7 @@ ensure_build() {
     \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \
     -o -name '*.txt' -o -name '*.toml' -o -name '*.inl' -o -name '*.cmake' -o -name '*.in' \
     -o -name '*.h' \) -print0 | sort -z | xargs -0 sha1sum | sha1sum)"
-  local wanted="$sources tests=$build_tests"
+  local wanted="$sources tests=$build_tests torch-tests-only=$torch_tests_only"
   if [[ -f "$stamp" && "$(cat "$stamp")" == "$wanted" ]] \
     && { [[ "$build_tests" == OFF ]] || [[ -x "$build_dir/tests/cpp/tpcomm_cpp_tests" ]]; }; then
     return
@@ -192,6 +198,7 @@ ensure_build() {
     --no-build-isolation --no-deps \
     -C build-dir="$build_dir" \
     -C cmake.define.TPCOMM_BUILD_TESTS="$build_tests" \
+    -C cmake.define.TPCOMM_TORCH_TESTS_ONLY="$torch_tests_only" \
     -C cmake.define.Python_EXECUTABLE="$py" \
     "$root"
   echo "$wanted" > "$stamp"
@@ -277,7 +284,11 @@ fi
 ensure_googletest
 ensure_namespace_tools
 install_once "$venv/.tpcomm-test-requirements" "${test_requirements[@]}"  # the test clients
-ensure_build ON
+if [[ "$test_scope" == torch ]]; then
+  ensure_build TORCH
+else
+  ensure_build ON
+fi
 # The build folder of this torch: a test that builds the wheel reuses it.
 export TPCOMM_TEST_BUILD_DIR="$build_dir"
 if [[ "$test_scope" == torch ]]; then
