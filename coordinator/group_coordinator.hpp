@@ -330,6 +330,7 @@ class GroupCoordinator {
 
   GroupOptions options_;
   c10::intrusive_ptr<c10d::Store> store_;
+  std::atomic<bool> lifeEnded_{false};  // shutdown() ended this rank's life
   c10::intrusive_ptr<c10d::Backend> cpu_;
   BackendFactory deviceFactory_;
   mutable std::mutex deviceMutex_;

@@ -22,13 +22,18 @@ const std::string kSpent = "spent:";
 
 std::string readKey(const std::string& life) { return "tpcomm/life-read/" + life; }
 std::string doneKey(const std::string& life) { return "tpcomm/life-done/" + life; }
-// Kept (16 bytes per life): a rank may still be about to read it.
-std::string okKey(const std::string& life) { return "tpcomm/life-ok/" + life; }
+// The life's prefix (storeOfLife) and, under it, rank 0's confirmation:
+// kept until the life ends (endLife), since a rank may still be about to
+// read it.
+std::string lifePrefix(const std::string& life) { return "tpcomm-life-" + life; }
+std::string okKey(const std::string& life) { return lifePrefix(life) + "/tpcomm/life-ok"; }
 // The end of a making, under the life's prefix (group_life.hpp).
 const std::string kMadeCount = "tpcomm/made";
 const std::string kMadeAll = "tpcomm/made-all";
 const std::string kNotMade = "tpcomm/not-made";
 const std::string kEnded = "tpcomm/made-or-failed";
+// The end of a life (endLife), under its prefix: ranks that left it.
+const std::string kLeft = "tpcomm/left";
 
 std::string firstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
 
@@ -75,8 +80,8 @@ std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
             "every rank of the group to take part in making it");
     store->set(okKey(life), bytesOf("1"));
     // The id is spent before anything of this life is made (see the
-    // header): overwritten, never deleted, so that a read of it never
-    // waits for a key that is gone.
+    // header): overwritten, not deleted, while a rank may still read it
+    // (finishMaking deletes it once every rank made its part).
     store->set(kLifeKey, bytesOf(kSpent + life));
     for (const auto& key : {readKey(life), doneKey(life)}) {
       try {
@@ -219,11 +224,54 @@ void finishMaking(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
     TPCOMM_THROW(kPeerLost, "rank ", rank, " made its part of the group, but not every rank did: ",
                  text);
   }
+  // Made on every rank, so every rank is past agreeOnLife: rank 0, the
+  // only one that writes the group's "tpcomm/life", removes it (a later
+  // making under the same name waits for it to be set again).
+  if (rank == 0) {
+    if (auto* prefixed = dynamic_cast<c10d::PrefixStore*>(lifeStore.get())) {
+      try {
+        prefixed->getUnderlyingStore()->deleteKey(kLifeKey);
+      } catch (const std::exception&) {
+        // Left behind: one key per group name, harmless.
+      }
+    }
+  }
+}
+
+bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size) noexcept {
+  if (!lifeStore) return false;
+  try {
+    if (size > 1 && lifeStore->add(kLeft, 1) < size) return false;
+    std::vector<std::string> keys;
+    try {
+      keys = lifeStore->listKeys();
+    } catch (const std::exception&) {
+      // A store that cannot list its keys: those tpcomm itself wrote.
+      keys = {kMadeCount, kMadeAll, kEnded, "tpcomm/life-ok"};
+    }
+    for (const auto& key : keys) {
+      // A peer's fault watcher may still read these (check, then get: a
+      // key gone in between would hold it until the store's timeout).
+      // They exist only where a fault was published or a call was stuck.
+      const bool watched = key.find("tpcomm/faults") != std::string::npos ||
+                           key.find("tpcomm/pos/") != std::string::npos;
+      if (watched || key == kLeft) continue;
+      try {
+        lifeStore->deleteKey(key);
+      } catch (const std::exception&) {
+      }
+    }
+    lifeStore->deleteKey(kLeft);
+    return true;
+  } catch (const std::exception&) {
+    // A store that went away: nothing is left to clean.
+    return false;
+  }
 }
 
 c10::intrusive_ptr<c10d::Store> storeOfLife(const c10::intrusive_ptr<c10d::Store>& store,
                                             const std::string& life) {
-  return c10::make_intrusive<c10d::PrefixStore>("tpcomm-life-" + life, store);
+  return c10::make_intrusive<c10d::PrefixStore>(lifePrefix(life), store);
 }
 
 }  // namespace tpcomm::coord

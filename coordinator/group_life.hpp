@@ -9,12 +9,14 @@
 // The ranks agree on it through the group's store, before anything else of
 // the group is made:
 //   rank 0:   picks a random id, sets "tpcomm/life" to it, waits for
-//             "tpcomm/life-done/<id>", sets "tpcomm/life-ok/<id>", then
-//             sets "tpcomm/life" to "spent:<id>" (never deleted: a read of
-//             it never waits) and deletes "-read/<id>" and "-done/<id>";
+//             "tpcomm/life-done/<id>", sets "tpcomm-life-<id>/tpcomm/life-ok"
+//             (under the life's prefix: removed when the life ends), then
+//             sets "tpcomm/life" to "spent:<id>" (not deleted while a rank
+//             may read it: once the making ended, rank 0 deletes it) and
+//             deletes "-read/<id>" and "-done/<id>";
 //   the rest: wait for "tpcomm/life" to hold an id not spent, read it, add 1 to
 //             "tpcomm/life-read/<id>" (the last to read sets
-//             "tpcomm/life-done/<id>"), and wait for "tpcomm/life-ok/<id>";
+//             "tpcomm/life-done/<id>"), and wait for its life-ok;
 //             an id that "tpcomm/life" no longer holds meanwhile (one a rank
 //             0 that died while making an earlier life left behind) is
 //             dropped for the one it holds now.
@@ -96,6 +98,17 @@ auto makeTogether(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
   finishMaking(lifeStore, rank, size, timeout);
   return made;
 }
+
+// The end of a life: each rank calls it once, when it is done with the
+// group (its shutdown, after its backends'). The last of the group's `size`
+// ranks to call it removes every key under the life's prefix (through the
+// store's listKeys; only the keys tpcomm itself writes where the store cannot
+// list them), so that a process that makes and drops groups for days does
+// not grow its store. Kept: the fault lines and the stuck calls' positions
+// (a peer's watcher may still read them; they exist only where a fault or a
+// stuck call was), and everything of a group that lost a rank (that rank
+// never says it left). Returns whether this call removed them. Never throws.
+bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size) noexcept;
 
 // `store` with every key under the life's prefix ("tpcomm-life-<life>/").
 c10::intrusive_ptr<c10d::Store> storeOfLife(const c10::intrusive_ptr<c10d::Store>& store,

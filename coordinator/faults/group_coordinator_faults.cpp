@@ -9,6 +9,7 @@
 
 #include "common/error.hpp"
 #include "coordinator/group_coordinator.hpp"
+#include "coordinator/group_life.hpp"
 
 namespace tpcomm::coord {
 
@@ -101,6 +102,9 @@ void GroupCoordinator::abort() {
 void GroupCoordinator::shutdown() {
   if (auto device = deviceBackendIfCreated()) device->shutdown();
   cpu_->shutdown();
+  // This rank is done with the group's store: the last rank out removes
+  // the life's keys (group_life.hpp).
+  if (!lifeEnded_.exchange(true)) endLife(store_, options_.size);
 }
 
 }  // namespace tpcomm::coord

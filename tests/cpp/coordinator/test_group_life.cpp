@@ -247,5 +247,57 @@ TEST(GroupLife, AWaitThatRunsOutAsTheLastRankCameEndsAsMade) {
   EXPECT_FALSE(store->check({"tpcomm/made-all"})) << "rank 0 was not the one to end it";
 }
 
+// Every key of a group made, used and shut down on every rank is gone from
+// its store, the group's "tpcomm/life" included; fault lines stay (a peer's
+// watcher may still read them), and a group a rank never left keeps its
+// keys. Other keys of the store are untouched.
+TEST(GroupLife, AWholeLifeLeavesNoKeyOfItsOwnBehind) {
+  auto base = c10::make_intrusive<c10d::HashStore>();
+  base->set("other", {1});
+  constexpr int kSize = 3;
+  auto keys = [&] {
+    auto list = base->listKeys();
+    return std::set<std::string>(list.begin(), list.end());
+  };
+  auto live = [&](bool fault, int leaving) {
+    const std::string life = agree(base, kSize)[0];
+    auto store = coord::storeOfLife(base, life);
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < kSize; ++r) {
+      ranks.emplace_back([&, r] { coord::finishMaking(store, r, kSize, 20s); });
+    }
+    for (auto& t : ranks) t.join();
+    // What the group's Gloo, its device backend and its calls write.
+    store->set("cpu/0", {1});
+    store->set("device/ncclUniqueId", {1});
+    store->set("tpcomm-hier/g/cpu/1", {1});
+    if (fault) store->append("tpcomm/faults", {1});
+    int removed = 0;
+    for (int r = 0; r < leaving; ++r) removed += coord::endLife(store, kSize) ? 1 : 0;
+    EXPECT_EQ(removed, leaving == kSize ? 1 : 0);
+    return life;
+  };
+  live(false, kSize);
+  EXPECT_EQ(keys(), std::set<std::string>({"other"}));
+  const std::string faulty = live(true, kSize);
+  EXPECT_EQ(keys(), std::set<std::string>({"other", "tpcomm-life-" + faulty + "/tpcomm/faults"}));
+  base->deleteKey("tpcomm-life-" + faulty + "/tpcomm/faults");
+  const std::string lost = live(false, kSize - 1);
+  const auto kept = keys();
+  EXPECT_TRUE(kept.count("tpcomm-life-" + lost + "/cpu/0")) << "a group a rank never left";
+  // 1,000 lives, each on every rank: nothing grows.
+  for (int i = 0; i < 1000; ++i) {
+    auto store = coord::storeOfLife(base, "00000000000" + std::to_string(10000 + i));
+    store->set("cpu/0", {1});
+    for (int r = 0; r < kSize; ++r) coord::endLife(store, kSize);
+  }
+  EXPECT_EQ(keys(), kept);
+  // A group of one ends alone.
+  auto alone = coord::storeOfLife(base, agree(base, 1)[0]);
+  alone->set("cpu/0", {1});
+  EXPECT_TRUE(coord::endLife(alone, 1));
+  EXPECT_EQ(keys(), kept);
+}
+
 }  // namespace
 }  // namespace tpcomm
