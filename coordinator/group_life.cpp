@@ -26,7 +26,8 @@ std::string doneKey(const std::string& life) { return "tpcomm/life-done/" + life
 // kept until the life ends (endLife), since a rank may still be about to
 // read it.
 std::string lifePrefix(const std::string& life) { return "tpcomm-life-" + life; }
-std::string okKey(const std::string& life) { return lifePrefix(life) + "/tpcomm/life-ok"; }
+const std::string kOk = "tpcomm/life-ok";  // under the life's prefix
+std::string okKey(const std::string& life) { return lifePrefix(life) + "/" + kOk; }
 // The end of a making, under the life's prefix (group_life.hpp).
 const std::string kMadeCount = "tpcomm/made";
 const std::string kMadeAll = "tpcomm/made-all";
@@ -103,15 +104,20 @@ std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
                    " (store key '", kLifeKey, "')");
   };
   waitFor(store, kLifeKey, left(), timeout, rank, "rank 0 to make the group");
-  // The key exists from here on (it is only ever overwritten): each read
-  // answers at once.
+  // Read without waiting: rank 0 deletes the key once a making ended, so it
+  // may be gone (an empty id: not set yet) between two reads. A compareSet
+  // whose expected value no key ever holds answers with the key's value,
+  // or with that expected value when there is no key, and writes nothing.
+  static const std::string kAbsent = "\x01" "absent";
   auto read = [&] {
-    const auto bytes = store->get(kLifeKey);
-    return std::string(bytes.begin(), bytes.end());
+    const auto bytes = store->compareSet(kLifeKey, bytesOf(kAbsent), bytesOf(kAbsent));
+    const std::string value(bytes.begin(), bytes.end());
+    return value == kAbsent ? std::string() : value;
   };
   std::string life = read();
   for (;;) {
-    // A spent id (an earlier making's): rank 0 has not set this one's yet.
+    // No id, or a spent one (an earlier making's): rank 0 has not set this
+    // one's yet.
     while (life.empty() || life.rfind(kSpent, 0) == 0) {
       expired("rank 0 to make the group");
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -247,15 +253,13 @@ bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size) noexcep
       keys = lifeStore->listKeys();
     } catch (const std::exception&) {
       // A store that cannot list its keys: those tpcomm itself wrote.
-      keys = {kMadeCount, kMadeAll, kEnded, "tpcomm/life-ok"};
+      keys = {kMadeCount, kMadeAll, kEnded, kOk};
     }
     for (const auto& key : keys) {
-      // A peer's fault watcher may still read these (check, then get: a
-      // key gone in between would hold it until the store's timeout).
-      // They exist only where a fault was published or a call was stuck.
-      const bool watched = key.find("tpcomm/faults") != std::string::npos ||
-                           key.find("tpcomm/pos/") != std::string::npos;
-      if (watched || key == kLeft) continue;
+      // A peer's fault watcher may still read the fault lines (check, then
+      // get: a key gone in between would hold it until the store's
+      // timeout); they exist only where a fault was published.
+      if (key.find("tpcomm/faults") != std::string::npos || key == kLeft) continue;
       try {
         lifeStore->deleteKey(key);
       } catch (const std::exception&) {

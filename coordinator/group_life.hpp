@@ -104,10 +104,13 @@ auto makeTogether(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
 // ranks to call it removes every key under the life's prefix (through the
 // store's listKeys; only the keys tpcomm itself writes where the store cannot
 // list them), so that a process that makes and drops groups for days does
-// not grow its store. Kept: the fault lines and the stuck calls' positions
-// (a peer's watcher may still read them; they exist only where a fault or a
-// stuck call was), and everything of a group that lost a rank (that rank
-// never says it left). Returns whether this call removed them. Never throws.
+// not grow its store. Kept: the fault lines (a peer's watcher may still
+// read them; they exist only where a fault was published), and everything
+// of a group a rank never left (one that lost a rank, broke, or was shut
+// down with calls in flight: GroupCoordinator::shutdown ends the life only
+// when the group works and this rank has no call in flight, so that no
+// store call can hold a broken group's way out). Returns whether this call
+// removed them. Never throws.
 bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size) noexcept;
 
 // `store` with every key under the life's prefix ("tpcomm-life-<life>/").

@@ -103,8 +103,12 @@ void GroupCoordinator::shutdown() {
   if (auto device = deviceBackendIfCreated()) device->shutdown();
   cpu_->shutdown();
   // This rank is done with the group's store: the last rank out removes
-  // the life's keys (group_life.hpp).
-  if (!lifeEnded_.exchange(true)) endLife(store_, options_.size);
+  // the life's keys (group_life.hpp). Not when the group broke (its store
+  // may be gone: no store call may hold the way out) or a call of this rank
+  // is still in flight (it may still read the store): the keys stay then.
+  if (!lifeEnded_.exchange(true) && !fault_->broken() && fault_->idle()) {
+    endLife(store_, options_.size);
+  }
 }
 
 }  // namespace tpcomm::coord

@@ -159,6 +159,11 @@ void GroupFault::leave(uint64_t ticket) {
   }
 }
 
+bool GroupFault::idle() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return !oldestLocked().has_value();
+}
+
 std::optional<GroupFault::Call> GroupFault::oldestLocked() const {
   std::optional<Call> oldest;
   for (const auto& call : calls_) {

@@ -84,6 +84,8 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // Whether a call may go ahead without checkBeforeCall().
   bool usable() const { return state_.load(std::memory_order_acquire) == 0; }
   bool broken() const { return (state_.load(std::memory_order_acquire) & kBroken) != 0; }
+  // Whether no call of this rank is in flight on the group.
+  bool idle() const;
   // Why the group broke (empty while it works).
   std::string reason() const;
   // Before a call when !usable(): raises PeerLost naming the cause when the
