@@ -53,15 +53,13 @@ TEST(KernelEmulationFull, PushSurvivesSlowReadersAndMixedCalls) {
 TEST(KernelEmulationFull, PushNeedsThreeRounds) {
   EmulatedGroup g(3, 32 << 10, slowReadersAndMixedCalls(3));
   g.setPushDepth(2);
-  // Every rank runs to its end (a rank's failure here would prove nothing);
-  // a push waited for in vain is a timeout of the push phase.
+  // Every rank runs to its end (a rank's process failing here would prove
+  // nothing): what goes wrong must be a kernel's error word (a push waited
+  // for in vain, the poison it spreads) or a wrong sum.
   ASSERT_TRUE(g.run(allRanks(g.size()), 5ull * 1000 * 1000 * 1000));
   std::string wrong;
   for (int r = 0; r < g.size() && wrong.empty(); ++r) {
-    const uint32_t code = g.error(r);
-    if (code == 0) continue;
-    EXPECT_EQ((code >> 16) & 0x7f, static_cast<uint32_t>(kPush)) << describeError(code);
-    wrong = "rank " + std::to_string(r) + ": " + describeError(code);
+    if (g.error(r) != 0) wrong = "rank " + std::to_string(r) + ": " + describeError(g.error(r));
   }
   if (wrong.empty()) wrong = firstWrongOutput(g);
   EXPECT_FALSE(wrong.empty()) << "two push rounds in rotation gave every call's right sum: "
