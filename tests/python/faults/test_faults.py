@@ -194,12 +194,14 @@ def test_an_abort_ends_every_ranks_wait(groups, shm_groups, route, case):
 
 # ---------------------------------------------------------------- positions
 def _stuck_in_different_calls(ctx):
-    """Rank 0 gives up its allreduce after 1.5 s (its own timeout) while
-    rank 1 still waits in a recv nobody sends (until the group's 3 s)."""
-    g = dist.new_group(backend="tpcomm", timeout=timedelta(seconds=3))
+    """Rank 0 gives up its allreduce after 3 s (its own timeout) while
+    rank 1 still waits in a recv nobody sends (until the group's 6 s). Rank
+    1's position goes out once its recv is older than the watchdog's 200 ms;
+    on a loaded 2-core machine 1.5 s was sometimes not enough for it."""
+    g = dist.new_group(backend="tpcomm", timeout=timedelta(seconds=6))
     dist.all_reduce(torch.ones(1), group=g)
     if ctx.rank == 0:
-        g._get_backend(torch.device("cpu")).set_timeout(timedelta(seconds=1.5))
+        g._get_backend(torch.device("cpu")).set_timeout(timedelta(seconds=3))
         return error_message(lambda: dist.all_reduce(torch.ones(4), group=g))
     return error_message(lambda: dist.recv(torch.empty(4), 0, group=g))
 
