@@ -252,8 +252,9 @@ TEST(GroupLife, AWaitThatRunsOutAsTheLastRankCameEndsAsMade) {
 // watcher may still read them), and a group a rank never left keeps its
 // keys. Other keys of the store are untouched.
 TEST(GroupLife, AWholeLifeLeavesNoKeyOfItsOwnBehind) {
+  const std::vector<uint8_t> kOne{1};
   auto base = c10::make_intrusive<c10d::HashStore>();
-  base->set("other", {1});
+  base->set("other", kOne);
   constexpr int kSize = 3;
   auto keys = [&] {
     auto list = base->listKeys();
@@ -268,10 +269,10 @@ TEST(GroupLife, AWholeLifeLeavesNoKeyOfItsOwnBehind) {
     }
     for (auto& t : ranks) t.join();
     // What the group's Gloo, its device backend and its calls write.
-    store->set("cpu/0", {1});
-    store->set("device/ncclUniqueId", {1});
-    store->set("tpcomm-hier/g/cpu/1", {1});
-    if (fault) store->append("tpcomm/faults", {1});
+    store->set("cpu/0", kOne);
+    store->set("device/ncclUniqueId", kOne);
+    store->set("tpcomm-hier/g/cpu/1", kOne);
+    if (fault) store->append("tpcomm/faults", kOne);
     int removed = 0;
     for (int r = 0; r < leaving; ++r) removed += coord::endLife(store, kSize) ? 1 : 0;
     EXPECT_EQ(removed, leaving == kSize ? 1 : 0);
@@ -288,13 +289,13 @@ TEST(GroupLife, AWholeLifeLeavesNoKeyOfItsOwnBehind) {
   // 1,000 lives, each on every rank: nothing grows.
   for (int i = 0; i < 1000; ++i) {
     auto store = coord::storeOfLife(base, "00000000000" + std::to_string(10000 + i));
-    store->set("cpu/0", {1});
+    store->set("cpu/0", kOne);
     for (int r = 0; r < kSize; ++r) coord::endLife(store, kSize);
   }
   EXPECT_EQ(keys(), kept);
   // A group of one ends alone.
   auto alone = coord::storeOfLife(base, agree(base, 1)[0]);
-  alone->set("cpu/0", {1});
+  alone->set("cpu/0", kOne);
   EXPECT_TRUE(coord::endLife(alone, 1));
   EXPECT_EQ(keys(), kept);
 }

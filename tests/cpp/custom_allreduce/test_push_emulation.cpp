@@ -56,7 +56,7 @@ TEST(KernelEmulationFull, PushNeedsThreeRounds) {
   // Every rank runs to its end (a rank's process failing here would prove
   // nothing): what goes wrong must be a kernel's error word (a push waited
   // for in vain, the poison it spreads) or a wrong sum.
-  ASSERT_TRUE(g.run(allRanks(g.size()), 5ull * 1000 * 1000 * 1000));
+  ASSERT_TRUE(g.run(allRanks(g.size()), 2ull * 1000 * 1000 * 1000));
   std::string wrong;
   for (int r = 0; r < g.size() && wrong.empty(); ++r) {
     if (g.error(r) != 0) wrong = "rank " + std::to_string(r) + ": " + describeError(g.error(r));
