@@ -105,14 +105,10 @@ std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
   };
   waitFor(store, kLifeKey, left(), timeout, rank, "rank 0 to make the group");
   // Read without waiting: rank 0 deletes the key once a making ended, so it
-  // may be gone (an empty id: not set yet) between two reads. A compareSet
-  // whose expected value no key ever holds answers with the key's value,
-  // or with that expected value when there is no key, and writes nothing.
-  static const std::string kAbsent = "\x01" "absent";
+  // may be gone (an empty id: not set yet) between two reads.
   auto read = [&] {
-    const auto bytes = store->compareSet(kLifeKey, bytesOf(kAbsent), bytesOf(kAbsent));
-    const std::string value(bytes.begin(), bytes.end());
-    return value == kAbsent ? std::string() : value;
+    const auto bytes = readWithoutWaiting(store, kLifeKey);
+    return bytes ? std::string(bytes->begin(), bytes->end()) : std::string();
   };
   std::string life = read();
   for (;;) {
@@ -256,10 +252,9 @@ bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size) noexcep
       keys = {kMadeCount, kMadeAll, kEnded, kOk};
     }
     for (const auto& key : keys) {
-      // A peer's fault watcher may still read the fault lines (check, then
-      // get: a key gone in between would hold it until the store's
-      // timeout); they exist only where a fault was published.
-      if (key.find("tpcomm/faults") != std::string::npos || key == kLeft) continue;
+      // Every reader of a life's keys after its making reads without
+      // waiting (readWithoutWaiting), so none is held by a key gone.
+      if (key == kLeft) continue;
       try {
         lifeStore->deleteKey(key);
       } catch (const std::exception&) {
@@ -271,6 +266,16 @@ bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size) noexcep
     // A store that went away: nothing is left to clean.
     return false;
   }
+}
+
+std::optional<std::vector<uint8_t>> readWithoutWaiting(const c10::intrusive_ptr<c10d::Store>& store,
+                                                       const std::string& key) {
+  // A value no key of tpcomm's ever holds (a store answers a compareSet on
+  // a missing key with the expected value when that is not empty).
+  static const std::vector<uint8_t> kAbsent = bytesOf(std::string("\x01" "tpcomm-absent"));
+  auto bytes = store->compareSet(key, kAbsent, kAbsent);
+  if (bytes == kAbsent) return std::nullopt;
+  return bytes;
 }
 
 c10::intrusive_ptr<c10d::Store> storeOfLife(const c10::intrusive_ptr<c10d::Store>& store,

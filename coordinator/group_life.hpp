@@ -53,6 +53,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
@@ -104,14 +105,22 @@ auto makeTogether(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
 // ranks to call it removes every key under the life's prefix (through the
 // store's listKeys; only the keys tpcomm itself writes where the store cannot
 // list them), so that a process that makes and drops groups for days does
-// not grow its store. Kept: the fault lines (a peer's watcher may still
-// read them; they exist only where a fault was published), and everything
-// of a group a rank never left (one that lost a rank, broke, or was shut
-// down with calls in flight: GroupCoordinator::shutdown ends the life only
-// when the group works and this rank has no call in flight, so that no
-// store call can hold a broken group's way out). Returns whether this call
-// removed them. Never throws.
+// not grow its store: aborted and broken groups' too (their fault lines;
+// a peer's watcher reads them without waiting, readWithoutWaiting). Kept:
+// everything of a group a rank never left (one that lost a rank, or was
+// shut down with calls in flight: GroupCoordinator::shutdown ends the life
+// only when this rank has no call in flight, on a thread of its own that it
+// waits for at most a second, so that a store that no longer answers never
+// holds its way out). Returns whether this call removed them. Never throws.
 bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size) noexcept;
+
+// `key`'s value, or nothing when there is no such key, without waiting for
+// it (a get waits for a missing key until the store's timeout): a key of a
+// life may be removed between two reads once its last rank left
+// (endLife). One compareSet whose expected value no key holds: it answers
+// with the value and writes nothing.
+std::optional<std::vector<uint8_t>> readWithoutWaiting(const c10::intrusive_ptr<c10d::Store>& store,
+                                                       const std::string& key);
 
 // `store` with every key under the life's prefix ("tpcomm-life-<life>/").
 c10::intrusive_ptr<c10d::Store> storeOfLife(const c10::intrusive_ptr<c10d::Store>& store,

@@ -3,6 +3,7 @@
 // watchdog watches.
 #include <chrono>
 #include <condition_variable>
+#include <future>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -103,11 +104,19 @@ void GroupCoordinator::shutdown() {
   if (auto device = deviceBackendIfCreated()) device->shutdown();
   cpu_->shutdown();
   // This rank is done with the group's store: the last rank out removes
-  // the life's keys (group_life.hpp). Not when the group broke (its store
-  // may be gone: no store call may hold the way out) or a call of this rank
-  // is still in flight (it may still read the store): the keys stay then.
-  if (!lifeEnded_.exchange(true) && !fault_->broken() && fault_->idle()) {
-    endLife(store_, options_.size);
+  // the life's keys (group_life.hpp). Not while a call of this rank is in
+  // flight (it may still read the store): the keys stay then. On a thread
+  // of its own, waited for at most a second, so that a store that no longer
+  // answers (a broken group's may be gone with its host) never holds the
+  // way out; an aborted group's keys go as a working group's do.
+  if (!lifeEnded_.exchange(true) && fault_->idle()) {
+    auto ended = std::make_shared<std::promise<void>>();
+    auto future = ended->get_future();
+    std::thread([store = store_, size = options_.size, ended] {
+      endLife(store, size);
+      ended->set_value();
+    }).detach();
+    future.wait_for(std::chrono::seconds(1));
   }
 }
 

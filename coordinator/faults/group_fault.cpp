@@ -10,6 +10,7 @@
 
 #include "common/error.hpp"
 #include "coordinator/faults/fault_watchdog.hpp"
+#include "coordinator/group_life.hpp"
 
 namespace tpcomm::coord {
 
@@ -279,8 +280,10 @@ void GroupFault::publish(const std::string& line) {
 
 std::vector<GroupFault::Line> GroupFault::readLines() const {
   std::vector<Line> lines;
-  if (!store_ || !store_->check({kFaultsKey})) return lines;
-  const auto bytes = store_->get(kFaultsKey);
+  if (!store_) return lines;
+  const auto read = readWithoutWaiting(store_, kFaultsKey);
+  if (!read) return lines;
+  const std::vector<uint8_t>& bytes = *read;
   for (const std::string& row : detail::splitLines(std::string(bytes.begin(), bytes.end()))) {
     // "B <rank> <why>" or "R <rank> <seq> <op> <why>"
     Line line{};
@@ -445,9 +448,9 @@ std::string GroupFault::rootMismatch(const std::string& op, uint64_t seq, int ro
   const std::string same = detail::concat("in ", op, " #", seq, " (root ");
   for (int r = 0; r < size_; ++r) {
     if (r == rank_) continue;
-    const std::string key = positionKey(r);
-    if (!store_->check({key})) continue;
-    const auto bytes = store_->get(key);
+    const auto read = readWithoutWaiting(store_, positionKey(r));
+    if (!read) continue;
+    const std::vector<uint8_t>& bytes = *read;
     const std::string value(bytes.begin(), bytes.end());
     if (value.rfind(same, 0) != 0) continue;
     const int theirs = std::atoi(value.c_str() + same.size());
@@ -524,9 +527,9 @@ std::string GroupFault::positions(const char* op, uint64_t seq) const {
           int said = 0;
           for (int r = 0; r < self->size_ && said < 32; ++r) {
             if (r == self->rank_) continue;
-            const std::string key = positionKey(r);
-            if (!self->store_->check({key})) continue;
-            const auto bytes = self->store_->get(key);
+            const auto read = readWithoutWaiting(self->store_, positionKey(r));
+            if (!read) continue;
+            const std::vector<uint8_t>& bytes = *read;
             std::string value(bytes.begin(), bytes.end());
             const size_t since = value.find(" since ");
             if (since != std::string::npos) {

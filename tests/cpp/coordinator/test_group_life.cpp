@@ -248,9 +248,8 @@ TEST(GroupLife, AWaitThatRunsOutAsTheLastRankCameEndsAsMade) {
 }
 
 // Every key of a group made, used and shut down on every rank is gone from
-// its store, the group's "tpcomm/life" included; fault lines stay (a peer's
-// watcher may still read them), and a group a rank never left keeps its
-// keys. Other keys of the store are untouched.
+// its store, the group's "tpcomm/life" and its fault lines included; a
+// group a rank never left keeps its keys. Other keys are untouched.
 TEST(GroupLife, AWholeLifeLeavesNoKeyOfItsOwnBehind) {
   const std::vector<uint8_t> kOne{1};
   auto base = c10::make_intrusive<c10d::HashStore>();
@@ -280,9 +279,8 @@ TEST(GroupLife, AWholeLifeLeavesNoKeyOfItsOwnBehind) {
   };
   live(false, kSize);
   EXPECT_EQ(keys(), std::set<std::string>({"other"}));
-  const std::string faulty = live(true, kSize);
-  EXPECT_EQ(keys(), std::set<std::string>({"other", "tpcomm-life-" + faulty + "/tpcomm/faults"}));
-  base->deleteKey("tpcomm-life-" + faulty + "/tpcomm/faults");
+  live(true, kSize);
+  EXPECT_EQ(keys(), std::set<std::string>({"other"})) << "a broken group's fault lines stay";
   const std::string lost = live(false, kSize - 1);
   const auto kept = keys();
   EXPECT_TRUE(kept.count("tpcomm-life-" + lost + "/cpu/0")) << "a group a rank never left";
@@ -298,6 +296,19 @@ TEST(GroupLife, AWholeLifeLeavesNoKeyOfItsOwnBehind) {
   alone->set("cpu/0", kOne);
   EXPECT_TRUE(coord::endLife(alone, 1));
   EXPECT_EQ(keys(), kept);
+}
+
+TEST(GroupLife, AKeyIsReadWithoutWaitingForIt) {
+  auto store = coord::storeOfLife(c10::make_intrusive<c10d::HashStore>(), "0123456789abcdef");
+  store->setTimeout(30s);
+  const auto start = Clock::now();
+  EXPECT_FALSE(coord::readWithoutWaiting(store, "tpcomm/faults").has_value());
+  EXPECT_LT(Clock::now() - start, 1s);
+  EXPECT_FALSE(store->check({"tpcomm/faults"})) << "the read wrote the key";
+  store->append("tpcomm/faults", std::vector<uint8_t>{'B', ' ', '1'});
+  const auto read = coord::readWithoutWaiting(store, "tpcomm/faults");
+  ASSERT_TRUE(read.has_value());
+  EXPECT_EQ(std::string(read->begin(), read->end()), "B 1");
 }
 
 }  // namespace
