@@ -273,7 +273,14 @@ std::optional<std::vector<uint8_t>> readWithoutWaiting(const c10::intrusive_ptr<
   // A value no key of tpcomm's ever holds (a store answers a compareSet on
   // a missing key with the expected value when that is not empty).
   static const std::vector<uint8_t> kAbsent = bytesOf(std::string("\x01" "tpcomm-absent"));
-  auto bytes = store->compareSet(key, kAbsent, kAbsent);
+  std::vector<uint8_t> bytes;
+  try {
+    bytes = store->compareSet(key, kAbsent, kAbsent);
+  } catch (const c10::Error&) {
+    // A store without compareSet (one of the user's): check, then get.
+    if (!store->check({key})) return std::nullopt;
+    return store->get(key);
+  }
   if (bytes == kAbsent) return std::nullopt;
   return bytes;
 }
