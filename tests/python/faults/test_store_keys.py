@@ -1,7 +1,8 @@
 """A group's store keys end with its life (coordinator/group_life.hpp,
 endLife): a serving process that makes and drops groups for days must not
 grow its store. Two ranks make, use and destroy 1,000 groups on one
-TCPStore; tpcomm's keys are counted before and after."""
+TCPStore, then abort and destroy 10 more; tpcomm's keys are counted before
+and after."""
 
 import re
 from datetime import timedelta
@@ -36,6 +37,20 @@ def _worker(rank, world, port, groups, results):
         y = torch.full((4,), float(i))
         dist.all_reduce(y, group=group)
         assert y.tolist() == [2.0 * i] * 4, (i, y)
+        dist.destroy_process_group(group)
+    # Aborted groups (rank 0 aborts, the group breaks on both ranks) go too,
+    # their fault lines included.
+    for i in range(10):
+        group = dist.new_group(list(range(world)), backend="tpcomm")
+        dist.all_reduce(torch.ones(4), group=group)
+        if rank == 0:
+            group._get_backend(torch.device("cpu")).abort()
+        try:
+            dist.all_reduce(torch.ones(4), group=group)
+        except Exception as e:  # noqa: BLE001 (the group is broken: any error)
+            assert "aborted the group" in str(e), e
+        else:
+            raise AssertionError("an aborted group's call returned")
         dist.destroy_process_group(group)
     dist.barrier()
     after = store.list_keys()
