@@ -112,7 +112,8 @@ void GroupCoordinator::shutdown() {
   if (!lifeEnded_.exchange(true) && fault_->idle()) {
     auto ended = std::make_shared<std::promise<void>>();
     auto future = ended->get_future();
-    std::thread([store = store_, size = options_.size, ended] {
+    std::thread([fault = fault_, store = store_, size = options_.size, ended] {
+      fault->retire();
       endLife(store, size);
       ended->set_value();
     }).detach();

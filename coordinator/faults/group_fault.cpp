@@ -273,8 +273,15 @@ void GroupFault::release() {
   for (const auto& r : waiting) r->interrupt(why);
 }
 
+void GroupFault::retire() {
+  std::lock_guard<std::mutex> lock(writes_);
+  retired_ = true;
+}
+
 void GroupFault::publish(const std::string& line) {
   if (!store_) return;
+  std::lock_guard<std::mutex> lock(writes_);
+  if (retired_) return;
   store_->append(kFaultsKey, std::vector<uint8_t>(line.begin(), line.end()));
 }
 
@@ -417,6 +424,8 @@ void GroupFault::visit(Clock::time_point now, std::chrono::milliseconds stuckAft
   std::pair<std::string, bool> found;
   try {
     if (!position.empty() && position != publishedPosition_) {
+      std::lock_guard<std::mutex> lock(writes_);
+      if (retired_) return;
       store_->set(positionKey(rank_), std::vector<uint8_t>(position.begin(), position.end()));
       publishedPosition_ = position;
     }

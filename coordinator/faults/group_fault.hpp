@@ -86,6 +86,11 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   bool broken() const { return (state_.load(std::memory_order_acquire) & kBroken) != 0; }
   // Whether no call of this rank is in flight on the group.
   bool idle() const;
+  // This rank is done with the group: nothing more of it is written to the
+  // store (a fault line or a position still to publish is dropped), so
+  // that the life's keys, once removed (group_life.hpp, endLife), stay
+  // gone. Returns once no write is under way; may wait for one that is.
+  void retire();
   // Why the group broke (empty while it works).
   std::string reason() const;
   // Before a call when !usable(): raises PeerLost naming the cause when the
@@ -228,6 +233,9 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // peers' positions: the reason to break the group, or "".
   std::string rootMismatch(const std::string& op, uint64_t seq, int root);
   bool storeLost_ = false;
+  // Serialises this rank's store writes with retire().
+  std::mutex writes_;
+  bool retired_ = false;  // guarded by writes_
   // Since when the device probe has said "pending" without a break (the
   // watchdog's own; unset while it says "ended").
   std::optional<Clock::time_point> devicePendingSince_;
