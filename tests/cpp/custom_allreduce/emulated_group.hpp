@@ -226,27 +226,54 @@ std::string describe(const Call& c, int n) {
          (c.inPlace ? " in place" : "") + (c.zeroCopy ? " zero-copy" : "");
 }
 
+// The float32 rank-order sum of call `c`'s inputs over `n` ranks, scaled:
+// the bits every rank's output must have. A push reads a zero of either
+// sign as +0 (push_kernels.cuh): its reference does too.
+std::vector<char> rankOrderSum(const Call& c, int n) {
+  std::vector<char> expected(c.count * dtypeSize(c.dtype));
+  for (size_t i = 0; i < c.count; ++i) {
+    float acc = 0.f;
+    for (int r = 0; r < n; ++r) {
+      float v = load(c.dtype, c.original[r].data(), i);
+      if (c.algorithm == Algorithm::kPush && v == 0.f) v = 0.f;  // -0 is read as +0
+      acc = r == 0 ? v : acc + v;
+    }
+    store(c.dtype, expected.data(), i, acc * c.scale);
+  }
+  return expected;
+}
+
+// The first element of rank `r`'s output of `c` that differs from
+// `expected`, described; empty when none does.
+std::string firstWrongElement(const Call& c, int n, int r, const std::vector<char>& expected) {
+  const size_t elementBytes = dtypeSize(c.dtype);
+  const char* out = static_cast<const char*>(c.out[r]);
+  for (size_t i = 0; i < c.count; ++i) {
+    if (std::memcmp(out + i * elementBytes, expected.data() + i * elementBytes, elementBytes) !=
+        0) {
+      return describe(c, n) + ": rank " + std::to_string(r) + " element " + std::to_string(i) +
+             " is " + std::to_string(load(c.dtype, out, i)) + ", expected " +
+             std::to_string(load(c.dtype, expected.data(), i));
+    }
+  }
+  return "";
+}
+
 // Every rank's output equals the float32 rank-order sum bit for bit, and the
 // float64 sum within rounding. Stops at the first wrong element per call.
-// A push reads a zero of either sign as +0 (push_kernels.cuh): its reference
-// does too.
 void expectResults(const EmulatedGroup& g) {
   const int n = g.size();
   for (const Call& c : g.calls()) {
     if (!c.check) continue;
-    const size_t elementBytes = dtypeSize(c.dtype);
-    std::vector<char> expected(c.count * elementBytes);
+    const std::vector<char> expected = rankOrderSum(c, n);
     for (size_t i = 0; i < c.count; ++i) {
-      float acc = 0.f;
       double exact = 0.0, magnitude = 0.0;
       for (int r = 0; r < n; ++r) {
         float v = load(c.dtype, c.original[r].data(), i);
-        if (c.algorithm == Algorithm::kPush && v == 0.f) v = 0.f;  // -0 is read as +0
-        acc = r == 0 ? v : acc + v;
+        if (c.algorithm == Algorithm::kPush && v == 0.f) v = 0.f;
         exact += v;
         magnitude += std::fabs(v);
       }
-      store(c.dtype, expected.data(), i, acc * c.scale);
       const double got = load(c.dtype, expected.data(), i);
       const double tolerance = (n * std::ldexp(1.0, -24) * magnitude) * c.scale +
                                roundingOf(c.dtype) * std::fabs(exact * c.scale) * 2 +
@@ -254,16 +281,8 @@ void expectResults(const EmulatedGroup& g) {
       ASSERT_LE(std::fabs(got - exact * c.scale), tolerance) << describe(c, n) << " element " << i;
     }
     for (int r = 0; r < n; ++r) {
-      const char* out = static_cast<const char*>(c.out[r]);
-      for (size_t i = 0; i < c.count; ++i) {
-        if (std::memcmp(out + i * elementBytes, expected.data() + i * elementBytes, elementBytes) !=
-            0) {
-          ADD_FAILURE() << describe(c, n) << ": rank " << r << " element " << i << " is "
-                        << load(c.dtype, out, i) << ", expected "
-                        << load(c.dtype, expected.data(), i);
-          break;
-        }
-      }
+      const std::string wrong = firstWrongElement(c, n, r, expected);
+      if (!wrong.empty()) ADD_FAILURE() << wrong;
     }
   }
 }
@@ -271,30 +290,12 @@ void expectResults(const EmulatedGroup& g) {
 // The first output of `g` that differs from the float32 rank-order sum, as
 // expectResults compares them, described; empty when every output matches.
 std::string firstWrongOutput(const EmulatedGroup& g) {
-  const int n = g.size();
   for (const Call& c : g.calls()) {
     if (!c.check) continue;
-    const size_t elementBytes = dtypeSize(c.dtype);
-    std::vector<char> expected(c.count * elementBytes);
-    for (size_t i = 0; i < c.count; ++i) {
-      float acc = 0.f;
-      for (int r = 0; r < n; ++r) {
-        float v = load(c.dtype, c.original[r].data(), i);
-        if (c.algorithm == Algorithm::kPush && v == 0.f) v = 0.f;
-        acc = r == 0 ? v : acc + v;
-      }
-      store(c.dtype, expected.data(), i, acc * c.scale);
-    }
-    for (int r = 0; r < n; ++r) {
-      const char* out = static_cast<const char*>(c.out[r]);
-      for (size_t i = 0; i < c.count; ++i) {
-        if (std::memcmp(out + i * elementBytes, expected.data() + i * elementBytes,
-                        elementBytes) != 0) {
-          return describe(c, n) + ": rank " + std::to_string(r) + " element " +
-                 std::to_string(i) + " is " + std::to_string(load(c.dtype, out, i)) +
-                 ", expected " + std::to_string(load(c.dtype, expected.data(), i));
-        }
-      }
+    const std::vector<char> expected = rankOrderSum(c, g.size());
+    for (int r = 0; r < g.size(); ++r) {
+      std::string wrong = firstWrongElement(c, g.size(), r, expected);
+      if (!wrong.empty()) return wrong;
     }
   }
   return "";
