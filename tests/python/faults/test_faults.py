@@ -288,6 +288,7 @@ def _check_refused_by_torch(results, case):
         assert later is not None and "the group is unusable" in later, later
 
 
+@pytest.mark.torch_version
 @pytest.mark.parametrize("case", FRONT_DOOR_CASES)
 def test_a_call_torch_refuses_on_one_rank_reaches_the_peer(groups, case):
     _check_refused_by_torch(groups(2).run(_refused_by_torch, case), case)
@@ -317,6 +318,7 @@ def _refused_through_names_imported_before(ctx, case):
     return _refused_by_torch(ctx, case, types.SimpleNamespace(**names))
 
 
+@pytest.mark.torch_version
 def test_names_imported_before_tpcomm_report_their_refusals():
     from harness import Group
 

@@ -48,7 +48,7 @@ def _calls(ctx):
     return backend.describe()["flight_recorder"], rows, dump["pg_config"]["0"]
 
 
-@pytest.mark.parametrize("route", ["cpu_shm", "gloo"])
+@pytest.mark.parametrize("route", ["cpu_shm", pytest.param("gloo", marks=pytest.mark.torch_version)])
 def test_every_call_is_recorded_with_agreeing_sequence_ids(route):
     env = {"TPCOMM_CPU_SHM": "1" if route == "cpu_shm" else "0"}
     group = Group(3, env=env)
@@ -121,6 +121,7 @@ def _recorders_of_a_group(ctx):
     return ours, declared, hooked
 
 
+@pytest.mark.torch_version
 def test_a_group_is_recorded_once_by_tpcomm_and_not_by_torchs_hook():
     # torch 2.15 attaches a recording hook to groups of backends that do not
     # record themselves; on a tpcomm group it recorded every call a second
@@ -152,7 +153,8 @@ def _skips_a_call(ctx):
     return None
 
 
-@pytest.mark.parametrize("world_size,route", [(2, "cpu_shm"), (4, "cpu_shm"), (2, "gloo")])
+@pytest.mark.parametrize("world_size,route", [(2, "cpu_shm"), (4, "cpu_shm"),
+                                              pytest.param(2, "gloo", marks=pytest.mark.torch_version)])
 def test_torchfrtrace_names_the_skipped_call_and_the_rank(tmp_path, world_size, route):
     prefix = str(tmp_path / "trace_")
     env = {"TORCH_FR_DUMP_TEMP_FILE": prefix,

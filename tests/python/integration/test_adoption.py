@@ -34,6 +34,7 @@ def _python(code, env=None, timeout=120):
                           env=full, timeout=timeout)
 
 
+@pytest.mark.torch_version
 @pytest.mark.parametrize("backend", ["tpcomm", "cpu:tpcomm,cuda:tpcomm"])
 def test_a_script_that_never_imports_tpcomm_gets_the_backend(backend):
     done = _python(WITHOUT_IMPORT.format(backend=backend, port=free_port()))
@@ -41,6 +42,7 @@ def test_a_script_that_never_imports_tpcomm_gets_the_backend(backend):
     assert "ProcessGroupTpcomm [1.0, 1.0, 1.0]" in done.stdout, done.stdout
 
 
+@pytest.mark.torch_version
 @pytest.mark.parametrize("switch", ["TORCH_DEVICE_BACKEND_AUTOLOAD", "TPCOMM_AUTOLOAD"])
 def test_autoload_is_off_with_either_switch(switch):
     done = _python(WITHOUT_IMPORT.format(backend="tpcomm", port=free_port()), {switch: "0"})
@@ -102,6 +104,7 @@ def test_version_is_the_installed_distributions():
     assert tpcomm.__version__ == importlib.metadata.version("tpcomm")
 
 
+@pytest.mark.torch_version
 def test_another_torch_than_the_compiled_one_is_refused_at_import():
     assert tpcomm._BUILD_TORCH is not None
     tpcomm._check_build_torch("2.11.0", "2.11.0")
@@ -116,6 +119,7 @@ def test_another_torch_than_the_compiled_one_is_refused_at_import():
     assert "pip install --no-build-isolation --no-deps --force-reinstall" in done.stderr, done.stderr
 
 
+@pytest.mark.torch_version
 def test_info_reports_versions_host_settings_and_paths():
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "tpcomm.info"], capture_output=True, text=True,
@@ -140,6 +144,7 @@ def _torchrun(*args):
                           text=True, timeout=300)
 
 
+@pytest.mark.torch_version
 def test_torchrun_runs_a_gloo_script_on_tpcomm_by_the_backend_string_alone():
     ours, gloo = _torchrun(), _torchrun("--backend", "gloo")
     assert ours.returncode == 0, ours.stderr
@@ -181,6 +186,7 @@ def test_the_wheel_installs_apart_and_serves_a_group(tmp_path):
     assert f"{target}/tpcomm/__init__.py {tpcomm.__version__}" in done.stdout, done.stdout
 
 
+@pytest.mark.torch_version
 def test_transformers_tensor_parallelism_runs_on_tpcomm_under_torchrun():
     """transformers' own TP (DistributedConfig(tp_plan="auto")) at TP=2 on a
     small random Llama: logits within 1e-5 of one process, the same greedy
@@ -204,6 +210,7 @@ def test_transformers_tensor_parallelism_runs_on_tpcomm_under_torchrun():
         assert line.group(3).startswith("{'cpu_shm': "), line.group(0)
 
 
+@pytest.mark.torch_version
 def test_transformers_fsdp2_with_tensor_parallelism_on_a_2x2_mesh():
     """transformers' DistributedConfig(tp_size=2, fsdp_size=2) on 4 ranks:
     one training step, parameters within 1e-5 of one process on both

@@ -5,9 +5,12 @@ import re
 import subprocess
 import sys
 
+import pytest
 import torch.distributed as dist
 
 import tpcomm
+
+pytestmark = pytest.mark.torch_version  # .ci/run runs these on torch 2.11 too
 
 
 def test_backend_is_registered_for_cpu_and_cuda():

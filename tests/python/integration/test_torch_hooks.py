@@ -11,10 +11,13 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from harness import Group
+
+pytestmark = pytest.mark.torch_version  # .ci/run runs these on torch 2.11 too
 
 ENV = {"TPCOMM_CPU_SHM": "1"}
 HOOKS = ("direct_route", "front_door", "flight_recorder", "gloo_connections")
