@@ -333,15 +333,31 @@ ensure_namespace_tools
 # with TPCOMM_PREPARE_TORCH, the environment and build of the torch that
 # runs next. They run at the lowest CPU priority, in what the build and the
 # tests leave idle; what needs them waits on their lock.
+# A background maker: "$@" at the lowest CPU priority, logging to $1. With
+# the kernel's autogroups (/proc/sys/kernel/sched_autogroup_enabled) nice
+# ranks processes only within their session and each session gets an equal
+# share (the simulated hosts' ranks run in sessions of their own), so the
+# maker gets a session of its own whose priority is the lowest too.
+in_background() {
+  local log_file="$1"
+  shift
+  if command -v setsid > /dev/null; then
+    setsid bash -c 'echo 19 > /proc/self/autogroup 2> /dev/null || true; exec nice -n 19 "$@"' \
+      maker "$@" > "$log_file" 2>&1 < /dev/null &
+  else
+    nice -n 19 "$@" > "$log_file" 2>&1 < /dev/null &
+  fi
+}
 if [[ "$mode" == test && "$test_scope" == all && $# -eq 0 ]] && command -v flock > /dev/null; then
   mkdir -p "$root/build"
+  jobs="CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-2}"
   log "making .venv-vllm-cpu and its build in the background (build/vllm-cpu-env.log)"
-  CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 bash "$root/python/run.sh" vllm-cpu-env > "$root/build/vllm-cpu-env.log" 2>&1 &
+  in_background "$root/build/vllm-cpu-env.log" env "$jobs" bash "$root/python/run.sh" vllm-cpu-env
   next="${TPCOMM_PREPARE_TORCH:-}"
   if [[ -n "$next" && "$next" != "$torch_version" ]]; then
     log "making torch $next's environment and build in the background (build/torch-$next-env.log)"
-    TPCOMM_TORCH="$next" CMAKE_BUILD_PARALLEL_LEVEL=2 nice -n 19 bash "$root/python/run.sh" torch-env \
-      > "$root/build/torch-$next-env.log" 2>&1 &
+    in_background "$root/build/torch-$next-env.log" \
+      env "$jobs" TPCOMM_TORCH="$next" bash "$root/python/run.sh" torch-env
   fi
 fi
 
