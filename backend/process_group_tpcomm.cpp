@@ -71,6 +71,7 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
       try {
         fault.checkBeforeCall(op);
       } catch (const tpcomm::Error& e) {
+        hooks_->runAbort();  // this rank's first call since the group broke, perhaps
         C10_THROW_ERROR(DistBackendError, "tpcomm: " + describeCall(op) + " failed: " + e.what());
       }
     }
@@ -91,7 +92,7 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
     // step) and a device route keeps its own recovery.
     auto identity = [&] {
       const bool device = onDeviceRoute();
-      return CallIdentity{describeCall(op), op, seq, rank_, !p2p && !device, device};
+      return CallIdentity{describeCall(op), op, seq, rank_, !p2p && !device, device, hooks_};
     };
     Pending pending;
     const uint64_t checksBefore = coord::GroupCoordinator::debugChecksOnThisThread();
@@ -154,7 +155,7 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
     }
     if (pending.done || !pending.work) {
       if (ticket) fault.leave(ticket);
-      if (pending.done && pending.work) return pending.work;  // completed in this thread
+      if (pending.done && pending.work) return completed(pending.work);  // in this thread
       // A synchronous call (asyncOp=false) completed in this thread, or
       // already ordered on the current stream by the routed backend, returns
       // no Work (ProcessGroupNCCL does this); torch's Python API then skips
@@ -163,7 +164,7 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
       // gets a completed one, as waiting on nothing would crash.
       if (!pending.done && pending.finish) pending.finish();
       if (c10d::allow_inflight_collective_as_graph_input()) {
-        return coord::completedWork(std::move(pending.outputs));
+        return completed(coord::completedWork(std::move(pending.outputs)));
       }
       return WorkPtr();
     }

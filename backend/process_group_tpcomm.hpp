@@ -16,6 +16,8 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
 #include "backend/flight_record.hpp"
+#include "backend/hooks.hpp"
+#include "backend/torch_features.hpp"
 #include "coordinator/group_coordinator.hpp"
 
 namespace tpcomm::backend {
@@ -40,8 +42,22 @@ class ProcessGroupTpcomm : public c10d::Backend {
   void eagerConnectSingleDevice(at::Device device) override;
   void setSequenceNumberForGroup() override;
   uint64_t getSequenceNumberForGroup() override;
+  // Runs the abort hooks, then aborts the group.
   void abort() override;
   void shutdown() override;
+#if defined(TPCOMM_ABORT_HOOKS)
+  // Hooks as backend/hooks.hpp runs them: abort hooks before this group
+  // raises a communication failure or aborts; completion hooks once per
+  // Work that succeeded.
+  bool supportsAbortHooks() const override { return true; }
+  void registerAbortHook(int64_t hookId, c10d::AbortHook hook) override;
+  void unregisterAbortHook(int64_t hookId) override;
+#endif
+#if defined(TPCOMM_COMPLETION_HOOKS)
+  bool supportsCompletionHooks() const override { return true; }
+  void registerCompletionHook(int64_t hookId, c10d::CompletionHook hook) override;
+  void unregisterCompletionHook(int64_t hookId) override;
+#endif
   // Calling split twice with the same group name (once per device type, as
   // ProcessGroup::splitGroup does) returns the same backend.
   c10::intrusive_ptr<Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
@@ -121,6 +137,9 @@ class ProcessGroupTpcomm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const char* op, Tensors&& tensors,
                                      Call&& call, int peer = -1);
   std::string describeCall(const char* op) const;
+  // A Work that completed in the caller's thread: its completion hooks run
+  // now; returns it.
+  c10::intrusive_ptr<c10d::Work> completed(c10::intrusive_ptr<c10d::Work> work) const;
   // The call's entry in the flight recorder, counted in the group's p2p or
   // collective sequence (backend/process_group_tpcomm_flight.cpp).
   FlightCall recordCall(bool p2p, bool send, const char* op, c10::ArrayRef<at::Tensor> inputs,
@@ -148,6 +167,8 @@ class ProcessGroupTpcomm : public c10d::Backend {
 
  private:
   std::shared_ptr<coord::GroupCoordinator> coordinator_;
+  // Shared with the works in flight, which may outlive the group.
+  std::shared_ptr<BackendHooks> hooks_ = std::make_shared<BackendHooks>();
   std::vector<uint64_t> globalRanks_;
   size_t flightPgId_;
   std::once_flag flightGroupRecorded_;

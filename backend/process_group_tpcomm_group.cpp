@@ -62,7 +62,48 @@ uint64_t ProcessGroupTpcomm::getSequenceNumberForGroup() {
   return coordinator_->cpuBackend()->getSequenceNumberForGroup();
 }
 
-void ProcessGroupTpcomm::abort() { coordinator_->abort(); }
+void ProcessGroupTpcomm::abort() {
+  hooks_->runAbort();
+  coordinator_->abort();
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTpcomm::completed(
+    c10::intrusive_ptr<c10d::Work> work) const {
+#if defined(TPCOMM_COMPLETION_HOOKS)
+  if (hooks_->wantsCompletion()) hooks_->runCompletion(work->getCompletionKey());
+#endif
+  return work;
+}
+
+#if defined(TPCOMM_ABORT_HOOKS)
+void ProcessGroupTpcomm::registerAbortHook(int64_t hookId, c10d::AbortHook hook) {
+  translateErrors([&] { hooks_->registerAbort(hookId, std::move(hook)); });
+}
+
+void ProcessGroupTpcomm::unregisterAbortHook(int64_t hookId) {
+  translateErrors([&] { hooks_->unregisterAbort(hookId); });
+}
+#endif
+
+#if defined(TPCOMM_COMPLETION_HOOKS)
+void ProcessGroupTpcomm::registerCompletionHook(int64_t hookId, c10d::CompletionHook hook) {
+  translateErrors([&] {
+    TPCOMM_CHECK(static_cast<bool>(hook), kInvalidUsage, "registerCompletionHook: hook ", hookId,
+                 " is empty");
+    hooks_->registerCompletion(
+        hookId, [hook = std::move(hook)](uint64_t key, std::optional<float> durationMs) {
+          c10d::CompletionHookArgs args;
+          args.completionKey = key;
+          args.duration_ms = durationMs;
+          hook(args);
+        });
+  });
+}
+
+void ProcessGroupTpcomm::unregisterCompletionHook(int64_t hookId) {
+  translateErrors([&] { hooks_->unregisterCompletion(hookId); });
+}
+#endif
 
 void ProcessGroupTpcomm::shutdown() { coordinator_->shutdown(); }
 

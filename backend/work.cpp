@@ -41,6 +41,9 @@ void raiseCallFailure(const CallIdentity& id, coord::GroupFault& fault, std::exc
     }
     message = text;
   }
+  // Before the raise: the group is marked broken (its reason and the
+  // flight recorder are in reach of the hooks).
+  if (id.hooks) id.hooks->runAbort();
   C10_THROW_ERROR(DistBackendError, "tpcomm: " + id.what + " failed: " + message +
                                         fault.positions(id.op, id.seq) +
                                         FlightRecord::get().dumpAfterFailure());
@@ -68,12 +71,16 @@ struct TpcommWork::State : coord::Interruptible {
   std::vector<at::Tensor> outputs;
   std::once_flag finishOnce;
   std::function<void()> finish;
+  uint64_t completionKey = BackendHooks::nextCompletionKey();
   c10::intrusive_ptr<c10::ivalue::Future> future;  // where the routed work has one
   std::atomic<bool> settled{false};
 
+  // Once the routed work succeeded: the finish step, then the completion
+  // hooks (once per work; failed work runs neither).
   void runFinish() {
     std::call_once(finishOnce, [this] {
       if (finish) finish();
+      if (id.hooks && id.hooks->wantsCompletion()) id.hooks->runCompletion(completionKey);
     });
   }
   void leave() {
@@ -275,5 +282,9 @@ c10::intrusive_ptr<c10::ivalue::Future> TpcommWork::getFuture() {
 }
 
 uint64_t TpcommWork::getSequencenumber() const { return inner_->getSequencenumber(); }
+
+#if defined(TPCOMM_COMPLETION_HOOKS)
+uint64_t TpcommWork::getCompletionKey() const { return state_->completionKey; }
+#endif
 
 }  // namespace tpcomm::backend

@@ -29,6 +29,8 @@
 
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include "backend/hooks.hpp"
+#include "backend/torch_features.hpp"
 #include "coordinator/faults/group_fault.hpp"
 #include "coordinator/pending.hpp"
 
@@ -46,12 +48,15 @@ struct CallIdentity {
   // Routed to NCCL or the custom kernel: the work's future carries CUDA
   // events, and a broken group ends it by aborting the device backend.
   bool device = false;
+  // The group's hooks (abort hooks before a failure is raised, completion
+  // hooks once the work succeeded); null: none.
+  std::shared_ptr<const BackendHooks> hooks;
 };
 
 // Raises `error`, a failure of the call `id`, as the caller sees it; a
-// communication failure breaks the group (when id.breaksGroup), and its
-// message names the group's fault when that came first, the peers'
-// positions and the flight recorder's dump.
+// communication failure breaks the group (when id.breaksGroup), runs the
+// group's abort hooks, and its message names the group's fault when that
+// came first, the peers' positions and the flight recorder's dump.
 [[noreturn]] void raiseCallFailure(const CallIdentity& id, coord::GroupFault& fault,
                                    std::exception_ptr error);
 
@@ -70,6 +75,11 @@ class TpcommWork : public c10d::Work {
   void abort() override;
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   uint64_t getSequencenumber() const override;
+#if defined(TPCOMM_COMPLETION_HOOKS)
+  // Never reused in this process: the completion hooks may run after this
+  // Work is gone (on the routed backend's callback thread).
+  uint64_t getCompletionKey() const override;
+#endif
 
  private:
   // Shared with the routed work's callback and the group's fault state,

@@ -53,7 +53,21 @@ constexpr const char* kHandleName = "tpcomm.fast_handle";
 struct Handle {
   c10::weak_intrusive_ptr<backend::ProcessGroupTpcomm> backend;
   bool servesCuda = false;
+  c10::weak_intrusive_ptr<c10d::ProcessGroup> group;
 };
+
+#if defined(TPCOMM_ABORT_HOOKS)
+// Whether pre/post collective hooks are registered on `group`: torch fires
+// them in its c10d ops' kernels, which the direct route skips, so with any
+// registered the call goes torch's way. (The maps are protected members of
+// ProcessGroup; a derived type's member pointers read them.)
+struct CollectiveHooks : c10d::ProcessGroup {
+  static bool any(const c10d::ProcessGroup& group) {
+    return !(group.*(&CollectiveHooks::preHooks_)).empty() ||
+           !(group.*(&CollectiveHooks::postHooks_)).empty();
+  }
+};
+#endif
 
 // torch's ReduceOp.RedOpType objects, by identity (set once by
 // _fast_set_ops): comparing pointers costs nothing, converting through
@@ -74,7 +88,8 @@ bool opOf(PyObject* object, c10d::ReduceOp::RedOpType* op) {
 }
 
 // The group's backend for `tensor`'s device, or null when `capsule` is not a
-// live handle or the backend does not serve that device.
+// live handle, the backend does not serve that device or the group has
+// collective hooks.
 c10::intrusive_ptr<backend::ProcessGroupTpcomm> backendOf(PyObject* capsule,
                                                           const at::Tensor& tensor) {
   if (!PyCapsule_CheckExact(capsule)) return {};
@@ -84,6 +99,9 @@ c10::intrusive_ptr<backend::ProcessGroupTpcomm> backendOf(PyObject* capsule,
     return {};
   }
   if (tensor.is_cuda() && !handle->servesCuda) return {};
+#if defined(TPCOMM_ABORT_HOOKS)
+  if (auto group = handle->group.lock(); group && CollectiveHooks::any(*group)) return {};
+#endif
   return handle->backend.lock();
 }
 
@@ -243,7 +261,8 @@ void registerFastCalls(py::module_& m) {
           servesCuda = false;  // no CUDA backend on this group
         }
         auto handle = std::make_unique<Handle>(
-            Handle{c10::weak_intrusive_ptr<backend::ProcessGroupTpcomm>(tpcomm), servesCuda});
+            Handle{c10::weak_intrusive_ptr<backend::ProcessGroupTpcomm>(tpcomm), servesCuda,
+                   c10::weak_intrusive_ptr<c10d::ProcessGroup>(group)});
         PyObject* capsule = PyCapsule_New(handle.get(), kHandleName, [](PyObject* c) {
           delete static_cast<Handle*>(PyCapsule_GetPointer(c, kHandleName));
         });

@@ -384,9 +384,27 @@ tensors through the device backend (NCCL), created on first use.)")
         py::dict info;
         info["cuda_version"] = car::compiledCudaVersion();
         info["cuda_architectures"] = car::compiledArchitectures();
+        // torch's newest c10d::Backend capabilities (docs/torch_capabilities.md):
+        // compiled in where the torch built against declares them.
+        py::dict capabilities;
+#if defined(TPCOMM_ABORT_HOOKS)
+        capabilities["abort_hooks"] = true;
+#else
+        capabilities["abort_hooks"] = false;
+#endif
+#if defined(TPCOMM_COMPLETION_HOOKS)
+        capabilities["completion_hooks"] = true;
+#else
+        capabilities["completion_hooks"] = false;
+#endif
+        for (const char* missing : {"shrink", "reconfigure", "coalescing", "window"}) {
+          capabilities[missing] = false;
+        }
+        info["torch_capabilities"] = capabilities;
         return info;
       },
-      "The CUDA version and SM architectures this build's kernels target.");
+      "The CUDA version and SM architectures this build's kernels target, and which of torch's "
+      "newest backend capabilities it offers (torch_capabilities).");
 }
 
 }  // namespace tpcomm::python

@@ -314,8 +314,15 @@ prepare_torch() {
 if [[ "$mode" == torch-env ]]; then
   # Internal: another torch's environment and build for the tests that
   # depend on the torch version, made in the background by the whole suite
-  # (TPCOMM_PREPARE_TORCH) for .ci/run's second run.
-  prepare_torch TORCH
+  # (TPCOMM_PREPARE_TORCH) for .ci/run's second run. Its build waits for the
+  # vLLM environment's, which the suite needs sooner (a no-op when no maker
+  # holds that lock).
+  hold_lock "$torch_lock"
+  ensure_venv
+  export PATH="$venv/bin:$PATH"
+  install_once "$venv/.tpcomm-test-requirements" "${test_requirements[@]}"
+  if command -v flock > /dev/null; then flock -w 3600 "$vllm_cpu_lock" true || true; fi
+  ensure_build TORCH
   exit 0
 fi
 

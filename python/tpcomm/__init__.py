@@ -64,8 +64,12 @@ def settings():
 
 
 def build_info():
-    """The CUDA version and SM architectures this build's kernels target."""
-    return dict(_C.build_info())
+    """The CUDA version and SM architectures this build's kernels target, and
+    which of torch's newest backend capabilities it offers
+    (``torch_capabilities``: name -> on; docs/torch_capabilities.md)."""
+    info = dict(_C.build_info())
+    info["torch_capabilities"] = dict(info["torch_capabilities"])
+    return info
 
 
 def stats(group=None):

@@ -140,6 +140,9 @@ def main():
           f"{_C.cpu_reduce_isa_of(asked)} in use (TPCOMM_CPU_REDUCE_ISA={asked}; this CPU "
           f"runs {', '.join(_C.cpu_reduce_isas())})")
     _line("autoload at import torch", _autoload())
+    capabilities = build["torch_capabilities"]
+    _line("torch backend capabilities",
+          ", ".join(f"{name} {'on' if on else 'off'}" for name, on in capabilities.items()))
     print("hooks into torch's internals (off: the calls take torch's own route):")
     for name, state in tpcomm.torch_hooks().items():
         _line(f"  {name}", state)

@@ -267,6 +267,14 @@ def case_bytes(out):
     out["stats"] = tpcomm.stats()
 
 
+def case_collectives_and_bytes(out):
+    """case_collectives, then case_bytes in the same group (one start of
+    many ranks on 2 cores instead of two): the bytes under out["bytes"]."""
+    case_collectives(out)
+    out["bytes"] = {}
+    case_bytes(out["bytes"])
+
+
 def case_p2p_mismatch(out):
     """Rank 0 sends 8 floats to the last rank (on another host), which
     expects 4: the recv raises naming both, the sender's next call too."""

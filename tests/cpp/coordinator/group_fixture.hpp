@@ -53,4 +53,25 @@ inline void complete(coord::Pending& pending) {
   if (pending.finish) pending.finish();
 }
 
+// A CPU backend whose allreduce fails as a timed-out Gloo call would.
+class FailingBackend : public ThreadedBackend {
+ public:
+  using ThreadedBackend::ThreadedBackend;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>&,
+                                           const c10d::AllreduceOptions&) override {
+    return failedWork("Timed out waiting 1000ms for recv operation to complete");
+  }
+};
+
+// A one-rank group 'g' over a FailingBackend (the Gloo route).
+inline std::shared_ptr<coord::GroupCoordinator> failingCoordinator() {
+  auto hub = std::make_shared<Hub>(1);
+  coord::GroupOptions options;
+  options.cpuShm = false;  // fake CPU backends: the Gloo route, no shm set-up
+  options.groupName = "g";
+  return std::make_shared<coord::GroupCoordinator>(
+      options, c10::make_intrusive<c10d::HashStore>(), c10::make_intrusive<FailingBackend>(hub, 0),
+      coord::BackendFactory());
+}
+
 }  // namespace tpcomm::testing

@@ -195,25 +195,8 @@ TEST_F(Validation, CoalescedListsMustPair) {
       "allgather_into_tensor_coalesced: outputs has 1 entries, expected 2");
 }
 
-// A CPU backend whose allreduce fails as a timed-out Gloo call would.
-class FailingBackend : public ThreadedBackend {
- public:
-  using ThreadedBackend::ThreadedBackend;
-  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>&,
-                                           const c10d::AllreduceOptions&) override {
-    return failedWork("Timed out waiting 1000ms for recv operation to complete");
-  }
-};
-
 TEST(BackendErrors, CommunicationFailureIsDistBackendErrorNamingTheCall) {
-  auto hub = std::make_shared<Hub>(1);
-  coord::GroupOptions options;
-  options.cpuShm = false;  // fake CPU backends: the Gloo route, no shm set-up
-  options.groupName = "g";
-  auto coordinator = std::make_shared<coord::GroupCoordinator>(
-      options, c10::make_intrusive<c10d::HashStore>(), c10::make_intrusive<FailingBackend>(hub, 0),
-      coord::BackendFactory());
-  auto pg = c10::make_intrusive<ProcessGroupTpcomm>(coordinator);
+  auto pg = c10::make_intrusive<ProcessGroupTpcomm>(failingCoordinator());
   std::vector<at::Tensor> t{at::ones({4})};
   auto work = pg->allreduce(t, c10d::AllreduceOptions());
   try {

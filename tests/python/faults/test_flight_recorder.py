@@ -48,7 +48,7 @@ def _calls(ctx):
     return backend.describe()["flight_recorder"], rows, dump["pg_config"]["0"]
 
 
-@pytest.mark.parametrize("route", ["cpu_shm", pytest.param("gloo", marks=pytest.mark.torch_version)])
+@pytest.mark.parametrize("route", ["cpu_shm", "gloo"])
 def test_every_call_is_recorded_with_agreeing_sequence_ids(route):
     env = {"TPCOMM_CPU_SHM": "1" if route == "cpu_shm" else "0"}
     group = Group(3, env=env)

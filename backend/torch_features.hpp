@@ -1,0 +1,18 @@
+#pragma once
+// Which of the newest c10d::Backend capabilities the torch being built
+// against declares (one source for torch 2.11-2.15):
+//  - TPCOMM_ABORT_HOOKS: registerAbortHook (c10d/Hooks.hpp's AbortHook),
+//    where Backend.hpp says so (C10D_BACKEND_HAS_HOOKS);
+//  - TPCOMM_COMPLETION_HOOKS: registerCompletionHook and
+//    Work::getCompletionKey, from torch 2.15.
+// `python -m tpcomm.info` lists which are on (tpcomm._C._torch_features).
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/version.h>
+
+#if defined(C10D_BACKEND_HAS_HOOKS)
+#define TPCOMM_ABORT_HOOKS 1
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 15)
+#define TPCOMM_COMPLETION_HOOKS 1
+#endif
+#endif
