@@ -299,13 +299,17 @@ fi
 
 # This torch's environment, the test clients and (for the test command) its
 # build, under the torch's lock: what torch-env makes in the background.
-# $1: the build's tests (ensure_build's argument).
+# $1: the build's tests (ensure_build's argument); $2 "after-vllm": the
+# build waits for the vLLM environment's (a no-op when no maker holds it).
 prepare_torch() {
   hold_lock "$torch_lock"
   ensure_venv
   export PATH="$venv/bin:$PATH"
   if [[ "$1" != OFF ]]; then
     install_once "$venv/.tpcomm-test-requirements" "${test_requirements[@]}"  # the test clients
+  fi
+  if [[ "${2:-}" == after-vllm ]] && command -v flock > /dev/null; then
+    flock -w 3600 "$vllm_cpu_lock" true || true
   fi
   ensure_build "$1"
   exec 9>&-
@@ -315,14 +319,8 @@ if [[ "$mode" == torch-env ]]; then
   # Internal: another torch's environment and build for the tests that
   # depend on the torch version, made in the background by the whole suite
   # (TPCOMM_PREPARE_TORCH) for .ci/run's second run. Its build waits for the
-  # vLLM environment's, which the suite needs sooner (a no-op when no maker
-  # holds that lock).
-  hold_lock "$torch_lock"
-  ensure_venv
-  export PATH="$venv/bin:$PATH"
-  install_once "$venv/.tpcomm-test-requirements" "${test_requirements[@]}"
-  if command -v flock > /dev/null; then flock -w 3600 "$vllm_cpu_lock" true || true; fi
-  ensure_build TORCH
+  # vLLM environment's, which the suite needs sooner.
+  prepare_torch TORCH after-vllm
   exit 0
 fi
 
