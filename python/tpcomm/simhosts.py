@@ -21,8 +21,10 @@ Each rank gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR
 finds its interface by itself (tpcomm's choice: the address on the route to
 the store) unless the caller sets GLOO_SOCKET_IFNAME=eth0.
 
-`python -m tpcomm.simhosts --ranks 0,1 -- ARGV...` is the launcher a host
-runs (internal)."""
+`python <this file> --ranks 0,1 -- ARGV...` is the launcher a host runs
+(internal). It is run as a file, not as `-m tpcomm.simhosts`: the package's
+import would load torch (about 4 s of CPU) into a process that only starts
+the ranks, once per host and test."""
 
 import ctypes
 import os
@@ -32,6 +34,9 @@ import signal
 import subprocess
 import sys
 import time
+
+
+_LAUNCHER = os.path.abspath(__file__)
 
 
 class Unavailable(RuntimeError):
@@ -151,7 +156,7 @@ class SimulatedHosts:
                "unshare", "--uts", "--mount", "--pid", "--fork", "--mount-proc",
                "--kill-child=SIGKILL", "--",
                "sh", "-c", script, self.hostname(h),
-               sys.executable, "-m", "tpcomm.simhosts", "--ranks",
+               sys.executable, "-I", _LAUNCHER, "--ranks",
                ",".join(str(r) for r in ranks), "--", *argv]
         proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr,
                                 start_new_session=True, preexec_fn=_die_with_parent)

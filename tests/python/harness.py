@@ -6,6 +6,9 @@ the reference. ``group.run(fn, *args)`` calls the module-level function
 ``fn(ctx, *args)`` on every rank and returns the per-rank results; a failure on
 any rank raises ``RankFailure`` with that rank's traceback. Every wait is
 bounded: a rank that hangs or dies fails the test instead of hanging it.
+Ranks are forked from a server that has imported torch (each starts with
+the test process's environment, as a spawned one would, and imports tpcomm
+itself).
 """
 
 import importlib
@@ -46,12 +49,48 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, env, pg_timeout_s, conn, paths, before_import):
+# Ranks start as forks of one server process that imported torch once (about
+# 4 s of CPU that each spawned rank spent on it, a few hundred ranks a
+# suite). It imports torch with the device-backend autoload off: each rank
+# runs the autoload itself (_tpcomm_autoload reads tpcomm's settings), once
+# its environment is the test's.
+_PRELOAD = ["torch", "torch.distributed"]
+_rank_context = None
+
+
+def _context():
+    global _rank_context
+    if _rank_context is None:
+        from multiprocessing import forkserver
+
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        saved = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD")
+        os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"]
+            else:
+                os.environ["TORCH_DEVICE_BACKEND_AUTOLOAD"] = saved
+        _rank_context = ctx
+    return _rank_context
+
+
+def _worker(rank, world_size, port, env, pg_timeout_s, conn, paths, before_import, parent_env):
+    # A spawned process's environment: the test's process's as it is now
+    # (the server's is as it was when it started), then the rank's own.
+    os.environ.clear()
+    os.environ.update(parent_env)
     os.environ.update(env)
     sys.path[:0] = paths
     try:
         import torch
         import torch.distributed as dist
+
+        if torch._is_device_backend_autoload_enabled():
+            torch._import_device_backends()
 
         if before_import is not None:
             module, name = before_import
@@ -88,6 +127,11 @@ def _worker(rank, world_size, port, env, pg_timeout_s, conn, paths, before_impor
         except BaseException:
             conn.send(("error", traceback.format_exc()))
     dist.destroy_process_group()
+    # A forked rank ends in os._exit: what a spawned one runs at its exit
+    # (atexit's functions) runs here.
+    import atexit
+
+    atexit._run_exitfuncs()
 
 
 class Group:
@@ -97,7 +141,7 @@ class Group:
         after `import torch` and before `import tpcomm` (a test that changes
         torch first)."""
         self.world_size = world_size
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         port = _free_port()
         paths = [HERE, os.path.dirname(HERE), *extra_paths]
         self._conns, self._procs = [], []
@@ -107,7 +151,8 @@ class Group:
             parent, child = ctx.Pipe()
             p = ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, rank_env, pg_timeout_s, child, paths, before_import),
+                args=(rank, world_size, port, rank_env, pg_timeout_s, child, paths, before_import,
+                      dict(os.environ)),
                 daemon=True,
             )
             p.start()
