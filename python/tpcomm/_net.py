@@ -63,14 +63,39 @@ def free_port():
         return s.getsockname()[1]
 
 
+# The benchmarks' ranks are forks of a server process that imported torch
+# once: a spawned rank spent about 4 s of CPU importing it, every run (a
+# benchmark runs ranks many times). Each forked rank takes the environment
+# its starter has when it starts (the server's is the one it started with),
+# as a spawned one would.
+_forkserver_started = False
+
+
+def _rank_context():
+    global _forkserver_started
+    ctx = mp.get_context("forkserver")
+    if not _forkserver_started:
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
+        _forkserver_started = True
+    return ctx
+
+
+def _with_environ(environ, target, *args):
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
 def run_ranks(target, world, args_of, timeout_s):
     """Runs target(rank, world, port, *args_of(rank), results) in `world`
-    spawned processes and returns what one of them put on `results`, or None
-    when a process failed or nothing was put."""
-    ctx = mp.get_context("spawn")
+    processes and returns what one of them put on `results`, or None when a
+    process failed or nothing was put."""
+    ctx = _rank_context()
     port = free_port()
     results = ctx.SimpleQueue()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args_of(r), results))
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_with_environ,
+                         args=(environ, target, r, world, port, *args_of(r), results))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -53,19 +53,19 @@ def test_autoload_is_off_with_either_switch(switch):
 
 def test_import_torch_costs_little_with_the_hook():
     """The hook registers a name and loads nothing of tpcomm; the cost is
-    printed (best of 3 interpreter starts each way), not asserted."""
+    printed (one interpreter start each way: starts vary by more than the
+    difference, so this is no measurement), not asserted."""
     code = ("import time; t = time.perf_counter(); import torch, sys; "
             "print(time.perf_counter() - t, 'tpcomm' in sys.modules, "
             "'TPCOMM' in torch.distributed.Backend._plugins)")
     on, off = [], []
-    for _ in range(3):
-        for env, out in (({}, on), ({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}, off)):
-            done = _python(code, env)
-            assert done.returncode == 0, done.stderr
-            seconds, loaded, registered = done.stdout.split()
-            assert loaded == "False"
-            assert registered == ("True" if not env else "False")
-            out.append(float(seconds))
+    for env, out in (({}, on), ({"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}, off)):
+        done = _python(code, env)
+        assert done.returncode == 0, done.stderr
+        seconds, loaded, registered = done.stdout.split()
+        assert loaded == "False"
+        assert registered == ("True" if not env else "False")
+        out.append(float(seconds))
     # The hook itself, in one process: its import and its registration.
     code = ("import time, torch, torch.distributed as dist; "
             "dist.Backend._plugins.pop('TPCOMM', None); t = time.perf_counter(); "
@@ -76,7 +76,7 @@ def test_import_torch_costs_little_with_the_hook():
     hook, registered = done.stdout.split()
     assert registered == "True"
     print(f"\nimport torch: {1e3 * min(on):.1f} ms with the tpcomm hook, {1e3 * min(off):.1f} ms "
-          f"without (best of 3 each; interpreter starts vary by more than the difference); "
+          f"without (one start each; interpreter starts vary by more than the difference); "
           f"the hook's import and registration alone: {1e3 * float(hook):.2f} ms")
 
 
