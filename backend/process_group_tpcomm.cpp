@@ -20,8 +20,7 @@ using WorkPtr = c10::intrusive_ptr<Work>;
 using Tensors = std::vector<at::Tensor>;
 using Refs = c10::ArrayRef<at::Tensor>;
 
-// A call's tensors as the flight recorder sees them: views of the caller's
-// lists (no copy), or of lists made for the record (`made`).
+// A call's tensors for the flight recorder: views of the caller's lists or of lists made for it.
 struct CallTensors {
   Refs in, out;
 };
@@ -62,7 +61,7 @@ ProcessGroupTpcomm::ProcessGroupTpcomm(std::shared_ptr<coord::GroupCoordinator> 
 template <typename Tensors, typename Call>
 WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, Call&& call,
                                 int peer) {
-  return translateErrors([&]() -> WorkPtr {
+  WorkPtr returned = translateErrors([&]() -> WorkPtr {
     ++callsOnThisThread();
     coord::GroupFault& fault = coordinator_->fault();
     // A broken group, or a collective this rank refused and its peers have
@@ -156,12 +155,11 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
     if (pending.done || !pending.work) {
       if (ticket) fault.leave(ticket);
       if (pending.done && pending.work) return completed(pending.work);  // in this thread
-      // A synchronous call (asyncOp=false) completed in this thread, or
-      // already ordered on the current stream by the routed backend, returns
-      // no Work (ProcessGroupNCCL does this); torch's Python API then skips
-      // wait(). Mirror it, except where torch keeps each call's Work for
-      // wait_tensor (allow_inflight_collective_as_graph_input): there it
-      // gets a completed one, as waiting on nothing would crash.
+      // A synchronous call (asyncOp=false) completed in this thread, or already
+      // ordered on the current stream by the routed backend, returns no Work
+      // (as ProcessGroupNCCL; torch's Python API then skips wait()), except
+      // where torch keeps each call's Work for wait_tensor
+      // (allow_inflight_collective_as_graph_input): a completed one there.
       if (!pending.done && pending.finish) pending.finish();
       if (c10d::allow_inflight_collective_as_graph_input()) {
         return completed(coord::completedWork(std::move(pending.outputs)));
@@ -173,6 +171,8 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
     if (ticket) fault.leave(ticket);  // the work is in flight in its own right
     return work;
   });
+  coalescing_.add(returned);  // a no-op unless a batch is open
+  return returned;
 }
 
 WorkPtr ProcessGroupTpcomm::broadcast(std::vector<at::Tensor>& tensors,

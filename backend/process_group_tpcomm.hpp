@@ -15,6 +15,7 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include "backend/coalescing.hpp"
 #include "backend/flight_record.hpp"
 #include "backend/hooks.hpp"
 #include "backend/torch_features.hpp"
@@ -58,6 +59,11 @@ class ProcessGroupTpcomm : public c10d::Backend {
   void registerCompletionHook(int64_t hookId, c10d::CompletionHook hook) override;
   void unregisterCompletionHook(int64_t hookId) override;
 #endif
+  // The calls between these two are one batch, one Work
+  // (backend/coalescing.hpp): dist.batch_isend_irecv, _coalescing_manager.
+  bool supportsCoalescing() const override { return true; }
+  void startCoalescing() override;
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override;
   // Calling split twice with the same group name (once per device type, as
   // ProcessGroup::splitGroup does) returns the same backend.
   c10::intrusive_ptr<Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
@@ -169,6 +175,7 @@ class ProcessGroupTpcomm : public c10d::Backend {
   std::shared_ptr<coord::GroupCoordinator> coordinator_;
   // Shared with the works in flight, which may outlive the group.
   std::shared_ptr<BackendHooks> hooks_ = std::make_shared<BackendHooks>();
+  Coalescing coalescing_;
   std::vector<uint64_t> globalRanks_;
   size_t flightPgId_;
   std::once_flag flightGroupRecorded_;

@@ -6,6 +6,7 @@
 #include "backend/boundary.hpp"
 #include "backend/process_group_tpcomm.hpp"
 #include "backend/validation.hpp"
+#include "coordinator/cpu/cpu_shm_path.hpp"
 #include "coordinator/route_stats.hpp"
 
 namespace tpcomm::backend {
@@ -106,6 +107,35 @@ void ProcessGroupTpcomm::unregisterCompletionHook(int64_t hookId) {
 #endif
 
 void ProcessGroupTpcomm::shutdown() { coordinator_->shutdown(); }
+
+void ProcessGroupTpcomm::startCoalescing() {
+  translateErrors([&] {
+    const std::string group = "'" + coordinator_->options().groupName + "'";
+    if (coalescing_.open()) {
+      // The batch left open: the device backend's is ended too (its calls
+      // launched), then the refusal is raised.
+      try {
+        coordinator_->endCoalescing();
+      } catch (const std::exception&) {
+      }
+    }
+    coalescing_.start(group);
+    coordinator_->startCoalescing();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTpcomm::endCoalescing() {
+  return translateErrors([&]() -> c10::intrusive_ptr<c10d::Work> {
+    Coalescing::Batch batch = coalescing_.end("'" + coordinator_->options().groupName + "'");
+    if (auto device = coordinator_->endCoalescing()) batch.works.push_back(std::move(device));
+    // Nothing called (an empty batch, as torch's abort makes): no Work, as
+    // ProcessGroupNCCL. Calls that all completed without one: a completed one.
+    if (batch.calls == 0) return {};
+    if (batch.works.empty()) return completed(coord::completedWork({}));
+    if (batch.works.size() == 1) return batch.works[0];
+    return c10::make_intrusive<CoalescedWork>(rank_, std::move(batch.works));
+  });
+}
 
 c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::split(
     const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,

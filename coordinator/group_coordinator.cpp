@@ -80,7 +80,28 @@ c10d::Backend& GroupCoordinator::backendFor(Route route, uint64_t bytes) {
   }
   c10d::Backend& device = deviceBackend();
   stats_.record(StatsRoute::kNccl, bytes);
+  if (coalescing_.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(deviceMutex_);
+    if (!deviceCoalescing_ && device.supportsCoalescing()) {
+      device.startCoalescing();
+      deviceCoalescing_ = true;
+    }
+  }
   return device;
+}
+
+void GroupCoordinator::startCoalescing() {
+  std::lock_guard<std::mutex> lock(deviceMutex_);
+  deviceCoalescing_ = false;
+  coalescing_.store(true, std::memory_order_release);
+}
+
+c10::intrusive_ptr<c10d::Work> GroupCoordinator::endCoalescing() {
+  std::lock_guard<std::mutex> lock(deviceMutex_);
+  coalescing_.store(false, std::memory_order_release);
+  if (!deviceCoalescing_) return {};
+  deviceCoalescing_ = false;
+  return device_->endCoalescing();
 }
 
 void GroupCoordinator::logAllreduceRoute(const c10d::ReduceOp& op, const at::Tensor& tensor,

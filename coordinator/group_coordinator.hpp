@@ -260,6 +260,12 @@ class GroupCoordinator {
   // at once, the peers' within TPCOMM_WATCHDOG_MS and a poll.
   void abort();
   void shutdown();
+  // A batch (ProcessGroupTpcomm::startCoalescing): the calls routed to the
+  // device backend until endCoalescing go into that backend's own batch
+  // (ProcessGroupNCCL's ncclGroupStart/End), opened at the first of them;
+  // endCoalescing returns its Work (null: no call went there).
+  void startCoalescing();
+  c10::intrusive_ptr<c10d::Work> endCoalescing();
   // What has gone wrong on the group, as every rank learns it.
   GroupFault& fault() { return *fault_; }
   const std::shared_ptr<GroupFault>& faultState() const { return fault_; }
@@ -338,6 +344,9 @@ class GroupCoordinator {
   CustomDeviceFactory customDeviceFactory_;
   std::optional<at::Device> cudaDevice_;  // guarded by deviceMutex_
   std::shared_ptr<CustomPath> custom_;    // guarded by deviceMutex_
+  // Whether a batch is open (startCoalescing), and the device backend's.
+  std::atomic<bool> coalescing_{false};
+  bool deviceCoalescing_ = false;  // guarded by deviceMutex_
   // custom_.get() once set up and available: the fault releaser's and the
   // watchdog's (they never take deviceMutex_, which a set-up holds while it
   // waits for the peers).

@@ -397,7 +397,8 @@ tensors through the device backend (NCCL), created on first use.)")
 #else
         capabilities["completion_hooks"] = false;
 #endif
-        for (const char* missing : {"shrink", "reconfigure", "coalescing", "window"}) {
+        capabilities["coalescing"] = true;  // c10d::Backend has had it since before 2.11
+        for (const char* missing : {"shrink", "reconfigure", "window"}) {
           capabilities[missing] = false;
         }
         info["torch_capabilities"] = capabilities;

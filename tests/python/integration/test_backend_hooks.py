@@ -32,14 +32,17 @@ def test_build_info_and_info_name_the_capabilities_this_torch_has():
     assert capabilities["abort_hooks"] == TORCH_HAS_ABORT_HOOKS, capabilities
     minor = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
     assert capabilities["completion_hooks"] == (TORCH_HAS_ABORT_HOOKS and minor >= (2, 15))
+    # Coalescing on every torch, and the backend says so to torch's callers.
+    assert capabilities["coalescing"] is True, capabilities
     # Not built yet: said, not claimed.
-    for name in ("shrink", "reconfigure", "coalescing", "window"):
+    for name in ("shrink", "reconfigure", "window"):
         assert capabilities[name] is False, capabilities
     out = subprocess.run([sys.executable, "-m", "tpcomm.info"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     on = "on" if TORCH_HAS_ABORT_HOOKS else "off"
     assert f"abort_hooks {on}" in out.stdout and "shrink off" in out.stdout, out.stdout
+    assert "coalescing on" in out.stdout, out.stdout
 
 
 def _abort_hooks(ctx, route_shm):

@@ -26,13 +26,19 @@ import time
 SIZES = [4, 1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 
 
+_COUNTER = "/sys/class/net/eth0/statistics/tx_bytes"
+
+
 def _sent():
-    """Bytes this host's interface has sent (its network namespace's)."""
+    """Bytes this host's interface has sent (its network namespace's). A
+    counter that cannot be read is an error, not a ratio of 0.00x."""
     try:
-        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+        with open(_COUNTER) as f:
             return int(f.read())
-    except OSError:
-        return 0
+    except (OSError, ValueError) as e:
+        raise RuntimeError(f"bench cpu --hosts: the host's interface counter {_COUNTER} cannot "
+                           f"be read ({type(e).__name__}: {e}), so the bytes each host sends "
+                           f"cannot be measured") from e
 
 
 def _time(fn, iters, counts):

@@ -1,0 +1,76 @@
+#pragma once
+// Coalescing (c10d::Backend::startCoalescing/endCoalescing, what
+// `dist.batch_isend_irecv` and `_coalescing_manager(group, device)` call):
+// the calls a group receives between the two are one batch, and
+// endCoalescing returns one Work for all of them.
+//
+// Each call is issued when it is made, as outside a batch: tpcomm's
+// point-to-point calls never block when issued (Gloo's are asynchronous,
+// framed_p2p.hpp), so no order of sends and receives that Gloo or NCCL
+// accept can deadlock, and a collective runs on its usual route. Calls on
+// the device backend (NCCL) go into that backend's own batch
+// (GroupCoordinator::startCoalescing), which NCCL needs: its sends and
+// receives issued one by one can wait on each other.
+//
+// The batch's Work completes when every call of it has; its wait() raises
+// the first failure; its future's value is every call's result in order.
+// A batch left open (its block raised before endCoalescing) is ended by
+// the next startCoalescing, which then raises, naming it; start again.
+
+#include <atomic>
+#include <cstddef>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+namespace tpcomm::backend {
+
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// The Work of a batch: every call's Work (those that returned one).
+class CoalescedWork : public c10d::Work {
+ public:
+  CoalescedWork(int rank, std::vector<WorkPtr> works);
+
+  bool isCompleted() override;
+  bool isSuccess() const override;
+  std::exception_ptr exception() const override;
+  std::vector<at::Tensor> result() override;
+  // Waits for each call in turn, within `timeout` for all of them together.
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  void abort() override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+
+ private:
+  std::vector<WorkPtr> works_;
+  std::mutex futureMutex_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// A group's open batch, if any. Thread-safe; add() is one atomic load when
+// no batch is open.
+class Coalescing {
+ public:
+  // Opens a batch. One already open is dropped (its calls stay in flight,
+  // each with its own Work) and InvalidUsage raised, naming `group`.
+  void start(const std::string& group);
+  // Counts a call made while a batch is open, and keeps its Work (null:
+  // the call completed without one).
+  void add(const WorkPtr& work);
+  struct Batch {
+    std::vector<WorkPtr> works;
+    size_t calls = 0;
+  };
+  // Closes the batch; InvalidUsage naming `group` when none is open.
+  Batch end(const std::string& group);
+  bool open() const { return open_.load(std::memory_order_acquire); }
+
+ private:
+  mutable std::mutex mutex_;
+  std::atomic<bool> open_{false};
+  Batch batch_;
+};
+
+}  // namespace tpcomm::backend
