@@ -13,9 +13,18 @@
 // receives issued one by one can wait on each other.
 //
 // The batch's Work completes when every call of it has; its wait() raises
-// the first failure; its future's value is every call's result in order.
-// A batch left open (its block raised before endCoalescing) is ended by
-// the next startCoalescing, which then raises, naming it; start again.
+// the first failure it meets (waiting on the calls in order: a failure on a
+// CPU route breaks the group, which ends the other calls' waits too) and
+// returns false when a call's wait does (aborted); its future's value is
+// every call's result in order. A batch with a device backend's part has no
+// future (NCCL's batch Work has none): getFuture() says so; wait() instead.
+//
+// A batch left open (its block raised before endCoalescing: torch's
+// context manager ends nothing then) is dropped by the next
+// startCoalescing, with a warning, and that batch runs, so torch's abort
+// (which wraps its aborts in a batch) still works. While it stays open it
+// keeps at most kMaxKeptWorks Works; a batch of more calls than that raises
+// at its end, naming the count.
 
 #include <atomic>
 #include <cstddef>
@@ -32,7 +41,8 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 // The Work of a batch: every call's Work (those that returned one).
 class CoalescedWork : public c10d::Work {
  public:
-  CoalescedWork(int rank, std::vector<WorkPtr> works);
+  // `deviceParts`: works from a device backend's batch (no future).
+  CoalescedWork(int rank, std::vector<WorkPtr> works, bool deviceParts);
 
   bool isCompleted() override;
   bool isSuccess() const override;
@@ -45,6 +55,7 @@ class CoalescedWork : public c10d::Work {
 
  private:
   std::vector<WorkPtr> works_;
+  bool deviceParts_;
   std::mutex futureMutex_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
@@ -53,17 +64,21 @@ class CoalescedWork : public c10d::Work {
 // no batch is open.
 class Coalescing {
  public:
+  // The Works an open batch keeps, at most.
+  static constexpr size_t kMaxKeptWorks = size_t{1} << 16;
   // Opens a batch. One already open is dropped (its calls stay in flight,
-  // each with its own Work) and InvalidUsage raised, naming `group`.
-  void start(const std::string& group);
+  // each with its own Work); returns how many calls it had (0: none open).
+  size_t start();
   // Counts a call made while a batch is open, and keeps its Work (null:
   // the call completed without one).
   void add(const WorkPtr& work);
   struct Batch {
     std::vector<WorkPtr> works;
     size_t calls = 0;
+    bool overflowed = false;  // more than kMaxKeptWorks Works: not all kept
   };
-  // Closes the batch; InvalidUsage naming `group` when none is open.
+  // Closes the batch; InvalidUsage naming `group` when none is open or when
+  // it overflowed.
   Batch end(const std::string& group);
   bool open() const { return open_.load(std::memory_order_acquire); }
 

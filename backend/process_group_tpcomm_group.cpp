@@ -110,16 +110,21 @@ void ProcessGroupTpcomm::shutdown() { coordinator_->shutdown(); }
 
 void ProcessGroupTpcomm::startCoalescing() {
   translateErrors([&] {
-    const std::string group = "'" + coordinator_->options().groupName + "'";
+    // A batch left open (its block raised before its end) is dropped, the
+    // device backend's with it (its calls launched), and this one runs:
+    // torch's abort wraps its aborts in a batch and must not fail here.
     if (coalescing_.open()) {
-      // The batch left open: the device backend's is ended too (its calls
-      // launched), then the refusal is raised.
       try {
         coordinator_->endCoalescing();
       } catch (const std::exception&) {
       }
     }
-    coalescing_.start(group);
+    if (const size_t dropped = coalescing_.start()) {
+      TORCH_WARN("tpcomm: startCoalescing on group '", coordinator_->options().groupName,
+                 "' dropped a batch of ", dropped,
+                 " call(s) that was never ended (a coalescing block that raised?); each of its "
+                 "calls keeps its own Work");
+    }
     coordinator_->startCoalescing();
   });
 }
@@ -127,13 +132,14 @@ void ProcessGroupTpcomm::startCoalescing() {
 c10::intrusive_ptr<c10d::Work> ProcessGroupTpcomm::endCoalescing() {
   return translateErrors([&]() -> c10::intrusive_ptr<c10d::Work> {
     Coalescing::Batch batch = coalescing_.end("'" + coordinator_->options().groupName + "'");
-    if (auto device = coordinator_->endCoalescing()) batch.works.push_back(std::move(device));
+    const auto device = coordinator_->endCoalescing();
+    if (device) batch.works.push_back(device);
     // Nothing called (an empty batch, as torch's abort makes): no Work, as
     // ProcessGroupNCCL. Calls that all completed without one: a completed one.
     if (batch.calls == 0) return {};
-    if (batch.works.empty()) return completed(coord::completedWork({}));
+    if (batch.works.empty()) return coord::completedWork({});
     if (batch.works.size() == 1) return batch.works[0];
-    return c10::make_intrusive<CoalescedWork>(rank_, std::move(batch.works));
+    return c10::make_intrusive<CoalescedWork>(rank_, std::move(batch.works), device != nullptr);
   });
 }
 

@@ -82,7 +82,8 @@ c10d::Backend& GroupCoordinator::backendFor(Route route, uint64_t bytes) {
   stats_.record(StatsRoute::kNccl, bytes);
   if (coalescing_.load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(deviceMutex_);
-    if (!deviceCoalescing_ && device.supportsCoalescing()) {
+    if (!deviceCoalescing_ && std::this_thread::get_id() == coalescingThread_ &&
+        device.supportsCoalescing()) {
       device.startCoalescing();
       deviceCoalescing_ = true;
     }
@@ -93,15 +94,22 @@ c10d::Backend& GroupCoordinator::backendFor(Route route, uint64_t bytes) {
 void GroupCoordinator::startCoalescing() {
   std::lock_guard<std::mutex> lock(deviceMutex_);
   deviceCoalescing_ = false;
+  coalescingThread_ = std::this_thread::get_id();
   coalescing_.store(true, std::memory_order_release);
 }
 
 c10::intrusive_ptr<c10d::Work> GroupCoordinator::endCoalescing() {
-  std::lock_guard<std::mutex> lock(deviceMutex_);
-  coalescing_.store(false, std::memory_order_release);
-  if (!deviceCoalescing_) return {};
-  deviceCoalescing_ = false;
-  return device_->endCoalescing();
+  c10::intrusive_ptr<c10d::Backend> device;
+  {
+    std::lock_guard<std::mutex> lock(deviceMutex_);
+    coalescing_.store(false, std::memory_order_release);
+    if (!deviceCoalescing_) return {};
+    deviceCoalescing_ = false;
+    device = device_;
+  }
+  // Outside the lock: ncclGroupEnd may block (connections being made), and
+  // a break's release takes the lock to abort the device backend.
+  return device->endCoalescing();
 }
 
 void GroupCoordinator::logAllreduceRoute(const c10d::ReduceOp& op, const at::Tensor& tensor,

@@ -40,6 +40,7 @@
 
 #include <array>
 #include <atomic>
+#include <thread>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -260,10 +261,11 @@ class GroupCoordinator {
   // at once, the peers' within TPCOMM_WATCHDOG_MS and a poll.
   void abort();
   void shutdown();
-  // A batch (ProcessGroupTpcomm::startCoalescing): the calls routed to the
-  // device backend until endCoalescing go into that backend's own batch
-  // (ProcessGroupNCCL's ncclGroupStart/End), opened at the first of them;
-  // endCoalescing returns its Work (null: no call went there).
+  // A batch (ProcessGroupTpcomm::startCoalescing): the calls this thread
+  // routes to the device backend until endCoalescing go into that backend's
+  // own batch (ProcessGroupNCCL's ncclGroupStart/End, which are per thread),
+  // opened at the first of them; endCoalescing returns its Work (null: no
+  // call went there).
   void startCoalescing();
   c10::intrusive_ptr<c10d::Work> endCoalescing();
   // What has gone wrong on the group, as every rank learns it.
@@ -346,7 +348,8 @@ class GroupCoordinator {
   std::shared_ptr<CustomPath> custom_;    // guarded by deviceMutex_
   // Whether a batch is open (startCoalescing), and the device backend's.
   std::atomic<bool> coalescing_{false};
-  bool deviceCoalescing_ = false;  // guarded by deviceMutex_
+  bool deviceCoalescing_ = false;     // guarded by deviceMutex_
+  std::thread::id coalescingThread_;  // guarded by deviceMutex_
   // custom_.get() once set up and available: the fault releaser's and the
   // watchdog's (they never take deviceMutex_, which a set-up holds while it
   // waits for the peers).

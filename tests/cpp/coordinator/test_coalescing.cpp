@@ -36,18 +36,25 @@ class ManualWork : public c10d::Work {
     finish(error);
     future_->setError(error);
   }
+  // Its wait returns false from now on, as an aborted Work's does.
+  void abortWait() { aborted_ = true; }
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (aborted_) return false;
+    return c10d::Work::wait(timeout);
+  }
   std::vector<at::Tensor> result() override { return {result_}; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
 
  private:
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   at::Tensor result_;
+  bool aborted_ = false;
 };
 
 TEST(Coalescing, TheBatchCompletesWhenEveryCallHasWithTheirResultsInOrder) {
   auto a = c10::make_intrusive<ManualWork>(at::full({2}, 1.0));
   auto b = c10::make_intrusive<ManualWork>(at::full({3}, 2.0));
-  CoalescedWork batch(0, {a, b});
+  CoalescedWork batch(0, {a, b}, false);
   auto future = batch.getFuture();
   EXPECT_FALSE(batch.isCompleted());
   // A bounded wait on a call that has not completed raises its timeout.
@@ -71,7 +78,7 @@ TEST(Coalescing, TheBatchCompletesWhenEveryCallHasWithTheirResultsInOrder) {
 TEST(Coalescing, TheFirstFailureIsTheBatchs) {
   auto a = c10::make_intrusive<ManualWork>(at::ones({1}));
   auto b = c10::make_intrusive<ManualWork>(at::ones({1}));
-  CoalescedWork batch(1, {a, b});
+  CoalescedWork batch(1, {a, b}, false);
   auto future = batch.getFuture();
   b->fail("rank 1's recv from rank 0: 10 bytes sent, 12 expected");
   ASSERT_TRUE(future->completed());
@@ -87,7 +94,36 @@ TEST(Coalescing, TheFirstFailureIsTheBatchs) {
   }
 }
 
-TEST(Coalescing, ABatchIsCountedAndMisuseIsNamed) {
+TEST(Coalescing, APartDoneBeforeTheFutureAnAbortedPartAndADeviceBatch) {
+  auto a = c10::make_intrusive<ManualWork>(at::full({1}, 3.0));
+  auto b = c10::make_intrusive<ManualWork>(at::full({1}, 4.0));
+  a->succeed();  // before the batch's future is made
+  CoalescedWork batch(0, {a, b}, false);
+  auto future = batch.getFuture();
+  EXPECT_FALSE(future->completed());
+  b->succeed();
+  ASSERT_TRUE(future->completed());
+  const auto values = future->value().toTensorVector();
+  ASSERT_EQ(values.size(), 2u);
+  EXPECT_EQ(values[0].item<double>(), 3.0);
+  EXPECT_EQ(values[1].item<double>(), 4.0);
+  // A part whose wait says it was aborted: so does the batch's.
+  auto c = c10::make_intrusive<ManualWork>(at::ones({1}));
+  c->abortWait();
+  CoalescedWork aborted(0, {a, c}, false);
+  EXPECT_FALSE(aborted.wait(std::chrono::milliseconds(1000)));
+  // A batch with the device backend's part has no future, and says so.
+  CoalescedWork device(0, {a, b}, true);
+  try {
+    device.getFuture();
+    FAIL() << "a device batch's future was made";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("wait() on it instead"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(device.wait());
+}
+
+TEST(Coalescing, ABatchIsCountedALeftOneDroppedAndMisuseNamed) {
   Coalescing coalescing;
   // Closed: calls are not counted.
   coalescing.add(c10::make_intrusive<ManualWork>(at::ones({1})));
@@ -100,26 +136,31 @@ TEST(Coalescing, ABatchIsCountedAndMisuseIsNamed) {
               std::string::npos)
         << e.what();
   }
-  coalescing.start("'tp'");
+  EXPECT_EQ(coalescing.start(), 0u);
   EXPECT_TRUE(coalescing.open());
   coalescing.add(c10::make_intrusive<ManualWork>(at::ones({1})));
   coalescing.add(WorkPtr());  // a call that completed without a Work
-  try {
-    coalescing.start("'tp'");
-    FAIL() << "a second start passed";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("its batch of 2 call(s) is still open"), std::string::npos)
-        << e.what();
-  }
-  // The refused start dropped the open batch: nothing is open now.
-  EXPECT_FALSE(coalescing.open());
-  coalescing.start("'tp'");
+  // A batch left open is dropped by the next start, which says how many
+  // calls it had; the new batch counts from nothing.
+  EXPECT_EQ(coalescing.start(), 2u);
+  EXPECT_TRUE(coalescing.open());
   coalescing.add(WorkPtr());
   coalescing.add(c10::make_intrusive<ManualWork>(at::ones({1})));
   coalescing.add(c10::make_intrusive<ManualWork>(at::ones({1})));
   const Coalescing::Batch batch = coalescing.end("'tp'");
   EXPECT_EQ(batch.calls, 3u);
   EXPECT_EQ(batch.works.size(), 2u);
+  EXPECT_FALSE(coalescing.open());
+  // A batch keeps at most kMaxKeptWorks Works; more is named at its end.
+  coalescing.start();
+  auto one = c10::make_intrusive<ManualWork>(at::ones({1}));
+  for (size_t i = 0; i <= Coalescing::kMaxKeptWorks; ++i) coalescing.add(one);
+  try {
+    coalescing.end("'tp'");
+    FAIL() << "an overflowed batch ended";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("a batch of 65537 calls"), std::string::npos) << e.what();
+  }
   EXPECT_FALSE(coalescing.open());
 }
 
