@@ -195,4 +195,26 @@ void GroupCoordinator::eagerConnect(at::Device device) {
   deviceBackend().eagerConnectSingleDevice(device);
 }
 
+// The device backend's own batch (coalescing), opened in backendFor.
+void GroupCoordinator::startCoalescing() {
+  std::lock_guard<std::mutex> lock(deviceMutex_);
+  deviceCoalescing_ = false;
+  coalescingThread_ = std::this_thread::get_id();
+  coalescing_.store(true, std::memory_order_release);
+}
+
+c10::intrusive_ptr<c10d::Work> GroupCoordinator::endCoalescing() {
+  c10::intrusive_ptr<c10d::Backend> device;
+  {
+    std::lock_guard<std::mutex> lock(deviceMutex_);
+    coalescing_.store(false, std::memory_order_release);
+    if (!deviceCoalescing_) return {};
+    deviceCoalescing_ = false;
+    device = device_;
+  }
+  // Outside the lock: ncclGroupEnd may block (connections being made), and
+  // a break's release takes the lock to abort the device backend.
+  return device->endCoalescing();
+}
+
 }  // namespace tpcomm::coord
