@@ -84,9 +84,8 @@ c10::intrusive_ptr<c10::ivalue::Future> CoalescedWork::getFuture() {
     return future_;
   }
   // Completed once every part has, with their results in order; the first
-  // failure fails it.
-  // Each part's value is kept as it completes (no Work kept: no cycle
-  // through the parts' callbacks).
+  // failure fails it. Each part's value is kept as it completes (no Work
+  // kept: no cycle through the parts' callbacks).
   struct Gathered {
     std::mutex mutex;
     std::vector<std::vector<at::Tensor>> values;

@@ -172,12 +172,7 @@ def _mismatched_batch(ctx):
     # raise, naming the mismatch, within the group's timeout.
     n = 10 if r == 0 else 12
     ops = [dist.P2POp(dist.isend, torch.ones(n), peer), dist.P2POp(dist.irecv, torch.empty(n), peer)]
-    try:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    except Exception as e:  # noqa: BLE001 - the message is what is checked
-        return f"{type(e).__name__}: {e}"
-    return None
+    return error_message(lambda: [work.wait() for work in dist.batch_isend_irecv(ops)])
 
 
 def test_a_mismatched_batch_raises_on_both_ranks():
