@@ -123,6 +123,16 @@ tensors through the device backend (NCCL), created on first use.)")
           "Why the group broke (an abort, a failure, a collective refused on another rank); "
           "empty while it works.")
       .def_property_readonly(
+          "positions",
+          [](backend::ProcessGroupTpcomm& self) {
+            py::gil_scoped_release nogil;  // reads the store, up to a second
+            return self.coordinator().fault().positions();
+          },
+          "Where the group's ranks are, as a failed call's error names them: ' [across ranks: "
+          "this rank (0) in allreduce #2; rank 1: in recv #1 (p2p) for 0.4 s]' (a peer says "
+          "where it waits once a call of its has waited TPCOMM_WATCHDOG_MS; read from the store "
+          "within one second; '' for a group of one).")
+      .def_property_readonly(
           "device_backend_created",
           [](backend::ProcessGroupTpcomm& self) {
             return static_cast<bool>(self.coordinator().deviceBackendIfCreated());

@@ -1,6 +1,20 @@
+import os
+import sys
+
 import pytest
 
 from harness import Group
+
+# Some tests run other folders' rank functions (test_cpu_shm runs
+# test_users's): every folder is importable whichever subset runs.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _folder in sorted(os.listdir(_HERE)):
+    if os.path.isfile(os.path.join(_HERE, _folder, "__init__.py")):
+        continue
+    if _folder.startswith(("_", ".")) or not os.path.isdir(os.path.join(_HERE, _folder)):
+        continue
+    if os.path.join(_HERE, _folder) not in sys.path:
+        sys.path.append(os.path.join(_HERE, _folder))
 
 _groups = {}
 

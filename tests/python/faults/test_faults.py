@@ -194,24 +194,37 @@ def test_an_abort_ends_every_ranks_wait(groups, shm_groups, route, case):
 
 # ---------------------------------------------------------------- positions
 def _stuck_in_different_calls(ctx):
-    """Rank 0 gives up its allreduce after 3 s (its own timeout) while
-    rank 1 still waits in a recv nobody sends (until the group's 6 s). Rank
-    1's position goes out once its recv is older than the watchdog's 200 ms;
-    on a loaded 2-core machine 1.5 s was sometimes not enough for it."""
-    g = dist.new_group(backend="tpcomm", timeout=timedelta(seconds=6))
+    """Rank 0 gives up its allreduce after 3 s (its own timeout) while rank
+    1 still waits in a recv nobody sends (the group's timeout is 30 s: rank
+    0's break releases it). Rank 1 publishes its position once its recv is
+    older than the watchdog's 200 ms: rank 0 starts its allreduce only once
+    its backend's `positions` shows it (on a loaded 2-core machine, where a
+    stalled process once published nothing for 3 s, the error would
+    otherwise name rank 1's previous position)."""
+    g = dist.new_group(backend="tpcomm", timeout=timedelta(seconds=30))
     dist.all_reduce(torch.ones(1), group=g)
-    if ctx.rank == 0:
-        g._get_backend(torch.device("cpu")).set_timeout(timedelta(seconds=3))
-        return error_message(lambda: dist.all_reduce(torch.ones(4), group=g))
-    return error_message(lambda: dist.recv(torch.empty(4), 0, group=g))
+    if ctx.rank == 1:
+        return error_message(lambda: dist.recv(torch.empty(4), 0, group=g)), ""
+    backend = g._get_backend(torch.device("cpu"))
+    deadline = time.monotonic() + 20
+    seen = backend.positions
+    while "rank 1: in recv #1 (p2p) for " not in seen and time.monotonic() < deadline:
+        time.sleep(0.05)
+        seen = backend.positions
+    backend.set_timeout(timedelta(seconds=3))
+    return error_message(lambda: dist.all_reduce(torch.ones(4), group=g)), seen
 
 
 @pytest.mark.parametrize("route", ["gloo", "shm"])
 def test_a_timeout_names_where_the_peers_are(groups, shm_groups, route):
     group = groups(2) if route == "gloo" else shm_groups(2)
-    rank0, rank1 = group.run(_stuck_in_different_calls, timeout_s=60)
+    (rank0, seen), (rank1, _) = group.run(_stuck_in_different_calls, timeout_s=90)
+    # Between the calls, the backend says the same as a failed call's error.
+    assert seen.startswith(" [across ranks: this rank (0) after allreduce #1; rank 1: in recv #1 "
+                           "(p2p) for "), seen
     assert "[across ranks: this rank (0) in allreduce #2; rank 1: in recv #1 (p2p) for " in rank0, \
         rank0
+    assert "within 3000 ms" in rank0 or "3000ms" in rank0, rank0  # its own timeout
     # Rank 0 gave up first.
     assert "this rank (1) in recv #1" in rank1, rank1
     assert "rank 0: after allreduce #2" in rank1 or "rank 0: in allreduce #2" in rank1, rank1
