@@ -59,6 +59,15 @@ class ProcessGroupTpcomm : public c10d::Backend {
   void registerCompletionHook(int64_t hookId, c10d::CompletionHook hook) override;
   void unregisterCompletionHook(int64_t hookId) override;
 #endif
+#if defined(TPCOMM_SHRINK)
+  // The group of the ranks that stay (dist.shrink_group): made as a split is
+  // (GroupCoordinator::shrink), called by those ranks only; SHRINK_ABORT (1)
+  // first aborts this group (its calls in flight raise, its abort hooks
+  // run). Raises naming a flag, an excluded rank or a caller that is wrong.
+  bool supportsShrinking() const override { return true; }
+  c10::intrusive_ptr<Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+                                     const c10::intrusive_ptr<Options>& opts) override;
+#endif
   // The calls between these two are one batch, one Work
   // (backend/coalescing.hpp): dist.batch_isend_irecv, _coalescing_manager.
   bool supportsCoalescing() const override { return true; }

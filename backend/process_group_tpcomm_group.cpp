@@ -169,6 +169,46 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::split(
   });
 }
 
+#if defined(TPCOMM_SHRINK)
+c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::shrink(
+    const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
+    const c10::intrusive_ptr<Options>& opts) {
+  return translateErrors([&]() -> c10::intrusive_ptr<c10d::Backend> {
+    const std::string& group = coordinator_->options().groupName;
+    TPCOMM_CHECK(shrinkFlags == 0 || shrinkFlags == 1, kInvalidUsage, "shrink: flags ",
+                 shrinkFlags, " are neither SHRINK_DEFAULT (0) nor SHRINK_ABORT (1)");
+    TPCOMM_CHECK(!ranksToExclude.empty(), kInvalidUsage, "shrink of group '", group,
+                 "': no rank to exclude");
+    std::vector<bool> excluded(size_, false);
+    for (int64_t r : ranksToExclude) {
+      TPCOMM_CHECK(r >= 0 && r < size_, kInvalidUsage, "shrink of group '", group, "': rank ", r,
+                   " to exclude is not one of its ", size_, " ranks");
+      TPCOMM_CHECK(!excluded[r], kInvalidUsage, "shrink of group '", group, "': rank ", r,
+                   " is excluded twice");
+      excluded[r] = true;
+    }
+    TPCOMM_CHECK(!excluded[rank_], kInvalidUsage, "shrink of group '", group, "': rank ", rank_,
+                 " excludes itself (only the ranks that stay call shrink)");
+    std::vector<int> survivors;
+    for (int r = 0; r < size_; ++r) {
+      if (!excluded[r]) survivors.push_back(r);
+    }
+    if (shrinkFlags == 1) abort();
+    const std::string name =
+        opts && !opts->group_name.empty() ? opts->group_name : group + ":shrunk";
+    const auto timeout = opts ? opts->timeout : coordinator_->options().timeout;
+    auto child =
+        c10::make_intrusive<ProcessGroupTpcomm>(coordinator_->shrink(survivors, timeout, name));
+    if (globalRanks_.size() == static_cast<size_t>(size_)) {
+      std::vector<uint64_t> global;
+      for (int r : survivors) global.push_back(globalRanks_[r]);
+      child->setGlobalRanks(std::move(global));
+    }
+    return child;
+  });
+}
+#endif
+
 void ProcessGroupTpcomm::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
   translateErrors([&] { coordinator_->monitoredBarrier(opts, waitAllRanks); });
 }

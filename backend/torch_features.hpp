@@ -4,7 +4,8 @@
 //  - TPCOMM_ABORT_HOOKS: registerAbortHook (c10d/Hooks.hpp's AbortHook),
 //    where Backend.hpp says so (C10D_BACKEND_HAS_HOOKS);
 //  - TPCOMM_COMPLETION_HOOKS: registerCompletionHook and
-//    Work::getCompletionKey, from torch 2.15.
+//    Work::getCompletionKey, from torch 2.15;
+//  - TPCOMM_SHRINK: supportsShrinking / shrink (dist.shrink_group).
 // `python -m tpcomm.info` lists which are on (tpcomm._C._torch_features).
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -16,3 +17,7 @@
 #define TPCOMM_COMPLETION_HOOKS 1
 #endif
 #endif
+
+// c10d::Backend::shrink and supportsShrinking: in every torch tpcomm supports
+// (2.11 on); dist.shrink_group too.
+#define TPCOMM_SHRINK 1

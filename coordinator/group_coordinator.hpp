@@ -173,6 +173,17 @@ class GroupCoordinator {
                                           std::chrono::milliseconds timeout,
                                           const std::string& groupName);
 
+  // The group of `survivors` (this group's ranks that stay, in their new
+  // order; this rank among them) after the others were lost: made as
+  // split() makes one (shared memory per host, hierarchical across hosts),
+  // through a prefix of its own on the store this group was made on, so
+  // that it needs nothing of this group but the store. Collective over the
+  // survivors. The excluded ranks then count as having left this group, so
+  // that its keys go once the survivors destroyed it (group_life.hpp).
+  std::shared_ptr<GroupCoordinator> shrink(const std::vector<int>& survivors,
+                                           std::chrono::milliseconds timeout,
+                                           const std::string& groupName);
+
   // Creates the device backend now (init_process_group(device_id=...)).
   void eagerConnect(at::Device device);
   // The CUDA allreduce routing in force (describe()).
@@ -338,7 +349,11 @@ class GroupCoordinator {
 
   GroupOptions options_;
   c10::intrusive_ptr<c10d::Store> store_;
-  std::atomic<bool> lifeEnded_{false};  // shutdown() ended this rank's life
+  std::atomic<int> shrinks_{0};  // shrink(): each one a prefix of its own
+  // shutdown() and abort(): this rank leaves the group's life (endLife) when
+  // no call of its is in flight.
+  void endLifeIfIdle();
+  std::atomic<bool> lifeEnded_{false};  // endLifeIfIdle() ended this rank's life
   c10::intrusive_ptr<c10d::Backend> cpu_;
   BackendFactory deviceFactory_;
   mutable std::mutex deviceMutex_;

@@ -240,10 +240,10 @@ void finishMaking(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
   }
 }
 
-bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size) noexcept {
+bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size, int ranks) noexcept {
   if (!lifeStore) return false;
   try {
-    if (size > 1 && lifeStore->add(kLeft, 1) < size) return false;
+    if (size > 1 && lifeStore->add(kLeft, ranks) < size) return false;
     std::vector<std::string> keys;
     try {
       keys = lifeStore->listKeys();

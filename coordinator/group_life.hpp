@@ -101,7 +101,8 @@ auto makeTogether(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
 }
 
 // The end of a life: each rank calls it once, when it is done with the
-// group (its shutdown, after its backends'). The last of the group's `size`
+// group (its shutdown, after its backends'; its abort, which torch uses to
+// drop groups without a shutdown). The last of the group's `size`
 // ranks to call it removes every key under the life's prefix (through the
 // store's listKeys; only the keys tpcomm itself writes where the store cannot
 // list them), so that a process that makes and drops groups for days does
@@ -112,7 +113,9 @@ auto makeTogether(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
 // only when this rank has no call in flight, on a thread of its own that it
 // waits for at most a second, so that a store that no longer answers never
 // holds its way out). Returns whether this call removed them. Never throws.
-bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size) noexcept;
+// `ranks`: how many ranks this call leaves for (a shrink leaves for the
+// ranks it excluded: GroupCoordinator::shrink).
+bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size, int ranks = 1) noexcept;
 
 // `key`'s value, or nothing when there is no such key, without waiting for
 // it (a get waits for a missing key until the store's timeout): a key of a

@@ -408,7 +408,12 @@ tensors through the device backend (NCCL), created on first use.)")
         capabilities["completion_hooks"] = false;
 #endif
         capabilities["coalescing"] = true;  // c10d::Backend has had it since before 2.11
-        for (const char* missing : {"shrink", "reconfigure", "window"}) {
+#if defined(TPCOMM_SHRINK)
+        capabilities["shrink"] = true;
+#else
+        capabilities["shrink"] = false;
+#endif
+        for (const char* missing : {"reconfigure", "window"}) {
           capabilities[missing] = false;
         }
         info["torch_capabilities"] = capabilities;

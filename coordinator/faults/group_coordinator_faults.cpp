@@ -8,6 +8,8 @@
 #include <thread>
 #include <vector>
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
 #include "common/error.hpp"
 #include "coordinator/group_coordinator.hpp"
 #include "coordinator/group_life.hpp"
@@ -97,28 +99,59 @@ void GroupCoordinator::abort() {
   // Published, then released (the shared-memory paths, the device backend,
   // the Gloo connections, the calls in flight): group_fault.hpp.
   fault_->breakGroup(detail::concat("rank ", rank(), " aborted the group"));
+  // Published before the Gloo group's connections close: a peer whose call
+  // fails on them then finds the abort as its cause, not its own failure.
+  fault_->publishQueued();
   cpu_->abort();
+  // torch aborts groups it then drops without a shutdown (a shrink of the
+  // default group aborts every other group): this rank is done with the
+  // group's store now, as after a shutdown.
+  endLifeIfIdle();
 }
 
 void GroupCoordinator::shutdown() {
   if (auto device = deviceBackendIfCreated()) device->shutdown();
   cpu_->shutdown();
+  endLifeIfIdle();
+}
+
+void GroupCoordinator::endLifeIfIdle() {
   // This rank is done with the group's store: the last rank out removes
   // the life's keys (group_life.hpp). Not while a call of this rank is in
-  // flight (it may still read the store): the keys stay then. On a thread
-  // of its own, waited for at most a second, so that a store that no longer
-  // answers (a broken group's may be gone with its host) never holds the
-  // way out; an aborted group's keys go as a working group's do.
-  if (!lifeEnded_.exchange(true) && fault_->idle()) {
-    auto ended = std::make_shared<std::promise<void>>();
-    auto future = ended->get_future();
-    std::thread([fault = fault_, store = store_, size = options_.size, ended] {
-      fault->retire();
-      endLife(store, size);
-      ended->set_value();
-    }).detach();
-    future.wait_for(std::chrono::seconds(1));
+  // flight (it may still read the store): the keys stay then, unless a
+  // later shutdown or abort finds it idle. On a thread of its own, waited
+  // for at most a second, so that a store that no longer answers (a broken
+  // group's may be gone with its host) never holds the way out; an aborted
+  // group's keys go as a working group's do. Once per rank.
+  if (!fault_->idle() || lifeEnded_.exchange(true)) return;
+  auto ended = std::make_shared<std::promise<void>>();
+  auto future = ended->get_future();
+  std::thread([fault = fault_, store = store_, size = options_.size, ended] {
+    fault->retire();
+    endLife(store, size);
+    ended->set_value();
+  }).detach();
+  future.wait_for(std::chrono::seconds(1));
+}
+
+std::shared_ptr<GroupCoordinator> GroupCoordinator::shrink(const std::vector<int>& survivors,
+                                                           std::chrono::milliseconds timeout,
+                                                           const std::string& groupName) {
+  TPCOMM_CHECK(store_, kInvalidUsage, "group '", options_.groupName,
+               "' was made without a store: it cannot be shrunk");
+  // The store the group was made on (its life's prefix taken off): the new
+  // group's keys must not lie under this group's life, whose keys go when
+  // the survivors destroy this group.
+  c10::intrusive_ptr<c10d::Store> base = store_;
+  if (auto* life = dynamic_cast<c10d::PrefixStore*>(store_.get())) {
+    base = life->getUnderlyingStore();
   }
+  auto store =
+      c10::make_intrusive<c10d::PrefixStore>("tpcomm-shrink-" + std::to_string(shrinks_++), base);
+  auto child = split(store, survivors, timeout, groupName);
+  const int excluded = size() - static_cast<int>(survivors.size());
+  if (child->rank() == 0 && excluded > 0) endLife(store_, size(), excluded);
+  return child;
 }
 
 }  // namespace tpcomm::coord

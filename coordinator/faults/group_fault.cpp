@@ -239,12 +239,17 @@ void GroupFault::flush() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     out.swap(outbox_);
+    if (!out.empty()) publishing_.fetch_add(1);
   }
   if (!out.empty()) {
     // At most a second for a store that does not answer: the local release
     // must not wait for it.
     auto self = shared_from_this();
     withinOneSecond([self, out] {
+      struct Done {
+        GroupFault* fault;
+        ~Done() { fault->publishing_.fetch_sub(1); }
+      } done{self.get()};
       for (const auto& line : out) self->publish(line);
       return std::string();
     });
@@ -252,8 +257,27 @@ void GroupFault::flush() {
   release();
 }
 
+void GroupFault::publishQueued() {
+  flush();
+  awaitPublishing(1s);
+}
+
+void GroupFault::awaitPublishing(std::chrono::milliseconds limit) const {
+  const auto deadline = Clock::now() + limit;
+  while (publishing_.load() > 0 && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
 void GroupFault::release() {
   if (!broken()) return;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (released_) return;
+  }
+  // A break another thread took from the queue is written before the
+  // connections close (a peer whose call fails on them reads the cause).
+  awaitPublishing(1s);
   std::string why;
   std::vector<std::shared_ptr<Interruptible>> waiting;
   {
@@ -274,6 +298,7 @@ void GroupFault::release() {
 }
 
 void GroupFault::retire() {
+  awaitPublishing(1s);
   std::lock_guard<std::mutex> lock(writes_);
   retired_ = true;
 }

@@ -86,10 +86,17 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   bool broken() const { return (state_.load(std::memory_order_acquire) & kBroken) != 0; }
   // Whether no call of this rank is in flight on the group.
   bool idle() const;
+  // Publishes what is queued (a break of this rank's) and releases the
+  // calls now, on the caller's thread, and returns once every line taken
+  // from the queue (by the watchdog too) is written, within a second: what
+  // the watchdog's next visit would do. An abort calls it before it closes
+  // its connections, so that a peer that sees them close finds the cause.
+  void publishQueued();
   // This rank is done with the group: nothing more of it is written to the
-  // store (a fault line or a position still to publish is dropped), so
-  // that the life's keys, once removed (group_life.hpp, endLife), stay
-  // gone. Returns once no write is under way; may wait for one that is.
+  // store (a fault line still queued or a position still to publish is
+  // dropped; a line already taken from the queue is written first, within
+  // a second), so that the life's keys, once removed (group_life.hpp,
+  // endLife), stay gone. Returns once no write is under way.
   void retire();
   // Why the group broke (empty while it works).
   std::string reason() const;
@@ -236,6 +243,10 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   // Serialises this rank's store writes with retire().
   std::mutex writes_;
   bool retired_ = false;  // guarded by writes_
+  // Lines taken from outbox_ (by mutex_) and not yet written (flush).
+  std::atomic<int> publishing_{0};
+  // Until publishing_ is 0, at most `limit`.
+  void awaitPublishing(std::chrono::milliseconds limit) const;
   // Since when the device probe has said "pending" without a break (the
   // watchdog's own; unset while it says "ended").
   std::optional<Clock::time_point> devicePendingSince_;

@@ -40,10 +40,12 @@ uint64_t packFailure(uint64_t code, int by, int culprit) {
          static_cast<uint64_t>((culprit + 1) & 0xffffff);
 }
 
-std::string describeFailure(uint64_t word) {
+template <typename Named>
+std::string describeFailure(uint64_t word, Named named) {
   const uint64_t code = word >> 48;
-  const int by = static_cast<int>((word >> 24) & 0xffffff);
-  const int culprit = static_cast<int>(word & 0xffffff) - 1;
+  const int by = named(static_cast<int>((word >> 24) & 0xffffff));
+  const int raw = static_cast<int>(word & 0xffffff) - 1;
+  const int culprit = raw >= 0 ? named(raw) : -1;
   if (code == kLeft) {
     return detail::concat("rank ", by, " left the group (it destroyed the group while its peers ",
                           "still use it)");
@@ -282,7 +284,7 @@ void ShmGroup::abort(const std::string& why) {
 }
 
 std::string ShmGroup::describePublished(uint64_t word) const {
-  std::string text = describeFailure(word);
+  std::string text = describeFailure(word, [this](int r) { return named(r); });
   const Header& h = header();
   const uint32_t n = h.reasonLength.load(std::memory_order_acquire);
   if ((word >> 48) == kAborted && n > 0 && n <= kReasonBytes)
@@ -325,7 +327,8 @@ void ShmGroup::step(const Signature& signature) {
   chunks_ = s;
   std::string calls;
   for (int r = 0; r < options_.size; ++r)
-    calls += detail::concat(r == 0 ? "" : "; ", "rank ", r, " called ", theirs(r).describe());
+    calls +=
+        detail::concat(r == 0 ? "" : "; ", "rank ", named(r), " called ", theirs(r).describe());
   TPCOMM_THROW(kInvalidUsage, "ranks disagree on a shared-memory collective: ", calls);
 }
 
@@ -383,7 +386,8 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
         // Dead, unless it arrived (and left) after the load above.
         if (!peers_[r].alive() && control(r).arrived.load(std::memory_order_acquire) < s) {
           fail(kDied, r,
-               detail::concat("rank ", r, " (pid ", peers_[r].pid(), ") died before it reached ",
+               detail::concat("rank ", named(r), " (pid ", peers_[r].pid(),
+                              ") died before it reached ",
                               signature.describe()));
         }
       }
@@ -393,7 +397,7 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
       std::string missing;
       for (int r = next; r < n; ++r) {
         if (control(r).arrived.load(std::memory_order_acquire) < s)
-          missing += detail::concat(missing.empty() ? "" : ", ", r);
+          missing += detail::concat(missing.empty() ? "" : ", ", named(r));
       }
       fail(kTimedOut, -1,
            detail::concat("ranks ", missing, " did not reach ", signature.describe(), " within ",

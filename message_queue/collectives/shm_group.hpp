@@ -120,6 +120,9 @@ struct ShmGroupOptions {
   // (SharedRegion::bindToNode; -1: wherever this thread first touches them).
   int memoryNode = -1;
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  // The ranks as errors name them (one per rank: a host's part of a
+  // hierarchical group names the whole group's ranks); empty: 0..size-1.
+  std::vector<int> rankNames;
 };
 
 // A call's place in a coalesced list (tensor `index` of `of`): part of the
@@ -242,6 +245,10 @@ class ShmGroup {
   // A published failure word as this rank tells it: who, what, and an
   // abort's reason when its rank wrote one.
   std::string describePublished(uint64_t word) const;
+  // Rank `r` of this group as errors name it (ShmGroupOptions::rankNames).
+  int named(int r) const {
+    return r >= 0 && static_cast<size_t>(r) < options_.rankNames.size() ? options_.rankNames[r] : r;
+  }
   void setFailure(const std::string& message);
   void throwIfFailed();
   // InvalidUsage in a process forked after the group was set up.

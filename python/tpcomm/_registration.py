@@ -116,6 +116,42 @@ def _patch_monitored_barrier():
     dist.monitored_barrier = monitored_barrier
 
 
+def _patch_shrink_group():
+    """A group shrunk from a tpcomm group serves every device its parent did.
+
+    torch's shrink_group registers the new backend for one device only (the
+    group's bound device, else the CPU), as fits a backend per device; a
+    tpcomm backend serves CPU and CUDA tensors alike, so the shrunk group
+    gets it for each of its parent's devices (its CUDA tensors would find
+    no backend otherwise). Other backends' groups are as torch makes them.
+    """
+    original = getattr(c10d, "shrink_group", None)
+    if original is None or getattr(original, "_tpcomm_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def shrink_group(ranks_to_exclude, group=None, shrink_flags=0, pg_options=None):
+        target = c10d._get_default_group() if group is None else group
+        devices = []
+        if not c10d._rank_not_in_group(target) and c10d.get_backend(target) == BACKEND_NAME:
+            devices = list(target._device_types)
+        shrunk = original(ranks_to_exclude, group=group, shrink_flags=shrink_flags,
+                          pg_options=pg_options)
+        have = set(shrunk._device_types)
+        if devices and have:
+            backend = shrunk._get_backend(next(iter(have)))
+            for device in devices:
+                if device not in have:
+                    shrunk._register_backend(device, dist.ProcessGroup.BackendType.CUSTOM,
+                                             backend)
+        return shrunk
+
+    shrink_group._tpcomm_wrapped = True
+    c10d.shrink_group = shrink_group
+    if hasattr(dist, "shrink_group"):
+        dist.shrink_group = shrink_group
+
+
 def _patch_flight_recorder_dumps():
     """torch's dump functions first rename the entries of tpcomm's own Gloo
     groups ("gloo:all_gather" of a set-up exchange, which torchfrtrace
@@ -156,6 +192,7 @@ def register():
         )
     _declare_self_recording()
     _patch_monitored_barrier()
+    _patch_shrink_group()
     _front_door.install()
     _fast_calls.install()
     _patch_flight_recorder_dumps()

@@ -293,6 +293,41 @@ def case_p2p_mismatch(out):
         out["later"] = f"{type(e).__name__}: {e}"
 
 
+def case_shrink_after_loss(out):
+    """The last rank kills itself (SIGKILL) in a loop of allreduces; the
+    others see it, shrink the default group, and run 1,000 allreduces on the
+    shrunk group and on a group of the same ranks made after it: the test
+    compares them bit for bit and reads the routes."""
+    import signal
+
+    lost = WORLD - 1
+    out["raised"] = None
+    for i in range(100000):
+        if RANK == lost and i == 100:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            dist.all_reduce(torch.full((1024,), float(i)))
+        except Exception as e:  # noqa: BLE001
+            out["raised"] = f"{type(e).__name__}: {e}"
+            break
+    shrunk = dist.shrink_group([lost])
+    apart = dist.new_group(list(range(WORLD - 1)))
+    tpcomm.reset_stats(shrunk)
+    differ = []
+    g = torch.Generator().manual_seed(RANK)
+    for n in range(1000):
+        x = torch.randn(257 + n % 5, generator=g)
+        a, b = x.clone(), x.clone()
+        dist.all_reduce(a, group=shrunk)
+        dist.all_reduce(b, group=apart)
+        if not torch.equal(a, b):
+            differ.append(n)
+    out["differ"] = differ
+    out["stats"] = tpcomm.stats(shrunk)
+    out["shrunk"] = (shrunk.rank(), shrunk.size(), dist.get_process_group_ranks(shrunk))
+    dist.destroy_process_group(apart)
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

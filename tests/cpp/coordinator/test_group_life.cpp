@@ -284,6 +284,16 @@ TEST(GroupLife, AWholeLifeLeavesNoKeyOfItsOwnBehind) {
   const std::string lost = live(false, kSize - 1);
   const auto kept = keys();
   EXPECT_TRUE(kept.count("tpcomm-life-" + lost + "/cpu/0")) << "a group a rank never left";
+  // A shrink leaves for the lost rank (GroupCoordinator::shrink): the two
+  // that stay end the life, and its keys go.
+  {
+    auto store = coord::storeOfLife(base, "0000000000000777");
+    store->set("cpu/0", kOne);
+    EXPECT_FALSE(coord::endLife(store, kSize, 1)) << "the shrink's count alone";
+    EXPECT_FALSE(coord::endLife(store, kSize));
+    EXPECT_TRUE(coord::endLife(store, kSize)) << "the last survivor out";
+    EXPECT_EQ(keys(), kept);
+  }
   // 1,000 lives, each on every rank: nothing grows.
   for (int i = 0; i < 1000; ++i) {
     auto store = coord::storeOfLife(base, "00000000000" + std::to_string(10000 + i));

@@ -408,6 +408,37 @@ TEST(ShmGroup, ARankThatNeverArrivesTimesOutAndThePeerLearnsIt) {
   for (int code : runRanks(2, o, body)) EXPECT_EQ(code, 0);
 }
 
+TEST(ShmGroup, ErrorsNameTheRanksByTheNamesGiven) {
+  // A host's part of a hierarchical group: its ranks 0 and 1 are the
+  // group's ranks 4 and 7.
+  ShmGroupOptions o = smallBuffers(1ull << 40);
+  o.timeout = 300ms;
+  o.rankNames = {4, 7};
+  const auto body = [](ShmGroup& g) {
+    if (g.options().rank == 1) {
+      std::this_thread::sleep_for(1s);
+      try {
+        g.barrier();
+        return 2;
+      } catch (const Error& e) {
+        CHILD_CHECK(std::string(e.what()).find("rank 4 of the group timed out") !=
+                        std::string::npos,
+                    "late rank: %s", e.what());
+      }
+      return 0;
+    }
+    try {
+      g.barrier();
+      return 3;
+    } catch (const Error& e) {
+      CHILD_CHECK(std::string(e.what()).find("ranks 7 did not reach barrier") != std::string::npos,
+                  "%s", e.what());
+    }
+    return 0;
+  };
+  for (int code : runRanks(2, o, body)) EXPECT_EQ(code, 0);
+}
+
 TEST(ShmGroup, MoreRanksThanCoresProgressWithAndWithoutSpinning) {
   for (auto spin : {0us, 50us}) {
     ShmGroupOptions o;

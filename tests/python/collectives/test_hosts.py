@@ -281,6 +281,27 @@ def test_a_host_that_goes_away_is_named_by_every_other_rank(name, named, tmp_pat
         assert results[r]["seconds"] < 2 * 20, results[r]["seconds"]
 
 
+def test_survivors_across_hosts_shrink_and_go_on_on_the_hierarchical_route(tmp_path):
+    """2+2 hosts, rank 3 killed mid-loop: ranks 0-2 shrink the default group
+    (dist.shrink_group) and its 1,000 allreduces take the hierarchical route
+    (2 hosts: 2+1), bit for bit as a group of the same ranks made after."""
+    layout = LAYOUTS["2x2"]
+    results, codes, errors = run_case(layout, "shrink_after_loss", tmp_path,
+                                      {"TEST_TIMEOUT_S": "20"})
+    assert not errors, "\n".join(errors.values())
+    assert codes[0] == 0 and codes[1] != 0, codes  # host 1's rank 3 was killed
+    for r in range(3):
+        o = results[r]
+        # Rank 3's host names it by its rank in the group, not on the host;
+        # the other host names the host that failed.
+        named = "rank 3 (pid " if r == 2 else "host 'simhost1' (ranks 2, 3) went away"
+        assert o["raised"] is not None and named in o["raised"], o["raised"]
+        assert o["shrunk"] == (r, 3, [0, 1, 2]), o["shrunk"]
+        assert o["differ"] == [], o["differ"][:10]
+        assert o["stats"]["cpu_hier"]["calls"] == 1000, o["stats"]
+        assert o["stats"]["gloo"]["calls"] == 0, o["stats"]
+
+
 @pytest.mark.parametrize("case,cause", [("refused", "refused allreduce"),
                                         ("aborted", "aborted the group")])
 def test_a_rank_that_refuses_or_aborts_is_named_by_every_rank_across_hosts(case, cause,
