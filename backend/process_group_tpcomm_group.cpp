@@ -189,6 +189,8 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::shrink(
     }
     TPCOMM_CHECK(!excluded[rank_], kInvalidUsage, "shrink of group '", group, "': rank ", rank_,
                  " excludes itself (only the ranks that stay call shrink)");
+    TPCOMM_CHECK(coordinator_->hasStore(), kInvalidUsage, "shrink of group '", group,
+                 "': it was made without a store");
     std::vector<int> survivors;
     for (int r = 0; r < size_; ++r) {
       if (!excluded[r]) survivors.push_back(r);

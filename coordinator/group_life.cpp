@@ -240,16 +240,28 @@ void finishMaking(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
   }
 }
 
-bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size, int ranks) noexcept {
+bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size,
+             const std::vector<int>& ranks) noexcept {
   if (!lifeStore) return false;
   try {
-    if (size > 1 && lifeStore->add(kLeft, ranks) < size) return false;
+    if (size > 1) {
+      // Removed already (every rank left): a count added now would stay.
+      if (!readWithoutWaiting(lifeStore, kOk)) return false;
+      // Each rank counts once, however often it is said to leave (its abort
+      // and the survivors' shrink both may).
+      int64_t left = 0;
+      for (int r : ranks) {
+        if (lifeStore->add(detail::concat(kLeft, "/", r), 1) == 1) left = lifeStore->add(kLeft, 1);
+      }
+      if (left < size) return false;
+    }
     std::vector<std::string> keys;
     try {
       keys = lifeStore->listKeys();
     } catch (const std::exception&) {
       // A store that cannot list its keys: those tpcomm itself wrote.
       keys = {kMadeCount, kMadeAll, kEnded, kOk};
+      for (int r = 0; r < size; ++r) keys.push_back(detail::concat(kLeft, "/", r));
     }
     for (const auto& key : keys) {
       // Every reader of a life's keys after its making reads without

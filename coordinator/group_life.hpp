@@ -113,9 +113,12 @@ auto makeTogether(const c10::intrusive_ptr<c10d::Store>& lifeStore, int rank, in
 // only when this rank has no call in flight, on a thread of its own that it
 // waits for at most a second, so that a store that no longer answers never
 // holds its way out). Returns whether this call removed them. Never throws.
-// `ranks`: how many ranks this call leaves for (a shrink leaves for the
-// ranks it excluded: GroupCoordinator::shrink).
-bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size, int ranks = 1) noexcept;
+// `ranks`: the ranks this call leaves for (its own; a shrink leaves for
+// the ranks it excluded: GroupCoordinator::shrink), each counted once
+// whoever says it leaves and how often ("tpcomm/left/<rank>"); nothing is
+// counted once the keys are gone.
+bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size,
+             const std::vector<int>& ranks) noexcept;
 
 // `key`'s value, or nothing when there is no such key, without waiting for
 // it (a get waits for a missing key until the store's timeout): a key of a

@@ -1,6 +1,7 @@
 // The group's faults, timeouts, abort and shutdown: what breaking the group
 // releases on each route (group_fault.hpp), and the device work the
 // watchdog watches.
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <future>
@@ -126,9 +127,9 @@ void GroupCoordinator::endLifeIfIdle() {
   if (!fault_->idle() || lifeEnded_.exchange(true)) return;
   auto ended = std::make_shared<std::promise<void>>();
   auto future = ended->get_future();
-  std::thread([fault = fault_, store = store_, size = options_.size, ended] {
+  std::thread([fault = fault_, store = store_, size = options_.size, rank = options_.rank, ended] {
     fault->retire();
-    endLife(store, size);
+    endLife(store, size, {rank});
     ended->set_value();
   }).detach();
   future.wait_for(std::chrono::seconds(1));
@@ -137,8 +138,6 @@ void GroupCoordinator::endLifeIfIdle() {
 std::shared_ptr<GroupCoordinator> GroupCoordinator::shrink(const std::vector<int>& survivors,
                                                            std::chrono::milliseconds timeout,
                                                            const std::string& groupName) {
-  TPCOMM_CHECK(store_, kInvalidUsage, "group '", options_.groupName,
-               "' was made without a store: it cannot be shrunk");
   // The store the group was made on (its life's prefix taken off): the new
   // group's keys must not lie under this group's life, whose keys go when
   // the survivors destroy this group.
@@ -149,8 +148,13 @@ std::shared_ptr<GroupCoordinator> GroupCoordinator::shrink(const std::vector<int
   auto store =
       c10::make_intrusive<c10d::PrefixStore>("tpcomm-shrink-" + std::to_string(shrinks_++), base);
   auto child = split(store, survivors, timeout, groupName);
-  const int excluded = size() - static_cast<int>(survivors.size());
-  if (child->rank() == 0 && excluded > 0) endLife(store_, size(), excluded);
+  if (child->rank() == 0) {
+    std::vector<int> excluded;
+    for (int r = 0; r < size(); ++r) {
+      if (std::find(survivors.begin(), survivors.end(), r) == survivors.end()) excluded.push_back(r);
+    }
+    endLife(store_, size(), excluded);
+  }
   return child;
 }
 

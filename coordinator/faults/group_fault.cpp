@@ -234,7 +234,7 @@ GlooSockets GroupFault::glooSockets() const {
   return sockets_;
 }
 
-void GroupFault::flush() {
+void GroupFault::flush(Clock::time_point deadline) {
   std::vector<std::string> out;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -242,42 +242,48 @@ void GroupFault::flush() {
     if (!out.empty()) publishing_.fetch_add(1);
   }
   if (!out.empty()) {
-    // At most a second for a store that does not answer: the local release
-    // must not wait for it.
+    // At most a second for a store that does not answer (one deadline for
+    // the whole flush): the local release must not wait longer for it.
     auto self = shared_from_this();
-    withinOneSecond([self, out] {
-      struct Done {
-        GroupFault* fault;
-        ~Done() { fault->publishing_.fetch_sub(1); }
-      } done{self.get()};
-      for (const auto& line : out) self->publish(line);
-      return std::string();
-    });
+    try {
+      withinOneSecond([self, out] {
+        struct Done {
+          GroupFault* fault;
+          ~Done() { fault->publishing_.fetch_sub(1); }
+        } done{self.get()};
+        for (const auto& line : out) self->publish(line);
+        return std::string();
+      });
+    } catch (const std::exception&) {
+      // No thread to write them (std::thread refused): dropped, not waited for.
+      publishing_.fetch_sub(1);
+    }
   }
-  release();
+  release(deadline);
 }
 
 void GroupFault::publishQueued() {
-  flush();
-  awaitPublishing(1s);
+  const auto deadline = Clock::now() + 1s;
+  flush(deadline);
+  awaitPublishing(deadline);
 }
 
-void GroupFault::awaitPublishing(std::chrono::milliseconds limit) const {
-  const auto deadline = Clock::now() + limit;
+void GroupFault::awaitPublishing(Clock::time_point deadline) const {
   while (publishing_.load() > 0 && Clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
 }
 
-void GroupFault::release() {
+void GroupFault::release(Clock::time_point deadline) {
   if (!broken()) return;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (released_) return;
   }
   // A break another thread took from the queue is written before the
-  // connections close (a peer whose call fails on them reads the cause).
-  awaitPublishing(1s);
+  // connections close (a peer whose call fails on them reads the cause),
+  // within what is left of the flush's second.
+  awaitPublishing(deadline);
   std::string why;
   std::vector<std::shared_ptr<Interruptible>> waiting;
   {
@@ -298,7 +304,7 @@ void GroupFault::release() {
 }
 
 void GroupFault::retire() {
-  awaitPublishing(1s);
+  awaitPublishing(Clock::now() + 1s);
   std::lock_guard<std::mutex> lock(writes_);
   retired_ = true;
 }

@@ -222,7 +222,9 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   bool released_ = false;                             // by mutex_
   // Publishes the queued lines (waiting at most a second for the store),
   // then release()s.
-  void flush();
+  // Within `deadline` for the release's wait (the lines' own write: a
+  // second at most).
+  void flush(Clock::time_point deadline = Clock::now() + std::chrono::seconds(1));
   // The cause a peer published: a break, or a refusal of a call this rank
   // made ("" when none). mutex_ not held.
   std::pair<std::string, bool> causeIn(const std::vector<Line>& lines);
@@ -230,7 +232,7 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   mutable std::string brokenPositions_;  // by mutex_
   // Once the group broke: shuts its Gloo connections down, runs the
   // releaser and interrupts the calls in flight (once).
-  void release();
+  void release(Clock::time_point deadline);
   // The watchdog thread's own: the position this rank last published, and
   // whether the store stopped answering (then it is not asked again).
   std::string publishedPosition_;
@@ -245,8 +247,8 @@ class GroupFault : public std::enable_shared_from_this<GroupFault> {
   bool retired_ = false;  // guarded by writes_
   // Lines taken from outbox_ (by mutex_) and not yet written (flush).
   std::atomic<int> publishing_{0};
-  // Until publishing_ is 0, at most `limit`.
-  void awaitPublishing(std::chrono::milliseconds limit) const;
+  // Until publishing_ is 0, at most until `deadline`.
+  void awaitPublishing(Clock::time_point deadline) const;
   // Since when the device probe has said "pending" without a break (the
   // watchdog's own; unset while it says "ended").
   std::optional<Clock::time_point> devicePendingSince_;

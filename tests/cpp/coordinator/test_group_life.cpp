@@ -273,7 +273,7 @@ TEST(GroupLife, AWholeLifeLeavesNoKeyOfItsOwnBehind) {
     store->set("tpcomm-hier/g/cpu/1", kOne);
     if (fault) store->append("tpcomm/faults", kOne);
     int removed = 0;
-    for (int r = 0; r < leaving; ++r) removed += coord::endLife(store, kSize) ? 1 : 0;
+    for (int r = 0; r < leaving; ++r) removed += coord::endLife(store, kSize, {r}) ? 1 : 0;
     EXPECT_EQ(removed, leaving == kSize ? 1 : 0);
     return life;
   };
@@ -284,27 +284,34 @@ TEST(GroupLife, AWholeLifeLeavesNoKeyOfItsOwnBehind) {
   const std::string lost = live(false, kSize - 1);
   const auto kept = keys();
   EXPECT_TRUE(kept.count("tpcomm-life-" + lost + "/cpu/0")) << "a group a rank never left";
-  // A shrink leaves for the lost rank (GroupCoordinator::shrink): the two
-  // that stay end the life, and its keys go.
+  // A shrink leaves for the lost rank (GroupCoordinator::shrink), which
+  // may have left already: each rank counts once, and the two that stay
+  // end the life; a rank that leaves after that adds nothing.
   {
     auto store = coord::storeOfLife(base, "0000000000000777");
+    store->set("tpcomm/life-ok", kOne);
     store->set("cpu/0", kOne);
-    EXPECT_FALSE(coord::endLife(store, kSize, 1)) << "the shrink's count alone";
-    EXPECT_FALSE(coord::endLife(store, kSize));
-    EXPECT_TRUE(coord::endLife(store, kSize)) << "the last survivor out";
+    EXPECT_FALSE(coord::endLife(store, kSize, {2})) << "the lost rank, itself";
+    EXPECT_FALSE(coord::endLife(store, kSize, {2})) << "the shrink, for the same rank";
+    EXPECT_FALSE(coord::endLife(store, kSize, {0})) << "rank 0, again after its abort";
+    EXPECT_FALSE(coord::endLife(store, kSize, {0}));
+    EXPECT_TRUE(coord::endLife(store, kSize, {1})) << "the last survivor out";
     EXPECT_EQ(keys(), kept);
+    EXPECT_FALSE(coord::endLife(store, kSize, {2})) << "after the end";
+    EXPECT_EQ(keys(), kept) << "nothing written after the end";
   }
   // 1,000 lives, each on every rank: nothing grows.
   for (int i = 0; i < 1000; ++i) {
     auto store = coord::storeOfLife(base, "00000000000" + std::to_string(10000 + i));
+    store->set("tpcomm/life-ok", kOne);
     store->set("cpu/0", kOne);
-    for (int r = 0; r < kSize; ++r) coord::endLife(store, kSize);
+    for (int r = 0; r < kSize; ++r) coord::endLife(store, kSize, {r});
   }
   EXPECT_EQ(keys(), kept);
   // A group of one ends alone.
   auto alone = coord::storeOfLife(base, agree(base, 1)[0]);
   alone->set("cpu/0", kOne);
-  EXPECT_TRUE(coord::endLife(alone, 1));
+  EXPECT_TRUE(coord::endLife(alone, 1, {0}));
   EXPECT_EQ(keys(), kept);
 }
 

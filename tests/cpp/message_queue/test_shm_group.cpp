@@ -412,11 +412,11 @@ TEST(ShmGroup, ErrorsNameTheRanksByTheNamesGiven) {
   // A host's part of a hierarchical group: its ranks 0 and 1 are the
   // group's ranks 4 and 7.
   ShmGroupOptions o = smallBuffers(1ull << 40);
-  o.timeout = 300ms;
+  o.timeout = 1s;
   o.rankNames = {4, 7};
   const auto body = [](ShmGroup& g) {
     if (g.options().rank == 1) {
-      std::this_thread::sleep_for(1s);
+      std::this_thread::sleep_for(3s);
       try {
         g.barrier();
         return 2;

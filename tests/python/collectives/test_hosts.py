@@ -292,10 +292,12 @@ def test_survivors_across_hosts_shrink_and_go_on_on_the_hierarchical_route(tmp_p
     assert codes[0] == 0 and codes[1] != 0, codes  # host 1's rank 3 was killed
     for r in range(3):
         o = results[r]
-        # Rank 3's host names it by its rank in the group, not on the host;
-        # the other host names the host that failed.
-        named = "rank 3 (pid " if r == 2 else "host 'simhost1' (ranks 2, 3) went away"
-        assert o["raised"] is not None and named in o["raised"], o["raised"]
+        # Rank 3's host names it by its rank in the group, not on the host
+        # (rank 2's break may reach the other host before its own step fails
+        # there); the other host may name the host that failed.
+        assert o["raised"] is not None and (
+            "rank 3 (pid " in o["raised"]
+            or "host 'simhost1' (ranks 2, 3) went away" in o["raised"]), o["raised"]
         assert o["shrunk"] == (r, 3, [0, 1, 2]), o["shrunk"]
         assert o["differ"] == [], o["differ"][:10]
         assert o["stats"]["cpu_hier"]["calls"] == 1000, o["stats"]

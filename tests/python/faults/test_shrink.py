@@ -200,6 +200,7 @@ def _misuse(ctx):
         "itself": lambda: backend.shrink([ctx.rank], 0, None),
     }
     out = {name: error_message(call) for name, call in bad.items()}
+    out["supports"] = backend.supports_shrinking
     # The group still works after every refusal.
     x = torch.ones(4)
     dist.all_reduce(x)
@@ -216,3 +217,4 @@ def test_a_wrong_shrink_is_refused_naming_what_is_wrong(groups):
         assert f"rank {1 - rank} is excluded twice" in out["twice"], out
         assert f"rank {rank} excludes itself" in out["itself"], out
         assert out["after"] == [2.0] * 4, out
+        assert out["supports"] is True, out

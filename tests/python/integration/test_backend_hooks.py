@@ -34,14 +34,17 @@ def test_build_info_and_info_name_the_capabilities_this_torch_has():
     assert capabilities["completion_hooks"] == (TORCH_HAS_ABORT_HOOKS and minor >= (2, 15))
     # Coalescing on every torch, and the backend says so to torch's callers.
     assert capabilities["coalescing"] is True, capabilities
+    # Shrinking on every torch (2.11 has it), and the backend says so.
+    assert capabilities["shrink"] is True, capabilities
     # Not built yet: said, not claimed.
-    for name in ("shrink", "reconfigure", "window"):
+    for name in ("reconfigure", "window"):
         assert capabilities[name] is False, capabilities
     out = subprocess.run([sys.executable, "-m", "tpcomm.info"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     on = "on" if TORCH_HAS_ABORT_HOOKS else "off"
-    assert f"abort_hooks {on}" in out.stdout and "shrink off" in out.stdout, out.stdout
+    assert f"abort_hooks {on}" in out.stdout and "shrink on" in out.stdout, out.stdout
+    assert "reconfigure off" in out.stdout, out.stdout
     assert "coalescing on" in out.stdout, out.stdout
 
 
