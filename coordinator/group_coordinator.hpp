@@ -180,11 +180,12 @@ class GroupCoordinator {
   // that it needs nothing of this group but the store. Collective over the
   // survivors. The excluded ranks then count as having left this group, so
   // that its keys go once the survivors destroyed it (group_life.hpp).
-  // Whether the group has a store (shrink needs it).
-  bool hasStore() const { return static_cast<bool>(store_); }
   std::shared_ptr<GroupCoordinator> shrink(const std::vector<int>& survivors,
                                            std::chrono::milliseconds timeout,
                                            const std::string& groupName);
+
+  // Whether the group has a store (shrink needs it).
+  bool hasStore() const { return static_cast<bool>(store_); }
 
   // Creates the device backend now (init_process_group(device_id=...)).
   void eagerConnect(at::Device device);

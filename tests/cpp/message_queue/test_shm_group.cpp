@@ -379,64 +379,44 @@ TEST(ShmGroup, AKilledRankMakesTheOthersRaiseNamingIt) {
 }
 
 TEST(ShmGroup, ARankThatNeverArrivesTimesOutAndThePeerLearnsIt) {
-  ShmGroupOptions o = smallBuffers(1ull << 40);
-  o.timeout = 1s;
-  const auto body = [](ShmGroup& g) {
-    if (g.options().rank == 1) {
-      std::this_thread::sleep_for(3s);
+  // Also as a host's part of a hierarchical group, whose ranks 0 and 1 are
+  // the group's ranks 4 and 7: errors name those.
+  for (const std::vector<int>& names : {std::vector<int>{}, std::vector<int>{4, 7}}) {
+    ShmGroupOptions o = smallBuffers(1ull << 40);
+    o.timeout = 1s;
+    o.rankNames = names;
+    const auto body = [](ShmGroup& g) {
+      const bool named = !g.options().rankNames.empty();
+      if (g.options().rank == 1) {
+        std::this_thread::sleep_for(3s);
+        try {
+          g.barrier();
+          return 2;
+        } catch (const Error& e) {
+          CHILD_CHECK(e.code() == ErrorCode::kPeerLost, "late rank: %s", e.what());
+          CHILD_CHECK(std::string(e.what()).find("timed out") != std::string::npos, "%s",
+                      e.what());
+          CHILD_CHECK(!named || std::string(e.what()).find("rank 4 of the group timed out") !=
+                                    std::string::npos,
+                      "late rank: %s", e.what());
+        }
+        return 0;
+      }
+      const auto start = std::chrono::steady_clock::now();
       try {
         g.barrier();
-        return 2;
+        return 3;
       } catch (const Error& e) {
-        CHILD_CHECK(e.code() == ErrorCode::kPeerLost, "late rank: %s", e.what());
-        CHILD_CHECK(std::string(e.what()).find("timed out") != std::string::npos, "%s", e.what());
+        CHILD_CHECK(e.code() == ErrorCode::kTimeout, "%s", e.what());
+        const std::string missing =
+            named ? "ranks 7 did not reach barrier" : "ranks 1 did not reach barrier";
+        CHILD_CHECK(std::string(e.what()).find(missing) != std::string::npos, "%s", e.what());
+        CHILD_CHECK(std::chrono::steady_clock::now() - start < 2s, "bounded by 2x the timeout");
       }
       return 0;
-    }
-    const auto start = std::chrono::steady_clock::now();
-    try {
-      g.barrier();
-      return 3;
-    } catch (const Error& e) {
-      CHILD_CHECK(e.code() == ErrorCode::kTimeout, "%s", e.what());
-      CHILD_CHECK(std::string(e.what()).find("ranks 1 did not reach barrier") != std::string::npos,
-                  "%s", e.what());
-      CHILD_CHECK(std::chrono::steady_clock::now() - start < 2s, "bounded by 2x the timeout");
-    }
-    return 0;
-  };
-  for (int code : runRanks(2, o, body)) EXPECT_EQ(code, 0);
-}
-
-TEST(ShmGroup, ErrorsNameTheRanksByTheNamesGiven) {
-  // A host's part of a hierarchical group: its ranks 0 and 1 are the
-  // group's ranks 4 and 7.
-  ShmGroupOptions o = smallBuffers(1ull << 40);
-  o.timeout = 1s;
-  o.rankNames = {4, 7};
-  const auto body = [](ShmGroup& g) {
-    if (g.options().rank == 1) {
-      std::this_thread::sleep_for(3s);
-      try {
-        g.barrier();
-        return 2;
-      } catch (const Error& e) {
-        CHILD_CHECK(std::string(e.what()).find("rank 4 of the group timed out") !=
-                        std::string::npos,
-                    "late rank: %s", e.what());
-      }
-      return 0;
-    }
-    try {
-      g.barrier();
-      return 3;
-    } catch (const Error& e) {
-      CHILD_CHECK(std::string(e.what()).find("ranks 7 did not reach barrier") != std::string::npos,
-                  "%s", e.what());
-    }
-    return 0;
-  };
-  for (int code : runRanks(2, o, body)) EXPECT_EQ(code, 0);
+    };
+    for (int code : runRanks(2, o, body)) EXPECT_EQ(code, 0);
+  }
 }
 
 TEST(ShmGroup, MoreRanksThanCoresProgressWithAndWithoutSpinning) {
