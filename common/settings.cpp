@@ -88,8 +88,9 @@ const std::vector<SettingInfo> kSettingTable = {
     {"TPCOMM_CPU_SHM_BUFFER_BYTES", "int", "0",
      "Chunk size of the shared-memory CPU collectives (a multiple of 64, at least 4096; each "
      "rank maps twice this); larger calls stream through in chunks. 0: 256 KiB per worker "
-     "thread of a rank (TPCOMM_CPU_SHM_THREADS), the largest any rank asks for, so that each "
-     "thread's part stays in its core's L2 cache. Must be equal on every rank."},
+     "thread of a rank (TPCOMM_CPU_SHM_THREADS), the largest any rank asks for, and at least "
+     "1 MiB (each chunk costs a pipeline step, which costs far more than its synchronisation). "
+     "Must be equal on every rank."},
     {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "int", "16384",
      "CPU allreduces from this size on reduce-scatter then all-gather inside shared memory "
      "(each rank reduces a slice); smaller ones are reduced whole by every rank. Must be equal "

@@ -229,9 +229,9 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   std::vector<RankPlace> places = placeRanks(allowed, threadSettings, quotas);
   const bool machineShared = config.machineRanks > size;
   for (int r = 0; r < size && machineShared; ++r) places[r].threads = static_cast<int>(shared[r]);
-  int64_t autoBuffer = 0;  // the largest any rank's threads ask for: 256 KiB each
+  int64_t autoBuffer = 0;  // the largest any rank's threads ask for: 256 KiB each, 1 MiB at least
   for (const auto& p : places) autoBuffer = std::max<int64_t>(autoBuffer, p.threads);
-  autoBuffer *= kAutoBufferBytesPerThread;
+  autoBuffer = std::max(kAutoBufferMinBytes, autoBuffer * kAutoBufferBytesPerThread);
 
   mq::ShmGroupOptions options;
   options.rank = rank;

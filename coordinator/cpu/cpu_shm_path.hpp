@@ -33,16 +33,19 @@ namespace tpcomm::coord {
 
 // TPCOMM_CPU_SHM_BUFFER_BYTES=0 (the default): each rank's chunk is this
 // much per worker thread of the rank (the largest any rank of the group
-// asks for), so that each thread's part of a chunk, and the peer parts it
-// reduces with, stay in its core's L2 cache. On a 2-core machine at 2 ranks,
-// 256 KiB chunks made 1-64 MiB allreduces 10-20% faster than 1 MiB ones, and
-// held their speed while other tenants thrashed the shared L3 (64 MiB: 6.8-7.1
-// against 11-12 ms).
+// asks for), and at least kAutoBufferMinBytes. Each step of a chunk
+// pipeline costs far more than its synchronisation: on an AMD EPYC (Zen 4,
+// AVX-512, 2 cores) at 2 ranks, 256 KiB chunks took 100-110 us for 1 MiB
+// and 410-430 us for 4 MiB, 1 MiB chunks 41-62 us and 155-220 us, and
+// 16-64 MiB were 20-30% faster with 1 MiB chunks too (bench cpu --peers
+// beside DeepSpeed's op, 2026-11-30). Many threads a rank still get 256 KiB
+// each, as measured before on 16 cores.
 inline constexpr int64_t kAutoBufferBytesPerThread = 256 << 10;
+inline constexpr int64_t kAutoBufferMinBytes = 1 << 20;
 
 struct CpuShmConfig {
   std::string mode = "auto";  // TPCOMM_CPU_SHM: auto, 0, 1
-  int64_t bufferBytes = 0;  // TPCOMM_CPU_SHM_BUFFER_BYTES (0: kAutoBufferBytesPerThread x threads)
+  int64_t bufferBytes = 0;  // TPCOMM_CPU_SHM_BUFFER_BYTES (0: the auto size above)
   int64_t twoPhaseBytes = 16 << 10;
   int64_t spinUs = -1;             // -1: spinPolicy's choice
   bool yield = false;              // TPCOMM_CPU_SHM_YIELD

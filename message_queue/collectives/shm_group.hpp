@@ -40,11 +40,12 @@
 // A two-phase allreduce is a pipeline of one step a chunk too (K chunks:
 // K + 1 steps). Between steps j and j + 1 every rank, r among them,
 //
-//   copies out chunk j - 2  reads every rank's slot (j - 2) % 2 at its owner's
+//   copies out chunk j - 2  reads every peer's slot (j - 2) % 2 at its owner's
 //                           slice (the reduced slice the owner wrote there)
 //   reduces chunk j - 1     reads every rank's slot (j - 1) % 2 at r's slice
 //                           (r's own input in r's place), writes it into
-//                           r's slot (j - 1) % 2 at r's slice
+//                           r's slot (j - 1) % 2 at r's slice and into r's
+//                           output (r's slice of the output is done there)
 //   copies in chunk j       writes r's slot j % 2 = (j - 2) % 2 everywhere
 //                           but at r's slice
 //

@@ -198,19 +198,24 @@ void ShmGroup::allreducePipelined(const char* in, char* out, size_t count, DType
     });
   };
   // This rank's slice of chunk j, reduced from every rank's slot (its own
-  // input, or its scaled copy, in its place) into its own slot.
+  // input, or its scaled copy, in its place) into its own slot for the
+  // peers and, from the same registers, into the output (where its input
+  // or scaled copy was: every element is read before it is written).
   const auto reduceSlice = [&](const Chunk& c) {
     split(c.to - c.from, esize, c.parts, [&](size_t a, size_t b) {
       const size_t at = (c.from + a) * esize;
       const void* own = (scaled ? out : in) + c.offset * esize + at;
-      reduceIntoWith(isa, slot(me, c.k) + at, sourcesAt(c.k, at, own), n, b - a, dtype, reduce);
+      reduceIntoWith(isa, slot(me, c.k) + at, sourcesAt(c.k, at, own), n, b - a, dtype, reduce,
+                     out + c.offset * esize + at);
     });
   };
-  // Every rank's reduced slice of chunk j into the output.
+  // The peers' reduced slices of chunk j into the output (this rank's own
+  // is there since its reduction).
   const auto copyOut = [&](const Chunk& c) {
     char* dst = out + c.offset * esize;
     split(c.m, esize, c.parts, [&](size_t a, size_t b) {
       for (int r = 0; r < n; ++r) {  // the part of [a, b) that rank r owns
+        if (r == me) continue;
         const size_t lo = std::max(a, std::min(c.m, slice * r));
         const size_t hi = std::min(b, std::min(c.m, slice * r + slice));
         if (hi > lo) std::memcpy(dst + lo * esize, slot(r, c.k) + lo * esize, (hi - lo) * esize);

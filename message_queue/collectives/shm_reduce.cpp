@@ -431,26 +431,40 @@ bool cpuRuns(ReduceIsa isa) { return isa <= kBestIsa; }
 // The level's kernel for whole vectors, then the portable loop (itself
 // cloned for the CPU) for the rest and for the dtypes the kernel lacks.
 void reduceWith(vec::Kernel kernel, void* out, const void* const* srcs, int n, size_t count,
-                DType dtype, const ReduceSpec& spec) {
+                DType dtype, const ReduceSpec& spec, void* copy) {
   TPCOMM_CHECK(n >= 1, kInvalidUsage, "reduceInto: no sources");
   TPCOMM_CHECK(spec.divisor >= 1, kInvalidUsage, "reduceInto: divisor ", spec.divisor);
   const DefaultFloatMode mode;
   const int divisor = spec.kind == ReduceKind::kSum ? spec.divisor : 1;
-  const size_t f = kernel != nullptr ? kernel(out, srcs, n, count, dtype, spec.kind, divisor) : 0;
+  const size_t f =
+      kernel != nullptr ? kernel(out, copy, srcs, n, count, dtype, spec.kind, divisor) : 0;
   if (f == count) return;
   switch (dtype) {
     case DType::kFloat32:
-      return reduceF32(out, srcs, n, f, count, spec);
+      reduceF32(out, srcs, n, f, count, spec);
+      break;
     case DType::kFloat64:
-      return reduceF64(out, srcs, n, f, count, spec);
+      reduceF64(out, srcs, n, f, count, spec);
+      break;
     case DType::kBFloat16:
-      return reduceBF16(out, srcs, n, f, count, spec);
+      reduceBF16(out, srcs, n, f, count, spec);
+      break;
     case DType::kFloat16:
-      return reduceFP16(out, srcs, n, f, count, spec);
+      reduceFP16(out, srcs, n, f, count, spec);
+      break;
     case DType::kInt32:
-      return reduceI32(out, srcs, n, f, count, spec);
+      reduceI32(out, srcs, n, f, count, spec);
+      break;
     case DType::kInt64:
-      return reduceI64(out, srcs, n, f, count, spec);
+      reduceI64(out, srcs, n, f, count, spec);
+      break;
+  }
+  // The portable loop's elements: a source at the same place as the copy
+  // was read before `out` got them.
+  if (copy != nullptr) {
+    const size_t esize = dtypeBytes(dtype);
+    std::memcpy(static_cast<char*>(copy) + f * esize, static_cast<const char*>(out) + f * esize,
+                (count - f) * esize);
   }
 }
 
@@ -458,7 +472,7 @@ void reduceWith(vec::Kernel kernel, void* out, const void* const* srcs, int n, s
 
 void reduceInto(void* out, const void* const* srcs, int n, size_t count, DType dtype,
                 const ReduceSpec& spec) {
-  reduceWith(kernelOf(kBestIsa), out, srcs, n, count, dtype, spec);
+  reduceWith(kernelOf(kBestIsa), out, srcs, n, count, dtype, spec, nullptr);
 }
 
 ReduceIsa bestReduceIsa() { return kBestIsa; }
@@ -478,10 +492,10 @@ const char* reduceIsaName(ReduceIsa isa) {
 }
 
 void reduceIntoWith(ReduceIsa isa, void* out, const void* const* srcs, int n, size_t count,
-                    DType dtype, const ReduceSpec& spec) {
+                    DType dtype, const ReduceSpec& spec, void* copy) {
   TPCOMM_CHECK(cpuRuns(isa), kInvalidUsage, "this CPU cannot run the ", reduceIsaName(isa),
                " reductions");
-  reduceWith(kernelOf(isa), out, srcs, n, count, dtype, spec);
+  reduceWith(kernelOf(isa), out, srcs, n, count, dtype, spec, copy);
 }
 
 void copyScaled(void* dst, const void* src, size_t count, DType dtype, const ReduceSpec& spec) {

@@ -52,9 +52,13 @@ ReduceIsa bestReduceIsa();
 bool cpuRunsReduceIsa(ReduceIsa isa);
 const char* reduceIsaName(ReduceIsa isa);
 // reduceInto with the kernels of `isa` (tests compare the levels);
-// InvalidUsage when this CPU cannot run it.
+// InvalidUsage when this CPU cannot run it. Where `copy` is not null, the
+// result goes there too, stored from the same registers (the two-phase
+// allreduce's own slice: into its slot for the peers, into the output for
+// itself, without reading either back); `copy` may be one of the sources,
+// at the same place as `out` in it, but must not overlap `out`.
 void reduceIntoWith(ReduceIsa isa, void* out, const void* const* srcs, int n, size_t count,
-                    DType dtype, const ReduceSpec& spec);
+                    DType dtype, const ReduceSpec& spec, void* copy = nullptr);
 
 // dst[i] = src[i] * spec.scale, rounded to dtype (PREMUL_SUM's copy-in), or
 // a plain copy when !spec.premultiply. Floating dtypes only scale.

@@ -235,14 +235,14 @@ struct VI64 {  // 8 int64, wrapping (vpmullq is AVX512DQ); no division
 
 #pragma GCC pop_options
 
-size_t reduceAvx2(void* out, const void* const* srcs, int n, size_t count, DType dtype,
-                  ReduceKind kind, int divisor) {
-  return avx2::reduce(out, srcs, n, count, dtype, kind, divisor);
+size_t reduceAvx2(void* out, void* copy, const void* const* srcs, int n, size_t count,
+                  DType dtype, ReduceKind kind, int divisor) {
+  return avx2::reduce(out, copy, srcs, n, count, dtype, kind, divisor);
 }
 
-size_t reduceAvx512(void* out, const void* const* srcs, int n, size_t count, DType dtype,
-                    ReduceKind kind, int divisor) {
-  return avx512::reduce(out, srcs, n, count, dtype, kind, divisor);
+size_t reduceAvx512(void* out, void* copy, const void* const* srcs, int n, size_t count,
+                    DType dtype, ReduceKind kind, int divisor) {
+  return avx512::reduce(out, copy, srcs, n, count, dtype, kind, divisor);
 }
 
 }  // namespace tpcomm::mq::vec
@@ -251,8 +251,12 @@ size_t reduceAvx512(void* out, const void* const* srcs, int n, size_t count, DTy
 
 namespace tpcomm::mq::vec {
 
-size_t reduceAvx2(void*, const void* const*, int, size_t, DType, ReduceKind, int) { return 0; }
-size_t reduceAvx512(void*, const void* const*, int, size_t, DType, ReduceKind, int) { return 0; }
+size_t reduceAvx2(void*, void*, const void* const*, int, size_t, DType, ReduceKind, int) {
+  return 0;
+}
+size_t reduceAvx512(void*, void*, const void* const*, int, size_t, DType, ReduceKind, int) {
+  return 0;
+}
 
 }  // namespace tpcomm::mq::vec
 

@@ -19,13 +19,14 @@ namespace tpcomm::mq::vec {
 // Elements of out[0, return value) reduced as reduceInto would; the caller
 // reduces the rest (fewer than the kernel's block) with the portable loop.
 // Returns 0 for a dtype or reduction the level has no kernel for. `divisor`
-// as in ReduceSpec (SUM only); `out` may be one of the sources.
-using Kernel = size_t (*)(void* out, const void* const* srcs, int n, size_t count, DType dtype,
-                          ReduceKind kind, int divisor);
+// as in ReduceSpec (SUM only); `out` may be one of the sources. Where `copy`
+// is not null, the same elements go there too (it may be a source as well).
+using Kernel = size_t (*)(void* out, void* copy, const void* const* srcs, int n, size_t count,
+                          DType dtype, ReduceKind kind, int divisor);
 
-size_t reduceAvx2(void* out, const void* const* srcs, int n, size_t count, DType dtype,
-                  ReduceKind kind, int divisor);
-size_t reduceAvx512(void* out, const void* const* srcs, int n, size_t count, DType dtype,
-                    ReduceKind kind, int divisor);
+size_t reduceAvx2(void* out, void* copy, const void* const* srcs, int n, size_t count,
+                  DType dtype, ReduceKind kind, int divisor);
+size_t reduceAvx512(void* out, void* copy, const void* const* srcs, int n, size_t count,
+                    DType dtype, ReduceKind kind, int divisor);
 
 }  // namespace tpcomm::mq::vec

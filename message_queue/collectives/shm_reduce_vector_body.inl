@@ -85,10 +85,11 @@ struct Max {
 };
 
 // kUnroll units per step, then one unit at a time: every source of a block
-// is read before the block is stored, so `out` may be one of the sources.
+// is read before the block is stored, so `out` and `copy` may be sources.
+// A block goes to `copy` too unless it is null.
 template <DType D, template <typename> class Op, bool kDivide, int kUnroll>
-size_t runBlocks(typename Io<D>::T* out, const void* const* srcs, int n, size_t i, size_t count,
-                 typename Io<D>::A::Vec divisor) {
+size_t runBlocks(typename Io<D>::T* out, typename Io<D>::T* copy, const void* const* srcs, int n,
+                 size_t i, size_t count, typename Io<D>::A::Vec divisor) {
   using T = typename Io<D>::T;
   using A = typename Io<D>::A;
   using Vec = typename A::Vec;
@@ -114,60 +115,67 @@ size_t runBlocks(typename Io<D>::T* out, const void* const* srcs, int n, size_t 
     for (int u = 0; u < kUnroll; ++u) {
       Io<D>::store(out + i + u * Io<D>::kElements, acc + u * Io<D>::kVectors);
     }
+    if (copy != nullptr) {
+      for (int u = 0; u < kUnroll; ++u) {
+        Io<D>::store(copy + i + u * Io<D>::kElements, acc + u * Io<D>::kVectors);
+      }
+    }
   }
   return i;
 }
 
 template <DType D, template <typename> class Op, bool kDivide>
-size_t run(void* out, const void* const* srcs, int n, size_t count, int divisor) {
+size_t run(void* out, void* copy, const void* const* srcs, int n, size_t count, int divisor) {
   using T = typename Io<D>::T;
   using A = typename Io<D>::A;
   typename A::Vec d{};
   if constexpr (kDivide) d = A::set1(static_cast<typename A::Scalar>(divisor));
   T* dst = static_cast<T*>(out);
-  const size_t i = runBlocks<D, Op, kDivide, 4 / Io<D>::kVectors>(dst, srcs, n, 0, count, d);
-  return runBlocks<D, Op, kDivide, 1>(dst, srcs, n, i, count, d);
+  T* also = static_cast<T*>(copy);
+  const size_t i =
+      runBlocks<D, Op, kDivide, 4 / Io<D>::kVectors>(dst, also, srcs, n, 0, count, d);
+  return runBlocks<D, Op, kDivide, 1>(dst, also, srcs, n, i, count, d);
 }
 
 // 0 (the portable loop does it all) for what the level has no instruction
 // for: integer division (AVG), and per level A::kProduct / A::kMinMax.
 template <DType D>
-size_t byKind(void* out, const void* const* srcs, int n, size_t count, ReduceKind kind,
-              int divisor) {
+size_t byKind(void* out, void* copy, const void* const* srcs, int n, size_t count,
+              ReduceKind kind, int divisor) {
   using A = typename Io<D>::A;
   switch (kind) {
     case ReduceKind::kSum:
-      if (divisor == 1) return run<D, Sum, false>(out, srcs, n, count, 1);
-      if constexpr (A::kDivide) return run<D, Sum, true>(out, srcs, n, count, divisor);
+      if (divisor == 1) return run<D, Sum, false>(out, copy, srcs, n, count, 1);
+      if constexpr (A::kDivide) return run<D, Sum, true>(out, copy, srcs, n, count, divisor);
       return 0;
     case ReduceKind::kProduct:
-      if constexpr (A::kProduct) return run<D, Product, false>(out, srcs, n, count, 1);
+      if constexpr (A::kProduct) return run<D, Product, false>(out, copy, srcs, n, count, 1);
       return 0;
     case ReduceKind::kMin:
-      if constexpr (A::kMinMax) return run<D, Min, false>(out, srcs, n, count, 1);
+      if constexpr (A::kMinMax) return run<D, Min, false>(out, copy, srcs, n, count, 1);
       return 0;
     case ReduceKind::kMax:
-      if constexpr (A::kMinMax) return run<D, Max, false>(out, srcs, n, count, 1);
+      if constexpr (A::kMinMax) return run<D, Max, false>(out, copy, srcs, n, count, 1);
       return 0;
   }
   return 0;
 }
 
-size_t reduce(void* out, const void* const* srcs, int n, size_t count, DType dtype,
+size_t reduce(void* out, void* copy, const void* const* srcs, int n, size_t count, DType dtype,
               ReduceKind kind, int divisor) {
   switch (dtype) {
     case DType::kFloat32:
-      return byKind<DType::kFloat32>(out, srcs, n, count, kind, divisor);
+      return byKind<DType::kFloat32>(out, copy, srcs, n, count, kind, divisor);
     case DType::kBFloat16:
-      return byKind<DType::kBFloat16>(out, srcs, n, count, kind, divisor);
+      return byKind<DType::kBFloat16>(out, copy, srcs, n, count, kind, divisor);
     case DType::kFloat16:
-      return byKind<DType::kFloat16>(out, srcs, n, count, kind, divisor);
+      return byKind<DType::kFloat16>(out, copy, srcs, n, count, kind, divisor);
     case DType::kFloat64:
-      return byKind<DType::kFloat64>(out, srcs, n, count, kind, divisor);
+      return byKind<DType::kFloat64>(out, copy, srcs, n, count, kind, divisor);
     case DType::kInt32:
-      return byKind<DType::kInt32>(out, srcs, n, count, kind, divisor);
+      return byKind<DType::kInt32>(out, copy, srcs, n, count, kind, divisor);
     case DType::kInt64:
-      return byKind<DType::kInt64>(out, srcs, n, count, kind, divisor);
+      return byKind<DType::kInt64>(out, copy, srcs, n, count, kind, divisor);
   }
   return 0;
 }

@@ -242,7 +242,7 @@ TEST(ShmGroup, EveryThreadGetsWorkInEveryPhaseOfALargeChunk) {
   for (const Case c : {Case{8, 2}, Case{2, 8}, Case{3, 4}}) {
     ShmGroupOptions o;
     o.threads = c.threads;
-    o.bufferBytes = (256u << 10) * c.threads;  // the default chunk: 256 KiB a thread
+    o.bufferBytes = (256u << 10) * c.threads;  // 256 KiB a thread (the default from 4 threads)
     o.spin = 0us;
     o.timeout = 60s;
     const auto body = [c](ShmGroup& g) {

@@ -126,6 +126,21 @@ void checkLevel(ReduceIsa isa, const Case& c, int n, size_t count, size_t misali
                          << " count=" << count << " misalign=" << misalign
                          << " in place=" << inPlace << ": element " << i;
   }
+  if (inPlace) return;
+  // With a copy over the last source (the two-phase allreduce's own slice:
+  // into its slot, and into the output where its input was): the bits of
+  // the call without one, in both.
+  std::vector<char> slot(count * esize, 0x5a);
+  std::vector<char> own = in[n - 1];
+  srcs[n - 1] = own.data() + misalign * esize;
+  reduceIntoWith(isa, slot.data(), srcs.data(), n, count, c.dtype, spec,
+                 const_cast<void*>(srcs[n - 1]));
+  ASSERT_EQ(std::memcmp(slot.data(), out, count * esize), 0)
+      << "with a copy: " << reduceIsaName(isa) << " " << dtypeName(c.dtype) << " n=" << n
+      << " count=" << count << " misalign=" << misalign;
+  ASSERT_EQ(std::memcmp(srcs[n - 1], out, count * esize), 0)
+      << "the copy: " << reduceIsaName(isa) << " " << dtypeName(c.dtype) << " n=" << n
+      << " count=" << count << " misalign=" << misalign;
 }
 
 std::vector<ReduceIsa> levels() {
@@ -216,6 +231,21 @@ TEST(ShmReduceLevels, Float64AndIntegersMatchThePortableLoopAtEveryLevel) {
                              spec);
               ASSERT_EQ(std::memcmp(inPlace[0], want.data(), want.size()), 0)
                   << "in place " << reduceIsaName(isa) << " " << dtypeName(d);
+              // With a copy over the last source (the two-phase allreduce's
+              // own slice: into its slot, and into the output where its input
+              // was): the same bits in both.
+              std::vector<char> slot(count * esize, 0x5a);
+              std::vector<char> own = in[n - 1];
+              std::vector<const void*> withCopy = srcs;
+              withCopy[n - 1] = own.data() + misalign * esize;
+              reduceIntoWith(isa, slot.data(), withCopy.data(), n, count, d, spec,
+                             const_cast<void*>(withCopy[n - 1]));
+              ASSERT_EQ(std::memcmp(slot.data(), want.data(), want.size()), 0)
+                  << "with a copy " << reduceIsaName(isa) << " " << dtypeName(d) << " n=" << n
+                  << " count=" << count;
+              ASSERT_EQ(std::memcmp(withCopy[n - 1], want.data(), want.size()), 0)
+                  << "the copy " << reduceIsaName(isa) << " " << dtypeName(d) << " n=" << n
+                  << " count=" << count;
             }
           }
         }

@@ -471,7 +471,7 @@ def test_groups_the_path_cannot_serve_use_gloo_on_every_rank(per_rank, why):
 
 def _chunk_in_force(ctx):
     import tpcomm
-    n = 300_000  # 1.2 MB of float32: several chunks of 256 or 512 KiB
+    n = 1_000_000  # 4 MB of float32: several chunks of any size below
     x = make(ctx.rank, n, torch.float32)
     dist.all_reduce(x)
     d = tpcomm.describe()["cpu_shm"]
@@ -481,12 +481,13 @@ def _chunk_in_force(ctx):
 
 
 @pytest.mark.parametrize("per_rank, chunk", [
-    ({0: {"TPCOMM_CPU_SHM_THREADS": "1"}, 1: {"TPCOMM_CPU_SHM_THREADS": "1"}}, 256 << 10),
-    ({0: {"TPCOMM_CPU_SHM_THREADS": "1"}, 1: {"TPCOMM_CPU_SHM_THREADS": "2"}}, 512 << 10),
+    ({0: {"TPCOMM_CPU_SHM_THREADS": "1"}, 1: {"TPCOMM_CPU_SHM_THREADS": "1"}}, 1 << 20),
+    ({0: {"TPCOMM_CPU_SHM_THREADS": "2"}, 1: {"TPCOMM_CPU_SHM_THREADS": "2"}}, 1 << 20),
+    ({0: {"TPCOMM_CPU_SHM_THREADS": "1"}, 1: {"TPCOMM_CPU_SHM_THREADS": "6"}}, 6 * (256 << 10)),
     ({0: {"TPCOMM_CPU_SHM_BUFFER_BYTES": "65536"}, 1: {"TPCOMM_CPU_SHM_BUFFER_BYTES": "65536"}},
      65536),
-], ids=["auto-1-thread", "auto-threads-differ", "explicit"])
-def test_the_default_chunk_is_256_kib_per_thread_of_the_largest_rank(per_rank, chunk):
+], ids=["auto-1-thread", "auto-2-threads", "auto-threads-differ", "explicit"])
+def test_the_default_chunk_is_1_mib_or_256_kib_per_thread_of_the_largest_rank(per_rank, chunk):
     group = Group(2, env_per_rank={r: {"TPCOMM_CPU_SHM": "1", **e} for r, e in per_rank.items()})
     try:
         results = group.run(_chunk_in_force)
