@@ -123,6 +123,14 @@ SpinPolicy spinPolicy(int64_t spinUs, int size, int cpus, bool yield) {
   return {std::chrono::microseconds(oversubscribed ? 0 : 1000), yield};
 }
 
+int64_t autoBufferBytes(int size, int64_t threads) {
+  // Two slots a rank: the minimum is what keeps the region within
+  // kAutoRegionBytes, in whole cache lines, and at most 1 MiB.
+  const int64_t fits = kAutoRegionBytes / (2 * std::max(1, size)) / 64 * 64;
+  return std::max(std::max<int64_t>(1, threads) * kAutoBufferBytesPerThread,
+                  std::min(kAutoBufferMinBytes, fits));
+}
+
 mq::ReduceIsa reduceIsaOf(const std::string& setting) {
   const mq::ReduceIsa wanted = setting == "avx512"     ? mq::ReduceIsa::kAvx512
                                : setting == "avx2"     ? mq::ReduceIsa::kAvx2
@@ -229,9 +237,9 @@ CpuShmSetup setUpCpuShm(c10d::Backend& cpu, int rank, int size, const std::strin
   std::vector<RankPlace> places = placeRanks(allowed, threadSettings, quotas);
   const bool machineShared = config.machineRanks > size;
   for (int r = 0; r < size && machineShared; ++r) places[r].threads = static_cast<int>(shared[r]);
-  int64_t autoBuffer = 0;  // the largest any rank's threads ask for: 256 KiB each, 1 MiB at least
-  for (const auto& p : places) autoBuffer = std::max<int64_t>(autoBuffer, p.threads);
-  autoBuffer = std::max(kAutoBufferMinBytes, autoBuffer * kAutoBufferBytesPerThread);
+  int64_t threadsAsked = 0;  // the largest any rank's threads ask for
+  for (const auto& p : places) threadsAsked = std::max<int64_t>(threadsAsked, p.threads);
+  const int64_t autoBuffer = autoBufferBytes(size, threadsAsked);
 
   mq::ShmGroupOptions options;
   options.rank = rank;

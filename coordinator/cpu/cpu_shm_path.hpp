@@ -39,9 +39,18 @@ namespace tpcomm::coord {
 // and 410-430 us for 4 MiB, 1 MiB chunks 41-62 us and 155-220 us, and
 // 16-64 MiB were 20-30% faster with 1 MiB chunks too (bench cpu --peers
 // beside DeepSpeed's op, 2026-11-30). Many threads a rank still get 256 KiB
-// each, as measured before on 16 cores.
+// each, as measured before on 16 cores; on a 2-core Zen 3 whose L3 other
+// tenants thrashed, 256 KiB chunks had held 64 MiB at 6.8-7.1 ms against
+// 11-12 with 1 MiB, before a rank stored its own slice from its registers
+// (not measured there since). The minimum shrinks where 1 MiB would make
+// the group's region exceed kAutoRegionBytes (more than 8 ranks).
 inline constexpr int64_t kAutoBufferBytesPerThread = 256 << 10;
 inline constexpr int64_t kAutoBufferMinBytes = 1 << 20;
+inline constexpr int64_t kAutoRegionBytes = 16 << 20;
+
+// The default chunk of a group of `size` ranks whose ranks ask for at most
+// `threads` threads: the larger of 256 KiB a thread and the minimum above.
+int64_t autoBufferBytes(int size, int64_t threads);
 
 struct CpuShmConfig {
   std::string mode = "auto";  // TPCOMM_CPU_SHM: auto, 0, 1

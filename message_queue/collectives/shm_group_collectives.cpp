@@ -155,7 +155,7 @@ void ShmGroup::allreducePipelined(const char* in, char* out, size_t count, DType
   // read that part of the slot, the reduced slice of the chunk before the
   // last, while this rank copies in: shm_group.hpp): it is reduced from the
   // input, or, for PREMUL_SUM, from its scaled copy in the output (which
-  // the output gets only after the reduction, a phase later).
+  // the reduction then overwrites with the reduced slice).
   const bool scaled = spec.premultiply;
   ReduceSpec reduce = spec;
   reduce.premultiply = false;
@@ -180,6 +180,16 @@ void ShmGroup::allreducePipelined(const char* in, char* out, size_t count, DType
       copyScaled(out + (c.offset + lo) * esize, in + (c.offset + lo) * esize, hi - lo, dtype, spec);
     }
   };
+  // fn(lo, hi) over the peers' part of chunk j ([0, from) and [to, m): what
+  // this rank copies in and out), split among the chunk's parts so that
+  // every thread gets an equal share of it.
+  const auto splitPeers = [&](const Chunk& c, const auto& fn) {
+    const size_t own = c.to - c.from;
+    split(c.m - own, esize, c.parts, [&](size_t a, size_t b) {
+      if (a < c.from) fn(a, std::min(b, c.from));
+      if (b > c.from) fn(std::max(a, c.from) + own, b + own);
+    });
+  };
   // This rank's slot of chunk j: every element a peer reads (all but its
   // own slice), and with `own` (PREMUL_SUM) its scaled own slice into the
   // output. The first chunk's goes there only after the first step, where
@@ -188,13 +198,14 @@ void ShmGroup::allreducePipelined(const char* in, char* out, size_t count, DType
   const auto copyIn = [&](const Chunk& c, bool own) {
     const char* src = in + c.offset * esize;
     char* dst = slot(me, c.k);
+    const auto copy = [&](size_t lo, size_t hi) {
+      if (hi > lo) copyScaled(dst + lo * esize, src + lo * esize, hi - lo, dtype, spec);
+    };
+    if (!own) return splitPeers(c, copy);
     split(c.m, esize, c.parts, [&](size_t a, size_t b) {
-      const auto copy = [&](size_t lo, size_t hi) {
-        if (hi > lo) copyScaled(dst + lo * esize, src + lo * esize, hi - lo, dtype, spec);
-      };
       copy(a, std::min(b, c.from));
       copy(std::max(a, c.to), b);
-      if (own) scaleOwn(c, a, b);
+      scaleOwn(c, a, b);
     });
   };
   // This rank's slice of chunk j, reduced from every rank's slot (its own
@@ -213,7 +224,7 @@ void ShmGroup::allreducePipelined(const char* in, char* out, size_t count, DType
   // is there since its reduction).
   const auto copyOut = [&](const Chunk& c) {
     char* dst = out + c.offset * esize;
-    split(c.m, esize, c.parts, [&](size_t a, size_t b) {
+    splitPeers(c, [&](size_t a, size_t b) {
       for (int r = 0; r < n; ++r) {  // the part of [a, b) that rank r owns
         if (r == me) continue;
         const size_t lo = std::max(a, std::min(c.m, slice * r));

@@ -53,10 +53,12 @@ bool cpuRunsReduceIsa(ReduceIsa isa);
 const char* reduceIsaName(ReduceIsa isa);
 // reduceInto with the kernels of `isa` (tests compare the levels);
 // InvalidUsage when this CPU cannot run it. Where `copy` is not null, the
-// result goes there too, stored from the same registers (the two-phase
-// allreduce's own slice: into its slot for the peers, into the output for
-// itself, without reading either back); `copy` may be one of the sources,
-// at the same place as `out` in it, but must not overlap `out`.
+// result goes there too (the two-phase allreduce's own slice: into its slot
+// for the peers, into the output for itself): at the vector levels stored
+// from the same registers, elsewhere (the portable loop's elements, the
+// reductions a level has no kernel for) copied from `out` afterwards.
+// `copy` may be one of the sources, at the same place as `out` in it, but
+// must not overlap `out`.
 void reduceIntoWith(ReduceIsa isa, void* out, const void* const* srcs, int n, size_t count,
                     DType dtype, const ReduceSpec& spec, void* copy = nullptr);
 

@@ -20,7 +20,8 @@ namespace tpcomm::mq::vec {
 // reduces the rest (fewer than the kernel's block) with the portable loop.
 // Returns 0 for a dtype or reduction the level has no kernel for. `divisor`
 // as in ReduceSpec (SUM only); `out` may be one of the sources. Where `copy`
-// is not null, the same elements go there too (it may be a source as well).
+// is not null, the same elements go there too (it may be a source as well,
+// at the same place as `out` in it).
 using Kernel = size_t (*)(void* out, void* copy, const void* const* srcs, int n, size_t count,
                           DType dtype, ReduceKind kind, int divisor);
 

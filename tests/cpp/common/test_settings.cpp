@@ -74,7 +74,7 @@ TEST(Settings, CustomAllreduceIntegers) {
 TEST(Settings, CpuSharedMemory) {
   Settings d = Settings::parse(fakeEnv({}));
   EXPECT_EQ(d.cpuShm, "auto");
-  EXPECT_EQ(d.cpuShmBufferBytes, 0);  // 256 KiB per worker thread (coord::setUpCpuShm)
+  EXPECT_EQ(d.cpuShmBufferBytes, 0);  // the group's choice (coord::autoBufferBytes)
   EXPECT_EQ(d.cpuShmTwoPhaseBytes, 16 << 10);
   EXPECT_EQ(d.cpuShmSpinUs, -1);  // the group's policy (coord::spinPolicy)
   EXPECT_FALSE(d.cpuShmYield);
@@ -113,6 +113,20 @@ TEST(Settings, CpuSharedMemory) {
   for (const char* level : {"avx512", "avx2", "portable", "auto"}) {
     EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_CPU_REDUCE_ISA", level}})).cpuReduceIsa, level);
   }
+}
+
+TEST(Settings, CpuSharedMemoryDefaultChunk) {
+  // 1 MiB up to 8 ranks (the region's 16 MiB: two slots a rank), less
+  // beyond, never below 256 KiB a thread.
+  EXPECT_EQ(coord::autoBufferBytes(2, 1), 1 << 20);
+  EXPECT_EQ(coord::autoBufferBytes(8, 1), 1 << 20);
+  EXPECT_EQ(coord::autoBufferBytes(16, 1), 512 << 10);
+  EXPECT_EQ(coord::autoBufferBytes(64, 1), 256 << 10);
+  EXPECT_EQ(coord::autoBufferBytes(1024, 1), 256 << 10);
+  EXPECT_EQ(coord::autoBufferBytes(2, 6), 6 * (256 << 10));
+  EXPECT_EQ(coord::autoBufferBytes(64, 8), 8 * (256 << 10));
+  EXPECT_EQ(coord::autoBufferBytes(24, 1) % 64, 0);
+  EXPECT_EQ(coord::autoBufferBytes(24, 1), (16 << 20) / 48 / 64 * 64);
 }
 
 TEST(Settings, CpuSharedMemoryWaitingPolicy) {
