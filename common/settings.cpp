@@ -89,7 +89,8 @@ const std::vector<SettingInfo> kSettingTable = {
      "Chunk size of the shared-memory CPU collectives (a multiple of 64, at least 4096; each "
      "rank maps twice this); larger calls stream through in chunks. 0: 256 KiB per worker "
      "thread of a rank (TPCOMM_CPU_SHM_THREADS), the largest any rank asks for, and at least "
-     "1 MiB (each chunk costs a pipeline step, which costs far more than its synchronisation). "
+     "1 MiB up to 8 ranks, less beyond so that the group's region stays within 16 MiB (each "
+     "chunk costs a pipeline step, which costs far more than its synchronisation). "
      "Must be equal on every rank."},
     {"TPCOMM_CPU_SHM_TWO_PHASE_BYTES", "int", "16384",
      "CPU allreduces from this size on reduce-scatter then all-gather inside shared memory "

@@ -7,7 +7,7 @@ For each world size (one process set) and each size from 4 B up, these run
 interleaved, round after round, so that they see the same machine load:
 - Gloo's allreduce;
 - tpcomm's, one group per thread count (TPCOMM_CPU_SHM_THREADS, its chunk
-  256 KiB a thread);
+  256 KiB a thread, at least 1 MiB up to 8 ranks);
 - from 64 KiB on, a copy (dst = src) and a triad (a = b + 0.5 c) over
   buffers of the size, on every rank at once, with torch's threads set to
   each thread count.
