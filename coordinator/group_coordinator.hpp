@@ -227,6 +227,7 @@ class GroupCoordinator {
     bool yields = true;        // whether they yield the core while polling
     int threads = 1;           // threads per rank for large calls (set up only)
     uint64_t bufferBytes = 0;  // the chunk in force (set up only)
+    mq::ShmWaitStats waits;    // this rank's waits on its host's ranks (set up only)
     // Where each rank of the group runs and keeps its slots (set up on one
     // host only), and the NUMA nodes with memory this machine has.
     std::vector<RankShare> ranks;

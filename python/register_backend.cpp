@@ -211,6 +211,17 @@ tensors through the device backend (NCCL), created on first use.)")
             shm["two_phase_bytes"] = shmConfig.twoPhaseBytes;
             shm["spin_us"] = shmState.spinUs;
             shm["yields"] = shmState.yields;
+            py::dict waits;
+            waits["waits"] = shmState.waits.waits;
+            waits["at_once"] = shmState.waits.atOnce;
+            waits["met_polling"] = shmState.waits.metPolling;
+            waits["slept"] = shmState.waits.slept;
+            waits["poll_us"] = shmState.waits.pollNs / 1000.0;
+            waits["sleep_us"] = shmState.waits.sleepNs / 1000.0;
+            py::list late;
+            for (uint64_t n : shmState.waits.late) late.append(n);
+            waits["late"] = late;
+            shm["waits"] = waits;
             shm["threads"] = shmState.threads;
             shm["reduce_isa"] = shmState.reduceIsa;
             shm["memfd"] = shmState.memfd;

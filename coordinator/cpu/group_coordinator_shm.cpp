@@ -148,6 +148,7 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
     state.yields = shm_->yields();
     state.threads = shm_->threads();
     state.bufferBytes = shm_->options().bufferBytes;
+    state.waits = shm_->waitStats();
     state.memfd = shm_->execSealed()
                       ? "sealed against execution (MFD_NOEXEC_SEAL)"
                       : "not sealed against execution (the kernel refused MFD_NOEXEC_SEAL: "
@@ -166,6 +167,7 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
       state.yields = hier_->local()->yields();
       state.threads = hier_->local()->threads();
       state.bufferBytes = hier_->local()->options().bufferBytes;
+      state.waits = hier_->local()->waitStats();
     }
     if (!hier_->failure().empty()) state.reason = hier_->failure();
   }

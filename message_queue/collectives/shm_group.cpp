@@ -218,6 +218,19 @@ void ShmGroup::setSpin(std::chrono::microseconds spin, bool yield) {
   yield_.store(yield, std::memory_order_relaxed);
 }
 
+ShmWaitStats ShmGroup::waitStats() const {
+  ShmWaitStats out;
+  out.waits = waits_.load(std::memory_order_relaxed);
+  out.atOnce = waitsAtOnce_.load(std::memory_order_relaxed);
+  out.metPolling = waitsPolled_.load(std::memory_order_relaxed);
+  out.slept = waitsSlept_.load(std::memory_order_relaxed);
+  out.pollNs = pollNs_.load(std::memory_order_relaxed);
+  out.sleepNs = sleepNs_.load(std::memory_order_relaxed);
+  for (int b = 0; b < ShmWaitStats::kLateBuckets; ++b)
+    out.late[b] = late_[b].load(std::memory_order_relaxed);
+  return out;
+}
+
 ShmGroup::Header& ShmGroup::header() const { return *reinterpret_cast<Header*>(region_->base()); }
 
 ShmGroup::Control& ShmGroup::control(int r) const {
@@ -340,8 +353,26 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
     while (next < n && control(next).arrived.load(std::memory_order_acquire) >= s) ++next;
     return next == n;
   };
-  if (ready()) return;
+  const auto count = [](std::atomic<uint64_t>& field, uint64_t by) {
+    field.store(field.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
+  };
+  count(waits_, 1);
+  if (ready()) {
+    count(waitsAtOnce_, 1);
+    return;
+  }
   const auto start = std::chrono::steady_clock::now();
+  const auto since = [](std::chrono::steady_clock::time_point from) {
+    return static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                             from)
+            .count());
+  };
+  const auto lateBy = [&](uint64_t ns) {
+    int b = 0;
+    for (uint64_t us = ns / 2000; us > 0 && b + 1 < ShmWaitStats::kLateBuckets; us >>= 1) ++b;
+    count(late_[b], 1);
+  };
   const auto spinUntil = start + std::chrono::microseconds(spinUs_.load(std::memory_order_relaxed));
   const auto limit = timeout();
   const auto deadline = start + limit;
@@ -358,8 +389,24 @@ void ShmGroup::waitAll(uint64_t s, const Signature& signature) {
             if (failed() && !ready()) joinFailure();
           },
           yield_.load(std::memory_order_relaxed))) {
+    const uint64_t polled = since(start);
+    count(waitsPolled_, 1);
+    count(pollNs_, polled);
+    lateBy(polled);
     return;
   }
+  const auto slept = std::chrono::steady_clock::now();
+  count(waitsSlept_, 1);
+  count(pollNs_, static_cast<uint64_t>(
+                     std::chrono::duration_cast<std::chrono::nanoseconds>(slept - start).count()));
+  // Counted on every way out, the failures' included.
+  struct SleepClock {
+    std::function<void()> done;
+    ~SleepClock() { done(); }
+  } sleepClock{[&] {
+    count(sleepNs_, since(slept));
+    lateBy(since(start));
+  }};
   auto lastLivenessCheck = start;
   while (true) {
     auto now = std::chrono::steady_clock::now();

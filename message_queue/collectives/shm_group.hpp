@@ -134,6 +134,24 @@ struct ShmPart {
   uint32_t of = 1;
 };
 
+// What a rank's waits for its peers at the steps of its calls saw (the
+// worker threads' hand-overs are not counted): how many found every peer
+// there, were met while polling, or slept on the futex first, and the time
+// spent polling and sleeping. Counted since the group was set up; a wait
+// that raised while polling counts only in `waits`.
+struct ShmWaitStats {
+  uint64_t waits = 0;
+  uint64_t atOnce = 0;
+  uint64_t metPolling = 0;
+  uint64_t slept = 0;
+  uint64_t pollNs = 0;   // polling, whether a peer came during it or not
+  uint64_t sleepNs = 0;  // from the first sleep to the wait's end
+  // The late waits (met polling or after a sleep) by how long they took:
+  // late[0] under 2 us, late[b] from 2^b to 2^(b+1) us, the last one on.
+  static constexpr int kLateBuckets = 17;
+  uint64_t late[kLateBuckets] = {};
+};
+
 class ShmGroup {
  public:
   // Bytes of the region for `size` ranks; throws InvalidUsage if absurd.
@@ -185,6 +203,8 @@ class ShmGroup {
     return std::chrono::microseconds(spinUs_.load(std::memory_order_relaxed));
   }
   bool yields() const { return yield_.load(std::memory_order_relaxed); }
+  // This rank's waits so far; any thread, any time.
+  ShmWaitStats waitStats() const;
   int threads() const { return pool_ ? pool_->threads() : 1; }
   // Worker threads pinned as options.workerCpus asked.
   int pinnedWorkers() const { return pool_ ? pool_->pinned() : 0; }
@@ -268,6 +288,11 @@ class ShmGroup {
   std::atomic<int64_t> timeoutMs_{0};
   std::atomic<int64_t> spinUs_{0};
   std::atomic<bool> yield_{true};
+  // ShmWaitStats' fields, written by the calling thread (calls are
+  // serialised), read by any.
+  std::atomic<uint64_t> waits_{0}, waitsAtOnce_{0}, waitsPolled_{0}, waitsSlept_{0};
+  std::atomic<uint64_t> pollNs_{0}, sleepNs_{0};
+  std::atomic<uint64_t> late_[ShmWaitStats::kLateBuckets] = {};
   std::atomic<ReduceIsa> reduceIsa_{ReduceIsa::kPortable};
   std::mutex mutex_;                 // one call at a time (held while it waits)
   mutable std::mutex failureMutex_;  // guards failure_ (never held while waiting)

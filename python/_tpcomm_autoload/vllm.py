@@ -302,12 +302,28 @@ def _profile_steps():
     worker._tpcomm_profiled = True
 
 
+_shm_written = [0.0]  # when the shared-memory part was last read (time.monotonic)
+
+
 def _write_profile(rank):
     if _profile_groups:
         import tpcomm
 
         _profile_totals["tpcomm_calls"] = sum(
             route["calls"] for g in _profile_groups for route in tpcomm.stats(g).values())
+        if time.monotonic() - _shm_written[0] >= 0.05:
+            # What this worker's tensor-parallel group shows of its placement
+            # (the CPUs the plugin handed tpcomm, read back inside the worker)
+            # and its waits: describe() costs tens of us, so 20 times a second.
+            _shm_written[0] = time.monotonic()
+            shm = tpcomm.describe(_profile_groups[0])["cpu_shm"]
+            if shm["set_up"] and shm["available"] and shm["ranks"]:
+                me = shm["ranks"][_profile_groups[0].rank()]
+                _profile_totals.update(
+                    shm_cpus=me["cpus"] or "-", shm_allowed_cpus=me["allowed_cpus"] or "-",
+                    shm_threads=me["threads"], shm_spin_us=shm["spin_us"],
+                    **{"wait_" + k: ",".join(map(str, v)) if isinstance(v, list) else v
+                       for k, v in shm["waits"].items()})
     path = os.path.join(os.environ[PROFILE_ENV], f"rank{rank}.txt")
     try:
         with open(path + ".tmp", "w") as f:

@@ -134,14 +134,22 @@ def _prompts(batch, length, seed=1):
     return [[rng.randrange(10, 4000) for _ in range(length)] for _ in range(batch)]
 
 
+def _number(text):
+    try:
+        return float(text)
+    except ValueError:
+        return text  # a CPU list
+
+
 def _read_profile(folder):
-    """{worker file: {all_reduce_s, calls, steps, step_s}} the plugin wrote."""
+    """{worker file: {all_reduce_s, calls, steps, step_s, and for tpcomm
+    shm_cpus, wait_waits, ...}} the plugin wrote."""
     totals = {}
     for name in sorted(os.listdir(folder)) if folder else []:
         if name.endswith(".txt"):
             try:
                 with open(os.path.join(folder, name)) as f:
-                    totals[name] = {k: float(v) for k, v in
+                    totals[name] = {k: v if k.endswith("cpus") else _number(v) for k, v in
                                     (kv.split("=") for kv in f.read().split())}
             except FileNotFoundError:
                 continue

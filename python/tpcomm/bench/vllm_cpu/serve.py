@@ -208,11 +208,65 @@ def _one_round(way, model, args, log):
 
     shares = [delta(r, "all_reduce_s") / delta(r, "step_s") for r in after
               if delta(r, "step_s") > 0 and delta(r, "calls") > 0]
+    waits = {k: sum(delta(r, "wait_" + k) for r in after if "wait_" + k in after[r])
+             for k in ("waits", "at_once", "met_polling", "slept", "poll_us", "sleep_us")}
+
+    def buckets(totals):
+        return [int(x) for x in str(totals.get("wait_late", "")).split(",") if x]
+
+    waits["late"] = [0] * 17
+    for r in after:
+        for b, (now, then) in enumerate(zip(buckets(after[r]),
+                                            buckets(before.get(r, {})) or [0] * 17)):
+            waits["late"][b] += now - then
     return {"tokens": tokens, "latencies": latencies, "seconds": seconds,
+            "waits": waits, "steps": sum(delta(r, "steps") for r in after),
+            "placement": _placement(server.env, after),
             "tokens_per_s": sum(map(len, tokens)) / seconds,
             "all_reduce_share": sum(shares) / len(shares) if shares else None,
             "tpcomm_calls": sum(delta(r, "tpcomm_calls") for r in after), "log": output,
             "kernels": kernels}
+
+
+def _cpu_set(text):
+    """{0, 2, 3} of "0,2-3"."""
+    cpus = set()
+    for item in str(text).split(","):
+        first, _, last = item.partition("-")
+        if first.strip().isdigit():
+            cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def _placement(env, profile):
+    """[(rank, the CPUs tpcomm's path says the worker has, its share of
+    VLLM_CPU_OMP_THREADS_BIND)] of the workers whose profile says where
+    tpcomm placed them (tpcomm's servers only)."""
+    binds = env.get("VLLM_CPU_OMP_THREADS_BIND", "").split("|")
+    out = []
+    for name, totals in sorted(profile.items()):
+        if "shm_cpus" in totals and name.startswith("rank"):
+            rank = int(name[len("rank"):-len(".txt")])
+            want = _cpu_set(binds[rank]) if rank < len(binds) else set()
+            out.append((rank, _cpu_set(totals["shm_cpus"]), want))
+    return out
+
+
+def _waits_line(runs):
+    """How the tpcomm workers' waits for their peer went, over every round."""
+    w = {k: sum(x["waits"][k] for x in runs) for k in runs[0]["waits"] if k != "late"}
+    by_time = [sum(x["waits"]["late"][b] for x in runs) for b in range(17)]
+    steps = sum(x["steps"] for x in runs)
+    if not w["waits"]:
+        return None
+    late = w["met_polling"] + w["slept"]
+    return (f"{w['waits'] / max(steps, 1):.0f} waits a model step; "
+            f"{100 * w['at_once'] / w['waits']:.0f}% found the peer there, {100 * w['met_polling'] / w['waits']:.1f}% met it polling, "
+            f"{100 * w['slept'] / w['waits']:.1f}% slept first; a late peer cost "
+            f"{(w['poll_us'] + w['sleep_us']) / max(late, 1):.0f} us on average "
+            f"({w['sleep_us'] / max(w['slept'], 1):.0f} us asleep a sleep); late waits by "
+            "time: " + ", ".join(f"{'<2' if b == 0 else f'{1 << b}-'}us {n}"
+                                  for b, n in enumerate(by_time) if n))
 
 
 def _percentile(values, q):
@@ -262,6 +316,10 @@ def serve(args, model, log):
               f"{1e3 * _percentile(latencies, 0.5):7.0f} | "
               f"{1e3 * _percentile(latencies, 0.99):7.0f} | {share:>16} | {str(same):>10} | "
               + ", ".join(f"{x:.0f}" for x in rates))
+    for way in args.ways:
+        line = _waits_line(rounds[way])
+        if line:
+            print(f"{way}'s waits: {line}")
     print(f"The servers' output: {log}")
     return rounds
 
@@ -273,6 +331,14 @@ def check(args, model, log):
     rounds = serve(args, model, log)
     own, ours = rounds["vllm-shm"][0], rounds["tpcomm"][0]
     problems = plugin_problems(own, ours, "server")
+    if not ours["placement"]:
+        problems.append("the tpcomm server's workers did not say where tpcomm placed them "
+                        "(describe()['cpu_shm'] read in the worker)")
+    for rank, cpus, want in ours["placement"]:
+        if cpus != want:
+            problems.append(f"the tpcomm server's worker {rank}: tpcomm's path runs on CPUs "
+                            f"{sorted(cpus)}, its OpenMP threads on {sorted(want)} "
+                            "(VLLM_CPU_OMP_THREADS_BIND)")
     total = sum(map(len, own["tokens"]))
     if total != args.requests * args.tokens:
         problems.append(f"vLLM's own server generated {total} tokens, not "
@@ -285,5 +351,7 @@ def check(args, model, log):
         return 1
     print(f"OK: the OpenAI server on tpcomm answers {args.requests} concurrent completions with "
           f"vLLM's own server's tokens; tpcomm's counters saw {ours['tpcomm_calls']:.0f} "
-          "collectives of its tensor-parallel group")
+          "collectives of its tensor-parallel group; each worker's shared-memory path runs on "
+          "its OpenMP CPUs (" + ", ".join(f"worker {r}: {sorted(c)}"
+                                          for r, c, _ in ours["placement"]) + ")")
     return 0
