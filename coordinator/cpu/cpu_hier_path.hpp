@@ -34,8 +34,8 @@
 // receives, which run in the calling thread (Gloo's collectives hop to a
 // worker thread and back, several times the cost of a small message, and
 // cannot check that the hosts' calls agree). Every step starts with a
-// gather of the hosts' call descriptions, in fixed-size blocks (the
-// description and up to 4 KiB of payload) whatever the call, so that
+// gather of the hosts' call descriptions, in fixed-size blocks (the 64 B
+// description and up to 32 B of payload) whatever the call, so that
 // mismatched calls are found before Gloo sees messages of different sizes
 // (which it answers by ending the process); the gather is Bruck's:
 // ceil(log2 H) rounds, round k sending min(2^k, H - 2^k) blocks to the host
@@ -43,10 +43,10 @@
 //
 //   payload (bytes)      | allreduce                          | bytes a host sends
 //   ---------------------+------------------------------------+-------------------
-//   <= 4 KiB             | in the description blocks; every   | (H - 1) x 4.2 KiB
+//   <= 32 B              | in the description blocks; every   | (H - 1) x 96 B
 //                        | host reduces all H in host order   |
-//   <= gather size       | every host sends its partial to    | (H - 1) x payload
-//                        | every other; each reduces in order |
+//   <= gather size       | every host sends its partial to    | (H - 1) x
+//                        | every other; each reduces in order |   (payload + 96 B)
 //   larger               | reduce-scatter: host h gets chunk h| 2 (H - 1) / H
 //                        | of every host, reduces it in host  |   x payload
 //                        | order; all-gather of the chunks    |

@@ -264,6 +264,17 @@ def case_bytes(out):
         out[name] = (_sent() - before) / 5
         dist.barrier()
     out["payload"] = n * 4
+    # Small calls: what a 4 B and a 1 KiB allreduce send, over 20 calls.
+    for name, elements in (("allreduce_4b", 1), ("allreduce_1kib", 256)):
+        x = torch.ones(elements)
+        dist.all_reduce(x)
+        dist.barrier()
+        time.sleep(0.2)
+        before = _sent()
+        for _ in range(20):
+            dist.all_reduce(x)
+        out[name] = (_sent() - before) / 20
+        dist.barrier()
     out["stats"] = tpcomm.stats()
 
 
