@@ -9,6 +9,13 @@ across hosts: each simulated host is a set of Linux namespaces made here with
 - mount: its own /dev/shm (a fresh tmpfs) and /proc;
 - pid: its own pid namespace, so pids are not comparable across hosts.
 
+With `link_gbit=G` each host's link runs at G Gbit/s each way, as a
+cluster's network does: a token-bucket shaper (`tc qdisc ... tbf`) on the
+host's eth0 (what it sends) and on its port of the bridge (what it
+receives). Without it the veth pairs run as fast as this machine copies
+memory (about 17 Gbit/s one way here), so time does not follow bytes.
+Latency is not added (netem is not available in these namespaces).
+
 The ranks of one host run under one launcher process (the pid namespace's
 init), so that they share those namespaces as processes of one machine do.
 
@@ -92,10 +99,14 @@ class SimulatedHosts:
     """`count` hosts (see the module's text); a context manager that removes
     every namespace it made, and kills what still runs in them, on exit."""
 
-    def __init__(self, count, hostnames=None):
+    def __init__(self, count, hostnames=None, link_gbit=None):
         """`hostnames`: each host's name (default simhost0, simhost1, ...);
-        equal names make hosts as containers with one name are."""
+        equal names make hosts as containers with one name are.
+        `link_gbit`: each host's link rate each way (None: unshaped)."""
+        if link_gbit is not None and not 0.001 <= link_gbit <= 400:
+            raise ValueError(f"link_gbit={link_gbit}: a rate from 0.001 to 400 Gbit/s, or None")
         self.count = count
+        self.link_gbit = link_gbit
         self._names = list(hostnames) if hostnames else None
         self.tag = f"tpsim{os.getpid()}-{random.randrange(1 << 20):05x}"
         # A /24 in 10.0.0.0/8 picked at random (collisions with a real
@@ -131,10 +142,28 @@ class SimulatedHosts:
                 _run("ip", "-n", ns, "link", "set", "eth0", "up")
                 _run("ip", "-n", ns, "link", "set", "lo", "up")
                 _run("ip", "-n", bridge, "link", "set", f"p{h}", "master", "br0", "up")
+                if self.link_gbit is not None:
+                    self._shape(ns, "eth0")
+                    self._shape(bridge, f"p{h}")
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _shape(self, ns, device):
+        """A token bucket of link_gbit on `device`'s egress: its bucket holds
+        100 us of the rate (at least 32 KB, so whole segments pass), its queue
+        50 ms."""
+        rate = int(self.link_gbit * 1e9)
+        burst = max(32 << 10, rate // 8 // 10000)
+        _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", device, "root", "tbf",
+             "rate", f"{rate}bit", "burst", str(burst), "latency", "50ms")
+
+    def shaping(self, h):
+        """What `tc` says of host h's eth0 qdisc (tests: the shaper is there)."""
+        return subprocess.run(["ip", "netns", "exec", self.namespace(h), "tc", "qdisc", "show",
+                               "dev", "eth0"], capture_output=True, text=True,
+                              timeout=30).stdout.strip()
 
     def __exit__(self, *exc):
         for p in self._procs:

@@ -54,6 +54,9 @@ def main(argv=None):
     cpu.add_argument("--hosts", type=int, default=0,
                      help="allreduce across this many simulated hosts (namespaces; root)")
     cpu.add_argument("--ranks-per-host", type=int, default=2, help="with --hosts (default 2)")
+    cpu.add_argument("--link-gbit", type=float, default=None,
+                     help="with --hosts: each host's link rate each way, Gbit/s (tc's token "
+                          "bucket; default unshaped)")
     cpu.add_argument("--scaling", action="store_true",
                      help="allreduce at each world size and threads per rank against Gloo and "
                           "the memory bandwidth measured in the same run (default world sizes "
@@ -143,11 +146,13 @@ def main(argv=None):
             from tpcomm.bench.cpu.scaling import run
 
             return run(args.world_sizes, args.thread_counts, args.max_mib, args.quick, args.rounds)
+        if args.link_gbit is not None and not args.hosts:
+            parser.error("--link-gbit shapes simulated hosts' links: use it with --hosts")
         if args.hosts:
             from tpcomm.bench.cpu.hosts import run
 
             return run(args.hosts, args.ranks_per_host, min(args.max_mib, 16), args.quick,
-                       args.rounds)
+                       args.rounds, args.link_gbit)
         if args.paths and args.cpp:
             from tpcomm.bench.cpu.cpp_paths import run
 

@@ -33,7 +33,7 @@ LAYOUTS = {
 
 
 def run_case(layout, case, tmp_path, env=None, timeout=240, during=None, stderr=None,
-             hostnames=None):
+             hostnames=None, link_gbit=None):
     """Runs `case` on simulated hosts with `layout`; returns every rank's
     dict (asserting none failed). `during(hosts, procs, outdir)` runs while
     they do (e.g. kills a host); `stderr`: a file for the ranks' stderr."""
@@ -43,7 +43,7 @@ def run_case(layout, case, tmp_path, env=None, timeout=240, during=None, stderr=
                 TEST_LAST_HOST=",".join(str(r) for r in layout[-1]))
     full.update(env or {})
     world = sum(len(r) for r in layout)
-    with simhosts.SimulatedHosts(len(layout), hostnames) as hosts:
+    with simhosts.SimulatedHosts(len(layout), hostnames, link_gbit) as hosts:
         port = 20000 + (os.getpid() * 7 + int(time.monotonic() * 1000)) % 20000
         procs = hosts.launch_ranks(layout, [sys.executable, WORKER, case, outdir], env=full,
                                    port=port, stderr=stderr)
@@ -59,8 +59,9 @@ def run_case(layout, case, tmp_path, env=None, timeout=240, during=None, stderr=
     return results, codes, errors
 
 
-def completed(layout, case, tmp_path, env=None, hostnames=None):
-    results, codes, errors = run_case(layout, case, tmp_path, env, hostnames=hostnames)
+def completed(layout, case, tmp_path, env=None, hostnames=None, link_gbit=None, during=None):
+    results, codes, errors = run_case(layout, case, tmp_path, env, hostnames=hostnames,
+                                      link_gbit=link_gbit, during=during)
     assert not errors, "\n".join(errors.values())
     assert codes == [0] * len(layout), codes
     world = sum(len(r) for r in layout)
@@ -156,6 +157,30 @@ def test_every_collective_across_hosts_matches_float64_and_is_bitwise_equal(name
         assert o["stats"]["gloo"]["calls"] == 0, o["stats"]
     if name in BYTES_TOO:
         check_bytes(layout, [o["bytes"] for o in outs])
+
+
+@pytest.mark.parametrize("gbit", [1, 10])
+def test_collectives_across_hosts_on_links_with_a_rate(gbit, tmp_path):
+    """Links of 1 and 10 Gbit/s each way (tc's token bucket on each host's
+    interface and on its port of the bridge): the shaper is in place, every
+    collective matches float64 and is bitwise equal across ranks, each host
+    sends what it does on an unshaped link, and no host's interface sent
+    faster than its link (a one-sided bound: a loaded machine only makes it
+    slower; times themselves are the benchmark's, bench cpu --hosts H
+    --link-gbit G)."""
+    layout = LAYOUTS["2x2"]
+    shapers = []
+    outs = completed(layout, "collectives_and_bytes", tmp_path, link_gbit=gbit,
+                     during=lambda hosts, procs, outdir: shapers.extend(
+                         hosts.shaping(h) for h in range(len(layout))))
+    for text in shapers:
+        assert "tbf" in text and f"rate {gbit}Gbit" in text, text
+    check_collectives(outs, sum(len(r) for r in layout))
+    check_bytes(layout, [o["bytes"] for o in outs])
+    for o in outs:
+        b = o["bytes"]
+        rate = b["allreduce"] * b["allreduce_calls"] * 8 / b["allreduce_s"]
+        assert rate <= 1.1 * gbit * 1e9, (rate / 1e9, gbit)
 
 
 def test_both_allreduce_paths_give_the_same_bits(tmp_path):

@@ -121,7 +121,7 @@ def _worker(max_bytes, rounds, quick):
     dist.destroy_process_group()
 
 
-def run(hosts=2, ranks_per_host=2, max_mib=16, quick=False, rounds=3):
+def run(hosts=2, ranks_per_host=2, max_mib=16, quick=False, rounds=3, link_gbit=None):
     from tpcomm import simhosts
 
     reason = simhosts.unavailable_reason()
@@ -130,10 +130,11 @@ def run(hosts=2, ranks_per_host=2, max_mib=16, quick=False, rounds=3):
         return 1
     layout = [list(range(h * ranks_per_host, (h + 1) * ranks_per_host)) for h in range(hosts)]
     print(f"CPU allreduce float32, {hosts} simulated hosts x {ranks_per_host} ranks, "
-          f"best of {rounds} rounds (slowest rank's mean)")
+          f"links {'unshaped (as fast as memory)' if link_gbit is None else f'{link_gbit:g} Gbit/s'}"
+          f", best of {rounds} rounds (slowest rank's mean)")
     argv = [sys.executable, "-m", "tpcomm.bench.cpu.hosts", str(max_mib << 20), str(rounds),
             "1" if quick else "0"]
-    with simhosts.SimulatedHosts(hosts) as sim:
+    with simhosts.SimulatedHosts(hosts, link_gbit=link_gbit) as sim:
         # Plain Gloo binds to the host name's address, which a namespace's
         # name does not resolve to: name the interface for both backends.
         env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
