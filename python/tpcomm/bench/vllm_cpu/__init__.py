@@ -70,6 +70,9 @@ def add_arguments(parser):
     parser.add_argument("--hosts", type=int, default=0, choices=(0, 2),
                         help="2: across two simulated hosts, two workers on each, tpcomm "
                              "against Gloo (root; tpcomm/bench/vllm_cpu/hosts.py)")
+    parser.add_argument("--link-gbit", type=float, default=None,
+                        help="with --hosts: each host's link rate each way, Gbit/s (tc's token "
+                             "bucket; default unshaped)")
     parser.add_argument("--layout", choices=("tp4", "tp2pp2"), default="tp4",
                         help="with --hosts: TP=4 across both hosts, or TP=2 in each and PP=2 "
                              "across")

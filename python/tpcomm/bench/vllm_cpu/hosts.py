@@ -73,7 +73,8 @@ def _across_hosts(way, model, args, log):
     from tpcomm import simhosts
 
     port = 20000 + (os.getpid() * 13 + int(time.monotonic() * 1000)) % 20000
-    with simhosts.SimulatedHosts(2) as hosts, open(log, "a") as out:
+    with simhosts.SimulatedHosts(2, link_gbit=getattr(args, "link_gbit", None)) as hosts, \
+            open(log, "a") as out:
         out.write(f"===== {way} across 2 hosts\n")
         out.flush()
         procs = []
@@ -120,7 +121,9 @@ def run(args):
         log = os.path.join(tempfile.gettempdir(), "tpcomm-vllm-hosts.log")
         open(log, "w").close()
         shape = "TP=4 across both" if args.layout == "tp4" else "TP=2 in each, PP=2 across"
-        print(f"vLLM across 2 simulated hosts ({shape}), {args.batch} "
+        link = getattr(args, "link_gbit", None)
+        print(f"vLLM across 2 simulated hosts ({shape}; links "
+              f"{'unshaped' if link is None else f'{link:g} Gbit/s'}), {args.batch} "
               f"requests x {args.tokens} tokens, {args.dtype}; log: {log}", flush=True)
         reference = _run("tpcomm", 1, model, args, log)["tokens"]
         best, failures = {}, []
