@@ -133,6 +133,24 @@ def case_host_lost(out):
     out["seconds"] = time.monotonic() - start
 
 
+def case_host_lost_mid_call(out):
+    """Every rank runs allreduces of TEST_ELEMENTS floats in a loop; the last
+    host's ranks say they are ready after two and go on until the test
+    kills their host, mid-call: the others record what they raised and
+    when (time.monotonic, which the test's clock shares)."""
+    last_host_ranks = [int(r) for r in os.environ["TEST_LAST_HOST"].split(",")]
+    x = torch.ones(int(os.environ["TEST_ELEMENTS"]))
+    out["raised"] = None
+    try:
+        for i in range(100000):
+            dist.all_reduce(x)
+            if i == 1 and RANK in last_host_ranks:
+                open(os.path.join(os.environ["TEST_OUT"], f"ready{RANK}"), "w").close()
+    except Exception as e:  # noqa: BLE001
+        out["raised"] = f"{type(e).__name__}: {e}"
+    out["raised_at"] = time.monotonic()
+
+
 def _fault_case(out, misbehave):
     """Every rank but the last host's last makes an allreduce on the
     hierarchical path; that rank calls `misbehave()` instead. Records what

@@ -183,14 +183,16 @@ def test_collectives_across_hosts_on_links_with_a_rate(gbit, tmp_path):
         assert rate <= 1.1 * gbit * 1e9, (rate / 1e9, gbit)
 
 
-def test_both_allreduce_paths_give_the_same_bits(tmp_path):
+@pytest.mark.parametrize("name", ["2x2", "4x2"])
+def test_both_allreduce_paths_give_the_same_bits(name, tmp_path):
     """The slices path (every size) and the leaders path (slices off) give
-    identical results on an even layout."""
-    layout = LAYOUTS["2x2"]
+    identical results on even layouts of 2 and 4 hosts."""
+    layout = LAYOUTS[name]
+    fewer = FEWER_SIZES if len(layout) > 2 else {}
     sliced = completed(layout, "collectives", tmp_path / "sliced",
-                       {"TPCOMM_CPU_HIER_SLICE_BYTES": "0"})
+                       dict(fewer, TPCOMM_CPU_HIER_SLICE_BYTES="0"))
     leaders = completed(layout, "collectives", tmp_path / "leaders",
-                        {"TPCOMM_CPU_HIER_SLICE_BYTES": str(1 << 40)})
+                        dict(fewer, TPCOMM_CPU_HIER_SLICE_BYTES=str(1 << 40)))
     for key, value in sliced[0]["results"].items():
         assert torch.equal(value, leaders[0]["results"][key]), key
 
@@ -318,6 +320,40 @@ def test_a_host_that_goes_away_is_named_by_every_other_rank(name, named, tmp_pat
         assert raised is not None, f"rank {r} did not raise"
         assert named in raised and "went away or failed" in raised, raised
         assert results[r]["seconds"] < 2 * 20, results[r]["seconds"]
+
+
+@pytest.mark.parametrize("elements,gbit", [(256, None), (4 << 20, 1)],
+                         ids=["1-KiB-calls", "16-MiB-calls-on-1-Gbit-links"])
+def test_a_host_lost_among_8_is_named_by_every_other_within_1s(elements, gbit, tmp_path):
+    """8 hosts run allreduces in a loop, small ones or large ones on links
+    of 1 Gbit/s (about half a second a call); the last host is killed in
+    the middle of one: every rank of the other 7 raises naming it within
+    1 s of the kill."""
+    layout = LAYOUTS["8x1-2"]
+    survivors = [r for ranks in layout[:-1] for r in ranks]
+    killed = []
+
+    def kill_last_host(hosts, procs, outdir):
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(os.path.join(outdir, f"ready{r}")) for r in layout[-1]):
+            assert time.monotonic() < deadline, "the last host never got ready"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        killed.append(time.monotonic())
+        hosts.kill(procs[-1])
+
+    results, codes, errors = run_case(layout, "host_lost_mid_call", tmp_path,
+                                      {"TEST_ELEMENTS": str(elements), "TEST_TIMEOUT_S": "20"},
+                                      during=kill_last_host, link_gbit=gbit)
+    assert not errors, "\n".join(errors.values())
+    named = "host 'simhost7' (rank 11)"
+    late = {}
+    for r in survivors:
+        raised = results[r]["raised"]
+        assert raised is not None, f"rank {r} did not raise"
+        assert named in raised and "went away or failed" in raised, (r, raised)
+        late[r] = results[r]["raised_at"] - killed[0]
+    assert max(late.values()) < 1.0, late
 
 
 def test_survivors_across_hosts_shrink_and_go_on_on_the_hierarchical_route(tmp_path):
