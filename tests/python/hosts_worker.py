@@ -98,12 +98,16 @@ def case_collectives(out):
 
 
 def case_mismatch(out):
-    """Ranks on the last host call another collective: every rank raises."""
+    """Ranks on the last host call another collective (TEST_MISMATCH=sizes:
+    the same allreduce of another size): every rank raises."""
     last_host_ranks = [int(r) for r in os.environ["TEST_LAST_HOST"].split(",")]
     x = torch.ones(256)
     dist.all_reduce(x)  # the path is set up
     try:
-        if RANK in last_host_ranks:
+        if RANK in last_host_ranks and os.environ.get("TEST_MISMATCH") == "sizes":
+            # 4 B rides in the descriptions' blocks, 1 KiB would follow them.
+            dist.all_reduce(torch.ones(1))
+        elif RANK in last_host_ranks:
             outs = [torch.empty(256) for _ in range(WORLD)]
             dist.all_gather(outs, x)
         else:

@@ -287,14 +287,21 @@ def test_host_identity_differs_between_namespaced_hosts_with_equal_names(tmp_pat
         assert o["stats"]["cpu_hier"]["calls"] == 1
 
 
-def test_mismatched_calls_across_hosts_raise_on_every_rank(tmp_path):
+@pytest.mark.parametrize("how", ["calls", "sizes"])
+def test_mismatched_calls_across_hosts_raise_on_every_rank(how, tmp_path):
+    """Another collective on one host, or an allreduce of 4 B (inside the
+    descriptions' blocks) against one of 1 KiB (after them): every rank
+    raises, none reaches Gloo with messages of different sizes (which
+    would end the process)."""
     layout = LAYOUTS["2x2"]
-    outs = completed(layout, "mismatch", tmp_path)
+    outs = completed(layout, "mismatch", tmp_path, {"TEST_MISMATCH": how})
     for o in outs:
         assert o["raised"] is not None, f"rank {o['rank']} did not raise"
     leaders = [outs[0]["raised"], outs[2]["raised"]]
     assert any("mismatched collectives across hosts" in m or "went away or failed" in m
                for m in leaders), leaders
+    if how == "sizes":
+        assert any("float32[1]" in m and "float32[256]" in m for m in leaders), leaders
 
 
 @pytest.mark.parametrize("name,named", [("3+1", "host 'simhost1' (rank 3)"),
