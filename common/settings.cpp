@@ -102,6 +102,13 @@ const std::vector<SettingInfo> kSettingTable = {
      "hosts - 1 copies); larger ones as a reduce-scatter then an all-gather between hosts "
      "(two rounds, each host sending twice the payload at most). Set-up takes the smallest "
      "value of any rank."},
+    {"TPCOMM_CPU_HIER_INLINE_BYTES", "int", "32",
+     "Groups whose ranks sit on several hosts: payloads up to this size (at most 4096) travel "
+     "inside the blocks of the call's description that every step first gathers (ceil(log2 "
+     "hosts) rounds, each host sending hosts - 1 blocks of 64 bytes plus this size); larger "
+     "ones follow in one more round. 32: a 4-byte allreduce sends about 1.9 KB a host at 8 "
+     "hosts; 4096: payloads up to 4 KiB save that round, every call sending hosts - 1 blocks "
+     "of 4,160 bytes. Set-up takes the smallest value of any rank."},
     {"TPCOMM_CPU_HIER_SLICE_BYTES", "int", "4194304",
      "Groups whose ranks sit on several hosts, each with the same number of ranks: CPU "
      "allreduces from this size on cross hosts in slices, one per rank of a host, all at once "
@@ -251,6 +258,9 @@ Settings Settings::parse(const Lookup& lookup) {
         s.cpuShmBufferBytes == 0 || (s.cpuShmBufferBytes >= 4096 && s.cpuShmBufferBytes % 64 == 0),
         kInvalidUsage, "setting TPCOMM_CPU_SHM_BUFFER_BYTES=", *v,
         " is neither 0 (auto) nor a multiple of 64 of at least 4096");
+  }
+  if (auto v = lookup("TPCOMM_CPU_HIER_INLINE_BYTES")) {
+    s.cpuHierInlineBytes = parseInt("TPCOMM_CPU_HIER_INLINE_BYTES", *v, 0, 4096);
   }
   if (auto v = lookup("TPCOMM_CPU_HIER_GATHER_BYTES")) {
     s.cpuHierGatherBytes = parseInt("TPCOMM_CPU_HIER_GATHER_BYTES", *v, 0, int64_t{1} << 62);

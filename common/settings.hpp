@@ -82,6 +82,9 @@ struct Settings {
   // this size gather every host's partial; larger ones reduce-scatter then
   // all-gather between hosts.
   int64_t cpuHierGatherBytes = 4096;
+  // TPCOMM_CPU_HIER_INLINE_BYTES: payloads between hosts up to this size
+  // ride in the call descriptions' blocks (0-4096).
+  int64_t cpuHierInlineBytes = 32;
   // TPCOMM_CPU_HIER_SLICE_BYTES: allreduces of groups across hosts (the
   // same number of ranks on each) from this size on cross hosts in slices.
   int64_t cpuHierSliceBytes = 4 << 20;

@@ -239,6 +239,7 @@ class GroupCoordinator {
     std::string hierReason;
     uint64_t hierSliceBytes = 0;
     uint64_t hierGatherBytes = 0;
+    uint64_t hierInlineBytes = 0;
   };
   CpuShmState cpuShmState() const;
   // Benchmarks and tests: this group's TPCOMM_CPU_SHM mode (auto, 0, 1)

@@ -244,6 +244,7 @@ tensors through the device backend (NCCL), created on first use.)")
             hier["reason"] = shmState.hierReason;
             hier["slice_bytes"] = shmState.hierSliceBytes;
             hier["gather_bytes"] = shmState.hierGatherBytes;
+            hier["inline_bytes"] = shmState.hierInlineBytes;
             shm["across_hosts"] = hier;
             out["cpu_shm"] = shm;
             out["route_mode"] = routing.config().mode;

@@ -18,14 +18,13 @@ namespace hier {
 
 constexpr uint64_t kCallMagic = 0x7470636f6d6d6831ULL;  // "tpcommh1"
 constexpr size_t kCallBytes = 64;
-// Payload bytes that travel with a call's description between hosts (one
-// gather, ceil(log2 H) rounds); larger ones follow in one more round, once
-// every host described the same call. A block of 96 B: a 4 B allreduce
-// sends (H - 1) x 96 B of blocks a host (at 8 hosts about 1.9 KB on the
-// wire with Gloo's and TCP's headers and acknowledgements), and no call
-// sends more than (H - 1) x (payload + 96 B) of blocks and payload before
-// its payload's own steps.
-constexpr size_t kInlineBytes = 32;
+// Payloads up to TPCOMM_CPU_HIER_INLINE_BYTES (HierGroup::Parts::
+// inlineBytes, 32 by default, at most 4096) travel in the blocks of the
+// description gather (ceil(log2 H) rounds): blocks of 96 B by default, so a
+// 4 B allreduce sends (H - 1) x 96 B of blocks a host, at 8 hosts about
+// 1.9 KB on the wire with Gloo's and TCP's headers and acknowledgements.
+// Larger payloads follow in one more round, once every host described the
+// same call.
 
 enum class HierOp : uint32_t { kAllreduce = 1, kAllgather, kReduceScatter, kBroadcast, kBarrier };
 

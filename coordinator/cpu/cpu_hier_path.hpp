@@ -35,7 +35,8 @@
 // worker thread and back, several times the cost of a small message, and
 // cannot check that the hosts' calls agree). Every step starts with a
 // gather of the hosts' call descriptions, in fixed-size blocks (the 64 B
-// description and up to 32 B of payload) whatever the call, so that
+// description and up to TPCOMM_CPU_HIER_INLINE_BYTES of payload, 32 by
+// default, agreed at set-up) whatever the call, so that
 // mismatched calls are found before Gloo sees messages of different sizes
 // (which it answers by ending the process); the gather is Bruck's:
 // ceil(log2 H) rounds, round k sending min(2^k, H - 2^k) blocks to the host
@@ -43,7 +44,7 @@
 //
 //   payload (bytes)      | allreduce                          | bytes a host sends
 //   ---------------------+------------------------------------+-------------------
-//   <= 32 B              | in the description blocks; every   | (H - 1) x 96 B
+//   <= inline (32 B)     | in the description blocks; every   | (H - 1) x 96 B
 //                        | host reduces all H in host order   |
 //   <= gather size       | every host sends its partial to    | (H - 1) x
 //                        | every other; each reduces in order |   (payload + 96 B)
@@ -57,10 +58,11 @@
 //
 // Results are bitwise identical on every rank and on both allreduce paths:
 // each element is reduced in rank order within a host (shm_reduce.hpp's
-// rules), then the hosts' partials in host order. Every message between
-// hosts carries the call's description (op, dtype, count, root, reduction,
-// coalesced part, call number); a leader that receives another description
-// raises InvalidUsage naming both calls and the hosts. A failed step between
+// rules), then the hosts' partials in host order. Every step between hosts
+// begins with the gather of the call's description (op, dtype, count, root,
+// reduction, coalesced part, call number); a leader that receives another
+// description raises InvalidUsage naming both calls and the hosts, before
+// any message whose size depends on the call. A failed step between
 // hosts (a host gone: its connections close) raises PeerLost naming the
 // other hosts and their ranks; either way the rank aborts its host's
 // shared-memory group with that text, so that its host's ranks raise it too.
@@ -125,6 +127,8 @@ class HierGroup {
     // Allreduce payloads between hosts up to this size gather every host's
     // partial; larger ones reduce-scatter then all-gather.
     uint64_t gatherMaxBytes = 4096;
+    // Payload bytes that ride in the description blocks (every rank agreed).
+    uint64_t inlineBytes = 32;
     // Ranks of the group on this machine's cores (hosts that are namespaces
     // of one kernel share them): the local group's waiting policy.
     int machineRanks = 1;
@@ -156,6 +160,7 @@ class HierGroup {
   const char* allreducePath(size_t count, mq::DType dtype) const;
   uint64_t sliceMinBytes() const { return parts_.sliceMinBytes; }
   uint64_t gatherMaxBytes() const { return parts_.gatherMaxBytes; }
+  uint64_t inlineBytes() const { return parts_.inlineBytes; }
   // How a step between hosts of `bytes` of payload reduces: "gather" or
   // "reduce_scatter" (the table above).
   const char* betweenHostsAlgorithm(size_t bytes) const {

@@ -96,6 +96,7 @@ HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
   parts.timeout = timeout;
   parts.sliceMinBytes = static_cast<uint64_t>(config.hierSliceBytes);
   parts.gatherMaxBytes = static_cast<uint64_t>(config.hierGatherBytes);
+  parts.inlineBytes = static_cast<uint64_t>(config.hierInlineBytes);
   parts.reduceIsa = reduceIsaOf(config.reduceIsa);
   std::string failure;
   const int host = layout.host();
@@ -151,16 +152,20 @@ HierSetup setUpHier(c10d::Backend& cpu, const BackendFactory& factory,
   const auto statuses = allgatherBytes(
       cpu, size,
       fixedWidth(failure, kFailureWidth) + fixedWidth(std::to_string(config.hierSliceBytes), 24) +
-          fixedWidth(std::to_string(config.hierGatherBytes), 24));
+          fixedWidth(std::to_string(config.hierGatherBytes), 24) +
+          fixedWidth(std::to_string(config.hierInlineBytes), 24));
   std::vector<std::string> failures;
   for (const auto& s : statuses) {
     failures.push_back(trimmed(s.substr(0, kFailureWidth)));
     const std::string slice = trimmed(s.substr(kFailureWidth, 24));
     if (!slice.empty())
       parts.sliceMinBytes = std::min<uint64_t>(parts.sliceMinBytes, std::stoull(slice));
-    const std::string gather = trimmed(s.substr(kFailureWidth + 24));
+    const std::string gather = trimmed(s.substr(kFailureWidth + 24, 24));
     if (!gather.empty())
       parts.gatherMaxBytes = std::min<uint64_t>(parts.gatherMaxBytes, std::stoull(gather));
+    const std::string inlined = trimmed(s.substr(kFailureWidth + 48));
+    if (!inlined.empty())
+      parts.inlineBytes = std::min<uint64_t>(parts.inlineBytes, std::stoull(inlined));
   }
   const std::string reason = firstFailure(failures);
   if (!reason.empty()) return refuse(reason);

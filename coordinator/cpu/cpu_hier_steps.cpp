@@ -136,8 +136,9 @@ HierGroup::Received HierGroup::gatherBetweenHosts(c10d::Backend& backend, const 
   // once every host described the same call, the payload to every host.
   const int hosts = layout().hosts();
   const int me = layout().host();
-  const size_t fixed = hier::kCallBytes + hier::kInlineBytes;
-  const bool inlined = bytes <= hier::kInlineBytes;
+  const size_t inlineBytes = parts_.inlineBytes;
+  const size_t fixed = hier::kCallBytes + inlineBytes;
+  const bool inlined = bytes <= inlineBytes;
   Received out;
   out.hosts = hosts;
   out.buffer = scratch(kDescriptionsSlot, fixed * hosts);
@@ -145,7 +146,7 @@ HierGroup::Received HierGroup::gatherBetweenHosts(c10d::Backend& backend, const 
   std::memcpy(block, &call, hier::kCallBytes);
   if (inlined && bytes > 0) std::memcpy(block + hier::kCallBytes, payload, bytes);
   std::memset(block + hier::kCallBytes + (inlined ? bytes : 0), 0,
-              hier::kInlineBytes - (inlined ? bytes : 0));
+              inlineBytes - (inlined ? bytes : 0));
   try {
     bruckGather(backend, me, hosts, out.buffer, fixed, parts_.timeout);
   } catch (const std::exception& e) {
@@ -290,7 +291,7 @@ void HierGroup::broadcastBetweenHosts(const Call& call, void* data, size_t bytes
   const int hosts = layout().hosts();
   const int me = layout().host();
   const bool root = me == rootHost;
-  const bool inlined = bytes <= hier::kInlineBytes;
+  const bool inlined = bytes <= parts_.inlineBytes;
   const Received first =
       gatherBetweenHosts(*parts_.leaders, call, data, root && inlined ? bytes : 0);
   if (bytes == 0) return;

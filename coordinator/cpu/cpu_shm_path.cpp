@@ -151,6 +151,7 @@ CpuShmConfig CpuShmConfig::fromSettings() {
   c.workerSpinUs = settings().cpuShmWorkerSpinUs;
   c.hierSliceBytes = settings().cpuHierSliceBytes;
   c.hierGatherBytes = settings().cpuHierGatherBytes;
+  c.hierInlineBytes = settings().cpuHierInlineBytes;
   return c;
 }
 

@@ -65,6 +65,7 @@ struct CpuShmConfig {
   int64_t workerSpinUs = 50;
   int64_t hierSliceBytes = 4 << 20;  // TPCOMM_CPU_HIER_SLICE_BYTES
   int64_t hierGatherBytes = 4096;    // TPCOMM_CPU_HIER_GATHER_BYTES
+  int64_t hierInlineBytes = 32;      // TPCOMM_CPU_HIER_INLINE_BYTES
   // Ranks of a larger group on this machine's cores (a group across hosts
   // that are namespaces of one kernel): the waiting policy and the threads
   // count them (0: the group's size alone).

@@ -162,6 +162,7 @@ GroupCoordinator::CpuShmState GroupCoordinator::cpuShmState() const {
   if (hier_) {
     state.hierSliceBytes = hier_->sliceMinBytes();
     state.hierGatherBytes = hier_->gatherMaxBytes();
+    state.hierInlineBytes = hier_->inlineBytes();
     if (hier_->local()) {
       state.spinUs = hier_->local()->spin().count();
       state.yields = hier_->local()->yields();

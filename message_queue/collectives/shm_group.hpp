@@ -138,7 +138,9 @@ struct ShmPart {
 // worker threads' hand-overs are not counted): how many found every peer
 // there, were met while polling, or slept on the futex first, and the time
 // spent polling and sleeping. Counted since the group was set up; a wait
-// that raised while polling counts only in `waits`.
+// that raised while polling counts only in `waits`, one that raised after
+// a sleep (a timeout, a lost peer) as slept. A reader on another thread
+// may see a wait in `waits` before it sees its kind.
 struct ShmWaitStats {
   uint64_t waits = 0;
   uint64_t atOnce = 0;
@@ -146,7 +148,8 @@ struct ShmWaitStats {
   uint64_t slept = 0;
   uint64_t pollNs = 0;   // polling, whether a peer came during it or not
   uint64_t sleepNs = 0;  // from the first sleep to the wait's end
-  // The late waits (met polling or after a sleep) by how long they took:
+  // The late waits (met polling or after a sleep, failed ones included) by
+  // how long they took:
   // late[0] under 2 us, late[b] from 2^b to 2^(b+1) us, the last one on.
   static constexpr int kLateBuckets = 17;
   uint64_t late[kLateBuckets] = {};

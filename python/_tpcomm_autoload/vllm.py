@@ -316,7 +316,10 @@ def _write_profile(rank):
             # (the CPUs the plugin handed tpcomm, read back inside the worker)
             # and its waits: describe() costs tens of us, so 20 times a second.
             _shm_written[0] = time.monotonic()
-            shm = tpcomm.describe(_profile_groups[0])["cpu_shm"]
+            try:
+                shm = tpcomm.describe(_profile_groups[0])["cpu_shm"]
+            except Exception:  # noqa: BLE001  (the step's own outcome comes first)
+                shm = {"set_up": False}
             if shm["set_up"] and shm["available"] and shm["ranks"]:
                 me = shm["ranks"][_profile_groups[0].rank()]
                 _profile_totals.update(

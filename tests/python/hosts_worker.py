@@ -288,6 +288,7 @@ def case_bytes(out):
         out[name] = (_sent() - before) / 5
         dist.barrier()
     out["payload"] = n * 4
+    out["inline_bytes"] = tpcomm.describe()["cpu_shm"]["across_hosts"]["inline_bytes"]
     # Small calls: what a 4 B and a 1 KiB allreduce send, over 20 calls.
     for name, elements in (("allreduce_4b", 1), ("allreduce_1kib", 256)):
         x = torch.ones(elements)

@@ -87,6 +87,9 @@ def run(args):
     if missing:
         print(f"vllm-cpu: {missing}", file=sys.stderr)
         return 2
+    if getattr(args, "link_gbit", None) is not None and not args.hosts:
+        raise SystemExit("vllm-cpu: --link-gbit shapes simulated hosts' links: use it with "
+                         "--hosts 2")
     if args.hosts:
         return hosts.run(args)
     offline.prepare(args)

@@ -229,12 +229,16 @@ def _one_round(way, model, args, log):
 
 
 def _cpu_set(text):
-    """{0, 2, 3} of "0,2-3"."""
+    """{0, 2, 3} of "0,2-3" (a stride "0-6:2" too); None for what is not a
+    list of CPUs (VLLM_CPU_OMP_THREADS_BIND=auto)."""
     cpus = set()
-    for item in str(text).split(","):
-        first, _, last = item.partition("-")
-        if first.strip().isdigit():
-            cpus.update(range(int(first), int(last or first) + 1))
+    for item in str(text).replace(" ", "").split(","):
+        first, _, rest = item.partition("-")
+        last, _, stride = rest.partition(":")
+        if not first.isdigit() or (last and not last.isdigit()) or (
+                stride and (not stride.isdigit() or int(stride) == 0)):
+            return None
+        cpus.update(range(int(first), int(last or first) + 1, int(stride or 1)))
     return cpus
 
 
@@ -247,7 +251,7 @@ def _placement(env, profile):
     for name, totals in sorted(profile.items()):
         if "shm_cpus" in totals and name.startswith("rank"):
             rank = int(name[len("rank"):-len(".txt")])
-            want = _cpu_set(binds[rank]) if rank < len(binds) else set()
+            want = _cpu_set(binds[rank]) if rank < len(binds) else None
             out.append((rank, _cpu_set(totals["shm_cpus"]), want))
     return out
 
@@ -265,7 +269,7 @@ def _waits_line(runs):
             f"{100 * w['slept'] / w['waits']:.1f}% slept first; a late peer cost "
             f"{(w['poll_us'] + w['sleep_us']) / max(late, 1):.0f} us on average "
             f"({w['sleep_us'] / max(w['slept'], 1):.0f} us asleep a sleep); late waits by "
-            "time: " + ", ".join(f"{'<2' if b == 0 else f'{1 << b}-'}us {n}"
+            "time: " + ", ".join(f"{'<2' if b == 0 else f'>={1 << b}'} us: {n}"
                                   for b, n in enumerate(by_time) if n))
 
 
@@ -335,7 +339,7 @@ def check(args, model, log):
         problems.append("the tpcomm server's workers did not say where tpcomm placed them "
                         "(describe()['cpu_shm'] read in the worker)")
     for rank, cpus, want in ours["placement"]:
-        if cpus != want:
+        if want is not None and cpus != want:
             problems.append(f"the tpcomm server's worker {rank}: tpcomm's path runs on CPUs "
                             f"{sorted(cpus)}, its OpenMP threads on {sorted(want)} "
                             "(VLLM_CPU_OMP_THREADS_BIND)")
