@@ -27,15 +27,21 @@ def _late_peer(ctx, calls, late_us):
     return wrong, tpcomm.describe()["cpu_shm"]["waits"]
 
 
+def _late_run(spin_us, calls, late_us):
+    """(wrong sums, waits) of ranks 0 and 1 over `calls` allreduces with
+    rank 1 `late_us` late, polling `spin_us`."""
+    group = Group(2, env={"TPCOMM_CPU_SHM": "1", "TPCOMM_CPU_SHM_SPIN_US": str(spin_us)})
+    try:
+        return group.run(_late_peer, calls, late_us)
+    finally:
+        group.close()
+
+
 def test_a_late_peers_waits_are_counted_by_how_long_they_took():
     """Rank 1 comes about 300 us after rank 0 to each of 300 allreduces:
     rank 0's waits are late, met polling (1 ms window), and most fall in the
     bucket of 256-512 us (a bucket off by one, or a wait uncounted, fails)."""
-    group = Group(2, env={"TPCOMM_CPU_SHM": "1", "TPCOMM_CPU_SHM_SPIN_US": "1000"})
-    try:
-        (wrong0, waits0), (wrong1, waits1) = group.run(_late_peer, 300, 300)
-    finally:
-        group.close()
+    (wrong0, waits0), (wrong1, waits1) = _late_run(1000, 300, 300)
     assert wrong0 == wrong1 == 0
     late = waits0["met_polling"] + waits0["slept"]
     assert waits0["waits"] >= 300 and late >= 0.8 * 300, waits0
@@ -53,11 +59,7 @@ def test_a_wait_that_sleeps_is_counted_with_its_time_asleep():
     late to each of 100 allreduces, rank 0 sleeps on the futex at nearly
     every call: counted as slept, with the time asleep, and in the bucket
     of 1-2 ms."""
-    group = Group(2, env={"TPCOMM_CPU_SHM": "1", "TPCOMM_CPU_SHM_SPIN_US": "0"})
-    try:
-        (wrong0, waits0), (wrong1, _) = group.run(_late_peer, 100, 1500)
-    finally:
-        group.close()
+    (wrong0, waits0), (wrong1, _) = _late_run(0, 100, 1500)
     assert wrong0 == wrong1 == 0
     assert waits0["slept"] >= 0.8 * 100, waits0
     assert sum(waits0["late"]) == waits0["met_polling"] + waits0["slept"], waits0

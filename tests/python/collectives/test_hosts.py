@@ -324,23 +324,30 @@ def test_mismatched_calls_across_hosts_raise_on_every_rank(how, tmp_path):
         assert any("float32[1]" in m and "float32[256]" in m for m in leaders), leaders
 
 
+def _kill_last_host_when_ready(layout, settle_s, killed=None):
+    """A `during` for run_case: once every rank of the last host wrote its
+    ready file, waits `settle_s`, notes the time in `killed` and kills that
+    host."""
+    def kill(hosts, procs, outdir):
+        deadline = time.monotonic() + 120
+        while not all(os.path.exists(os.path.join(outdir, f"ready{r}")) for r in layout[-1]):
+            assert time.monotonic() < deadline, "the last host never got ready"
+            time.sleep(0.05)
+        time.sleep(settle_s)
+        if killed is not None:
+            killed.append(time.monotonic())
+        hosts.kill(procs[-1])
+    return kill
+
+
 @pytest.mark.parametrize("name,named", [("3+1", "host 'simhost1' (rank 3)"),
                                         ("2x2", "host 'simhost1' (ranks 2, 3)"),
                                         ("4x2", "host 'simhost3' (ranks 6, 7)")])
 def test_a_host_that_goes_away_is_named_by_every_other_rank(name, named, tmp_path):
     layout = LAYOUTS[name]
     survivors = [r for ranks in layout[:-1] for r in ranks]
-
-    def kill_last_host(hosts, procs, outdir):
-        deadline = time.monotonic() + 120
-        while not all(os.path.exists(os.path.join(outdir, f"ready{r}")) for r in layout[-1]):
-            assert time.monotonic() < deadline, "the last host never got ready"
-            time.sleep(0.1)
-        time.sleep(0.5)
-        hosts.kill(procs[-1])
-
     results, codes, errors = run_case(layout, "host_lost", tmp_path, {"TEST_TIMEOUT_S": "20"},
-                                      during=kill_last_host)
+                                      during=_kill_last_host_when_ready(layout, 0.5))
     assert not errors, "\n".join(errors.values())
     for r in survivors:
         raised = results[r]["raised"]
@@ -364,19 +371,10 @@ def test_a_host_lost_among_8_is_named_by_every_other_within_1s(elements, gbit, t
     layout = LAYOUTS["8x1-2"]
     survivors = [r for ranks in layout[:-1] for r in ranks]
     killed = []
-
-    def kill_last_host(hosts, procs, outdir):
-        deadline = time.monotonic() + 120
-        while not all(os.path.exists(os.path.join(outdir, f"ready{r}")) for r in layout[-1]):
-            assert time.monotonic() < deadline, "the last host never got ready"
-            time.sleep(0.05)
-        time.sleep(0.2)
-        killed.append(time.monotonic())
-        hosts.kill(procs[-1])
-
     results, codes, errors = run_case(layout, "host_lost_mid_call", tmp_path,
                                       {"TEST_ELEMENTS": str(elements), "TEST_TIMEOUT_S": "20"},
-                                      during=kill_last_host, link_gbit=gbit)
+                                      during=_kill_last_host_when_ready(layout, 0.2, killed),
+                                      link_gbit=gbit)
     assert not errors, "\n".join(errors.values())
     named = "host 'simhost7' (rank 11)"
     late = {}

@@ -229,17 +229,11 @@ def _one_round(way, model, args, log):
 
 
 def _cpu_set(text):
-    """{0, 2, 3} of "0,2-3" (a stride "0-6:2" too); None for what is not a
-    list of CPUs (VLLM_CPU_OMP_THREADS_BIND=auto)."""
-    cpus = set()
-    for item in str(text).replace(" ", "").split(","):
-        first, _, rest = item.partition("-")
-        last, _, stride = rest.partition(":")
-        if not first.isdigit() or (last and not last.isdigit()) or (
-                stride and (not stride.isdigit() or int(stride) == 0)):
-            return None
-        cpus.update(range(int(first), int(last or first) + 1, int(stride or 1)))
-    return cpus
+    """{0, 2, 3} of "0,2-3" (as the plugin reads a worker's OpenMP list);
+    None for what is not a list of CPUs (VLLM_CPU_OMP_THREADS_BIND=auto)."""
+    from _tpcomm_autoload.vllm import _cpu_items
+
+    return set(_cpu_items(str(text))) or None
 
 
 def _placement(env, profile):
