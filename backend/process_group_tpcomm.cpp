@@ -50,12 +50,38 @@ std::vector<at::Tensor> concat(const std::vector<at::Tensor>& a, const std::vect
 
 }  // namespace
 
+namespace {
+
+size_t nextFlightPgId() {
+  static std::atomic<size_t> groups{0};
+  return groups.fetch_add(1);
+}
+
+}  // namespace
+
 ProcessGroupTpcomm::ProcessGroupTpcomm(std::shared_ptr<coord::GroupCoordinator> coordinator)
     : c10d::Backend(coordinator->rank(), coordinator->size()),
-      coordinator_(std::move(coordinator)) {
-  static std::atomic<size_t> groups{0};
-  flightPgId_ = groups.fetch_add(1);
+      coordinator_(std::move(coordinator)),
+      flightPgId_(nextFlightPgId()) {
   init();
+}
+
+ProcessGroupTpcomm::ProcessGroupTpcomm(Unformed unformed)
+    : c10d::Backend(unformed.options.rank, unformed.options.size),
+      unformed_(std::move(unformed)),
+      flightPgId_(nextFlightPgId()) {
+  init();
+}
+
+coord::GroupCoordinator& ProcessGroupTpcomm::co() const {
+  TPCOMM_CHECK(coordinator_, kInvalidUsage, "group '", groupName(),
+               "' was made in the reconfigure regime (enable_reconfigure=True) and has no "
+               "members yet: form it with torch.distributed._reconfigure(uuid, handles) first");
+  return *coordinator_;
+}
+
+const std::string& ProcessGroupTpcomm::groupName() const {
+  return coordinator_ ? coordinator_->options().groupName : unformed_->options.groupName;
 }
 
 template <typename Tensors, typename Call>
@@ -63,7 +89,7 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
                                 int peer) {
   WorkPtr returned = translateErrors([&]() -> WorkPtr {
     ++callsOnThisThread();
-    coord::GroupFault& fault = coordinator_->fault();
+    coord::GroupFault& fault = co().fault();
     // A broken group, or a collective this rank refused and its peers have
     // not settled yet (group_fault.hpp): raises or waits here.
     if (!fault.usable()) {
@@ -110,10 +136,10 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
         const std::string dumped =
             flight.id.id && routed ? FlightRecord::get().dumpAfterFailure() : std::string();
         if (!p2p && !routed) {
-          if (coordinator_->options().debugChecks) {
+          if (co().options().debugChecks) {
             // TPCOMM_DEBUG: the check runs with the refusal as this rank's
             // signature, so every rank raises naming it at the same step.
-            coordinator_->checkRefusedCall(op, e.what());
+            co().checkRefusedCall(op, e.what());
           } else {
             // A peer that made this call waits for this rank: it learns
             // that this rank refused it (every rank refusing it breaks
@@ -167,7 +193,7 @@ WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, 
       return WorkPtr();
     }
     auto work = c10::make_intrusive<TpcommWork>(std::move(pending), type, identity(),
-                                                coordinator_->faultState());
+                                                co().faultState());
     if (ticket) fault.leave(ticket);  // the work is in flight in its own right
     return work;
   });
@@ -185,9 +211,9 @@ WorkPtr ProcessGroupTpcomm::broadcast(std::vector<at::Tensor>& tensors,
       [&] {
         checkSingle("broadcast", "tensors", tensors);
         checkRank("broadcast", "root rank", opts.rootRank, size_);
-        coordinator_->fault().noteRoot(opts.rootRank);
+        co().fault().noteRoot(opts.rootRank);
         checkRootTensor("broadcast", opts.rootTensor, tensors.size());
-        return coordinator_->broadcast(tensors, opts);
+        return co().broadcast(tensors, opts);
       });
 }
 
@@ -205,7 +231,7 @@ WorkPtr ProcessGroupTpcomm::allreduce(std::vector<at::Tensor>& tensors,
       [&] {
         checkSingle("allreduce", "tensors", tensors);
         checkReduceOp("allreduce", opts.reduceOp, tensors[0].scalar_type());
-        return coordinator_->allreduce(tensors, opts);
+        return co().allreduce(tensors, opts);
       });
 }
 
@@ -224,7 +250,7 @@ WorkPtr ProcessGroupTpcomm::allreduceInto(at::Tensor& input, at::Tensor& output,
         checkNumel("allreduce", "the output", output.numel(), input.numel());
         checkOverlap("allreduce", "the output", output, "the input", input);
         checkReduceOp("allreduce", opts.reduceOp, input.scalar_type());
-        return coordinator_->allreduceInto(input, output, opts);
+        return co().allreduceInto(input, output, opts);
       });
 }
 
@@ -240,7 +266,7 @@ std::string ProcessGroupTpcomm::allreduceAddRmsNorm(const at::Tensor& input,
       },
       [&] {
         checkAddRmsNorm(input, residual, weight, eps, normed, residualOut);
-        path = coordinator_->allreduceAddRmsNorm(input, residual, weight, eps, normed, residualOut);
+        path = co().allreduceAddRmsNorm(input, residual, weight, eps, normed, residualOut);
         return coord::Pending{};
       });
   return path;
@@ -252,7 +278,7 @@ WorkPtr ProcessGroupTpcomm::allreduce_sparse(std::vector<at::Tensor>& tensors,
       OpType::ALLREDUCE, "allreduce_sparse", [&] { return CallTensors{}; },
       [&] {
         checkSparse("allreduce_sparse", tensors, opts.reduceOp);
-        return coordinator_->allreduceSparse(tensors, opts);
+        return co().allreduceSparse(tensors, opts);
       });
 }
 
@@ -268,7 +294,7 @@ WorkPtr ProcessGroupTpcomm::allreduce_coalesced(std::vector<at::Tensor>& tensors
         checkSameDevice("allreduce_coalesced", tensors);
         checkDtype("allreduce_coalesced", "tensors", tensors, tensors[0].scalar_type());
         checkReduceOp("allreduce_coalesced", opts.reduceOp, tensors[0].scalar_type());
-        return coordinator_->allreduceCoalesced(tensors, opts);
+        return co().allreduceCoalesced(tensors, opts);
       });
 }
 
@@ -282,10 +308,10 @@ WorkPtr ProcessGroupTpcomm::reduce(std::vector<at::Tensor>& tensors,
       [&] {
         checkSingle("reduce", "tensors", tensors);
         checkRank("reduce", "root rank", opts.rootRank, size_);
-        coordinator_->fault().noteRoot(opts.rootRank);
+        co().fault().noteRoot(opts.rootRank);
         checkRootTensor("reduce", opts.rootTensor, tensors.size());
         checkReduceOp("reduce", opts.reduceOp, tensors[0].scalar_type());
-        return coordinator_->reduce(tensors, opts);
+        return co().reduce(tensors, opts);
       });
 }
 
@@ -308,7 +334,7 @@ WorkPtr ProcessGroupTpcomm::allgather(std::vector<std::vector<at::Tensor>>& outp
           checkNumel("allgather", "an output tensor", out.numel(), inputs[0].numel());
           checkOverlap("allgather", "an output tensor", out, "the input", inputs[0]);
         }
-        return coordinator_->allgather(outputs, inputs, opts);
+        return co().allgather(outputs, inputs, opts);
       });
 }
 
@@ -327,7 +353,7 @@ WorkPtr ProcessGroupTpcomm::_allgather_base(at::Tensor& output, at::Tensor& inpu
         checkDtype(op, "output", {output}, input.scalar_type());
         checkNumel(op, "the output", output.numel(), input.numel() * size_);
         checkSlotOverlap(op, "the input", input, "the output", output);
-        return coordinator_->allgatherBase(output, input, opts);
+        return co().allgatherBase(output, input, opts);
       });
 }
 
@@ -352,7 +378,7 @@ WorkPtr ProcessGroupTpcomm::allgather_coalesced(std::vector<std::vector<at::Tens
             checkNumel(op, "an output tensor", list[i].numel(), inputs[i].numel());
           }
         }
-        return coordinator_->allgatherCoalesced(outputs, inputs, opts);
+        return co().allgatherCoalesced(outputs, inputs, opts);
       });
 }
 
@@ -376,7 +402,7 @@ WorkPtr ProcessGroupTpcomm::allgather_into_tensor_coalesced(std::vector<at::Tens
           checkSlotOverlap(op, "an input", inputs[i], "its output", outputs[i]);
         }
         checkNoSharing(op, outputs, inputs);
-        return coordinator_->allgatherIntoTensorCoalesced(outputs, inputs, opts);
+        return co().allgatherIntoTensorCoalesced(outputs, inputs, opts);
       });
 }
 
@@ -391,7 +417,7 @@ WorkPtr ProcessGroupTpcomm::gather(std::vector<std::vector<at::Tensor>>& outputs
       [&] {
         checkSingle("gather", "input tensors", inputs);
         checkRank("gather", "root rank", opts.rootRank, size_);
-        coordinator_->fault().noteRoot(opts.rootRank);
+        co().fault().noteRoot(opts.rootRank);
         if (opts.rootRank == rank_) {
           checkLength("gather", "output tensor lists on the root", outputs.size(), 1);
           checkLength("gather", "the gather list", outputs[0].size(), size_);
@@ -406,7 +432,7 @@ WorkPtr ProcessGroupTpcomm::gather(std::vector<std::vector<at::Tensor>>& outputs
                        "gather: only the root rank (", opts.rootRank,
                        ") passes a gather list; rank ", rank_, " passed one");
         }
-        return coordinator_->gather(outputs, inputs, opts);
+        return co().gather(outputs, inputs, opts);
       });
 }
 
@@ -421,7 +447,7 @@ WorkPtr ProcessGroupTpcomm::scatter(std::vector<at::Tensor>& outputs,
       [&] {
         checkSingle("scatter", "output tensors", outputs);
         checkRank("scatter", "root rank", opts.rootRank, size_);
-        coordinator_->fault().noteRoot(opts.rootRank);
+        co().fault().noteRoot(opts.rootRank);
         if (opts.rootRank == rank_) {
           checkLength("scatter", "input tensor lists on the root", inputs.size(), 1);
           checkLength("scatter", "the scatter list", inputs[0].size(), size_);
@@ -436,7 +462,7 @@ WorkPtr ProcessGroupTpcomm::scatter(std::vector<at::Tensor>& outputs,
                        "scatter: only the root rank (", opts.rootRank,
                        ") passes a scatter list; rank ", rank_, " passed one");
         }
-        return coordinator_->scatter(outputs, inputs, opts);
+        return co().scatter(outputs, inputs, opts);
       });
 }
 
@@ -461,7 +487,7 @@ WorkPtr ProcessGroupTpcomm::reduce_scatter(std::vector<at::Tensor>& outputs,
           checkOverlap(op, "the output", outputs[0], "an input tensor", in);
         }
         checkReduceOp(op, opts.reduceOp, outputs[0].scalar_type());
-        return coordinator_->reduceScatter(outputs, inputs, opts);
+        return co().reduceScatter(outputs, inputs, opts);
       });
 }
 
@@ -481,7 +507,7 @@ WorkPtr ProcessGroupTpcomm::_reduce_scatter_base(at::Tensor& output, at::Tensor&
         checkNumel(op, "the input", input.numel(), output.numel() * size_);
         checkSlotOverlap(op, "the output", output, "the input", input);
         checkReduceOp(op, opts.reduceOp, input.scalar_type());
-        return coordinator_->reduceScatterBase(output, input, opts);
+        return co().reduceScatterBase(output, input, opts);
       });
 }
 
@@ -506,7 +532,7 @@ WorkPtr ProcessGroupTpcomm::reduce_scatter_tensor_coalesced(
           checkReduceOp(op, opts.reduceOp, inputs[i].scalar_type());
         }
         checkNoSharing(op, outputs, inputs);
-        return coordinator_->reduceScatterTensorCoalesced(outputs, inputs, opts);
+        return co().reduceScatterTensorCoalesced(outputs, inputs, opts);
       });
 }
 
@@ -527,7 +553,7 @@ WorkPtr ProcessGroupTpcomm::alltoall_base(at::Tensor& output, at::Tensor& input,
         checkDtype(op, "output", {output}, input.scalar_type());
         checkSplits(op, "input_split_sizes", inputSplits, input, size_);
         checkSplits(op, "output_split_sizes", outputSplits, output, size_);
-        return coordinator_->alltoallBase(output, input, outputSplits, inputSplits, opts);
+        return co().alltoallBase(output, input, outputSplits, inputSplits, opts);
       });
 }
 
@@ -547,7 +573,7 @@ WorkPtr ProcessGroupTpcomm::alltoall(std::vector<at::Tensor>& outputs,
         checkSameDevice("all_to_all", concat(inputs, outputs));
         checkDtype("all_to_all", "input_tensor_list", inputs, inputs[0].scalar_type());
         checkDtype("all_to_all", "output_tensor_list", outputs, inputs[0].scalar_type());
-        return coordinator_->alltoall(outputs, inputs, opts);
+        return co().alltoall(outputs, inputs, opts);
       });
 }
 
@@ -560,7 +586,7 @@ WorkPtr ProcessGroupTpcomm::send(std::vector<at::Tensor>& tensors, int dstRank, 
       [&] {
         checkSingle("send", "tensors", tensors);
         checkRank("send", "destination rank", dstRank, size_);
-        return coordinator_->send(tensors, dstRank, tag);
+        return co().send(tensors, dstRank, tag);
       },
       dstRank);
 }
@@ -574,7 +600,7 @@ WorkPtr ProcessGroupTpcomm::recv(std::vector<at::Tensor>& tensors, int srcRank, 
       [&] {
         checkSingle("recv", "tensors", tensors);
         checkRank("recv", "source rank", srcRank, size_);
-        return coordinator_->recv(tensors, srcRank, tag);
+        return co().recv(tensors, srcRank, tag);
       },
       srcRank);
 }
@@ -587,14 +613,14 @@ WorkPtr ProcessGroupTpcomm::recvAnysource(std::vector<at::Tensor>& tensors, int 
       },
       [&] {
         checkSingle("recv", "tensors", tensors);
-        return coordinator_->recvAnysource(tensors, tag);
+        return co().recvAnysource(tensors, tag);
       });
 }
 
 WorkPtr ProcessGroupTpcomm::barrier(const c10d::BarrierOptions& opts) {
   return run(
       OpType::BARRIER, "barrier", [&] { return CallTensors{}; },
-      [&] { return coordinator_->barrier(opts); });
+      [&] { return co().barrier(opts); });
 }
 
 }  // namespace tpcomm::backend

@@ -12,6 +12,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <set>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
@@ -33,8 +35,23 @@ struct TpcommOptions : c10d::Backend::Options {
 class ProcessGroupTpcomm : public c10d::Backend {
  public:
   explicit ProcessGroupTpcomm(std::shared_ptr<coord::GroupCoordinator> coordinator);
+  // A group made in torch's reconfigure regime (init_process_group(...,
+  // enable_reconfigure=True)): nothing but what forming it takes, no
+  // member yet. Every call raises, naming the regime, until reconfigure()
+  // formed it. `options`: its nominal rank and size, timeout, name.
+  struct Unformed {
+    c10::intrusive_ptr<c10d::Store> store;  // where its members will meet
+    coord::GroupOptions options;
+    coord::BackendFactory cpuFactory;  // its Gloo groups
+    coord::BackendFactory deviceFactory;
+  };
+  explicit ProcessGroupTpcomm(Unformed unformed);
 
-  coord::GroupCoordinator& coordinator() { return *coordinator_; }
+  // Raises (tpcomm::Error, kInvalidUsage) on a group not formed yet.
+  coord::GroupCoordinator& coordinator() const { return co(); }
+  // Whether the group has members (false: the reconfigure regime, before
+  // its first reconfigure).
+  bool formed() const { return static_cast<bool>(coordinator_); }
 
   const std::string getBackendName() const override { return "tpcomm"; }
   bool supportsSplitting() const override { return true; }
@@ -67,6 +84,17 @@ class ProcessGroupTpcomm : public c10d::Backend {
   bool supportsShrinking() const override { return true; }
   c10::intrusive_ptr<Backend> shrink(const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
                                      const c10::intrusive_ptr<Options>& opts) override;
+#endif
+#if defined(TPCOMM_RECONFIGURE)
+  // Re-forming the group with a new set of members (backend/reconfigure.cpp,
+  // docs/torch_capabilities.md): the handle names this backend and the
+  // store its members meet on; reconfigure makes the group of the handles'
+  // members as a split makes one, on that store, and retires the old
+  // one (shut down, or aborted when broken). No call of the group may be
+  // in flight on any thread meanwhile, as for Gloo's.
+  bool supportsReconfigure() const override { return true; }
+  c10d::ReconfigureHandle get_reconfigure_handle() const override;
+  c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
 #endif
   // The calls between these two are one batch, one Work
   // (backend/coalescing.hpp): dist.batch_isend_irecv, _coalescing_manager.
@@ -152,6 +180,11 @@ class ProcessGroupTpcomm : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> run(c10d::OpType type, const char* op, Tensors&& tensors,
                                      Call&& call, int peer = -1);
   std::string describeCall(const char* op) const;
+  // The coordinator; raises naming the regime on a group not formed yet.
+  coord::GroupCoordinator& co() const;
+  const std::string& groupName() const;
+  // The flight recorder's group table, once per membership.
+  void recordGroupOnce(const std::string& uid);
   // A Work that completed in the caller's thread: its completion hooks run
   // now; returns it.
   c10::intrusive_ptr<c10d::Work> completed(c10::intrusive_ptr<c10d::Work> work) const;
@@ -181,13 +214,25 @@ class ProcessGroupTpcomm : public c10d::Backend {
   const std::vector<uint64_t>& globalRanks() const { return globalRanks_; }
 
  private:
+  // Null until a group made in the reconfigure regime was formed; replaced
+  // by each reconfigure.
   std::shared_ptr<coord::GroupCoordinator> coordinator_;
+  std::optional<Unformed> unformed_;  // set while coordinator_ is null
+  // This backend's identity in its reconfigure handles, and the uuids its
+  // reconfigures used (each once).
+  mutable std::once_flag tokenDrawn_;
+  mutable std::string token_;
+  std::set<int64_t> uuids_;
+  // The store the group was first made on, once a reconfigure re-formed
+  // it (each forming runs under a prefix of its own there).
+  c10::intrusive_ptr<c10d::Store> reconfigureBase_;
   // Shared with the works in flight, which may outlive the group.
   std::shared_ptr<BackendHooks> hooks_ = std::make_shared<BackendHooks>();
   Coalescing coalescing_;
   std::vector<uint64_t> globalRanks_;
   size_t flightPgId_;
-  std::once_flag flightGroupRecorded_;
+  std::atomic<bool> flightGroupRecorded_{false};
+  std::mutex flightGroupMutex_;
   // Calls issued on this group: every collective (refused ones too) and
   // every point-to-point call, numbered alike on every rank.
   std::atomic<uint64_t> collectiveSeq_{0};

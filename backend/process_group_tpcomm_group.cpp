@@ -12,7 +12,7 @@
 namespace tpcomm::backend {
 
 std::string ProcessGroupTpcomm::describeCall(const char* op) const {
-  return std::string(op) + " on group '" + coordinator_->options().groupName + "' (rank " +
+  return std::string(op) + " on group '" + groupName() + "' (rank " +
          std::to_string(rank_) + " of " + std::to_string(size_) + ")";
 }
 
@@ -29,12 +29,12 @@ bool ProcessGroupTpcomm::onDeviceRoute() {
 
 void ProcessGroupTpcomm::refuseFromPython(const std::string& op, const std::string& why) {
   translateErrors([&] {
-    coord::GroupFault& fault = coordinator_->fault();
+    coord::GroupFault& fault = co().fault();
     if (!fault.usable()) fault.checkBeforeCall(op.c_str());
     const uint64_t seq = ++collectiveSeq_;
-    if (coordinator_->options().debugChecks) {
+    if (co().options().debugChecks) {
       // TPCOMM_DEBUG: every rank raises at the check, the group survives.
-      coordinator_->checkRefusedCall(op.c_str(), why);
+      co().checkRefusedCall(op.c_str(), why);
     } else {
       fault.refused(seq, op.c_str(), why);
     }
@@ -42,30 +42,36 @@ void ProcessGroupTpcomm::refuseFromPython(const std::string& op, const std::stri
 }
 
 c10::intrusive_ptr<c10d::Backend::Options> ProcessGroupTpcomm::getBackendOptions() {
-  auto options = c10::make_intrusive<TpcommOptions>(coordinator_->options().timeout);
-  options->group_name = coordinator_->options().groupName;
+  const auto& current = coordinator_ ? coordinator_->options() : unformed_->options;
+  auto options = c10::make_intrusive<TpcommOptions>(current.timeout);
+  options->group_name = current.groupName;
   return options;
 }
 
 void ProcessGroupTpcomm::setTimeout(std::chrono::milliseconds timeout) {
+  if (!coordinator_) {
+    unformed_->options.timeout = timeout;
+    return;
+  }
   coordinator_->setTimeout(timeout);
 }
 
 void ProcessGroupTpcomm::eagerConnectSingleDevice(at::Device device) {
-  translateErrors([&] { coordinator_->eagerConnect(device); });
+  translateErrors([&] { co().eagerConnect(device); });
 }
 
 void ProcessGroupTpcomm::setSequenceNumberForGroup() {
-  coordinator_->cpuBackend()->setSequenceNumberForGroup();
+  // A group without members yet has no sequence to agree on.
+  if (coordinator_) coordinator_->cpuBackend()->setSequenceNumberForGroup();
 }
 
 uint64_t ProcessGroupTpcomm::getSequenceNumberForGroup() {
-  return coordinator_->cpuBackend()->getSequenceNumberForGroup();
+  return coordinator_ ? coordinator_->cpuBackend()->getSequenceNumberForGroup() : 0;
 }
 
 void ProcessGroupTpcomm::abort() {
   hooks_->runAbort();
-  coordinator_->abort();
+  if (coordinator_) coordinator_->abort();
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTpcomm::completed(
@@ -106,33 +112,36 @@ void ProcessGroupTpcomm::unregisterCompletionHook(int64_t hookId) {
 }
 #endif
 
-void ProcessGroupTpcomm::shutdown() { coordinator_->shutdown(); }
+void ProcessGroupTpcomm::shutdown() {
+  if (coordinator_) coordinator_->shutdown();
+}
 
 void ProcessGroupTpcomm::startCoalescing() {
   translateErrors([&] {
     // A batch left open (its block raised before its end) is dropped, the
     // device backend's with it (its calls launched), and this one runs:
     // torch's abort wraps its aborts in a batch and must not fail here.
-    if (coalescing_.open()) {
+    if (coalescing_.open() && coordinator_) {
       try {
         coordinator_->endCoalescing();
       } catch (const std::exception&) {
       }
     }
     if (const size_t dropped = coalescing_.start()) {
-      TORCH_WARN("tpcomm: startCoalescing on group '", coordinator_->options().groupName,
+      TORCH_WARN("tpcomm: startCoalescing on group '", groupName(),
                  "' dropped a batch of ", dropped,
                  " call(s) that was never ended (a coalescing block that raised?); each of its "
                  "calls keeps its own Work");
     }
-    coordinator_->startCoalescing();
+    // A group without members yet: its calls raise, the batch stays empty.
+    if (coordinator_) coordinator_->startCoalescing();
   });
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTpcomm::endCoalescing() {
   return translateErrors([&]() -> c10::intrusive_ptr<c10d::Work> {
-    Coalescing::Batch batch = coalescing_.end("'" + coordinator_->options().groupName + "'");
-    const auto device = coordinator_->endCoalescing();
+    Coalescing::Batch batch = coalescing_.end("'" + groupName() + "'");
+    const auto device = coordinator_ ? coordinator_->endCoalescing() : nullptr;
     if (device) batch.works.push_back(device);
     // Nothing called (an empty batch, as torch's abort makes): no Work, as
     // ProcessGroupNCCL. Calls that all completed without one: a completed one.
@@ -151,14 +160,14 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::split(
     for (int r : ranks) checkRank("split", "rank", r, size_);
     if (std::find(ranks.begin(), ranks.end(), rank_) == ranks.end()) return nullptr;
     const std::string name = opts ? opts->group_name : std::string();
-    const auto timeout = opts ? opts->timeout : coordinator_->options().timeout;
+    const auto timeout = opts ? opts->timeout : co().options().timeout;
     std::lock_guard<std::mutex> lock(splitMutex_);
     if (!name.empty()) {
       auto it = splits_.find(name);
       if (it != splits_.end()) return it->second;
     }
     auto child =
-        c10::make_intrusive<ProcessGroupTpcomm>(coordinator_->split(store, ranks, timeout, name));
+        c10::make_intrusive<ProcessGroupTpcomm>(co().split(store, ranks, timeout, name));
     if (globalRanks_.size() == static_cast<size_t>(size_)) {
       std::vector<uint64_t> global;
       for (int r : ranks) global.push_back(globalRanks_[r]);
@@ -174,7 +183,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::shrink(
     const std::vector<int64_t>& ranksToExclude, int shrinkFlags,
     const c10::intrusive_ptr<Options>& opts) {
   return translateErrors([&]() -> c10::intrusive_ptr<c10d::Backend> {
-    const std::string& group = coordinator_->options().groupName;
+    const std::string& group = co().options().groupName;
     TPCOMM_CHECK(shrinkFlags == 0 || shrinkFlags == 1, kInvalidUsage, "shrink: flags ",
                  shrinkFlags, " are neither SHRINK_DEFAULT (0) nor SHRINK_ABORT (1)");
     TPCOMM_CHECK(!ranksToExclude.empty(), kInvalidUsage, "shrink of group '", group,
@@ -189,7 +198,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::shrink(
     }
     TPCOMM_CHECK(!excluded[rank_], kInvalidUsage, "shrink of group '", group, "': rank ", rank_,
                  " excludes itself (only the ranks that stay call shrink)");
-    TPCOMM_CHECK(coordinator_->hasStore(), kInvalidUsage, "shrink of group '", group,
+    TPCOMM_CHECK(co().hasStore(), kInvalidUsage, "shrink of group '", group,
                  "': it was made without a store");
     std::vector<int> survivors;
     for (int r = 0; r < size_; ++r) {
@@ -198,9 +207,9 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::shrink(
     if (shrinkFlags == 1) abort();
     const std::string name =
         opts && !opts->group_name.empty() ? opts->group_name : group + ":shrunk";
-    const auto timeout = opts ? opts->timeout : coordinator_->options().timeout;
+    const auto timeout = opts ? opts->timeout : co().options().timeout;
     auto child =
-        c10::make_intrusive<ProcessGroupTpcomm>(coordinator_->shrink(survivors, timeout, name));
+        c10::make_intrusive<ProcessGroupTpcomm>(co().shrink(survivors, timeout, name));
     if (globalRanks_.size() == static_cast<size_t>(size_)) {
       std::vector<uint64_t> global;
       for (int r : survivors) global.push_back(globalRanks_[r]);
@@ -212,7 +221,7 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::shrink(
 #endif
 
 void ProcessGroupTpcomm::monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) {
-  translateErrors([&] { coordinator_->monitoredBarrier(opts, waitAllRanks); });
+  translateErrors([&] { co().monitoredBarrier(opts, waitAllRanks); });
 }
 
 }  // namespace tpcomm::backend

@@ -5,7 +5,10 @@
 //    where Backend.hpp says so (C10D_BACKEND_HAS_HOOKS);
 //  - TPCOMM_COMPLETION_HOOKS: registerCompletionHook and
 //    Work::getCompletionKey, from torch 2.15;
-//  - TPCOMM_SHRINK: supportsShrinking / shrink (dist.shrink_group).
+//  - TPCOMM_SHRINK: supportsShrinking / shrink (dist.shrink_group);
+//  - TPCOMM_RECONFIGURE: supportsReconfigure / get_reconfigure_handle /
+//    reconfigure (dist._reconfigure), where Backend.hpp says so
+//    (C10D_BACKEND_HAS_RECONFIGURE, torch 2.15).
 // `python -m tpcomm.info` lists which are on (tpcomm._C._torch_features).
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -21,3 +24,7 @@
 // c10d::Backend::shrink and supportsShrinking: in every torch tpcomm supports
 // (2.11 on); dist.shrink_group too.
 #define TPCOMM_SHRINK 1
+
+#if defined(C10D_BACKEND_HAS_RECONFIGURE)
+#define TPCOMM_RECONFIGURE 1
+#endif

@@ -550,38 +550,33 @@ std::shared_ptr<GroupCoordinator> GroupCoordinator::split(
     std::chrono::milliseconds timeout, const std::string& groupName) {
   const auto at = std::find(ranks.begin(), ranks.end(), rank());
   TPCOMM_CHECK(at != ranks.end(), kInvalidUsage, "rank ", rank(), " is not in the split ranks");
+  GroupOptions options = options_;
+  options.rank = static_cast<int>(at - ranks.begin());
+  options.size = static_cast<int>(ranks.size());
+  options.timeout = timeout;
+  options.groupName = groupName;
+  // A Gloo group on this group's network interface (the CPU backend
+  // factory's, with a device of its own), where Gloo's own split would
+  // bind its default one.
+  if (cpuFactory_) return form(store, options, cpuFactory_, deviceFactory_);
   // Every key of the child (its Gloo group's too) under its life's prefix:
   // nothing of a split made earlier under the same name reaches it.
-  const int childRank = static_cast<int>(at - ranks.begin());
-  const int childSize = static_cast<int>(ranks.size());
-  const auto lifeStore = storeOfLife(store, agreeOnLife(store, childRank, childSize, timeout));
+  options.life = agreeOnLife(store, options.rank, options.size, timeout);
+  const auto lifeStore = storeOfLife(store, options.life);
   // Returned once every rank of the child made its part; the Gloo group
   // outlives a failure until every rank ended the making (group_life.hpp).
   c10::intrusive_ptr<c10d::Backend> cpu;
-  return makeTogether(lifeStore, childRank, childSize, timeout, [&] {
+  return makeTogether(lifeStore, options.rank, options.size, timeout, [&] {
     auto cpuStore = c10::make_intrusive<c10d::PrefixStore>("cpu/", lifeStore);
-    GlooSockets sockets;
-    if (cpuFactory_) {
-      // A Gloo group on this group's network interface (the CPU backend
-      // factory's, with a device of its own), where Gloo's own split would
-      // bind its default one.
-      cpu = cpuFactory_(cpuStore, childRank, childSize, timeout);
-      sockets = GlooSockets::ofGroup(cpuStore, childRank, childSize);
-    } else {
-      auto cpuOptions = c10::make_intrusive<c10d::Backend::Options>("gloo", timeout);
-      cpuOptions->group_name = groupName;
-      cpu = cpu_->split(cpuStore, ranks, cpuOptions);
-      sockets = GlooSockets::unknown("made by Gloo's own split, which shares its parent's device");
-    }
+    auto cpuOptions = c10::make_intrusive<c10d::Backend::Options>("gloo", timeout);
+    cpuOptions->group_name = groupName;
+    cpu = cpu_->split(cpuStore, ranks, cpuOptions);
     TPCOMM_CHECK(cpu, kInvalidUsage, "rank ", rank(), " is not in the split ranks");
-    GroupOptions options = options_;
     options.rank = cpu->getRank();
     options.size = cpu->getSize();
-    options.timeout = timeout;
-    options.groupName = groupName;
     auto child = std::make_shared<GroupCoordinator>(options, lifeStore, cpu, deviceFactory_);
-    child->setCpuBackendFactory(cpuFactory_);
-    child->fault().addGlooSockets(sockets);
+    child->fault().addGlooSockets(
+        GlooSockets::unknown("made by Gloo's own split, which shares its parent's device"));
     return child;
   });
 }

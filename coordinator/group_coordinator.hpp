@@ -59,6 +59,7 @@
 #include "coordinator/cuda/custom_path.hpp"
 #include "coordinator/debug/debug_p2p.hpp"
 #include "coordinator/faults/group_fault.hpp"
+#include "coordinator/group_life.hpp"
 #include "coordinator/pending.hpp"
 #include "coordinator/route_stats.hpp"
 #include "coordinator/routing.hpp"
@@ -83,6 +84,10 @@ struct GroupOptions {
   // every CPU call goes to the CPU backend without a set-up exchange; unit
   // tests over in-process fake backends).
   bool cpuShm = true;
+  // The life of the group this coordinator serves (group_life.hpp), where
+  // its maker knew it: a reconfigure's handle names it, so that the ranks of
+  // this group that are not in the new one count as having left it.
+  std::string life;
 };
 
 enum class Route { kCpu, kDevice };
@@ -186,6 +191,25 @@ class GroupCoordinator {
 
   // Whether the group has a store (shrink needs it).
   bool hasStore() const { return static_cast<bool>(store_); }
+  // The store the group was made on: its own store without its life's
+  // prefix (that store itself where it has none).
+  c10::intrusive_ptr<c10d::Store> baseStore() const;
+  // The group of `options.size` ranks this rank is `options.rank` of, made
+  // on `store` (where every key of the group goes, under a life of its own)
+  // as split() makes one: a Gloo group through `cpuFactory`, the device
+  // backend through `deviceFactory` on first use, shared memory per host
+  // and the hierarchical route across hosts on the first CPU collective.
+  // Collective over the new group's ranks; options.life is set.
+  static std::shared_ptr<GroupCoordinator> form(const c10::intrusive_ptr<c10d::Store>& store,
+                                                GroupOptions options, BackendFactory cpuFactory,
+                                                BackendFactory deviceFactory);
+  // Counts `ranks` (of this group) as having left its life, as a shrink or
+  // a reconfigure that left them out does: the group's keys then go once
+  // the others left it too (group_life.hpp). Never throws.
+  void countAsLeft(const std::vector<int>& ranks) { endLife(store_, size(), ranks); }
+  // The factories this group makes Gloo groups and its device backend with.
+  const BackendFactory& cpuBackendFactory() const { return cpuFactory_; }
+  const BackendFactory& deviceBackendFactory() const { return deviceFactory_; }
 
   // Creates the device backend now (init_process_group(device_id=...)).
   void eagerConnect(at::Device device);

@@ -48,8 +48,9 @@ c10::intrusive_ptr<backend::ProcessGroupTpcomm> makeBackend(
     const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
     std::chrono::milliseconds timeout, const std::string& groupName,
     const c10::intrusive_ptr<c10d::Backend>& cpuBackend, py::object deviceFactory,
-    py::object cpuFactory) {
+    py::object cpuFactory, const std::string& life) {
   coord::GroupOptions options;
+  options.life = life;
   options.rank = rank;
   options.size = size;
   options.timeout = timeout;
@@ -59,6 +60,24 @@ c10::intrusive_ptr<backend::ProcessGroupTpcomm> makeBackend(
       options, store, cpuBackend, wrapFactory(std::move(deviceFactory)));
   coordinator->setCpuBackendFactory(wrapFactory(std::move(cpuFactory)));
   return c10::make_intrusive<backend::ProcessGroupTpcomm>(std::move(coordinator));
+}
+
+// A group in torch's reconfigure regime: no member until its first
+// reconfigure (backend/reconfigure.cpp).
+c10::intrusive_ptr<backend::ProcessGroupTpcomm> makeUnformed(
+    const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+    std::chrono::milliseconds timeout, const std::string& groupName, py::object deviceFactory,
+    py::object cpuFactory) {
+  backend::ProcessGroupTpcomm::Unformed unformed;
+  unformed.store = store;
+  unformed.options.rank = rank;
+  unformed.options.size = size;
+  unformed.options.timeout = timeout;
+  unformed.options.groupName = groupName;
+  unformed.options.debugChecks = settings().debug;
+  unformed.deviceFactory = wrapFactory(std::move(deviceFactory));
+  unformed.cpuFactory = wrapFactory(std::move(cpuFactory));
+  return c10::make_intrusive<backend::ProcessGroupTpcomm>(std::move(unformed));
 }
 
 }  // namespace
@@ -85,7 +104,15 @@ tensors through the device backend (NCCL), created on first use.)")
                              "This backend's options (copied by torch's split_group).")
       .def(py::init(&makeBackend), py::arg("store"), py::arg("rank"), py::arg("size"),
            py::arg("timeout"), py::arg("group_name"), py::arg("cpu_backend"),
-           py::arg("device_factory"), py::arg("cpu_factory") = py::none())
+           py::arg("device_factory"), py::arg("cpu_factory") = py::none(), py::arg("life") = "")
+      .def_static("_unformed", &makeUnformed, py::arg("store"), py::arg("rank"), py::arg("size"),
+                  py::arg("timeout"), py::arg("group_name"), py::arg("device_factory"),
+                  py::arg("cpu_factory"),
+                  "A group in torch's reconfigure regime (enable_reconfigure=True): no member "
+                  "until dist._reconfigure formed it.")
+      .def_property_readonly("_formed", &backend::ProcessGroupTpcomm::formed,
+                             "Whether the group has members (False: the reconfigure regime, "
+                             "before its first reconfigure).")
       .def("_set_global_ranks", &backend::ProcessGroupTpcomm::setGlobalRanks, py::arg("ranks"),
            "The group's global ranks (for the flight recorder's group table).")
       .def(
@@ -425,9 +452,12 @@ tensors through the device backend (NCCL), created on first use.)")
 #else
         capabilities["shrink"] = false;
 #endif
-        for (const char* missing : {"reconfigure", "window"}) {
-          capabilities[missing] = false;
-        }
+#if defined(TPCOMM_RECONFIGURE)
+        capabilities["reconfigure"] = true;
+#else
+        capabilities["reconfigure"] = false;
+#endif
+        capabilities["window"] = false;
         info["torch_capabilities"] = capabilities;
         return info;
       },

@@ -135,25 +135,55 @@ void GroupCoordinator::endLifeIfIdle() {
   future.wait_for(std::chrono::seconds(1));
 }
 
+c10::intrusive_ptr<c10d::Store> GroupCoordinator::baseStore() const {
+  if (auto* life = dynamic_cast<c10d::PrefixStore*>(store_.get())) {
+    return life->getUnderlyingStore();
+  }
+  return store_;
+}
+
+std::shared_ptr<GroupCoordinator> GroupCoordinator::form(const c10::intrusive_ptr<c10d::Store>& store,
+                                                          GroupOptions options,
+                                                          BackendFactory cpuFactory,
+                                                          BackendFactory deviceFactory) {
+  TPCOMM_CHECK(store, kInvalidUsage, "group '", options.groupName, "' needs a store to be made");
+  TPCOMM_CHECK(static_cast<bool>(cpuFactory), kInvalidUsage, "group '", options.groupName,
+               "' needs a CPU backend factory to be made");
+  // Every key of the group (its Gloo group's too) under its life's prefix:
+  // nothing of a group made earlier on the same store reaches it.
+  options.life = agreeOnLife(store, options.rank, options.size, options.timeout);
+  const auto lifeStore = storeOfLife(store, options.life);
+  // Returned once every rank made its part; the Gloo group outlives a
+  // failure until every rank ended the making (group_life.hpp).
+  c10::intrusive_ptr<c10d::Backend> cpu;
+  return makeTogether(lifeStore, options.rank, options.size, options.timeout, [&] {
+    auto cpuStore = c10::make_intrusive<c10d::PrefixStore>("cpu/", lifeStore);
+    cpu = cpuFactory(cpuStore, options.rank, options.size, options.timeout);
+    TPCOMM_CHECK(cpu, kInvalidUsage, "group '", options.groupName,
+                 "': the CPU backend factory made no backend");
+    auto sockets = GlooSockets::ofGroup(cpuStore, options.rank, options.size);
+    auto made = std::make_shared<GroupCoordinator>(options, lifeStore, cpu, deviceFactory);
+    made->setCpuBackendFactory(cpuFactory);
+    made->fault().addGlooSockets(sockets);
+    return made;
+  });
+}
+
 std::shared_ptr<GroupCoordinator> GroupCoordinator::shrink(const std::vector<int>& survivors,
                                                            std::chrono::milliseconds timeout,
                                                            const std::string& groupName) {
   // The store the group was made on (its life's prefix taken off): the new
   // group's keys must not lie under this group's life, whose keys go when
   // the survivors destroy this group.
-  c10::intrusive_ptr<c10d::Store> base = store_;
-  if (auto* life = dynamic_cast<c10d::PrefixStore*>(store_.get())) {
-    base = life->getUnderlyingStore();
-  }
-  auto store =
-      c10::make_intrusive<c10d::PrefixStore>("tpcomm-shrink-" + std::to_string(shrinks_++), base);
+  auto store = c10::make_intrusive<c10d::PrefixStore>(
+      "tpcomm-shrink-" + std::to_string(shrinks_++), baseStore());
   auto child = split(store, survivors, timeout, groupName);
   if (child->rank() == 0) {
     std::vector<int> excluded;
     for (int r = 0; r < size(); ++r) {
       if (std::find(survivors.begin(), survivors.end(), r) == survivors.end()) excluded.push_back(r);
     }
-    endLife(store_, size(), excluded);
+    countAsLeft(excluded);
   }
   return child;
 }

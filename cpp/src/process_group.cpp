@@ -96,6 +96,7 @@ c10::intrusive_ptr<c10d::Backend> makeBackend(const c10::intrusive_ptr<c10d::Sto
       group.size = size;
       group.timeout = options.timeout;
       group.groupName = name;
+      group.life = life;
       group.debugChecks = settings().debug;
       auto coordinator =
           std::make_shared<coord::GroupCoordinator>(group, lifeStore, cpu, cpp::ncclFactory());

@@ -53,6 +53,14 @@ def _create_backend(dist_opts, backend_options):
     """Creator called by init_process_group / new_group (extended API)."""
     rank, size = dist_opts.group_rank, dist_opts.group_size
     timeout = dist_opts.timeout
+    if getattr(dist_opts, "enable_reconfigure", False) and _C.build_info()[
+            "torch_capabilities"]["reconfigure"]:
+        # torch's reconfigure regime: no member until dist._reconfigure
+        # forms the group on this store (backend/reconfigure.cpp).
+        device_factory = _make_device_backend if dist.is_nccl_available() else None
+        return _C.ProcessGroupTpcomm._unformed(
+            dist_opts.store, rank, size, timeout, dist_opts.group_id or "", device_factory,
+            _gloo_factory(gloo_device_maker(dist_opts.store)))
     # Every key of the group (its Gloo group's rendezvous, its faults) under
     # the prefix of this life of the group: nothing of a group made earlier
     # under the same name on the same store reaches it.
@@ -65,7 +73,7 @@ def _create_backend(dist_opts, backend_options):
         device_factory = _make_device_backend if dist.is_nccl_available() else None
         pg = _C.ProcessGroupTpcomm(
             store, rank, size, timeout, dist_opts.group_id or "", cpu, device_factory,
-            _gloo_factory(make_devices),
+            _gloo_factory(make_devices), life,
         )
         # The group's Gloo connections, told by the listening addresses its
         # ranks exchanged there, are shut down if the group breaks (abort, a

@@ -1,7 +1,9 @@
 """Going on after a lost rank: dist.shrink_group on a tpcomm group
-(ProcessGroupTpcomm::shrink, GroupCoordinator::shrink). Four ranks on one
-host run allreduces; one is killed with SIGKILL mid-loop; the survivors see
-the fault, shrink, and run 1,000 allreduces on the shrunk group, on the
+(ProcessGroupTpcomm::shrink, GroupCoordinator::shrink), and dist._reconfigure
+of the same group with the survivors' handles (backend/reconfigure.cpp).
+Four ranks on one host run allreduces; one is killed with SIGKILL mid-loop;
+the survivors see the fault, shrink or reconfigure, and run 1,000
+allreduces on the group they then have, on the
 shared-memory route (not Gloo), bitwise equal to a group of the survivors
 made apart; then everything is destroyed and nothing of the old group is
 left (no shared-memory mapping, socket or thread; with the default group
@@ -22,6 +24,9 @@ from harness import _context, error_message
 
 SIZE = 4
 LOST = 2
+# dist._reconfigure where torch has it (2.15 on); a build against an older
+# torch says reconfigure is off (test_backend_hooks.py's capability test).
+HOWS = ["shrink"] + (["reconfigure"] if hasattr(dist, "_reconfigure") else [])
 CALLS = 1000
 
 
@@ -55,9 +60,21 @@ def _steady(timeout_s=5.0):
     return seen[-1]
 
 
-def _lose_and_shrink(rank, default, conn):
-    """Runs the loop until the fault, shrinks, compares; what the test reads.
-    Every group is destroyed and no reference to one is left at its end."""
+def _reconfigure(group, store, rank, survivors, uuid):
+    """The survivors' handles, exchanged through the test's store, and the
+    group re-formed of them in their order; returns the group."""
+    store.set(f"handle/{uuid}/{rank}", dist._get_reconfigure_handle(group))
+    handles = [store.get(f"handle/{uuid}/{r}").decode() for r in survivors]
+    work = dist._reconfigure(uuid=uuid, handles=handles, group=group)
+    if work is not None:
+        work.wait()
+    return group
+
+
+def _lose_and_shrink(rank, default, how, store, conn):
+    """Runs the loop until the fault, shrinks or reconfigures, compares; what
+    the test reads. Every group is destroyed and no reference to one is left
+    at its end."""
     import tpcomm
 
     survivors = [r for r in range(SIZE) if r != LOST]
@@ -76,9 +93,13 @@ def _lose_and_shrink(rank, default, conn):
             break
         assert x[0].item() == sum(range(SIZE)) + SIZE * i, (i, x[0].item())
         i += 1
-    shrunk = dist.shrink_group([LOST], group=group)
+    if how == "reconfigure":
+        shrunk = _reconfigure(group if not default else None, store, rank, survivors, 7)
+        shrunk = shrunk or dist.group.WORLD
+    else:
+        shrunk = dist.shrink_group([LOST], group=group)
     del group
-    if default:
+    if default and how == "shrink":
         # torch destroyed every other group: one made after the shrink.
         apart = dist.new_group(list(range(SIZE - 1)))
     tpcomm.reset_stats(shrunk)
@@ -90,18 +111,20 @@ def _lose_and_shrink(rank, default, conn):
         dist.all_reduce(b, group=apart)
         assert torch.equal(a, b), (n, (a - b).abs().max().item())
     stats = tpcomm.stats(shrunk)
-    names = (shrunk.rank(), shrunk.size(), dist.get_process_group_ranks(shrunk),
+    names = (shrunk.rank(), shrunk.size(),
+             dist.get_process_group_ranks(shrunk) if how == "shrink" else survivors,
              tpcomm.describe(shrunk)["group"], devices,
              sorted(str(d) for d in shrunk._device_types))
     dist.destroy_process_group(apart)
     if not default:
         dist.destroy_process_group(shrunk)
+    del shrunk
     dist.destroy_process_group()
     return (failure, failed_at, names, stats.get("cpu_shm", {}).get("calls", 0),
             stats.get("gloo", {}).get("calls", 0))
 
 
-def _survive(rank, port, default, env, conn):
+def _survive(rank, port, default, how, env, conn):
     try:
         os.environ.clear()
         os.environ.update(env)
@@ -125,7 +148,7 @@ def _survive(rank, port, default, env, conn):
         before = _steady()
         dist.init_process_group("tpcomm", store=dist.PrefixStore("again", store), rank=rank,
                                 world_size=SIZE, timeout=timedelta(seconds=20))
-        found = _lose_and_shrink(rank, default, conn)
+        found = _lose_and_shrink(rank, default, how, store, conn)
         gc.collect()
         conn.send(("ok", found + (before, _settled(before))))
     except BaseException as e:  # noqa: BLE001 - reported to the test
@@ -139,15 +162,16 @@ def _ours(keys):
 
 
 @pytest.mark.torch_version
+@pytest.mark.parametrize("how", HOWS)
 @pytest.mark.parametrize("default", [False, True], ids=["subgroup", "default_group"])
-def test_survivors_shrink_and_go_on_on_shared_memory(default, monkeypatch):
+def test_survivors_shrink_and_go_on_on_shared_memory(default, how, monkeypatch):
     monkeypatch.setenv("TPCOMM_CPU_SHM", "1")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     keys_before = _ours(store.list_keys())
     ctx = _context()
     pipes = [ctx.Pipe() for _ in range(SIZE)]
-    procs = [ctx.Process(target=_survive, args=(r, store.port, default, dict(os.environ), pipes[r][1]), daemon=True)
+    procs = [ctx.Process(target=_survive, args=(r, store.port, default, how, dict(os.environ), pipes[r][1]), daemon=True)
              for r in range(SIZE)]
     for p in procs:
         p.start()
@@ -178,7 +202,8 @@ def test_survivors_shrink_and_go_on_on_shared_memory(default, monkeypatch):
         # Seen within the group's 20 s timeout: the peer's death, not a timeout.
         assert failed_at - killed_at < 10, failed_at - killed_at
         assert names[:3] == (new_rank, SIZE - 1, survivors), names
-        assert names[3].endswith(":shrunk"), names
+        # A shrink makes a group of its own; a reconfigure re-forms this one.
+        assert names[3].endswith(":shrunk") == (how == "shrink"), names
         # The parent's devices (CPU and CUDA), not only the one torch registers.
         assert names[4] == names[5] == ["cpu", "cuda"], names
         # Every one of the shrunk group's allreduces on shared memory.

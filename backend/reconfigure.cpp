@@ -1,0 +1,264 @@
+// ProcessGroupTpcomm's reconfigure (torch 2.15's dist._get_reconfigure_handle
+// and dist._reconfigure): the group re-formed with a new set of members, in
+// place, as docs/torch_capabilities.md describes.
+//
+// A handle is one line of six fields separated by ';':
+//   tpcomm1;<token>;<store>;<life>;<rank>;<size>
+// token: 16 hex digits this backend drew when it was made (a member's
+// identity); store: the store its members meet on ("tcp:<host>:<port>" for a
+// TCPStore, "file:<path>" for a FileStore, "-" where it cannot tell); life,
+// rank, size: the group it serves now (its life, group_life.hpp; "-", its
+// nominal rank and size before it was ever formed). Forming runs on
+// "tpcomm-reconfigure-<uuid>/" of the store the group was made on.
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/FileStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "backend/boundary.hpp"
+#include "backend/process_group_tpcomm.hpp"
+#include "common/error.hpp"
+
+namespace tpcomm::backend {
+
+#if defined(TPCOMM_RECONFIGURE)
+
+namespace {
+
+const char* const kVersion = "tpcomm1";
+
+struct Handle {
+  std::string text, token, store, life;
+  int rank = -1, size = 0;
+};
+
+std::string drawToken() {
+  std::random_device device;
+  const uint64_t value = (static_cast<uint64_t>(device()) << 32) ^ device() ^
+                         static_cast<uint64_t>(getpid()) << 20;
+  char text[17];
+  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(value));
+  return text;
+}
+
+// The store under its prefixes, named so that two processes on one store
+// say the same; "-" for a kind of store that cannot tell.
+std::string storeName(c10::intrusive_ptr<c10d::Store> store) {
+  for (int depth = 0; depth < 64; ++depth) {
+    auto* prefix = dynamic_cast<c10d::PrefixStore*>(store.get());
+    if (!prefix) break;
+    store = prefix->getUnderlyingStore();
+  }
+  if (auto* tcp = dynamic_cast<c10d::TCPStore*>(store.get())) {
+    return detail::concat("tcp:", tcp->getHost(), ":", tcp->getPort());
+  }
+  if (auto* file = dynamic_cast<c10d::FileStore*>(store.get())) {
+    return "file:" + file->getPath();
+  }
+  return "-";
+}
+
+bool parseInt(const std::string& text, int& out) {
+  if (text.empty() || text.size() > 9) return false;
+  for (char c : text) {
+    if (c < '0' || c > '9') return false;
+  }
+  out = std::stoi(text);
+  return true;
+}
+
+// `text` as a handle; raises naming its position and what is wrong.
+Handle parse(const std::string& text, size_t position, const std::string& group) {
+  std::vector<std::string> fields;
+  std::stringstream in(text);
+  for (std::string field; std::getline(in, field, ';');) fields.push_back(field);
+  const std::string shown = text.size() > 120 ? text.substr(0, 120) + "..." : text;
+  TPCOMM_CHECK(fields.size() == 6 && fields[0] == kVersion, kInvalidUsage, "reconfigure of group '",
+               group, "': handle ", position, " ('", shown,
+               "') is not a tpcomm handle (one from _get_reconfigure_handle on a tpcomm group)");
+  Handle h;
+  h.text = text;
+  h.token = fields[1];
+  h.store = fields[2];
+  h.life = fields[3];
+  TPCOMM_CHECK(h.token.size() == 16 && parseInt(fields[4], h.rank) && parseInt(fields[5], h.size) &&
+                   h.rank < h.size,
+               kInvalidUsage, "reconfigure of group '", group, "': handle ", position, " ('",
+               shown, "') is damaged");
+  return h;
+}
+
+// The handles in rank order: a list's as given, a set's sorted (every
+// member sorts alike).
+std::vector<std::string> ordered(const c10d::ReconfigureOptions& opts) {
+  if (const auto* list = std::get_if<std::vector<c10d::ReconfigureHandle>>(&opts.handles)) {
+    return *list;
+  }
+  const auto& set = std::get<std::unordered_set<c10d::ReconfigureHandle>>(opts.handles);
+  std::vector<std::string> out(set.begin(), set.end());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Keys of a reconfigure's agreement on its handles, under its prefix.
+const char* const kHandlesKey = "tpcomm/handles";   // the first member's handles
+const char* const kArrivedKey = "tpcomm/arrived";   // members that found the same
+const char* const kRefusedKey = "tpcomm/refused";   // why a member's differed
+
+std::string joined(const std::vector<Handle>& members) {
+  std::string out;
+  for (const auto& h : members) out += h.text + "\n";
+  return out;
+}
+
+// Every member passed the same handles: the first to come writes them, the
+// others compare; returns once all `size` found them equal. A member whose
+// handles differ says so in the store and raises; the others raise it as
+// soon as they see it, never waiting out the timeout. Bounded by `timeout`.
+void agreeOnHandles(c10d::Store& store, const std::string& ours, int size,
+                    std::chrono::milliseconds timeout, const std::string& what) {
+  const std::vector<uint8_t> bytes(ours.begin(), ours.end());
+  const auto found = store.compareSet(kHandlesKey, {}, bytes);
+  if (found != bytes) {
+    const std::string why = detail::concat(
+        "a member passed other handles than the first one:\n", ours, "where the first passed:\n",
+        std::string(found.begin(), found.end()));
+    store.set(kRefusedKey, std::vector<uint8_t>(why.begin(), why.end()));
+    TPCOMM_THROW(kInvalidUsage, what, ": ", why);
+  }
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (int64_t arrived = store.add(kArrivedKey, 1); arrived < size;
+       arrived = store.add(kArrivedKey, 0)) {
+    if (store.check({kRefusedKey})) {
+      const auto why = store.get(kRefusedKey);
+      TPCOMM_THROW(kInvalidUsage, what, ": ", std::string(why.begin(), why.end()));
+    }
+    TPCOMM_CHECK(std::chrono::steady_clock::now() < deadline, kTimeout, what, ": ", arrived,
+                 " of the ", size, " members came within ", timeout.count(), " ms");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+}  // namespace
+
+c10d::ReconfigureHandle ProcessGroupTpcomm::get_reconfigure_handle() const {
+  return translateErrors([&] {
+    std::call_once(tokenDrawn_, [&] { token_ = drawToken(); });
+    const auto store = reconfigureBase_ ? reconfigureBase_
+                       : coordinator_   ? coordinator_->baseStore()
+                                        : unformed_->store;
+    const std::string life =
+        coordinator_ && !coordinator_->options().life.empty() ? coordinator_->options().life : "-";
+    return detail::concat(kVersion, ";", token_, ";", storeName(store), ";", life, ";", rank_, ";",
+                          size_);
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ProcessGroupTpcomm::reconfigure(
+    const c10d::ReconfigureOptions& opts) {
+  return translateErrors([&]() -> c10::intrusive_ptr<c10d::Work> {
+    const std::string group = groupName();
+    TPCOMM_CHECK(!coalescing_.open(), kInvalidUsage, "reconfigure of group '", group,
+                 "' inside a coalescing block");
+    if (!opts.hints.empty()) {
+      TPCOMM_THROW(kInvalidUsage, "reconfigure of group '", group, "': hint '",
+                   opts.hints.begin()->first, "' is not one tpcomm knows (it takes none)");
+    }
+    const std::vector<std::string> texts = ordered(opts);
+    TPCOMM_CHECK(!texts.empty(), kInvalidUsage, "reconfigure of group '", group,
+                 "': no handle (one per member, this rank's own among them)");
+    const Handle mine = parse(get_reconfigure_handle(), 0, group);
+    std::vector<Handle> members;
+    int newRank = -1;
+    for (size_t i = 0; i < texts.size(); ++i) {
+      Handle h = parse(texts[i], i, group);
+      for (const Handle& seen : members) {
+        TPCOMM_CHECK(seen.token != h.token, kInvalidUsage, "reconfigure of group '", group,
+                     "': handles ", &seen - members.data(), " and ", i,
+                     " name the same member (token ", h.token, ")");
+      }
+      TPCOMM_CHECK(h.store == mine.store || h.store == "-" || mine.store == "-", kInvalidUsage,
+                   "reconfigure of group '", group, "': handle ", i, " names store '", h.store,
+                   "', this rank's group meets on '", mine.store,
+                   "': every member must share one store");
+      if (h.token == mine.token) newRank = static_cast<int>(i);
+      members.push_back(std::move(h));
+    }
+    TPCOMM_CHECK(newRank >= 0, kInvalidUsage, "reconfigure of group '", group,
+                 "': this rank's own handle is not among the ", texts.size(),
+                 " handles (every member passes every member's handle, its own included)");
+    TPCOMM_CHECK(uuids_.insert(opts.uuid).second, kInvalidUsage, "reconfigure of group '", group,
+                 "': uuid ", opts.uuid, " was used before on this group (a fresh one each time)");
+
+    coord::GroupOptions options = coordinator_ ? coordinator_->options() : unformed_->options;
+    if (opts.timeout) options.timeout = *opts.timeout;
+    options.rank = newRank;
+    options.size = static_cast<int>(members.size());
+    // The store the group was first made on: the same for every member,
+    // whichever forming it had last.
+    if (!reconfigureBase_) {
+      reconfigureBase_ = coordinator_ ? coordinator_->baseStore() : unformed_->store;
+    }
+    auto store = c10::make_intrusive<c10d::PrefixStore>(
+        detail::concat("tpcomm-reconfigure-", opts.uuid), reconfigureBase_);
+    agreeOnHandles(*store, joined(members), options.size, options.timeout,
+                   detail::concat("reconfigure of group '", group, "' (uuid ", opts.uuid, ")"));
+    auto formed = coord::GroupCoordinator::form(
+        store, options,
+        coordinator_ ? coordinator_->cpuBackendFactory() : unformed_->cpuFactory,
+        coordinator_ ? coordinator_->deviceBackendFactory() : unformed_->deviceFactory);
+    // Every member compared (the making ended together): the handles go.
+    if (newRank == 0) {
+      try {
+        for (const char* key : {kHandlesKey, kArrivedKey}) store->deleteKey(key);
+      } catch (const std::exception&) {
+      }
+    }
+    if (auto old = std::exchange(coordinator_, formed)) {
+      // The ranks of the old group left out count as having left it, said
+      // by the first member that served it (its keys go once the others
+      // retired it too); then this rank retires it.
+      const std::string& life = old->options().life;
+      const auto first = std::find_if(members.begin(), members.end(),
+                                      [&](const Handle& h) { return h.life == life; });
+      if (!life.empty() && first != members.end() && first->token == mine.token) {
+        std::vector<bool> stays(old->size(), false);
+        for (const auto& h : members) {
+          if (h.life == life && h.rank < old->size()) stays[h.rank] = true;
+        }
+        std::vector<int> out;
+        for (int r = 0; r < old->size(); ++r) {
+          if (!stays[r]) out.push_back(r);
+        }
+        if (!out.empty()) old->countAsLeft(out);
+      }
+      if (old->fault().usable()) {
+        old->shutdown();
+      } else {
+        old->abort();
+      }
+    }
+    unformed_.reset();
+    rank_ = options.rank;
+    size_ = options.size;
+    collectiveSeq_ = 0;
+    p2pSeq_ = 0;
+    globalRanks_.resize(size_);
+    std::iota(globalRanks_.begin(), globalRanks_.end(), 0);
+    flightGroupRecorded_ = false;
+    {
+      std::lock_guard<std::mutex> lock(splitMutex_);
+      splits_.clear();  // the old group's
+    }
+    return coord::completedWork({});
+  });
+}
+
+#endif
+
+}  // namespace tpcomm::backend
