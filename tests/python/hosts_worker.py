@@ -364,6 +364,44 @@ def case_shrink_after_loss(out):
     dist.destroy_process_group(apart)
 
 
+def case_reconfigure_after_loss(out):
+    """As shrink_after_loss, the default group re-formed in place instead:
+    the survivors' handles through the default store, dist._reconfigure,
+    then 1,000 allreduces on it and on a group of the same ranks made
+    after it."""
+    import signal
+
+    lost = WORLD - 1
+    out["raised"] = None
+    for i in range(100000):
+        if RANK == lost and i == 100:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            dist.all_reduce(torch.full((1024,), float(i)))
+        except Exception as e:  # noqa: BLE001
+            out["raised"] = f"{type(e).__name__}: {e}"
+            break
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"test-handle/{RANK}", dist._get_reconfigure_handle())
+    handles = [store.get(f"test-handle/{r}").decode() for r in range(lost)]
+    dist._reconfigure(uuid=3, handles=handles).wait()
+    apart = dist.new_group(list(range(WORLD - 1)))
+    tpcomm.reset_stats(dist.group.WORLD)
+    differ = []
+    g = torch.Generator().manual_seed(RANK)
+    for n in range(1000):
+        x = torch.randn(257 + n % 5, generator=g)
+        a, b = x.clone(), x.clone()
+        dist.all_reduce(a)
+        dist.all_reduce(b, group=apart)
+        if not torch.equal(a, b):
+            differ.append(n)
+    out["differ"] = differ
+    out["stats"] = tpcomm.stats(dist.group.WORLD)
+    out["shrunk"] = (dist.get_rank(), dist.get_world_size(), list(range(WORLD - 1)))
+    dist.destroy_process_group(apart)
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

@@ -387,12 +387,14 @@ def test_a_host_lost_among_8_is_named_by_every_other_within_1s(elements, gbit, t
     assert max(late.values()) < (1.0 if gbit is None else 2.0), late
 
 
-def test_survivors_across_hosts_shrink_and_go_on_on_the_hierarchical_route(tmp_path):
+@pytest.mark.parametrize("how", ["shrink", "reconfigure"])
+def test_survivors_across_hosts_shrink_and_go_on_on_the_hierarchical_route(how, tmp_path):
     """2+2 hosts, rank 3 killed mid-loop: ranks 0-2 shrink the default group
-    (dist.shrink_group) and its 1,000 allreduces take the hierarchical route
-    (2 hosts: 2+1), bit for bit as a group of the same ranks made after."""
+    (dist.shrink_group) or re-form it from their handles (dist._reconfigure),
+    and its 1,000 allreduces take the hierarchical route (2 hosts: 2+1), bit
+    for bit as a group of the same ranks made after."""
     layout = LAYOUTS["2x2"]
-    results, codes, errors = run_case(layout, "shrink_after_loss", tmp_path,
+    results, codes, errors = run_case(layout, f"{how}_after_loss", tmp_path,
                                       {"TEST_TIMEOUT_S": "20"})
     assert not errors, "\n".join(errors.values())
     assert codes[0] == 0 and codes[1] != 0, codes  # host 1's rank 3 was killed
