@@ -50,40 +50,6 @@ std::vector<at::Tensor> concat(const std::vector<at::Tensor>& a, const std::vect
 
 }  // namespace
 
-namespace {
-
-size_t nextFlightPgId() {
-  static std::atomic<size_t> groups{0};
-  return groups.fetch_add(1);
-}
-
-}  // namespace
-
-ProcessGroupTpcomm::ProcessGroupTpcomm(std::shared_ptr<coord::GroupCoordinator> coordinator)
-    : c10d::Backend(coordinator->rank(), coordinator->size()),
-      coordinator_(std::move(coordinator)),
-      flightPgId_(nextFlightPgId()) {
-  init();
-}
-
-ProcessGroupTpcomm::ProcessGroupTpcomm(Unformed unformed)
-    : c10d::Backend(unformed.options.rank, unformed.options.size),
-      unformed_(std::move(unformed)),
-      flightPgId_(nextFlightPgId()) {
-  init();
-}
-
-coord::GroupCoordinator& ProcessGroupTpcomm::co() const {
-  TPCOMM_CHECK(coordinator_, kInvalidUsage, "group '", groupName(),
-               "' was made in the reconfigure regime (enable_reconfigure=True) and has no "
-               "members yet: form it with torch.distributed._reconfigure(uuid, handles) first");
-  return *coordinator_;
-}
-
-const std::string& ProcessGroupTpcomm::groupName() const {
-  return coordinator_ ? coordinator_->options().groupName : unformed_->options.groupName;
-}
-
 template <typename Tensors, typename Call>
 WorkPtr ProcessGroupTpcomm::run(OpType type, const char* op, Tensors&& tensors, Call&& call,
                                 int peer) {

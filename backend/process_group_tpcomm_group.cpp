@@ -1,5 +1,5 @@
-// ProcessGroupTpcomm: the group's own methods (options, timeout, abort,
-// split, refusals from torch's front door), beside the calls of
+// ProcessGroupTpcomm: the group's own methods (making, options, timeout,
+// abort, split, refusals from torch's front door), beside the calls of
 // process_group_tpcomm.cpp.
 #include <algorithm>
 
@@ -10,6 +10,40 @@
 #include "coordinator/route_stats.hpp"
 
 namespace tpcomm::backend {
+
+namespace {
+
+size_t nextFlightPgId() {
+  static std::atomic<size_t> groups{0};
+  return groups.fetch_add(1);
+}
+
+}  // namespace
+
+ProcessGroupTpcomm::ProcessGroupTpcomm(std::shared_ptr<coord::GroupCoordinator> coordinator)
+    : c10d::Backend(coordinator->rank(), coordinator->size()),
+      coordinator_(std::move(coordinator)),
+      flightPgId_(nextFlightPgId()) {
+  init();
+}
+
+ProcessGroupTpcomm::ProcessGroupTpcomm(Unformed unformed)
+    : c10d::Backend(unformed.options.rank, unformed.options.size),
+      unformed_(std::move(unformed)),
+      flightPgId_(nextFlightPgId()) {
+  init();
+}
+
+coord::GroupCoordinator& ProcessGroupTpcomm::co() const {
+  TPCOMM_CHECK(coordinator_, kInvalidUsage, "group '", groupName(),
+               "' was made in the reconfigure regime (enable_reconfigure=True) and has no "
+               "members yet: form it with torch.distributed._reconfigure(uuid, handles) first");
+  return *coordinator_;
+}
+
+const std::string& ProcessGroupTpcomm::groupName() const {
+  return coordinator_ ? coordinator_->options().groupName : unformed_->options.groupName;
+}
 
 std::string ProcessGroupTpcomm::describeCall(const char* op) const {
   return std::string(op) + " on group '" + groupName() + "' (rank " +

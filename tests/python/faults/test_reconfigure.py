@@ -81,7 +81,9 @@ def _member(role, rank, port, env, conn):
         store.set(f"h2/{me}", dist._get_reconfigure_handle())
         members = [str(r) for r in range(FIRST) if r != LOST] + ["joiner"]
         handles = _handles(store, "h2", members)
+        start = time.monotonic()
         dist._reconfigure(uuid=2, handles=handles).wait()
+        out["second_s"] = time.monotonic() - start
         out["second"] = (dist.get_rank(), dist.get_world_size(), members.index(me))
         tpcomm.reset_stats(dist.group.WORLD)
         differ = 0
