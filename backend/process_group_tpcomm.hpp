@@ -96,6 +96,14 @@ class ProcessGroupTpcomm : public c10d::Backend {
   c10d::ReconfigureHandle get_reconfigure_handle() const override;
   c10::intrusive_ptr<c10d::Work> reconfigure(const c10d::ReconfigureOptions& opts) override;
 #endif
+#if defined(TPCOMM_WINDOW)
+  // One-sided windows on CPU tensors among the ranks of one host
+  // (backend/window/tpcomm_window.hpp): collective, made in the same order
+  // on every rank.
+  bool supportsWindow() const override { return true; }
+  c10::intrusive_ptr<c10d::Window> new_window(
+      const std::optional<at::Tensor>& tensor = std::nullopt) override;
+#endif
   // The calls between these two are one batch, one Work
   // (backend/coalescing.hpp): dist.batch_isend_irecv, _coalescing_manager.
   bool supportsCoalescing() const override { return true; }

@@ -6,6 +6,7 @@
 #include "backend/boundary.hpp"
 #include "backend/process_group_tpcomm.hpp"
 #include "backend/validation.hpp"
+#include "backend/window/tpcomm_window.hpp"
 #include "coordinator/cpu/cpu_shm_path.hpp"
 #include "coordinator/route_stats.hpp"
 
@@ -250,6 +251,16 @@ c10::intrusive_ptr<c10d::Backend> ProcessGroupTpcomm::shrink(
       child->setGlobalRanks(std::move(global));
     }
     return child;
+  });
+}
+#endif
+
+#if defined(TPCOMM_WINDOW)
+c10::intrusive_ptr<c10d::Window> ProcessGroupTpcomm::new_window(
+    const std::optional<at::Tensor>& tensor) {
+  return translateErrors([&]() -> c10::intrusive_ptr<c10d::Window> {
+    co();  // raises on a group without members yet
+    return c10::make_intrusive<TpcommWindow>(coordinator_, tensor);
   });
 }
 #endif

@@ -8,7 +8,9 @@
 //  - TPCOMM_SHRINK: supportsShrinking / shrink (dist.shrink_group);
 //  - TPCOMM_RECONFIGURE: supportsReconfigure / get_reconfigure_handle /
 //    reconfigure (dist._reconfigure), where Backend.hpp says so
-//    (C10D_BACKEND_HAS_RECONFIGURE, torch 2.15).
+//    (C10D_BACKEND_HAS_RECONFIGURE, torch 2.15);
+//  - TPCOMM_WINDOW: supportsWindow / new_window (dist._new_window), where
+//    Backend.hpp says so (C10D_BACKEND_HAS_WINDOW, torch 2.15).
 // `python -m tpcomm.info` lists which are on (tpcomm._C._torch_features).
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -27,4 +29,8 @@
 
 #if defined(C10D_BACKEND_HAS_RECONFIGURE)
 #define TPCOMM_RECONFIGURE 1
+#endif
+
+#if defined(C10D_BACKEND_HAS_WINDOW)
+#define TPCOMM_WINDOW 1
 #endif

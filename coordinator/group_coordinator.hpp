@@ -51,6 +51,7 @@
 #include <vector>
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "coordinator/cpu/cpu_hier_path.hpp"
@@ -207,6 +208,12 @@ class GroupCoordinator {
   // a reconfigure that left them out does: the group's keys then go once
   // the others left it too (group_life.hpp). Never throws.
   void countAsLeft(const std::vector<int>& ranks) { endLife(store_, size(), ranks); }
+  // Where the group's next one-sided window meets (windows are made in the
+  // same order on every rank): "tpcomm-window-<n>/" of the group's life.
+  c10::intrusive_ptr<c10d::Store> nextWindowStore() {
+    return c10::make_intrusive<c10d::PrefixStore>("tpcomm-window-" + std::to_string(windows_++),
+                                                  store_);
+  }
   // The factories this group makes Gloo groups and its device backend with.
   const BackendFactory& cpuBackendFactory() const { return cpuFactory_; }
   const BackendFactory& deviceBackendFactory() const { return deviceFactory_; }
@@ -379,6 +386,7 @@ class GroupCoordinator {
   GroupOptions options_;
   c10::intrusive_ptr<c10d::Store> store_;
   std::atomic<int> shrinks_{0};  // shrink(): each one a prefix of its own
+  std::atomic<int> windows_{0};  // nextWindowStore(): each one a prefix of its own
   // shutdown() and abort(): this rank leaves the group's life (endLife) when
   // no call of its is in flight.
   void endLifeIfIdle();

@@ -457,7 +457,11 @@ tensors through the device backend (NCCL), created on first use.)")
 #else
         capabilities["reconfigure"] = false;
 #endif
+#if defined(TPCOMM_WINDOW)
+        capabilities["window"] = true;
+#else
         capabilities["window"] = false;
+#endif
         info["torch_capabilities"] = capabilities;
         return info;
       },

@@ -3,8 +3,8 @@ backend -> coordinator -> {custom_allreduce, message_queue} -> common
 (the error type and the settings: the floor, a top-level folder that every
 layer may include and that includes no other); the bindings (python/) and the C++ interface (cpp/) may
 include every layer below them (and not each other); inside
-message_queue, the ring, the arena and the collectives engine stand on
-region/ and not on each other. An include that runs back up fails here,
+message_queue, the ring, the arena, the collectives engine and the windows
+stand on region/ and not on each other. An include that runs back up fails here,
 naming the file, the line and the rule. Also: no folder of more than 20
 source files, no source file past 600 lines without the reason at its top."""
 
@@ -33,7 +33,7 @@ TOP = {"common": "common", "backend": "backend", "coordinator": "coordinator", "
 
 # message_queue's parts and the parts each may include.
 MQ_PARTS = {"region": {"region"}, "ring": {"ring", "region"}, "arena": {"arena", "region"},
-            "collectives": {"collectives", "region"}}
+            "collectives": {"collectives", "region"}, "window": {"window", "region"}}
 MAX_SOURCES_PER_FOLDER = 20
 
 

@@ -1,0 +1,257 @@
+#include "backend/window/tpcomm_window.hpp"
+
+#if defined(C10D_BACKEND_HAS_WINDOW)
+
+#include <sstream>
+#include <thread>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include "backend/boundary.hpp"
+#include "common/error.hpp"
+#include "common/settings.hpp"
+#include "coordinator/cpu/cpu_shm_path.hpp"
+
+namespace tpcomm::backend {
+
+namespace {
+
+const char* const kFailedKey = "failed";
+
+std::vector<uint8_t> bytesOf(const std::string& text) {
+  return std::vector<uint8_t>(text.begin(), text.end());
+}
+
+std::vector<std::string> split(const std::string& text, char by) {
+  std::vector<std::string> out;
+  std::stringstream in(text);
+  for (std::string field; std::getline(in, field, by);) out.push_back(field);
+  return out;
+}
+
+// Every rank adds itself to `key` and waits until all `size` did, at most
+// `timeout`; a rank that failed its part says why under kFailedKey (fail())
+// and the others raise it at once.
+void meet(c10d::Store& store, const std::string& key, int size, std::chrono::milliseconds timeout,
+          const std::string& what) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  for (int64_t n = store.add(key, 1); n < size; n = store.add(key, 0)) {
+    if (store.check({kFailedKey})) {
+      const auto why = store.get(kFailedKey);
+      TPCOMM_THROW(kPeerLost, what, ": ", std::string(why.begin(), why.end()));
+    }
+    TPCOMM_CHECK(std::chrono::steady_clock::now() < deadline, kTimeout, what, ": ", n, " of the ",
+                 size, " ranks came within ", timeout.count(), " ms");
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+}  // namespace
+
+TpcommWindow::TpcommWindow(std::shared_ptr<coord::GroupCoordinator> group,
+                           const std::optional<at::Tensor>& tensor)
+    : group_(std::move(group)), store_(group_->nextWindowStore()) {
+  if (tensor) tensor_register(*tensor, true);
+}
+
+std::string TpcommWindow::what(const char* op) const {
+  return detail::concat("window ", op, " on group '", group_->options().groupName, "' (rank ",
+                        group_->rank(), " of ", group_->size(), ")");
+}
+
+void TpcommWindow::checkPeer(const char* op, int64_t rank) const {
+  TPCOMM_CHECK(rank >= 0 && rank < group_->size(), kInvalidUsage, what(op), ": rank ", rank,
+               " is not one of the group's ", group_->size(), " ranks");
+}
+
+void TpcommWindow::checkRegistered(const char* op) const {
+  TPCOMM_CHECK(shm_, kInvalidUsage, what(op),
+               ": no tensor is registered (dist._new_window(tensor) or tensor_register first)");
+}
+
+std::chrono::milliseconds TpcommWindow::timeoutOf(std::chrono::milliseconds asked) const {
+  return asked.count() > 0 ? asked : group_->options().timeout;
+}
+
+void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
+  translateErrors([&] {
+    const int rank = group_->rank();
+    const int size = group_->size();
+    TPCOMM_CHECK(!shm_, kInvalidUsage, what("tensor_register"),
+                 ": a tensor is registered already (tensor_deregister first)");
+    TPCOMM_CHECK(tensor.defined() && tensor.device().is_cpu(), kInvalidUsage,
+                 what("tensor_register"), ": tpcomm's windows hold CPU tensors, this one is on ",
+                 tensor.defined() ? tensor.device().str() : std::string("no device"));
+    TPCOMM_CHECK(tensor.is_contiguous() && !tensor.is_sparse(), kInvalidUsage,
+                 what("tensor_register"), ": the tensor must be dense and contiguous");
+    TPCOMM_CHECK(group_->fault().usable(), kPeerLost, what("tensor_register"),
+                 ": the group broke: ", group_->fault().reason());
+    // The tensor's whole storage moves into this rank's region, in place.
+    c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
+    const size_t bytes = storage->nbytes();
+    auto shm = std::make_unique<mq::ShmWindow>(rank, size, bytes);
+    if (bytes > 0) std::memcpy(shm->data(rank), storage->data(), bytes);
+    auto* keep = new std::shared_ptr<void>(shm->keep(rank));
+    storage->set_data_ptr_noswap(at::DataPtr(
+        shm->data(rank), keep, [](void* ctx) { delete static_cast<std::shared_ptr<void>*>(ctx); },
+        at::Device(at::kCPU)));
+    storage->set_resizable(false);
+
+    // Every rank's region, host and tensor through the window's store.
+    auto store = c10::make_intrusive<c10d::PrefixStore>(
+        detail::concat("reg-", registrations_++, "/"), store_);
+    std::string sizes;
+    for (int64_t d : tensor.sizes()) sizes += (sizes.empty() ? "" : ",") + std::to_string(d);
+    store->set(std::to_string(rank),
+               bytesOf(detail::concat(hostIdentity(), "\n", shm->name(), "\n",
+                                      static_cast<int>(tensor.scalar_type()), "\n",
+                                      tensor.storage_offset() * tensor.element_size(), "\n",
+                                      sizes)));
+    std::vector<std::string> keys;
+    for (int r = 0; r < size; ++r) keys.push_back(std::to_string(r));
+    const auto timeout = group_->options().timeout;
+    try {
+      store->wait(keys, timeout);
+    } catch (const std::exception& e) {
+      TPCOMM_THROW(kTimeout, what("tensor_register"), ": not every rank registered within ",
+                   timeout.count(), " ms: ", split(e.what(), '\n')[0]);
+    }
+    std::vector<std::string> names(size);
+    std::vector<Registered> registered(size);
+    std::string failure;
+    for (int r = 0; r < size; ++r) {
+      const auto value = store->get(keys[r]);
+      auto fields = split(std::string(value.begin(), value.end()), '\n');
+      fields.resize(5);
+      if (fields[0] != hostIdentity() && failure.empty()) {
+        failure = detail::concat("rank ", r, " is on another host than rank ", rank,
+                                 ": tpcomm's windows join the ranks of one host");
+      }
+      names[r] = fields[1];
+      registered[r].dtype = static_cast<c10::ScalarType>(std::stoi(fields[2]));
+      registered[r].offsetBytes = std::stoull(fields[3]);
+      registered[r].numel = 1;
+      for (const auto& d : split(fields[4], ',')) {
+        registered[r].sizes.push_back(std::stoll(d));
+        registered[r].numel *= registered[r].sizes.back();
+      }
+    }
+    if (failure.empty()) {
+      try {
+        shm->attach(names);
+      } catch (const std::exception& e) {
+        failure = detail::concat("rank ", rank, " could not map its peers' windows: ", e.what());
+        store->set(kFailedKey, bytesOf(failure));
+      }
+    }
+    TPCOMM_CHECK(failure.empty(), kInvalidUsage, what("tensor_register"), ": ", failure);
+    // Every rank mapped every region: no one needs the descriptors, nor
+    // the keys (the last rank out removes them).
+    meet(*store, "attached", size, timeout, what("tensor_register"));
+    shm->closeDescriptor();
+    if (store->add("left", 1) == size) {
+      for (const auto& key : keys) store->deleteKey(key);
+      for (const char* key : {"attached", "left"}) store->deleteKey(key);
+    }
+    shm_ = std::move(shm);
+    registered_ = std::move(registered);
+    if (owning) owned_ = tensor;
+  });
+}
+
+void TpcommWindow::tensor_deregister() {
+  translateErrors([&] {
+    checkRegistered("tensor_deregister");
+    // The peers' mappings go (views from map_remote_tensor keep theirs);
+    // this rank's tensor keeps its shared memory.
+    shm_.reset();
+    registered_.clear();
+    owned_.reset();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> TpcommWindow::put(const at::Tensor& tensor, int64_t dstRank,
+                                                 int64_t targetOffsetNelems, bool /*asyncOp*/,
+                                                 const c10d::PutOptions& opts) {
+  return translateErrors([&] {
+    checkRegistered("put");
+    checkPeer("put", dstRank);
+    TPCOMM_CHECK(opts.hints.empty(), kInvalidUsage, what("put"), ": hint '",
+                 opts.hints.begin()->first, "' is not one tpcomm knows (it takes none)");
+    TPCOMM_CHECK(tensor.defined() && tensor.device().is_cpu() && tensor.is_contiguous(),
+                 kInvalidUsage, what("put"), ": the tensor must be a contiguous CPU tensor");
+    const Registered& target = registered_[dstRank];
+    TPCOMM_CHECK(tensor.scalar_type() == target.dtype, kInvalidUsage, what("put"), ": a ",
+                 c10::toString(tensor.scalar_type()), " tensor into rank ", dstRank, "'s ",
+                 c10::toString(target.dtype), " window");
+    TPCOMM_CHECK(targetOffsetNelems >= 0 && targetOffsetNelems <= target.numel &&
+                     tensor.numel() <= target.numel - targetOffsetNelems,
+                 kInvalidUsage, what("put"), ": ", tensor.numel(), " elements at offset ",
+                 targetOffsetNelems, " run past rank ", dstRank, "'s window of ", target.numel,
+                 " elements");
+    TPCOMM_CHECK(group_->fault().usable(), kPeerLost, what("put"), ": the group broke: ",
+                 group_->fault().reason());
+    shm_->put(static_cast<int>(dstRank),
+              target.offsetBytes + static_cast<size_t>(targetOffsetNelems) * tensor.element_size(),
+              tensor.data_ptr(), tensor.nbytes());
+    return coord::completedWork({});
+  });
+}
+
+at::Tensor TpcommWindow::map_remote_tensor(int64_t rank) {
+  return translateErrors([&] {
+    checkRegistered("map_remote_tensor");
+    checkPeer("map_remote_tensor", rank);
+    const Registered& r = registered_[rank];
+    auto* keep = new std::shared_ptr<void>(shm_->keep(static_cast<int>(rank)));
+    return at::from_blob(
+        shm_->data(static_cast<int>(rank)) + r.offsetBytes, r.sizes,
+        [keep](void*) { delete keep; }, at::TensorOptions().dtype(r.dtype).device(at::kCPU));
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> TpcommWindow::signal(int64_t peerRank, bool /*asyncOp*/,
+                                                    const c10d::SignalOptions& opts) {
+  return translateErrors([&] {
+    checkRegistered("signal");
+    checkPeer("signal", peerRank);
+    TPCOMM_CHECK(opts.hints.empty(), kInvalidUsage, what("signal"), ": hint '",
+                 opts.hints.begin()->first, "' is not one tpcomm knows (it takes none)");
+    shm_->signal(static_cast<int>(peerRank));
+    return coord::completedWork({});
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> TpcommWindow::wait_signal(int64_t peerRank, bool /*asyncOp*/,
+                                                         const c10d::WaitSignalOptions& opts) {
+  return translateErrors([&] {
+    checkRegistered("wait_signal");
+    checkPeer("wait_signal", peerRank);
+    TPCOMM_CHECK(opts.hints.empty(), kInvalidUsage, what("wait_signal"), ": hint '",
+                 opts.hints.begin()->first, "' is not one tpcomm knows (it takes none)");
+    auto& fault = group_->fault();
+    try {
+      shm_->waitSignal(static_cast<int>(peerRank), timeoutOf(opts.timeout), [&] {
+        if (fault.broken()) {
+          TPCOMM_THROW(kPeerLost, "the group broke: ", fault.reason());
+        }
+      });
+    } catch (const tpcomm::Error& e) {
+      throw tpcomm::Error(e.code(), what("wait_signal") + ": " + e.what());
+    }
+    return coord::completedWork({});
+  });
+}
+
+c10d::WindowAttr TpcommWindow::get_attr(int64_t peerRank) {
+  return translateErrors([&] {
+    checkPeer("get_attr", peerRank);
+    c10d::WindowAttr attr;
+    attr.access_type = c10d::WindowAccessType::UNIFIED;  // one coherent memory
+    return attr;
+  });
+}
+
+}  // namespace tpcomm::backend
+
+#endif
