@@ -193,6 +193,10 @@ class ProcessGroupTpcomm : public c10d::Backend {
   const std::string& groupName() const;
   // The flight recorder's group table, once per membership.
   void recordGroupOnce(const std::string& uid);
+  static size_t nextFlightPgId();
+  // The coordinator as it is now, under swapMutex_ (abort and shutdown may
+  // come from another thread while a reconfigure replaces it).
+  std::shared_ptr<coord::GroupCoordinator> snapshot() const;
   // A Work that completed in the caller's thread: its completion hooks run
   // now; returns it.
   c10::intrusive_ptr<c10d::Work> completed(c10::intrusive_ptr<c10d::Work> work) const;
@@ -234,6 +238,9 @@ class ProcessGroupTpcomm : public c10d::Backend {
   // The store the group was first made on, once a reconfigure re-formed
   // it (each forming runs under a prefix of its own there).
   c10::intrusive_ptr<c10d::Store> reconfigureBase_;
+  mutable std::mutex swapMutex_;  // coordinator_'s replacement against snapshot()
+  std::atomic<uint64_t> aborts_{0};  // abort() calls: one during a reconfigure ends it
+  bool reconfigured_ = false;        // the flight recorder's rank is not ours to set then
   // Shared with the works in flight, which may outlive the group.
   std::shared_ptr<BackendHooks> hooks_ = std::make_shared<BackendHooks>();
   Coalescing coalescing_;

@@ -19,7 +19,9 @@ void ProcessGroupTpcomm::recordGroupOnce(const std::string& uid) {
     for (int r = 0; r < size_; ++r) ranks.push_back(static_cast<uint64_t>(r));
   }
   fr.recordGroup(uid, getGroupDesc(), ranks);
-  fr.setRank(static_cast<int>(ranks[rank_]));
+  // After a reconfigure the group's ranks are no longer the process's
+  // global ones: the recorder keeps the rank it has.
+  if (!reconfigured_) fr.setRank(static_cast<int>(ranks[rank_]));
   // The Gloo group inside records its own calls (tpcomm's set-up
   // exchanges, the Gloo route's transfers): under a name that says so.
   auto cpu = co().cpuBackend();

@@ -12,14 +12,10 @@
 
 namespace tpcomm::backend {
 
-namespace {
-
-size_t nextFlightPgId() {
+size_t ProcessGroupTpcomm::nextFlightPgId() {
   static std::atomic<size_t> groups{0};
   return groups.fetch_add(1);
 }
-
-}  // namespace
 
 ProcessGroupTpcomm::ProcessGroupTpcomm(std::shared_ptr<coord::GroupCoordinator> coordinator)
     : c10d::Backend(coordinator->rank(), coordinator->size()),
@@ -92,7 +88,10 @@ void ProcessGroupTpcomm::setTimeout(std::chrono::milliseconds timeout) {
 }
 
 void ProcessGroupTpcomm::eagerConnectSingleDevice(at::Device device) {
-  translateErrors([&] { co().eagerConnect(device); });
+  // A group without members yet (the reconfigure regime) connects on its
+  // first call after a reconfigure formed it.
+  if (!coordinator_) return;
+  translateErrors([&] { coordinator_->eagerConnect(device); });
 }
 
 void ProcessGroupTpcomm::setSequenceNumberForGroup() {
@@ -106,7 +105,8 @@ uint64_t ProcessGroupTpcomm::getSequenceNumberForGroup() {
 
 void ProcessGroupTpcomm::abort() {
   hooks_->runAbort();
-  if (coordinator_) coordinator_->abort();
+  ++aborts_;  // a reconfigure under way raises (backend/reconfigure.cpp)
+  if (auto current = snapshot()) current->abort();
 }
 
 c10::intrusive_ptr<c10d::Work> ProcessGroupTpcomm::completed(
@@ -148,7 +148,12 @@ void ProcessGroupTpcomm::unregisterCompletionHook(int64_t hookId) {
 #endif
 
 void ProcessGroupTpcomm::shutdown() {
-  if (coordinator_) coordinator_->shutdown();
+  if (auto current = snapshot()) current->shutdown();
+}
+
+std::shared_ptr<coord::GroupCoordinator> ProcessGroupTpcomm::snapshot() const {
+  std::lock_guard<std::mutex> lock(swapMutex_);
+  return coordinator_;
 }
 
 void ProcessGroupTpcomm::startCoalescing() {

@@ -10,11 +10,16 @@
 // rank, size: the group it serves now (its life, group_life.hpp; "-", its
 // nominal rank and size before it was ever formed). Forming runs on
 // "tpcomm-reconfigure-<uuid>/" of the store the group was made on.
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -58,9 +63,19 @@ std::string storeName(c10::intrusive_ptr<c10d::Store> store) {
     return detail::concat("tcp:", tcp->getHost(), ":", tcp->getPort());
   }
   if (auto* file = dynamic_cast<c10d::FileStore*>(store.get())) {
-    return "file:" + file->getPath();
+    std::string path = file->getPath();
+    std::replace_if(path.begin(), path.end(), [](char c) { return c == ';' || c == '\n'; }, '_');
+    return "file:" + path;
   }
   return "-";
+}
+
+// What two handles' stores must share: a TCPStore's port (its host may be
+// named differently on each member: an address, a name, localhost), a
+// FileStore's path; nothing where a member cannot tell.
+std::string storeKey(const std::string& name) {
+  if (name.rfind("tcp:", 0) == 0) return "tcp:" + name.substr(name.rfind(':') + 1);
+  return name;
 }
 
 bool parseInt(const std::string& text, int& out) {
@@ -93,15 +108,22 @@ Handle parse(const std::string& text, size_t position, const std::string& group)
   return h;
 }
 
-// The handles in rank order: a list's as given, a set's sorted (every
-// member sorts alike).
-std::vector<std::string> ordered(const c10d::ReconfigureOptions& opts) {
+// The handles in rank order: a list's as given; a set's by the group each
+// member served (its life), its rank there, then its token, so that the
+// members of one earlier group keep their order (and the ranks of a host
+// stay together where they were). Every member sorts alike.
+std::vector<std::string> ordered(const c10d::ReconfigureOptions& opts, const std::string& group) {
   if (const auto* list = std::get_if<std::vector<c10d::ReconfigureHandle>>(&opts.handles)) {
     return *list;
   }
   const auto& set = std::get<std::unordered_set<c10d::ReconfigureHandle>>(opts.handles);
-  std::vector<std::string> out(set.begin(), set.end());
-  std::sort(out.begin(), out.end());
+  std::vector<Handle> handles;
+  for (const auto& text : set) handles.push_back(parse(text, handles.size(), group));
+  std::sort(handles.begin(), handles.end(), [](const Handle& a, const Handle& b) {
+    return std::tie(a.life, a.rank, a.token) < std::tie(b.life, b.rank, b.token);
+  });
+  std::vector<std::string> out;
+  for (const auto& h : handles) out.push_back(h.text);
   return out;
 }
 
@@ -118,29 +140,81 @@ std::string joined(const std::vector<Handle>& members) {
 
 // Every member passed the same handles: the first to come writes them, the
 // others compare; returns once all `size` found them equal. A member whose
-// handles differ says so in the store and raises; the others raise it as
-// soon as they see it, never waiting out the timeout. Bounded by `timeout`.
-void agreeOnHandles(c10d::Store& store, const std::string& ours, int size,
-                    std::chrono::milliseconds timeout, const std::string& what) {
+// handles differ, or that gives up waiting, says so in the store and
+// raises; the others (and a member that comes later) raise it as soon as
+// they see it, never waiting out the timeout. Bounded by `timeout`;
+// `check` runs between polls (it throws to end the wait: an abort).
+void agreeOnHandles(c10d::Store& store, const std::string& ours, int rank, int size,
+                    std::chrono::milliseconds timeout, const std::string& what,
+                    const std::function<void()>& check) {
+  auto refuse = [&](const std::string& why) {
+    store.set(kRefusedKey, std::vector<uint8_t>(why.begin(), why.end()));
+  };
   const std::vector<uint8_t> bytes(ours.begin(), ours.end());
   const auto found = store.compareSet(kHandlesKey, {}, bytes);
   if (found != bytes) {
     const std::string why = detail::concat(
-        "a member passed other handles than the first one:\n", ours, "where the first passed:\n",
-        std::string(found.begin(), found.end()));
-    store.set(kRefusedKey, std::vector<uint8_t>(why.begin(), why.end()));
+        "member ", rank, " passed other handles than the first one:\n", ours,
+        "where the first passed:\n", std::string(found.begin(), found.end()));
+    refuse(why);
     TPCOMM_THROW(kInvalidUsage, what, ": ", why);
   }
   const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::milliseconds(1);
   for (int64_t arrived = store.add(kArrivedKey, 1); arrived < size;
        arrived = store.add(kArrivedKey, 0)) {
     if (store.check({kRefusedKey})) {
       const auto why = store.get(kRefusedKey);
       TPCOMM_THROW(kInvalidUsage, what, ": ", std::string(why.begin(), why.end()));
     }
-    TPCOMM_CHECK(std::chrono::steady_clock::now() < deadline, kTimeout, what, ": ", arrived,
-                 " of the ", size, " members came within ", timeout.count(), " ms");
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    if (std::chrono::steady_clock::now() >= deadline) {
+      const std::string why = detail::concat("member ", rank, " gave up after ", timeout.count(),
+                                             " ms: ", arrived, " of the ", size, " members came");
+      refuse(why);
+      TPCOMM_THROW(kTimeout, what, ": ", why);
+    }
+    try {
+      if (check) check();
+    } catch (const std::exception& e) {
+      refuse(detail::concat("member ", rank, " stopped: ", e.what()));
+      throw;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(10));
+  }
+}
+
+// The group a reconfigure replaced, on this member: its ranks that are not
+// among the new members count as having left it, said by the first member
+// that served it (its keys go once the others retired it too); then this
+// member aborts it when it lost ranks or broke (a peer may be gone without
+// a call having noticed), else shuts it down. Best effort: the new group
+// is in force already.
+void retire(coord::GroupCoordinator& old, const std::vector<Handle>& members,
+            const std::string& myToken) {
+  const std::string& life = old.options().life;
+  std::vector<bool> stays(old.size(), false);
+  for (const auto& h : members) {
+    if (!life.empty() && h.life == life && h.rank < old.size()) stays[h.rank] = true;
+  }
+  std::vector<int> out;
+  for (int r = 0; r < old.size(); ++r) {
+    if (!stays[r]) out.push_back(r);
+  }
+  const auto first = std::find_if(members.begin(), members.end(),
+                                  [&](const Handle& h) { return h.life == life; });
+  try {
+    if (!life.empty() && first != members.end() && first->token == myToken && !out.empty()) {
+      old.countAsLeft(out);
+    }
+    if (!out.empty() || !old.fault().usable()) {
+      old.abort();
+    } else {
+      old.shutdown();
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("tpcomm: retiring group '", old.options().groupName,
+               "' after a reconfigure: ", e.what());
   }
 }
 
@@ -169,7 +243,12 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTpcomm::reconfigure(
       TPCOMM_THROW(kInvalidUsage, "reconfigure of group '", group, "': hint '",
                    opts.hints.begin()->first, "' is not one tpcomm knows (it takes none)");
     }
-    const std::vector<std::string> texts = ordered(opts);
+    const uint64_t abortsBefore = aborts_.load();
+    auto checkAbort = [&] {
+      TPCOMM_CHECK(aborts_.load() == abortsBefore, kPeerLost, "reconfigure of group '", group,
+                   "': the group was aborted meanwhile");
+    };
+    const std::vector<std::string> texts = ordered(opts, group);
     TPCOMM_CHECK(!texts.empty(), kInvalidUsage, "reconfigure of group '", group,
                  "': no handle (one per member, this rank's own among them)");
     const Handle mine = parse(get_reconfigure_handle(), 0, group);
@@ -182,7 +261,9 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTpcomm::reconfigure(
                      "': handles ", &seen - members.data(), " and ", i,
                      " name the same member (token ", h.token, ")");
       }
-      TPCOMM_CHECK(h.store == mine.store || h.store == "-" || mine.store == "-", kInvalidUsage,
+      TPCOMM_CHECK(storeKey(h.store) == storeKey(mine.store) || h.store == "-" ||
+                       mine.store == "-",
+                   kInvalidUsage,
                    "reconfigure of group '", group, "': handle ", i, " names store '", h.store,
                    "', this rank's group meets on '", mine.store,
                    "': every member must share one store");
@@ -192,10 +273,16 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTpcomm::reconfigure(
     TPCOMM_CHECK(newRank >= 0, kInvalidUsage, "reconfigure of group '", group,
                  "': this rank's own handle is not among the ", texts.size(),
                  " handles (every member passes every member's handle, its own included)");
+    TPCOMM_CHECK(texts[newRank] == mine.text, kInvalidUsage, "reconfigure of group '", group,
+                 "': this rank's handle ", newRank,
+                 " is one it gave before the group changed (take a fresh handle from "
+                 "_get_reconfigure_handle after each reconfigure)");
     TPCOMM_CHECK(uuids_.insert(opts.uuid).second, kInvalidUsage, "reconfigure of group '", group,
                  "': uuid ", opts.uuid, " was used before on this group (a fresh one each time)");
 
     coord::GroupOptions options = coordinator_ ? coordinator_->options() : unformed_->options;
+    // The options' timeout bounds the forming; the group keeps its own.
+    const auto groupTimeout = options.timeout;
     if (opts.timeout) options.timeout = *opts.timeout;
     options.rank = newRank;
     options.size = static_cast<int>(members.size());
@@ -206,12 +293,14 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTpcomm::reconfigure(
     }
     auto store = c10::make_intrusive<c10d::PrefixStore>(
         detail::concat("tpcomm-reconfigure-", opts.uuid), reconfigureBase_);
-    agreeOnHandles(*store, joined(members), options.size, options.timeout,
-                   detail::concat("reconfigure of group '", group, "' (uuid ", opts.uuid, ")"));
+    agreeOnHandles(*store, joined(members), newRank, options.size, options.timeout,
+                   detail::concat("reconfigure of group '", group, "' (uuid ", opts.uuid, ")"),
+                   checkAbort);
     auto formed = coord::GroupCoordinator::form(
         store, options,
         coordinator_ ? coordinator_->cpuBackendFactory() : unformed_->cpuFactory,
         coordinator_ ? coordinator_->deviceBackendFactory() : unformed_->deviceFactory);
+    if (opts.timeout) formed->setTimeout(groupTimeout);
     // Every member compared (the making ended together): the handles go.
     if (newRank == 0) {
       try {
@@ -219,42 +308,31 @@ c10::intrusive_ptr<c10d::Work> ProcessGroupTpcomm::reconfigure(
       } catch (const std::exception&) {
       }
     }
-    if (auto old = std::exchange(coordinator_, formed)) {
-      // The ranks of the old group left out count as having left it, said
-      // by the first member that served it (its keys go once the others
-      // retired it too); then this rank retires it.
-      const std::string& life = old->options().life;
-      const auto first = std::find_if(members.begin(), members.end(),
-                                      [&](const Handle& h) { return h.life == life; });
-      if (!life.empty() && first != members.end() && first->token == mine.token) {
-        std::vector<bool> stays(old->size(), false);
-        for (const auto& h : members) {
-          if (h.life == life && h.rank < old->size()) stays[h.rank] = true;
-        }
-        std::vector<int> out;
-        for (int r = 0; r < old->size(); ++r) {
-          if (!stays[r]) out.push_back(r);
-        }
-        if (!out.empty()) old->countAsLeft(out);
-      }
-      if (old->fault().usable()) {
-        old->shutdown();
-      } else {
-        old->abort();
-      }
+    try {
+      checkAbort();
+    } catch (...) {
+      formed->abort();
+      throw;
     }
-    unformed_.reset();
-    rank_ = options.rank;
-    size_ = options.size;
+    std::shared_ptr<coord::GroupCoordinator> old;
+    {
+      std::lock_guard<std::mutex> lock(swapMutex_);
+      old = std::exchange(coordinator_, formed);
+      unformed_.reset();
+      rank_ = options.rank;
+      size_ = options.size;
+    }
     collectiveSeq_ = 0;
     p2pSeq_ = 0;
-    globalRanks_.resize(size_);
-    std::iota(globalRanks_.begin(), globalRanks_.end(), 0);
+    globalRanks_.clear();
+    reconfigured_ = true;
+    flightPgId_ = nextFlightPgId();  // a new membership, numbered from 0 again
     flightGroupRecorded_ = false;
     {
       std::lock_guard<std::mutex> lock(splitMutex_);
       splits_.clear();  // the old group's
     }
+    if (old) retire(*old, members, mine.token);
     return coord::completedWork({});
   });
 }

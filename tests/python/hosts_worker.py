@@ -382,7 +382,8 @@ def case_reconfigure_after_loss(out):
             out["raised"] = f"{type(e).__name__}: {e}"
             break
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"test-handle/{RANK}", dist._get_reconfigure_handle())
+    mine = dist._get_reconfigure_handle()
+    store.set(f"test-handle/{RANK}", mine)
     handles = [store.get(f"test-handle/{r}").decode() for r in range(lost)]
     dist._reconfigure(uuid=3, handles=handles).wait()
     apart = dist.new_group(list(range(WORLD - 1)))
@@ -398,7 +399,8 @@ def case_reconfigure_after_loss(out):
             differ.append(n)
     out["differ"] = differ
     out["stats"] = tpcomm.stats(dist.group.WORLD)
-    out["shrunk"] = (dist.get_rank(), dist.get_world_size(), list(range(WORLD - 1)))
+    # A list of handles: each member's rank is its handle's place in it.
+    out["shrunk"] = (dist.get_rank(), dist.get_world_size(), handles.index(mine))
     dist.destroy_process_group(apart)
 
 

@@ -59,12 +59,12 @@ def _member(role, rank, port, env, conn):
         out["call_before"] = error_message(lambda: dist.all_reduce(torch.ones(4)))
         me = "joiner" if role == "joiner" else str(rank)
         if role == "first":
-            # The first forming: a set of handles, ranks in the handles' order.
+            # The first forming: a set of handles; ranks by the group each
+            # member served, then its rank there (here the nominal ones).
             store.set(f"h1/{rank}", dist._get_reconfigure_handle())
             handles = _handles(store, "h1", range(FIRST))
             dist._reconfigure(uuid=1, handles=set(handles)).wait()
-            out["first"] = (dist.get_rank(), dist.get_world_size(),
-                            sorted(handles).index(handles[rank]))
+            out["first"] = (dist.get_rank(), dist.get_world_size(), rank)
             for i in range(100000):
                 if rank == LOST and i == 50:
                     conn.send(("killed", time.time()))
@@ -140,7 +140,7 @@ def test_survivors_and_a_joiner_form_a_group_from_their_handles(monkeypatch):
         assert out["formed_before"] is False, out
         assert "reconfigure regime" in out["call_before"] and "_reconfigure" in out["call_before"]
         if i < FIRST:
-            # A set of handles: ranks in the handles' sorted order.
+            # A set of handles: the members in their nominal order.
             assert out["first"][0] == out["first"][2] and out["first"][1] == FIRST, out
             failure, failed_at = out["failure"]
             assert "PeerLost" in failure and failed_at - killed_at < 1.0, (failure, failed_at)
@@ -178,9 +178,31 @@ def _misuse(ctx):
     }
     for name, call in bad.items():
         out[name] = error_message(call)
-    # A valid reconfigure of both, then the same uuid again.
+    # A valid reconfigure of both; then the handles taken before it, and the
+    # same uuid again with fresh ones.
     dist._reconfigure(uuid=5, handles=handles, group=g).wait()
+    out["stale"] = error_message(lambda: dist._reconfigure(uuid=8, handles=handles, group=g))
+    fresh = [None] * ctx.world_size
+    dist.all_gather_object(fresh, dist._get_reconfigure_handle(g), group=ctx.ref)
+    handles = fresh
     out["again"] = error_message(lambda: dist._reconfigure(uuid=5, handles=handles, group=g))
+    # A member that never comes: both give up after the options' timeout,
+    # naming how many came; the group keeps its own timeout after a
+    # reconfigure bounded by another.
+    first = handles[0].split(";")
+    absent = ";".join(first[:1] + ["fedcba9876543210"] + first[2:])
+    start = time.monotonic()
+    out["absent"] = error_message(lambda: dist._reconfigure(
+        uuid=9, handles=handles + [absent], group=g, timeout=timedelta(seconds=1)))
+    out["absent_s"] = time.monotonic() - start
+    before = backend.options._timeout
+    fresh = [None] * ctx.world_size
+    dist.all_gather_object(fresh, dist._get_reconfigure_handle(g), group=ctx.ref)
+    handles = fresh
+    dist._reconfigure(uuid=10, handles=handles, group=g, timeout=timedelta(seconds=7)).wait()
+    out["timeouts"] = (before, backend.options._timeout)
+    dist.all_gather_object(fresh, dist._get_reconfigure_handle(g), group=ctx.ref)
+    handles = fresh
     # Handles that differ between the members (the order): both raise at
     # once, and the group they had goes on.
     start = time.monotonic()
@@ -206,7 +228,12 @@ def test_a_wrong_reconfigure_is_refused_naming_what_is_wrong(groups):
         assert "every member must share one store" in out["store"], out
         assert "hint 'nccl_config' is not one tpcomm knows" in out["hint"], out
         assert "uuid 5 was used before on this group" in out["again"], out
+        assert f"this rank's handle {rank} is one it gave before the group changed" in \
+            out["stale"], out
         assert "passed other handles than the first one" in out["differ"], out
+        assert "gave up after 1000 ms: 2 of the 3 members came" in out["absent"], out
+        assert out["absent_s"] < 10, out
+        assert out["timeouts"][0] == out["timeouts"][1] != timedelta(seconds=7), out
         # Neither member waited out the group's timeout (60 s here).
         assert out["differ_s"] < 10, out
         assert out["after"] == [3.0] * 4, out

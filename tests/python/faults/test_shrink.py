@@ -63,12 +63,14 @@ def _steady(timeout_s=5.0):
 def _reconfigure(group, store, rank, survivors, uuid):
     """The survivors' handles, exchanged through the test's store, and the
     group re-formed of them in their order; returns the group."""
-    store.set(f"handle/{uuid}/{rank}", dist._get_reconfigure_handle(group))
+    mine = dist._get_reconfigure_handle(group)
+    store.set(f"handle/{uuid}/{rank}", mine)
     handles = [store.get(f"handle/{uuid}/{r}").decode() for r in survivors]
     work = dist._reconfigure(uuid=uuid, handles=handles, group=group)
     if work is not None:
         work.wait()
-    return group
+    # A list of handles: this rank's place in it is its rank now.
+    return handles.index(mine)
 
 
 def _lose_and_shrink(rank, default, how, store, conn):
@@ -94,8 +96,8 @@ def _lose_and_shrink(rank, default, how, store, conn):
         assert x[0].item() == sum(range(SIZE)) + SIZE * i, (i, x[0].item())
         i += 1
     if how == "reconfigure":
-        shrunk = _reconfigure(group if not default else None, store, rank, survivors, 7)
-        shrunk = shrunk or dist.group.WORLD
+        place = _reconfigure(group if not default else None, store, rank, survivors, 7)
+        shrunk = group
     else:
         shrunk = dist.shrink_group([LOST], group=group)
     del group
@@ -112,7 +114,7 @@ def _lose_and_shrink(rank, default, how, store, conn):
         assert torch.equal(a, b), (n, (a - b).abs().max().item())
     stats = tpcomm.stats(shrunk)
     names = (shrunk.rank(), shrunk.size(),
-             dist.get_process_group_ranks(shrunk) if how == "shrink" else survivors,
+             dist.get_process_group_ranks(shrunk) if how == "shrink" else place,
              tpcomm.describe(shrunk)["group"], devices,
              sorted(str(d) for d in shrunk._device_types))
     dist.destroy_process_group(apart)
@@ -201,7 +203,9 @@ def test_survivors_shrink_and_go_on_on_shared_memory(default, how, monkeypatch):
         assert failure is not None and f"rank {LOST}" in failure, failure
         # Seen within the group's 20 s timeout: the peer's death, not a timeout.
         assert failed_at - killed_at < 10, failed_at - killed_at
-        assert names[:3] == (new_rank, SIZE - 1, survivors), names
+        # A shrunk group's ranks; a reconfigured one's rank is its handle's place.
+        assert names[:3] == (new_rank, SIZE - 1,
+                             survivors if how == "shrink" else new_rank), names
         # A shrink makes a group of its own; a reconfigure re-forms this one.
         assert names[3].endswith(":shrunk") == (how == "shrink"), names
         # The parent's devices (CPU and CUDA), not only the one torch registers.
