@@ -404,6 +404,19 @@ def case_reconfigure_after_loss(out):
     dist.destroy_process_group(apart)
 
 
+def case_window_across_hosts(out):
+    """A window over ranks of two hosts: refused on every rank, naming a
+    rank on another host; the group goes on."""
+    try:
+        dist._new_window(torch.zeros(8))
+        out["raised"] = None
+    except Exception as e:  # noqa: BLE001
+        out["raised"] = f"{type(e).__name__}: {e}"
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    out["after"] = x.tolist()
+
+
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 

@@ -75,6 +75,9 @@ def main(argv=None):
     p2p = sub.add_parser("p2p", help="send/recv: a Gloo group vs a tpcomm group (framed)")
     p2p.add_argument("--rounds", type=int, default=5)
     p2p.add_argument("--quick", action="store_true", help="fewer iterations")
+    window = sub.add_parser("window", help="one-sided windows: put/signal vs allreduce, put vs memcpy")
+    window.add_argument("--rounds", type=int, default=5)
+    window.add_argument("--quick", action="store_true", help="fewer iterations")
     soak = sub.add_parser("soak", help="a serving pair: groups made, used, broken, remade")
     soak.add_argument("--minutes", type=float, default=10.0, help="how long (default 10)")
     faults = sub.add_parser("faults", help="bad inputs, debug-mode mistakes, killed ranks")
@@ -182,6 +185,9 @@ def main(argv=None):
     if args.what == "p2p":
         from tpcomm.bench.p2p import run as run_p2p
         return run_p2p(rounds=args.rounds, quick=args.quick)
+    if args.what == "window":
+        from tpcomm.bench.window import run as run_window
+        return run_window(rounds=args.rounds, quick=args.quick)
     if args.what == "soak":
         from tpcomm.bench.soak import run as run_soak
         return run_soak(minutes=args.minutes)

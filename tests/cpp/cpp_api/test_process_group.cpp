@@ -107,3 +107,24 @@ TEST(CppInterface, StatsRefuseAnotherBackend) {
 }
 
 }  // namespace
+
+#if defined(C10D_BACKEND_HAS_WINDOW)
+// torch 2.15's one-sided window through the installed header: the group's
+// new_window, a put into its own window (the one rank), a signal it waits
+// for, and the view of the window, against the values put.
+TEST(CppInterface, AWindowOfAWorldSizeOneGroupPutsSignalsAndMaps) {
+  auto pg = tpcomm::makeProcessGroup(store(), 0, 1);
+  ASSERT_TRUE(pg->supportsWindow());
+  at::Tensor mine = at::zeros({8}, at::kFloat);
+  auto window = pg->new_window(mine);
+  window->put(at::full({3}, 5.0f), 0, 2, false)->wait();
+  window->signal(0, false)->wait();
+  window->wait_signal(0, false)->wait();
+  const at::Tensor expected = at::tensor({0.f, 0.f, 5.f, 5.f, 5.f, 0.f, 0.f, 0.f});
+  EXPECT_TRUE(at::equal(mine, expected));
+  EXPECT_TRUE(at::equal(window->map_remote_tensor(0), expected));
+  EXPECT_NE(messageOf([&] { window->put(at::ones({1}, at::kDouble), 0, 0, false); })
+                .find("a Double tensor into rank 0's Float window"),
+            std::string::npos);
+}
+#endif

@@ -412,6 +412,17 @@ def test_survivors_across_hosts_shrink_and_go_on_on_the_hierarchical_route(how, 
         assert o["stats"]["gloo"]["calls"] == 0, o["stats"]
 
 
+def test_a_window_across_hosts_is_refused_on_every_rank(tmp_path):
+    """One-sided windows join the ranks of one host (docs/torch_capabilities.md)."""
+    layout = LAYOUTS["2x2"]
+    results, codes, errors = run_case(layout, "window_across_hosts", tmp_path)
+    assert not errors, "\n".join(errors.values())
+    for r, o in results.items():
+        assert o["raised"] is not None and "is on another host than rank" in o["raised"], o
+        assert "tpcomm's windows join the ranks of one host" in o["raised"], o
+        assert o["after"] == [4.0] * 4, o
+
+
 @pytest.mark.parametrize("case,cause", [("refused", "refused allreduce"),
                                         ("aborted", "aborted the group")])
 def test_a_rank_that_refuses_or_aborts_is_named_by_every_rank_across_hosts(case, cause,

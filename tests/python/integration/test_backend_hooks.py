@@ -26,6 +26,7 @@ C10D = torch._C._distributed_c10d
 TORCH_HAS_ABORT_HOOKS = hasattr(C10D.Backend, "supports_abort_hooks")
 TORCH_HAS_COLLECTIVE_HOOKS = hasattr(C10D.ProcessGroup, "register_pre_hook")
 TORCH_HAS_RECONFIGURE = hasattr(C10D.Backend, "supports_reconfigure")
+TORCH_HAS_WINDOW = hasattr(C10D.Backend, "supports_window")
 
 
 def test_build_info_and_info_name_the_capabilities_this_torch_has():
@@ -39,15 +40,17 @@ def test_build_info_and_info_name_the_capabilities_this_torch_has():
     assert capabilities["shrink"] is True, capabilities
     # Reconfigure where torch declares it (2.15 on).
     assert capabilities["reconfigure"] == TORCH_HAS_RECONFIGURE, capabilities
-    # Not built yet: said, not claimed.
-    assert capabilities["window"] is False, capabilities
+    # Windows where torch declares them (2.15 on).
+    assert capabilities["window"] == TORCH_HAS_WINDOW, capabilities
     out = subprocess.run([sys.executable, "-m", "tpcomm.info"], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
     on = "on" if TORCH_HAS_ABORT_HOOKS else "off"
     assert f"abort_hooks {on}" in out.stdout and "shrink on" in out.stdout, out.stdout
     on = "on" if TORCH_HAS_RECONFIGURE else "off"
-    assert f"reconfigure {on}" in out.stdout and "window off" in out.stdout, out.stdout
+    assert f"reconfigure {on}" in out.stdout, out.stdout
+    on = "on" if TORCH_HAS_WINDOW else "off"
+    assert f"window {on}" in out.stdout, out.stdout
     assert "coalescing on" in out.stdout, out.stdout
 
 
