@@ -208,11 +208,13 @@ class GroupCoordinator {
   // a reconfigure that left them out does: the group's keys then go once
   // the others left it too (group_life.hpp). Never throws.
   void countAsLeft(const std::vector<int>& ranks) { endLife(store_, size(), ranks); }
-  // Where the group's next one-sided window meets (windows are made in the
-  // same order on every rank): "tpcomm-window-<n>/" of the group's life.
-  c10::intrusive_ptr<c10d::Store> nextWindowStore() {
-    return c10::make_intrusive<c10d::PrefixStore>("tpcomm-window-" + std::to_string(windows_++),
-                                                  store_);
+  // The group's next one-sided window (windows are made in the same order
+  // on every rank): its number n, and where its ranks meet:
+  // "tpcomm-window-<n>/" of the group's life.
+  std::pair<int, c10::intrusive_ptr<c10d::Store>> nextWindow() {
+    const int n = windows_++;
+    return {n, c10::make_intrusive<c10d::PrefixStore>("tpcomm-window-" + std::to_string(n),
+                                                      store_)};
   }
   // The factories this group makes Gloo groups and its device backend with.
   const BackendFactory& cpuBackendFactory() const { return cpuFactory_; }

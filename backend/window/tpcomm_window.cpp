@@ -2,7 +2,9 @@
 
 #if defined(C10D_BACKEND_HAS_WINDOW)
 
+#include <algorithm>
 #include <sstream>
+#include <tuple>
 #include <thread>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
@@ -50,7 +52,8 @@ void meet(c10d::Store& store, const std::string& key, int size, std::chrono::mil
 
 TpcommWindow::TpcommWindow(std::shared_ptr<coord::GroupCoordinator> group,
                            const std::optional<at::Tensor>& tensor)
-    : group_(std::move(group)), store_(group_->nextWindowStore()) {
+    : group_(std::move(group)) {
+  std::tie(number_, store_) = group_->nextWindow();
   if (tensor) tensor_register(*tensor, true);
 }
 
@@ -98,8 +101,9 @@ void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
     storage->set_resizable(false);
 
     // Every rank's region, host and tensor through the window's store.
+    const int registration = registrations_++;
     auto store = c10::make_intrusive<c10d::PrefixStore>(
-        detail::concat("reg-", registrations_++, "/"), store_);
+        detail::concat("reg-", registration, "/"), store_);
     std::string sizes;
     for (int64_t d : tensor.sizes()) sizes += (sizes.empty() ? "" : ",") + std::to_string(d);
     store->set(std::to_string(rank),
@@ -118,16 +122,15 @@ void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
     }
     std::vector<std::string> names(size);
     std::vector<Registered> registered(size);
+    std::vector<bool> local(size);
     std::string failure;
     for (int r = 0; r < size; ++r) {
       const auto value = store->get(keys[r]);
       auto fields = split(std::string(value.begin(), value.end()), '\n');
       fields.resize(5);
-      if (fields[0] != hostIdentity() && failure.empty()) {
-        failure = detail::concat("rank ", r, " is on another host than rank ", rank,
-                                 ": tpcomm's windows join the ranks of one host");
-      }
-      names[r] = fields[1];
+      // A rank of another host: reached through Gloo, never mapped.
+      local[r] = fields[0] == hostIdentity();
+      names[r] = local[r] ? fields[1] : std::string();
       registered[r].dtype = static_cast<c10::ScalarType>(std::stoi(fields[2]));
       registered[r].offsetBytes = std::stoull(fields[3]);
       registered[r].numel = 1;
@@ -145,6 +148,21 @@ void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
       }
     }
     TPCOMM_CHECK(failure.empty(), kInvalidUsage, what("tensor_register"), ": ", failure);
+    if (std::find(local.begin(), local.end(), false) != local.end()) {
+      // Its receiving thread, before any peer can send (they send once
+      // every rank passed the meeting below).
+      mq::ShmWindow* into = shm.get();
+      remote_ = std::make_unique<RemoteWindow>(
+          group_->cpuBackend(), remoteTag(number_, registration), std::max<size_t>(bytes, 1),
+          [into](int source, const RemoteWindow::Message& message, const uint8_t* data) {
+            if (message.kind == RemoteWindow::kPut) {
+              into->deliver(message.offset, data, message.bytes);
+            } else {
+              into->deliverSignal(source);
+            }
+          },
+          what("receive"));
+    }
     // Every rank mapped every region: no one needs the descriptors, nor
     // the keys (the last rank out removes them).
     meet(*store, "attached", size, timeout, what("tensor_register"));
@@ -155,6 +173,7 @@ void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
     }
     shm_ = std::move(shm);
     registered_ = std::move(registered);
+    local_ = std::move(local);
     if (owning) owned_ = tensor;
   });
 }
@@ -162,8 +181,10 @@ void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
 void TpcommWindow::tensor_deregister() {
   translateErrors([&] {
     checkRegistered("tensor_deregister");
-    // The peers' mappings go (views from map_remote_tensor keep theirs);
-    // this rank's tensor keeps its shared memory.
+    // The receiving thread stops, the peers' mappings go (views from
+    // map_remote_tensor keep theirs); this rank's tensor keeps its shared
+    // memory.
+    remote_.reset();
     shm_.reset();
     registered_.clear();
     owned_.reset();
@@ -191,9 +212,13 @@ c10::intrusive_ptr<c10d::Work> TpcommWindow::put(const at::Tensor& tensor, int64
                  " elements");
     TPCOMM_CHECK(group_->fault().usable(), kPeerLost, what("put"), ": the group broke: ",
                  group_->fault().reason());
-    shm_->put(static_cast<int>(dstRank),
-              target.offsetBytes + static_cast<size_t>(targetOffsetNelems) * tensor.element_size(),
-              tensor.data_ptr(), tensor.nbytes());
+    const size_t offset =
+        target.offsetBytes + static_cast<size_t>(targetOffsetNelems) * tensor.element_size();
+    if (local_[dstRank]) {
+      shm_->put(static_cast<int>(dstRank), offset, tensor.data_ptr(), tensor.nbytes());
+    } else {
+      remote_->put(static_cast<int>(dstRank), offset, tensor.data_ptr(), tensor.nbytes());
+    }
     return coord::completedWork({});
   });
 }
@@ -202,6 +227,9 @@ at::Tensor TpcommWindow::map_remote_tensor(int64_t rank) {
   return translateErrors([&] {
     checkRegistered("map_remote_tensor");
     checkPeer("map_remote_tensor", rank);
+    TPCOMM_CHECK(local_[rank], kInvalidUsage, what("map_remote_tensor"), ": rank ", rank,
+                 " is on another host: its tensor cannot be mapped here (put and signal reach "
+                 "it)");
     const Registered& r = registered_[rank];
     auto* keep = new std::shared_ptr<void>(shm_->keep(static_cast<int>(rank)));
     return at::from_blob(
@@ -217,7 +245,11 @@ c10::intrusive_ptr<c10d::Work> TpcommWindow::signal(int64_t peerRank, bool /*asy
     checkPeer("signal", peerRank);
     TPCOMM_CHECK(opts.hints.empty(), kInvalidUsage, what("signal"), ": hint '",
                  opts.hints.begin()->first, "' is not one tpcomm knows (it takes none)");
-    shm_->signal(static_cast<int>(peerRank));
+    if (local_[peerRank]) {
+      shm_->signal(static_cast<int>(peerRank));
+    } else {
+      remote_->signal(static_cast<int>(peerRank));
+    }
     return coord::completedWork({});
   });
 }
@@ -235,6 +267,10 @@ c10::intrusive_ptr<c10d::Work> TpcommWindow::wait_signal(int64_t peerRank, bool 
         if (fault.broken()) {
           TPCOMM_THROW(kPeerLost, "the group broke: ", fault.reason());
         }
+        if (remote_ && !local_[peerRank]) {
+          const std::string why = remote_->stopped();
+          TPCOMM_CHECK(why.empty(), kPeerLost, "its receiving thread stopped: ", why);
+        }
       });
     } catch (const tpcomm::Error& e) {
       throw tpcomm::Error(e.code(), what("wait_signal") + ": " + e.what());
@@ -247,7 +283,10 @@ c10d::WindowAttr TpcommWindow::get_attr(int64_t peerRank) {
   return translateErrors([&] {
     checkPeer("get_attr", peerRank);
     c10d::WindowAttr attr;
-    attr.access_type = c10d::WindowAccessType::UNIFIED;  // one coherent memory
+    // One coherent memory on this host; a copy of another host's, reached
+    // by messages.
+    attr.access_type = !shm_ || local_[peerRank] ? c10d::WindowAccessType::UNIFIED
+                                                 : c10d::WindowAccessType::SEPARATE;
     return attr;
   });
 }

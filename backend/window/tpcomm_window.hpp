@@ -1,18 +1,20 @@
 #pragma once
 // TpcommWindow: torch's one-sided window (c10d::Window, dist._new_window) on
-// a tpcomm group whose ranks share a host, over mq::ShmWindow
-// (message_queue/window/shm_window.hpp): each rank's registered tensor
-// lives in a shared-memory region every rank of the group maps.
+// a tpcomm group, over mq::ShmWindow (message_queue/window/shm_window.hpp):
+// each rank's registered tensor lives in a shared-memory region every rank
+// of its host maps; puts and signals to a rank of another host travel as
+// Gloo messages that a thread of that rank applies (remote_window.hpp).
 //
 //   tensor_register(t)  collective: t's storage moves into this rank's
 //                       region in place, as Tensor.share_memory_() moves
 //                       it (every view of it keeps working; a raw pointer
 //                       taken before points to the old memory); the ranks
 //                       exchange their regions' names through the group's
-//                       store and map each other's.
+//                       store and map those of their host.
 //   put(t, dst, off)    a copy of t into dst's tensor at element `off`; same
 //                       dtype, inside its bounds; done when it returns.
-//   map_remote_tensor   a view of rank r's registered tensor (its shape).
+//   map_remote_tensor   a view of rank r's registered tensor (its shape), for
+//                       a rank of this host.
 //   signal / wait_signal  counted signals: put, then signal(dst), then dst's
 //                       wait_signal(src) sees the put. A wait is bounded (the
 //                       options' timeout, else the group's) and names the
@@ -33,6 +35,7 @@
 #if defined(C10D_BACKEND_HAS_WINDOW)
 #include <torch/csrc/distributed/c10d/Window.hpp>
 
+#include "backend/window/remote_window.hpp"
 #include "coordinator/group_coordinator.hpp"
 #include "message_queue/window/shm_window.hpp"
 
@@ -74,10 +77,15 @@ class TpcommWindow : public c10d::Window {
   std::chrono::milliseconds timeoutOf(std::chrono::milliseconds asked) const;
 
   std::shared_ptr<coord::GroupCoordinator> group_;
+  int number_;                             // the group's n-th window
   c10::intrusive_ptr<c10d::Store> store_;  // this window's, in the group's store
   int registrations_ = 0;
   std::unique_ptr<mq::ShmWindow> shm_;  // the registration in force
   std::vector<Registered> registered_;  // [r]: rank r's
+  std::vector<bool> local_;             // [r]: rank r is on this host
+  // Puts and signals between hosts (none where every rank is on this host);
+  // after shm_: it goes first (its thread applies into shm_).
+  std::unique_ptr<RemoteWindow> remote_;
   std::optional<at::Tensor> owned_;     // the tensor, when the window owns it
 };
 

@@ -64,13 +64,15 @@ ShmWindow::Header* ShmWindow::header(int r) const {
 void ShmWindow::checkRank(int r, const char* what) const {
   TPCOMM_CHECK(r >= 0 && r < size_, kInvalidUsage, what, ": rank ", r, " is not one of the ",
                size_, " ranks of the window");
+  TPCOMM_CHECK(regions_[r], kInvalidUsage, what, ": rank ", r,
+               "'s window is not mapped in this process (it is on another host)");
 }
 
 void ShmWindow::attach(const std::vector<std::string>& names) {
   TPCOMM_CHECK(static_cast<int>(names.size()) == size_, kInvalidUsage, "window: ", names.size(),
                " region names for ", size_, " ranks");
   for (int r = 0; r < size_; ++r) {
-    if (r == rank_) continue;
+    if (r == rank_ || names[r].empty()) continue;
     RegionName name;
     TPCOMM_CHECK(RegionName::parse(names[r], &name), kInvalidUsage, "window: rank ", r,
                  "'s region name '", names[r], "' is not one");
@@ -118,14 +120,24 @@ void ShmWindow::signal(int dst) {
   wakeSleepers(h->word, h->sleepers);
 }
 
+void ShmWindow::deliverSignal(int src) {
+  TPCOMM_CHECK(src >= 0 && src < size_, kInvalidUsage, "signal from rank ", src,
+               ", not one of the ", size_, " ranks of the window");
+  signalWord(regions_[rank_]->base(), src).fetch_add(1, std::memory_order_release);
+  Header* h = header(rank_);
+  wakeSleepers(h->word, h->sleepers);
+}
+
 uint64_t ShmWindow::signalsFrom(int src) const {
-  checkRank(src, "signals");
+  TPCOMM_CHECK(src >= 0 && src < size_, kInvalidUsage, "signals: rank ", src,
+               " is not one of the ", size_, " ranks of the window");
   return signalWord(regions_[rank_]->base(), src).load(std::memory_order_acquire);
 }
 
 void ShmWindow::waitSignal(int src, std::chrono::milliseconds timeout,
                            const std::function<void()>& check) {
-  checkRank(src, "wait_signal");
+  TPCOMM_CHECK(src >= 0 && src < size_, kInvalidUsage, "wait_signal: rank ", src,
+               " is not one of the ", size_, " ranks of the window");
   const uint64_t want = consumed_[src] + 1;
   auto& word = signalWord(regions_[rank_]->base(), src);
   auto arrived = [&] { return word.load(std::memory_order_acquire) >= want; };

@@ -50,7 +50,9 @@ class ShmWindow {
   int size() const { return size_; }
   // The name peers attach this rank's region by (SharedRegion::name()).
   std::string name() const;
-  // Maps every peer's region from its name (`names[rank()]` is skipped).
+  // Maps every peer's region from its name (`names[rank()]` is skipped, as
+  // is an empty name: a peer on another host, whose puts and signals reach
+  // this rank through deliver()/deliverSignal() instead).
   // Throws InvalidUsage naming the rank whose name is not a region name or
   // whose region is not a window of this size, System when it cannot be
   // mapped (the creator exited, another host).
@@ -77,6 +79,13 @@ class ShmWindow {
   // before signalling, Timeout naming it and the counts when none came.
   void waitSignal(int src, std::chrono::milliseconds timeout,
                   const std::function<void()>& check = {});
+  // What a peer on another host sent this rank, applied by the thread that
+  // receives it (backend/window/remote_window.hpp): bytes into this rank's
+  // data (InvalidUsage past its end), one signal of `src`.
+  void deliver(size_t offset, const void* src, size_t bytes) { put(rank_, offset, src, bytes); }
+  void deliverSignal(int src);
+  // Whether rank r's region is mapped here (this rank's, one of its host).
+  bool mapped(int r) const { return r >= 0 && r < size_ && regions_[r] != nullptr; }
   // Signals rank `src` sent this rank so far, and how many a wait took.
   uint64_t signalsFrom(int src) const;
   uint64_t consumedFrom(int src) const { return consumed_.at(src); }

@@ -405,13 +405,56 @@ def case_reconfigure_after_loss(out):
 
 
 def case_window_across_hosts(out):
-    """A window over ranks of two hosts: refused on every rank, naming a
-    rank on another host; the group goes on."""
+    """A window over ranks of two hosts: around a ring of puts and signals
+    (ranks 1 -> 2 and 3 -> 0 cross hosts), a put of 5 MiB from rank 1 into
+    rank 2's window (two messages), each checked against what its receiver
+    computes; a remote rank's tensor is not mappable, a silent remote peer
+    is named after the wait's timeout."""
+    n = (6 << 20) // 4
+    mine = torch.full((n,), float(RANK))
+    window = dist._new_window(mine)
+    right, left = (RANK + 1) % WORLD, (RANK - 1) % WORLD
+    window.put(torch.full((16,), 100.0 + RANK), right, 16 * RANK, False)
+    window.signal(right, False)
+    window.wait_signal(left, False)
+    out["ring"] = (mine[16 * left:16 * left + 16].tolist() == [100.0 + left] * 16
+                   and mine[:16 * left].eq(RANK).all().item())
+    big = torch.randn((5 << 20) // 4, generator=torch.Generator().manual_seed(7))
+    if RANK == 1:
+        window.put(big, 2, 1000, False)
+        window.signal(2, False)
+    if RANK == 2:
+        window.wait_signal(1, False)
+        out["big"] = torch.equal(mine[1000:1000 + big.numel()], big)
+    # What host 0's interface sends per 1 KiB put from rank 1 to rank 2
+    # (rank 0 waits in a barrier, which sends nothing before rank 1 comes).
+    kib = torch.ones(256)
+    dist.barrier()
+    time.sleep(0.2)
+    if RANK == 1:
+        before = _sent()
+        for _ in range(20):
+            window.put(kib, 2, 0, False)
+        time.sleep(0.2)  # the last bytes on the wire
+        out["put_1kib_bytes"] = (_sent() - before) / 20
+    dist.barrier()
+    remote = 2 if RANK < 2 else 0
     try:
-        dist._new_window(torch.zeros(8))
-        out["raised"] = None
+        window.map_remote_tensor(remote)
+        out["map"] = None
     except Exception as e:  # noqa: BLE001
-        out["raised"] = f"{type(e).__name__}: {e}"
+        out["map"] = f"{type(e).__name__}: {e}"
+    out["attr"] = (str(window.get_attr(remote).access_type),
+                   str(window.get_attr(RANK ^ 1).access_type))
+    opts = torch._C._distributed_c10d.WaitSignalOptions()
+    opts.timeout = timedelta(milliseconds=300)
+    try:
+        window.wait_signal(remote, False, opts)
+        out["silent"] = None
+    except Exception as e:  # noqa: BLE001
+        out["silent"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    del window
     x = torch.ones(4)
     dist.all_reduce(x)
     out["after"] = x.tolist()

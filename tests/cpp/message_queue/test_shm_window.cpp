@@ -63,6 +63,7 @@ TEST(ShmWindow, PutsSignalsAndWaitsBetweenTwoProcesses) {
       ShmWindow mine(1, 2, 16 * sizeof(int));
       up.send(mine.name());
       mine.attach({down.receive(), ""});
+      up.send("attached");  // the parent may close its descriptor now
       // Ten rounds: wait for the parent's put, answer with the sum.
       for (int round = 0; round < 10; ++round) {
         mine.waitSignal(0, milliseconds(10000));
@@ -81,6 +82,7 @@ TEST(ShmWindow, PutsSignalsAndWaitsBetweenTwoProcesses) {
   }
   down.send(parent.name());
   parent.attach({"", up.receive()});
+  ASSERT_EQ(up.receive(), "attached");
   parent.closeDescriptor();
   for (int round = 0; round < 10; ++round) {
     std::vector<int> values(16);

@@ -412,15 +412,27 @@ def test_survivors_across_hosts_shrink_and_go_on_on_the_hierarchical_route(how, 
         assert o["stats"]["gloo"]["calls"] == 0, o["stats"]
 
 
-def test_a_window_across_hosts_is_refused_on_every_rank(tmp_path):
-    """One-sided windows join the ranks of one host (docs/torch_capabilities.md)."""
+def test_a_window_across_hosts_puts_and_signals_through_gloo(tmp_path):
+    """One-sided windows over 2+2 ranks on two simulated hosts: shared
+    memory inside a host, Gloo messages between them
+    (backend/window/remote_window.hpp)."""
     layout = LAYOUTS["2x2"]
     results, codes, errors = run_case(layout, "window_across_hosts", tmp_path)
     assert not errors, "\n".join(errors.values())
     for r, o in results.items():
-        assert o["raised"] is not None and "is on another host than rank" in o["raised"], o
-        assert "tpcomm's windows join the ranks of one host" in o["raised"], o
+        assert o["ring"] is True, (r, o)
+        assert o.get("big", True) is True, (r, o)
+        assert "is on another host: its tensor cannot be mapped here" in o["map"], o
+        assert o["attr"][0].endswith("SEPARATE") and o["attr"][1].endswith("UNIFIED"), o
+        remote = 2 if r < 2 else 0
+        assert f"rank {remote} sent no signal within 300 ms" in o["silent"], o
         assert o["after"] == [4.0] * 4, o
+    assert results[2]["big"] is True
+    # A put is one Gloo message: its 1 KiB, the window's 32-byte header and
+    # one message's headers (Gloo's and TCP/IP's, about 100-400 B).
+    sent = results[1]["put_1kib_bytes"]
+    print(f"host 0 sent {sent:.0f} B per 1 KiB put")
+    assert 1024 + 32 <= sent <= 1024 + 32 + 400, sent
 
 
 @pytest.mark.parametrize("case,cause", [("refused", "refused allreduce"),
