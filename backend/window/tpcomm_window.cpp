@@ -31,6 +31,11 @@ std::vector<std::string> split(const std::string& text, char by) {
   return out;
 }
 
+std::string firstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+// The deleter of a storage moved into a window: drops its hold on the region.
+void releaseRegion(void* keep) { delete static_cast<std::shared_ptr<void>*>(keep); }
+
 // Every rank adds itself to `key` and waits until all `size` did, at most
 // `timeout`; a rank that failed its part says why under kFailedKey (fail())
 // and the others raise it at once.
@@ -82,35 +87,41 @@ void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
     const int size = group_->size();
     TPCOMM_CHECK(!shm_, kInvalidUsage, what("tensor_register"),
                  ": a tensor is registered already (tensor_deregister first)");
-    TPCOMM_CHECK(tensor.defined() && tensor.device().is_cpu(), kInvalidUsage,
-                 what("tensor_register"), ": tpcomm's windows hold CPU tensors, this one is on ",
-                 tensor.defined() ? tensor.device().str() : std::string("no device"));
-    TPCOMM_CHECK(tensor.is_contiguous() && !tensor.is_sparse(), kInvalidUsage,
-                 what("tensor_register"), ": the tensor must be dense and contiguous");
-    TPCOMM_CHECK(group_->fault().usable(), kPeerLost, what("tensor_register"),
-                 ": the group broke: ", group_->fault().reason());
-    // The tensor's whole storage moves into this rank's region, in place.
-    c10::StorageImpl* storage = tensor.storage().unsafeGetStorageImpl();
-    const size_t bytes = storage->nbytes();
-    auto shm = std::make_unique<mq::ShmWindow>(rank, size, bytes);
-    if (bytes > 0) std::memcpy(shm->data(rank), storage->data(), bytes);
-    auto* keep = new std::shared_ptr<void>(shm->keep(rank));
-    storage->set_data_ptr_noswap(at::DataPtr(
-        shm->data(rank), keep, [](void* ctx) { delete static_cast<std::shared_ptr<void>*>(ctx); },
-        at::Device(at::kCPU)));
-    storage->set_resizable(false);
-
-    // Every rank's region, host and tensor through the window's store.
+    // Numbered before anything can fail, alike on every rank.
     const int registration = registrations_++;
     auto store = c10::make_intrusive<c10d::PrefixStore>(
         detail::concat("reg-", registration, "/"), store_);
-    std::string sizes;
-    for (int64_t d : tensor.sizes()) sizes += (sizes.empty() ? "" : ",") + std::to_string(d);
-    store->set(std::to_string(rank),
-               bytesOf(detail::concat(hostIdentity(), "\n", shm->name(), "\n",
-                                      static_cast<int>(tensor.scalar_type()), "\n",
-                                      tensor.storage_offset() * tensor.element_size(), "\n",
-                                      sizes)));
+    const std::string key = std::to_string(rank);
+    // This rank's part: checks, its region with the tensor's bytes. A
+    // failure is published in its place, so that the others raise at once.
+    std::unique_ptr<mq::ShmWindow> shm;
+    c10::StorageImpl* storage = nullptr;
+    try {
+      TPCOMM_CHECK(tensor.defined() && tensor.device().is_cpu(), kInvalidUsage,
+                   "tpcomm's windows hold CPU tensors, this one is on ",
+                   tensor.defined() ? tensor.device().str() : std::string("no device"));
+      TPCOMM_CHECK(tensor.layout() == at::kStrided && tensor.is_contiguous(), kInvalidUsage,
+                   "the tensor must be dense and contiguous");
+      storage = tensor.storage().unsafeGetStorageImpl();
+      TPCOMM_CHECK(storage->data_ptr().get_deleter() != &releaseRegion, kInvalidUsage,
+                   "the tensor's storage is in a window already");
+      TPCOMM_CHECK(group_->fault().usable(), kPeerLost, "the group broke: ",
+                   group_->fault().reason());
+      shm = std::make_unique<mq::ShmWindow>(rank, size, storage->nbytes());
+      if (storage->nbytes() > 0) std::memcpy(shm->data(rank), storage->data(), storage->nbytes());
+      std::string sizes;
+      for (int64_t d : tensor.sizes()) sizes += (sizes.empty() ? "" : ",") + std::to_string(d);
+      store->set(key, bytesOf(detail::concat(hostIdentity(), "\n", shm->name(), "\n",
+                                             static_cast<int>(tensor.scalar_type()), "\n",
+                                             tensor.storage_offset() * tensor.element_size(),
+                                             "\n", sizes)));
+    } catch (const std::exception& e) {
+      store->set(key, bytesOf(detail::concat(kFailedKey, "\n", e.what())));
+      throw tpcomm::Error(ErrorCode::kInvalidUsage,
+                          what("tensor_register") + ": " + firstLine(e.what()));
+    }
+
+    // Every rank's region, host and tensor (or why it failed).
     std::vector<std::string> keys;
     for (int r = 0; r < size; ++r) keys.push_back(std::to_string(r));
     const auto timeout = group_->options().timeout;
@@ -118,18 +129,24 @@ void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
       store->wait(keys, timeout);
     } catch (const std::exception& e) {
       TPCOMM_THROW(kTimeout, what("tensor_register"), ": not every rank registered within ",
-                   timeout.count(), " ms: ", split(e.what(), '\n')[0]);
+                   timeout.count(), " ms: ", firstLine(e.what()));
     }
     std::vector<std::string> names(size);
     std::vector<Registered> registered(size);
     std::vector<bool> local(size);
+    std::vector<int> remote;
     std::string failure;
     for (int r = 0; r < size; ++r) {
       const auto value = store->get(keys[r]);
       auto fields = split(std::string(value.begin(), value.end()), '\n');
       fields.resize(5);
+      if (fields[0] == kFailedKey) {
+        if (failure.empty()) failure = detail::concat("rank ", r, " could not register: ", fields[1]);
+        continue;
+      }
       // A rank of another host: reached through Gloo, never mapped.
       local[r] = fields[0] == hostIdentity();
+      if (!local[r]) remote.push_back(r);
       names[r] = local[r] ? fields[1] : std::string();
       registered[r].dtype = static_cast<c10::ScalarType>(std::stoi(fields[2]));
       registered[r].offsetBytes = std::stoull(fields[3]);
@@ -139,21 +156,27 @@ void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
         registered[r].numel *= registered[r].sizes.back();
       }
     }
-    if (failure.empty()) {
-      try {
-        shm->attach(names);
-      } catch (const std::exception& e) {
-        failure = detail::concat("rank ", rank, " could not map its peers' windows: ", e.what());
-        store->set(kFailedKey, bytesOf(failure));
-      }
+    // Everyone read every key: the last rank to say so removes them.
+    if (store->add("read", 1) == size) {
+      for (const auto& k : keys) store->deleteKey(k);
+      store->deleteKey("read");
     }
     TPCOMM_CHECK(failure.empty(), kInvalidUsage, what("tensor_register"), ": ", failure);
-    if (std::find(local.begin(), local.end(), false) != local.end()) {
-      // Its receiving thread, before any peer can send (they send once
-      // every rank passed the meeting below).
+    try {
+      shm->attach(names);
+    } catch (const std::exception& e) {
+      store->set(kFailedKey, bytesOf(detail::concat("rank ", rank,
+                                                    " could not map its peers' windows: ",
+                                                    firstLine(e.what()))));
+      throw;
+    }
+    // Its receiving thread, before any peer can send (they send once every
+    // rank passed the meeting below).
+    std::unique_ptr<RemoteWindow> between;
+    if (!remote.empty()) {
       mq::ShmWindow* into = shm.get();
-      remote_ = std::make_unique<RemoteWindow>(
-          group_->cpuBackend(), remoteTag(number_, registration), std::max<size_t>(bytes, 1),
+      between = std::make_unique<RemoteWindow>(
+          group_->cpuBackend(), remoteTag(number_, registration), storage->nbytes(), remote,
           [into](int source, const RemoteWindow::Message& message, const uint8_t* data) {
             if (message.kind == RemoteWindow::kPut) {
               into->deliver(message.offset, data, message.bytes);
@@ -163,15 +186,25 @@ void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
           },
           what("receive"));
     }
-    // Every rank mapped every region: no one needs the descriptors, nor
-    // the keys (the last rank out removes them).
-    meet(*store, "attached", size, timeout, what("tensor_register"));
+    try {
+      meet(*store, "attached", size, timeout, what("tensor_register"));
+    } catch (...) {
+      if (between) between->close(std::chrono::milliseconds(0));
+      throw;
+    }
+    // Every rank mapped every region of its host: no one needs the
+    // descriptors, nor the meeting's keys.
     shm->closeDescriptor();
     if (store->add("left", 1) == size) {
-      for (const auto& key : keys) store->deleteKey(key);
-      for (const char* key : {"attached", "left"}) store->deleteKey(key);
+      for (const char* k : {"attached", "left"}) store->deleteKey(k);
     }
+    // The tensor's whole storage moves into this rank's region, in place.
+    auto* keep = new std::shared_ptr<void>(shm->keep(rank));
+    storage->set_data_ptr_noswap(
+        at::DataPtr(shm->data(rank), keep, &releaseRegion, at::Device(at::kCPU)));
+    storage->set_resizable(false);
     shm_ = std::move(shm);
+    remote_ = std::move(between);
     registered_ = std::move(registered);
     local_ = std::move(local);
     if (owning) owned_ = tensor;
@@ -181,9 +214,11 @@ void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
 void TpcommWindow::tensor_deregister() {
   translateErrors([&] {
     checkRegistered("tensor_deregister");
-    // The receiving thread stops, the peers' mappings go (views from
+    // The receiving thread ends once every peer on another host closed
+    // (within the group's timeout), the peers' mappings go (views from
     // map_remote_tensor keep theirs); this rank's tensor keeps its shared
     // memory.
+    if (remote_) remote_->close(group_->options().timeout);
     remote_.reset();
     shm_.reset();
     registered_.clear();
@@ -199,13 +234,19 @@ c10::intrusive_ptr<c10d::Work> TpcommWindow::put(const at::Tensor& tensor, int64
     checkPeer("put", dstRank);
     TPCOMM_CHECK(opts.hints.empty(), kInvalidUsage, what("put"), ": hint '",
                  opts.hints.begin()->first, "' is not one tpcomm knows (it takes none)");
-    TPCOMM_CHECK(tensor.defined() && tensor.device().is_cpu() && tensor.is_contiguous(),
+    TPCOMM_CHECK(tensor.defined() && tensor.device().is_cpu() && tensor.layout() == at::kStrided &&
+                     tensor.is_contiguous(),
                  kInvalidUsage, what("put"), ": the tensor must be a contiguous CPU tensor");
+    TPCOMM_CHECK(!tensor.is_conj() && !tensor.is_neg(), kInvalidUsage, what("put"),
+                 ": a conjugated or negated view puts its raw bytes: resolve_conj() or "
+                 "resolve_neg() it first");
+    TPCOMM_CHECK(targetOffsetNelems >= 0, kInvalidUsage, what("put"), ": offset ",
+                 targetOffsetNelems, " is negative");
     const Registered& target = registered_[dstRank];
     TPCOMM_CHECK(tensor.scalar_type() == target.dtype, kInvalidUsage, what("put"), ": a ",
                  c10::toString(tensor.scalar_type()), " tensor into rank ", dstRank, "'s ",
                  c10::toString(target.dtype), " window");
-    TPCOMM_CHECK(targetOffsetNelems >= 0 && targetOffsetNelems <= target.numel &&
+    TPCOMM_CHECK(targetOffsetNelems <= target.numel &&
                      tensor.numel() <= target.numel - targetOffsetNelems,
                  kInvalidUsage, what("put"), ": ", tensor.numel(), " elements at offset ",
                  targetOffsetNelems, " run past rank ", dstRank, "'s window of ", target.numel,
@@ -217,7 +258,8 @@ c10::intrusive_ptr<c10d::Work> TpcommWindow::put(const at::Tensor& tensor, int64
     if (local_[dstRank]) {
       shm_->put(static_cast<int>(dstRank), offset, tensor.data_ptr(), tensor.nbytes());
     } else {
-      remote_->put(static_cast<int>(dstRank), offset, tensor.data_ptr(), tensor.nbytes());
+      remote_->put(static_cast<int>(dstRank), offset, tensor.data_ptr(), tensor.nbytes(),
+                   std::max(opts.timeout, std::chrono::milliseconds(0)));
     }
     return coord::completedWork({});
   });
@@ -248,7 +290,8 @@ c10::intrusive_ptr<c10d::Work> TpcommWindow::signal(int64_t peerRank, bool /*asy
     if (local_[peerRank]) {
       shm_->signal(static_cast<int>(peerRank));
     } else {
-      remote_->signal(static_cast<int>(peerRank));
+      remote_->signal(static_cast<int>(peerRank),
+                      std::max(opts.timeout, std::chrono::milliseconds(0)));
     }
     return coord::completedWork({});
   });

@@ -12,7 +12,9 @@
 //                       exchange their regions' names through the group's
 //                       store and map those of their host.
 //   put(t, dst, off)    a copy of t into dst's tensor at element `off`; same
-//                       dtype, inside its bounds; done when it returns.
+//                       dtype, inside its bounds; done when it returns (on
+//                       another host: once sent; seen after the signal that
+//                       follows it, as any put is).
 //   map_remote_tensor   a view of rank r's registered tensor (its shape), for
 //                       a rank of this host.
 //   signal / wait_signal  counted signals: put, then signal(dst), then dst's
@@ -21,7 +23,8 @@
 //                       silent peer, one that exited, or the group's break.
 //
 // Every call is done when it returns (asyncOp too: the Work returned is
-// completed). Calls may come from several threads; tensor_register and
+// completed); the options' timeout bounds a wait_signal, and a put's or
+// signal's send to another host. Calls may come from several threads; tensor_register and
 // tensor_deregister must not run while another call of the window does. Errors: c10::Error (RuntimeError) naming what is wrong for bad
 // arguments; DistBackendError for a peer lost or silent. Compiled where
 // torch declares windows (C10D_BACKEND_HAS_WINDOW, torch 2.15).
@@ -44,8 +47,7 @@ namespace tpcomm::backend {
 class TpcommWindow : public c10d::Window {
  public:
   // Collective over the group (made in the same order on every rank);
-  // registers `tensor` when given. Raises when the group's ranks are on
-  // more than one host.
+  // registers `tensor` when given.
   TpcommWindow(std::shared_ptr<coord::GroupCoordinator> group,
                const std::optional<at::Tensor>& tensor);
 

@@ -94,15 +94,14 @@ std::chrono::milliseconds remaining(std::chrono::milliseconds timeout,
 // above), and below kFramedLargeTagLimit past the first part (the rest's
 // tag carries the tag).
 void checkTag(int tag, int64_t bytes) {
-  const int limit = bytes > kFramedFirstPart ? kFramedLargeTagLimit : kFramedRestTagBit;
-  TPCOMM_CHECK(tag >= 0 && tag<limit, kInvalidUsage, "send/recv: tag ", tag,
-                               " is out of range: tpcomm's CPU send/recv takes tags from 0 to ",
-                               limit - 1, bytes>
-                               kFramedFirstPart
-                   ? " for a message past "
-                   : " (",
+  const int limit = bytes > kFramedFirstPart ? kFramedLargeTagLimit : kFramedWindowTagBit;
+  TPCOMM_CHECK(tag >= 0 && tag < limit, kInvalidUsage, "send/recv: tag ", tag,
+               " is out of range: tpcomm's CPU send/recv takes tags from 0 to ", limit - 1,
+               bytes > kFramedFirstPart ? " for a message past " : " (",
                bytes > kFramedFirstPart ? std::to_string(kFramedFirstPart) + " B" : "",
-               bytes > kFramedFirstPart ? "" : "larger tags carry the rests of large messages)");
+               bytes > kFramedFirstPart
+                   ? ""
+                   : "larger tags are tpcomm's own: windows' messages, the rests of large ones)");
 }
 
 // The tag the rest of the `seq`-th message past the first part from one

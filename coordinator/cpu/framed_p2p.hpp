@@ -61,6 +61,10 @@ constexpr int64_t kFramedFirstPart = int64_t{256} << 10;
 // kFramedLargeTagLimit; one within it, any tag.
 constexpr int kFramedRestTagBit = 1 << 30;
 constexpr int kFramedLargeTagLimit = 1 << 20;
+// Tags from here to kFramedRestTagBit carry one-sided windows' messages
+// between hosts (backend/window/remote_window.hpp): no caller's send or
+// recv takes them.
+constexpr int kFramedWindowTagBit = 1 << 29;
 constexpr uint64_t kFramedRestWindow = 1024;
 
 // A framed send or recv's Work.

@@ -41,7 +41,15 @@ struct ShmWindow::Header {
 };
 
 ShmWindow::ShmWindow(int rank, int size, size_t dataBytes)
-    : rank_(rank), size_(size), regions_(size), peers_(size), consumed_(size, 0) {
+    : rank_(rank),
+      size_(size),
+      regions_(size),
+      peers_(size),
+      consumed_(size, 0),
+      waiting_(new std::mutex[size]) {
+  static_assert(std::atomic<uint64_t>::is_always_lock_free &&
+                    std::atomic<uint32_t>::is_always_lock_free,
+                "the counters other processes read need lock-free atomics");
   static_assert(sizeof(Header) <= kSignalsOffset, "window header too large");
   TPCOMM_CHECK(size >= 1 && rank >= 0 && rank < size, kInvalidUsage, "window: rank ", rank,
                " of ", size);
@@ -109,7 +117,7 @@ void ShmWindow::put(int dst, size_t offset, const void* src, size_t bytes) {
   TPCOMM_CHECK(offset <= have && bytes <= have - offset, kInvalidUsage, "put of ", bytes,
                " bytes at byte ", offset, " of rank ", dst, "'s window runs past its ", have,
                " bytes");
-  if (bytes > 0) std::memcpy(data(dst) + offset, src, bytes);
+  if (bytes > 0) std::memmove(data(dst) + offset, src, bytes);
 }
 
 void ShmWindow::signal(int dst) {
@@ -138,6 +146,7 @@ void ShmWindow::waitSignal(int src, std::chrono::milliseconds timeout,
                            const std::function<void()>& check) {
   TPCOMM_CHECK(src >= 0 && src < size_, kInvalidUsage, "wait_signal: rank ", src,
                " is not one of the ", size_, " ranks of the window");
+  std::lock_guard<std::mutex> turn(waiting_[src]);
   const uint64_t want = consumed_[src] + 1;
   auto& word = signalWord(regions_[rank_]->base(), src);
   auto arrived = [&] { return word.load(std::memory_order_acquire) >= want; };

@@ -1,6 +1,6 @@
 #pragma once
 // tpcomm::mq::ShmWindow — one-sided access among the processes of one host
-// (torch's c10d::Window on tpcomm: coordinator/window/). Each rank owns one
+// (torch's c10d::Window on tpcomm: backend/window/). Each rank owns one
 // region, its window, which every peer maps: a put is a copy into the
 // target's bytes, a signal an atomic add in the target's control block, a
 // wait for a signal a bounded wait on one's own. Plain C++ (no torch).
@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -67,13 +68,15 @@ class ShmWindow {
   size_t dataBytes(int r) const;
   std::shared_ptr<void> keep(int r) const;
 
-  // Copies `bytes` from `src` into rank `dst`'s data at `offset`. Throws
+  // Copies `bytes` from `src` into rank `dst`'s data at `offset` (they may
+  // overlap: a put into this rank's own window from a view of it). Throws
   // InvalidUsage when that runs past its end.
   void put(int dst, size_t offset, const void* src, size_t bytes);
   // One signal to rank `dst` (a release: what this rank wrote before is
   // seen by the wait that counts it).
   void signal(int dst);
-  // Waits for the next signal of rank `src`, at most `timeout`. `check`
+  // Waits for the next signal of rank `src`, at most `timeout`; waits on
+  // one source from several threads take its signals one each, in turn. `check`
   // runs every millisecond or so while waiting (it throws to end the wait:
   // the group broke). Throws PeerLost naming `src` when its process exited
   // before signalling, Timeout naming it and the counts when none came.
@@ -100,6 +103,7 @@ class ShmWindow {
   std::vector<std::shared_ptr<SharedRegion>> regions_;  // [r]: rank r's
   std::vector<std::unique_ptr<PeerProcess>> peers_;     // [r]: rank r's process
   std::vector<uint64_t> consumed_;                      // [r]: signals of r waited for
+  std::unique_ptr<std::mutex[]> waiting_;               // [r]: one wait on r at a time
 };
 
 }  // namespace tpcomm::mq

@@ -417,8 +417,9 @@ def case_window_across_hosts(out):
     window.put(torch.full((16,), 100.0 + RANK), right, 16 * RANK, False)
     window.signal(right, False)
     window.wait_signal(left, False)
-    out["ring"] = (mine[16 * left:16 * left + 16].tolist() == [100.0 + left] * 16
-                   and mine[:16 * left].eq(RANK).all().item())
+    expected = torch.full((n,), float(RANK))
+    expected[16 * left:16 * left + 16] = 100.0 + left
+    out["ring"] = torch.equal(mine, expected)
     big = torch.randn((5 << 20) // 4, generator=torch.Generator().manual_seed(7))
     if RANK == 1:
         window.put(big, 2, 1000, False)
@@ -437,6 +438,10 @@ def case_window_across_hosts(out):
             window.put(kib, 2, 0, False)
         time.sleep(0.2)  # the last bytes on the wire
         out["put_1kib_bytes"] = (_sent() - before) / 20
+        window.signal(2, False)
+    if RANK == 2:
+        window.wait_signal(1, False)
+        out["kib"] = mine[:256].eq(1.0).all().item()
     dist.barrier()
     remote = 2 if RANK < 2 else 0
     try:
@@ -453,6 +458,18 @@ def case_window_across_hosts(out):
         out["silent"] = None
     except Exception as e:  # noqa: BLE001
         out["silent"] = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    # Deregistered (every peer on another host closes) and registered again
+    # with another tensor: a ring again, on the next registration's tag.
+    window.tensor_deregister()
+    again = torch.zeros(64, dtype=torch.int64)
+    window.tensor_register(again)
+    window.put(torch.full((8,), RANK + 1, dtype=torch.int64), right, 8 * RANK, False)
+    window.signal(right, False)
+    window.wait_signal(left, False)
+    expected = torch.zeros(64, dtype=torch.int64)
+    expected[8 * left:8 * left + 8] = left + 1
+    out["again"] = torch.equal(again, expected)
     dist.barrier()
     del window
     x = torch.ones(4)

@@ -421,13 +421,14 @@ def test_a_window_across_hosts_puts_and_signals_through_gloo(tmp_path):
     assert not errors, "\n".join(errors.values())
     for r, o in results.items():
         assert o["ring"] is True, (r, o)
-        assert o.get("big", True) is True, (r, o)
+        assert o.get("big", True) is True and o.get("kib", True) is True, (r, o)
+        assert o["again"] is True, (r, o)
         assert "is on another host: its tensor cannot be mapped here" in o["map"], o
         assert o["attr"][0].endswith("SEPARATE") and o["attr"][1].endswith("UNIFIED"), o
         remote = 2 if r < 2 else 0
         assert f"rank {remote} sent no signal within 300 ms" in o["silent"], o
         assert o["after"] == [4.0] * 4, o
-    assert results[2]["big"] is True
+    assert results[2]["big"] is True and results[2]["kib"] is True
     # A put is one Gloo message: its 1 KiB, the window's 32-byte header and
     # one message's headers (Gloo's and TCP/IP's, about 100-400 B).
     sent = results[1]["put_1kib_bytes"]

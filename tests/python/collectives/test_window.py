@@ -121,6 +121,7 @@ def _misuse(ctx):
         "twice": lambda: window.tensor_register(torch.zeros(4)),
         "map": lambda: window.map_remote_tensor(5),
         "signal": lambda: window.signal(-1, False),
+        "conj": lambda: window.put(torch.ones(2, dtype=torch.complex64).conj(), peer, 0, False),
     }
     for name, call in bad.items():
         out[name] = error_message(call)
@@ -151,7 +152,8 @@ def test_bad_window_calls_are_refused_naming_what_is_wrong(groups):
         assert out["supports"] is True, out
         assert "no tensor is registered" in out["unregistered"], out
         assert f"8 elements at offset 12 run past rank {peer}'s window of 16" in out["past"], out
-        assert f"1 elements at offset -1 run past rank {peer}'s" in out["negative"], out
+        assert "offset -1 is negative" in out["negative"], out
+        assert "resolve_conj() or resolve_neg() it first" in out["conj"], out
         assert f"a Double tensor into rank {peer}'s Float window" in out["dtype"], out
         assert "rank 2 is not one of the group's 2 ranks" in out["rank"], out
         assert "contiguous CPU tensor" in out["strided"], out
@@ -161,6 +163,52 @@ def test_bad_window_calls_are_refused_naming_what_is_wrong(groups):
         assert "DistBackendError" in out["silent"] and out["silent_s"] < 5, out
         assert out["after"] == [7.0, 7.0], out
         assert "no tensor is registered" in out["deregistered"], out
+
+
+def _reregister(ctx):
+    """A registration that fails on one rank (a strided tensor on rank 1)
+    raises on both at once; both register again and the window works; it
+    is deregistered and registered with another tensor; a view taken
+    before stays readable."""
+    g = dist.new_group(backend="tpcomm")
+    peer = 1 - ctx.rank
+    window = dist._new_window(group=g)
+    bad = torch.zeros(8, 2)[:, 0] if ctx.rank == 1 else torch.zeros(8)
+    start = time.monotonic()
+    failed = error_message(lambda: window.tensor_register(bad))
+    failed_s = time.monotonic() - start
+    first = torch.zeros(8)
+    window.tensor_register(first)
+    window.put(torch.full((2,), 3.0), peer, 1, False)
+    window.signal(peer, False)
+    window.wait_signal(peer, False)
+    view = window.map_remote_tensor(peer)
+    dist.barrier(group=ctx.ref)
+    window.tensor_deregister()
+    second = torch.zeros(4, dtype=torch.int32)
+    window.tensor_register(second)
+    window.put(torch.full((1,), 9, dtype=torch.int32), peer, 3, False)
+    window.signal(peer, False)
+    window.wait_signal(peer, False)
+    out = (failed, failed_s, first.tolist(), second.tolist(), view.tolist())
+    dist.barrier(group=ctx.ref)
+    del window, view
+    dist.destroy_process_group(g)
+    return out
+
+
+def test_a_failed_registration_raises_on_every_rank_and_a_window_registers_again(groups):
+    for rank, (failed, failed_s, first, second, view) in enumerate(groups(2).run(_reregister)):
+        if rank == 1:
+            assert "the tensor must be dense and contiguous" in failed, failed
+        else:
+            assert "rank 1 could not register: " in failed, failed
+            assert "the tensor must be dense and contiguous" in failed, failed
+        assert failed_s < 10, failed_s
+        assert first == [0.0, 3.0, 3.0] + [0.0] * 5, first
+        assert second == [0, 0, 0, 9], second
+        # The peer's first tensor, as it was when this rank deregistered.
+        assert view == [0.0, 3.0, 3.0] + [0.0] * 5, view
 
 
 def _lose_peer(rank, port, env, conn):
