@@ -17,7 +17,6 @@
 #include <functional>
 #include <numeric>
 #include <random>
-#include <sstream>
 #include <thread>
 #include <tuple>
 
@@ -89,9 +88,7 @@ bool parseInt(const std::string& text, int& out) {
 
 // `text` as a handle; raises naming its position and what is wrong.
 Handle parse(const std::string& text, size_t position, const std::string& group) {
-  std::vector<std::string> fields;
-  std::stringstream in(text);
-  for (std::string field; std::getline(in, field, ';');) fields.push_back(field);
+  const std::vector<std::string> fields = detail::splitAt(text, ';');
   const std::string shown = text.size() > 120 ? text.substr(0, 120) + "..." : text;
   TPCOMM_CHECK(fields.size() == 6 && fields[0] == kVersion, kInvalidUsage, "reconfigure of group '",
                group, "': handle ", position, " ('", shown,

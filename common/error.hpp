@@ -82,17 +82,23 @@ auto append(std::string& out, const T& range)
   out += ']';
 }
 
-// The lines of `text` (split at '\n'; a final newline adds no empty line).
-inline std::vector<std::string> splitLines(const std::string& text) {
-  std::vector<std::string> lines;
+// The fields of `text` split at `separator` (a final separator adds no
+// empty field; no iostreams: see test_registration.py).
+inline std::vector<std::string> splitAt(const std::string& text, char separator) {
+  std::vector<std::string> fields;
   size_t at = 0;
   while (at < text.size()) {
-    size_t end = text.find('\n', at);
+    size_t end = text.find(separator, at);
     if (end == std::string::npos) end = text.size();
-    lines.push_back(text.substr(at, end - at));
+    fields.push_back(text.substr(at, end - at));
     at = end + 1;
   }
-  return lines;
+  return fields;
+}
+
+// The lines of `text` (split at '\n'; a final newline adds no empty line).
+inline std::vector<std::string> splitLines(const std::string& text) {
+  return splitAt(text, '\n');
 }
 
 template <typename... Args>

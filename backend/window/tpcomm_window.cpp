@@ -3,7 +3,6 @@
 #if defined(C10D_BACKEND_HAS_WINDOW)
 
 #include <algorithm>
-#include <sstream>
 #include <tuple>
 #include <thread>
 
@@ -22,13 +21,6 @@ const char* const kFailedKey = "failed";
 
 std::vector<uint8_t> bytesOf(const std::string& text) {
   return std::vector<uint8_t>(text.begin(), text.end());
-}
-
-std::vector<std::string> split(const std::string& text, char by) {
-  std::vector<std::string> out;
-  std::stringstream in(text);
-  for (std::string field; std::getline(in, field, by);) out.push_back(field);
-  return out;
 }
 
 std::string firstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
@@ -138,7 +130,7 @@ void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
     std::string failure;
     for (int r = 0; r < size; ++r) {
       const auto value = store->get(keys[r]);
-      auto fields = split(std::string(value.begin(), value.end()), '\n');
+      auto fields = detail::splitAt(std::string(value.begin(), value.end()), '\n');
       fields.resize(5);
       if (fields[0] == kFailedKey) {
         if (failure.empty()) failure = detail::concat("rank ", r, " could not register: ", fields[1]);
@@ -151,7 +143,7 @@ void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
       registered[r].dtype = static_cast<c10::ScalarType>(std::stoi(fields[2]));
       registered[r].offsetBytes = std::stoull(fields[3]);
       registered[r].numel = 1;
-      for (const auto& d : split(fields[4], ',')) {
+      for (const auto& d : detail::splitAt(fields[4], ',')) {
         registered[r].sizes.push_back(std::stoll(d));
         registered[r].numel *= registered[r].sizes.back();
       }
