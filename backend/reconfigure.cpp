@@ -10,14 +10,9 @@
 // rank, size: the group it serves now (its life, group_life.hpp; "-", its
 // nominal rank and size before it was ever formed). Forming runs on
 // "tpcomm-reconfigure-<uuid>/" of the store the group was made on.
-#include <unistd.h>
-
 #include <algorithm>
-#include <cstdio>
 #include <functional>
 #include <numeric>
-#include <random>
-#include <thread>
 #include <tuple>
 
 #include <torch/csrc/distributed/c10d/FileStore.hpp>
@@ -27,6 +22,7 @@
 #include "backend/boundary.hpp"
 #include "backend/process_group_tpcomm.hpp"
 #include "common/error.hpp"
+#include "coordinator/group_life.hpp"
 
 namespace tpcomm::backend {
 
@@ -40,15 +36,6 @@ struct Handle {
   std::string text, token, store, life;
   int rank = -1, size = 0;
 };
-
-std::string drawToken() {
-  std::random_device device;
-  const uint64_t value = (static_cast<uint64_t>(device()) << 32) ^ device() ^
-                         static_cast<uint64_t>(getpid()) << 20;
-  char text[17];
-  std::snprintf(text, sizeof(text), "%016llx", static_cast<unsigned long long>(value));
-  return text;
-}
 
 // The store under its prefixes, named so that two processes on one store
 // say the same; "-" for a kind of store that cannot tell.
@@ -136,49 +123,20 @@ std::string joined(const std::vector<Handle>& members) {
 }
 
 // Every member passed the same handles: the first to come writes them, the
-// others compare; returns once all `size` found them equal. A member whose
-// handles differ, or that gives up waiting, says so in the store and
-// raises; the others (and a member that comes later) raise it as soon as
-// they see it, never waiting out the timeout. Bounded by `timeout`;
-// `check` runs between polls (it throws to end the wait: an abort).
+// others compare, then all meet (coord::meetOnStore). A member whose
+// handles differ says so and raises; the others raise it at once.
 void agreeOnHandles(c10d::Store& store, const std::string& ours, int rank, int size,
                     std::chrono::milliseconds timeout, const std::string& what,
                     const std::function<void()>& check) {
-  auto refuse = [&](const std::string& why) {
-    store.set(kRefusedKey, std::vector<uint8_t>(why.begin(), why.end()));
-  };
-  const std::vector<uint8_t> bytes(ours.begin(), ours.end());
-  const auto found = store.compareSet(kHandlesKey, {}, bytes);
-  if (found != bytes) {
+  const auto found = store.compareSet(kHandlesKey, {}, detail::bytesOf(ours));
+  if (found != detail::bytesOf(ours)) {
     const std::string why = detail::concat(
         "member ", rank, " passed other handles than the first one:\n", ours,
         "where the first passed:\n", std::string(found.begin(), found.end()));
-    refuse(why);
+    store.set(kRefusedKey, detail::bytesOf(why));
     TPCOMM_THROW(kInvalidUsage, what, ": ", why);
   }
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto pause = std::chrono::milliseconds(1);
-  for (int64_t arrived = store.add(kArrivedKey, 1); arrived < size;
-       arrived = store.add(kArrivedKey, 0)) {
-    if (store.check({kRefusedKey})) {
-      const auto why = store.get(kRefusedKey);
-      TPCOMM_THROW(kInvalidUsage, what, ": ", std::string(why.begin(), why.end()));
-    }
-    if (std::chrono::steady_clock::now() >= deadline) {
-      const std::string why = detail::concat("member ", rank, " gave up after ", timeout.count(),
-                                             " ms: ", arrived, " of the ", size, " members came");
-      refuse(why);
-      TPCOMM_THROW(kTimeout, what, ": ", why);
-    }
-    try {
-      if (check) check();
-    } catch (const std::exception& e) {
-      refuse(detail::concat("member ", rank, " stopped: ", e.what()));
-      throw;
-    }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(10));
-  }
+  coord::meetOnStore(store, kArrivedKey, kRefusedKey, rank, size, timeout, what, check);
 }
 
 // The group a reconfigure replaced, on this member: its ranks that are not
@@ -219,7 +177,7 @@ void retire(coord::GroupCoordinator& old, const std::vector<Handle>& members,
 
 c10d::ReconfigureHandle ProcessGroupTpcomm::get_reconfigure_handle() const {
   return translateErrors([&] {
-    std::call_once(tokenDrawn_, [&] { token_ = drawToken(); });
+    std::call_once(tokenDrawn_, [&] { token_ = coord::randomId(); });
     const auto store = reconfigureBase_ ? reconfigureBase_
                        : coordinator_   ? coordinator_->baseStore()
                                         : unformed_->store;

@@ -96,6 +96,14 @@ inline std::vector<std::string> splitAt(const std::string& text, char separator)
   return fields;
 }
 
+// `text` up to its first newline.
+inline std::string firstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
+
+// `text`'s bytes, as a store's values are.
+inline std::vector<uint8_t> bytesOf(const std::string& text) {
+  return std::vector<uint8_t>(text.begin(), text.end());
+}
+
 // The lines of `text` (split at '\n'; a final newline adds no empty line).
 inline std::vector<std::string> splitLines(const std::string& text) {
   return splitAt(text, '\n');

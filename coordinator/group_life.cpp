@@ -36,9 +36,12 @@ const std::string kEnded = "tpcomm/made-or-failed";
 // The end of a life (endLife), under its prefix: ranks that left it.
 const std::string kLeft = "tpcomm/left";
 
-std::string firstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
+using detail::bytesOf;
+using detail::firstLine;
 
-std::string randomLife() {
+}  // namespace
+
+std::string randomId() {
   std::random_device device;
   const uint64_t high = device();
   const uint64_t low = device();
@@ -51,9 +54,7 @@ std::string randomLife() {
   return text;
 }
 
-std::vector<uint8_t> bytesOf(const std::string& text) {
-  return std::vector<uint8_t>(text.begin(), text.end());
-}
+namespace {
 
 // Waits up to `left` for `key`; the error names the group's `timeout`.
 void waitFor(const c10::intrusive_ptr<c10d::Store>& store, const std::string& key,
@@ -74,7 +75,7 @@ std::string agreeOnLife(const c10::intrusive_ptr<c10d::Store>& store, int rank, 
                         std::chrono::milliseconds timeout) {
   TPCOMM_CHECK(store, kInvalidUsage, "a group's life needs its store");
   if (rank == 0) {
-    const std::string life = randomLife();
+    const std::string life = randomId();
     if (size == 1) return life;
     store->set(kLifeKey, bytesOf(life));
     waitFor(store, doneKey(life), timeout, timeout, rank,
@@ -300,6 +301,35 @@ std::optional<std::vector<uint8_t>> readWithoutWaiting(const c10::intrusive_ptr<
 c10::intrusive_ptr<c10d::Store> storeOfLife(const c10::intrusive_ptr<c10d::Store>& store,
                                             const std::string& life) {
   return c10::make_intrusive<c10d::PrefixStore>(lifePrefix(life), store);
+}
+
+void meetOnStore(c10d::Store& store, const std::string& arrivedKey,
+                 const std::string& refusedKey, int member, int size,
+                 std::chrono::milliseconds timeout, const std::string& what,
+                 const std::function<void()>& check) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::milliseconds(1);
+  for (int64_t arrived = store.add(arrivedKey, 1); arrived < size;
+       arrived = store.add(arrivedKey, 0)) {
+    if (store.check({refusedKey})) {
+      const auto why = store.get(refusedKey);
+      TPCOMM_THROW(kPeerLost, what, ": ", std::string(why.begin(), why.end()));
+    }
+    if (std::chrono::steady_clock::now() >= deadline) {
+      const std::string why = detail::concat("member ", member, " gave up after ", timeout.count(),
+                                             " ms: ", arrived, " of the ", size, " members came");
+      store.set(refusedKey, bytesOf(why));
+      TPCOMM_THROW(kTimeout, what, ": ", why);
+    }
+    try {
+      if (check) check();
+    } catch (const std::exception& e) {
+      store.set(refusedKey, bytesOf(detail::concat("member ", member, " stopped: ", e.what())));
+      throw;
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(10));
+  }
 }
 
 }  // namespace tpcomm::coord

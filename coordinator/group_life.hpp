@@ -51,6 +51,7 @@
 // (the life, Gloo's rendezvous, the end), each bounded.
 
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -127,6 +128,21 @@ bool endLife(const c10::intrusive_ptr<c10d::Store>& lifeStore, int size,
 // with the value and writes nothing.
 std::optional<std::vector<uint8_t>> readWithoutWaiting(const c10::intrusive_ptr<c10d::Store>& store,
                                                        const std::string& key);
+
+// 16 hex digits drawn at random (a life's id, a reconfigure handle's token).
+std::string randomId();
+
+// Every one of `size` members (this one is `member`) adds itself to
+// `arrivedKey` and waits until all did, at most `timeout`. A member whose
+// part failed says why under `refusedKey` (before it raises); so does one
+// that gives up waiting, or whose `check` (run between polls) throws: every
+// other member, and one that comes later, raises that at once (PeerLost)
+// instead of waiting out the timeout. Polls back off from 1 to 10 ms. For
+// the meetings of a reconfigure and of a window's registration.
+void meetOnStore(c10d::Store& store, const std::string& arrivedKey,
+                 const std::string& refusedKey, int member, int size,
+                 std::chrono::milliseconds timeout, const std::string& what,
+                 const std::function<void()>& check = {});
 
 // `store` with every key under the life's prefix ("tpcomm-life-<life>/").
 c10::intrusive_ptr<c10d::Store> storeOfLife(const c10::intrusive_ptr<c10d::Store>& store,

@@ -4,13 +4,13 @@
 
 #include <algorithm>
 #include <tuple>
-#include <thread>
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
 #include "backend/boundary.hpp"
 #include "common/error.hpp"
 #include "common/settings.hpp"
+#include "coordinator/group_life.hpp"
 #include "coordinator/cpu/cpu_shm_path.hpp"
 
 namespace tpcomm::backend {
@@ -19,31 +19,11 @@ namespace {
 
 const char* const kFailedKey = "failed";
 
-std::vector<uint8_t> bytesOf(const std::string& text) {
-  return std::vector<uint8_t>(text.begin(), text.end());
-}
-
-std::string firstLine(const std::string& text) { return text.substr(0, text.find('\n')); }
+using detail::bytesOf;
+using detail::firstLine;
 
 // The deleter of a storage moved into a window: drops its hold on the region.
 void releaseRegion(void* keep) { delete static_cast<std::shared_ptr<void>*>(keep); }
-
-// Every rank adds itself to `key` and waits until all `size` did, at most
-// `timeout`; a rank that failed its part says why under kFailedKey (fail())
-// and the others raise it at once.
-void meet(c10d::Store& store, const std::string& key, int size, std::chrono::milliseconds timeout,
-          const std::string& what) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  for (int64_t n = store.add(key, 1); n < size; n = store.add(key, 0)) {
-    if (store.check({kFailedKey})) {
-      const auto why = store.get(kFailedKey);
-      TPCOMM_THROW(kPeerLost, what, ": ", std::string(why.begin(), why.end()));
-    }
-    TPCOMM_CHECK(std::chrono::steady_clock::now() < deadline, kTimeout, what, ": ", n, " of the ",
-                 size, " ranks came within ", timeout.count(), " ms");
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-}
 
 }  // namespace
 
@@ -62,6 +42,14 @@ std::string TpcommWindow::what(const char* op) const {
 void TpcommWindow::checkPeer(const char* op, int64_t rank) const {
   TPCOMM_CHECK(rank >= 0 && rank < group_->size(), kInvalidUsage, what(op), ": rank ", rank,
                " is not one of the group's ", group_->size(), " ranks");
+}
+
+void TpcommWindow::checkCall(const char* op, int64_t rank,
+                             const std::unordered_map<std::string, std::string>& hints) const {
+  checkRegistered(op);
+  checkPeer(op, rank);
+  TPCOMM_CHECK(hints.empty(), kInvalidUsage, what(op), ": hint '", hints.begin()->first,
+               "' is not one tpcomm knows (it takes none)");
 }
 
 void TpcommWindow::checkRegistered(const char* op) const {
@@ -179,7 +167,8 @@ void TpcommWindow::tensor_register(const at::Tensor& tensor, bool owning) {
           what("receive"));
     }
     try {
-      meet(*store, "attached", size, timeout, what("tensor_register"));
+      coord::meetOnStore(*store, "attached", kFailedKey, rank, size, timeout,
+                         what("tensor_register"));
     } catch (...) {
       if (between) between->close(std::chrono::milliseconds(0));
       throw;
@@ -222,10 +211,7 @@ c10::intrusive_ptr<c10d::Work> TpcommWindow::put(const at::Tensor& tensor, int64
                                                  int64_t targetOffsetNelems, bool /*asyncOp*/,
                                                  const c10d::PutOptions& opts) {
   return translateErrors([&] {
-    checkRegistered("put");
-    checkPeer("put", dstRank);
-    TPCOMM_CHECK(opts.hints.empty(), kInvalidUsage, what("put"), ": hint '",
-                 opts.hints.begin()->first, "' is not one tpcomm knows (it takes none)");
+    checkCall("put", dstRank, opts.hints);
     TPCOMM_CHECK(tensor.defined() && tensor.device().is_cpu() && tensor.layout() == at::kStrided &&
                      tensor.is_contiguous(),
                  kInvalidUsage, what("put"), ": the tensor must be a contiguous CPU tensor");
@@ -275,10 +261,7 @@ at::Tensor TpcommWindow::map_remote_tensor(int64_t rank) {
 c10::intrusive_ptr<c10d::Work> TpcommWindow::signal(int64_t peerRank, bool /*asyncOp*/,
                                                     const c10d::SignalOptions& opts) {
   return translateErrors([&] {
-    checkRegistered("signal");
-    checkPeer("signal", peerRank);
-    TPCOMM_CHECK(opts.hints.empty(), kInvalidUsage, what("signal"), ": hint '",
-                 opts.hints.begin()->first, "' is not one tpcomm knows (it takes none)");
+    checkCall("signal", peerRank, opts.hints);
     if (local_[peerRank]) {
       shm_->signal(static_cast<int>(peerRank));
     } else {
@@ -292,10 +275,7 @@ c10::intrusive_ptr<c10d::Work> TpcommWindow::signal(int64_t peerRank, bool /*asy
 c10::intrusive_ptr<c10d::Work> TpcommWindow::wait_signal(int64_t peerRank, bool /*asyncOp*/,
                                                          const c10d::WaitSignalOptions& opts) {
   return translateErrors([&] {
-    checkRegistered("wait_signal");
-    checkPeer("wait_signal", peerRank);
-    TPCOMM_CHECK(opts.hints.empty(), kInvalidUsage, what("wait_signal"), ": hint '",
-                 opts.hints.begin()->first, "' is not one tpcomm knows (it takes none)");
+    checkCall("wait_signal", peerRank, opts.hints);
     auto& fault = group_->fault();
     try {
       shm_->waitSignal(static_cast<int>(peerRank), timeoutOf(opts.timeout), [&] {

@@ -76,6 +76,9 @@ class TpcommWindow : public c10d::Window {
   std::string what(const char* op) const;
   void checkPeer(const char* op, int64_t rank) const;
   void checkRegistered(const char* op) const;
+  // A put's, signal's or wait's: registered, a rank of the group, no hints.
+  void checkCall(const char* op, int64_t rank,
+                 const std::unordered_map<std::string, std::string>& hints) const;
   std::chrono::milliseconds timeoutOf(std::chrono::milliseconds asked) const;
 
   std::shared_ptr<coord::GroupCoordinator> group_;

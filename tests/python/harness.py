@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import socket
 import sys
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -219,3 +220,33 @@ class Group:
                 proc.kill()
                 proc.join(timeout=5)
         self._procs = []
+
+
+def first_answers(target, args_list, timeout_s=180):
+    """Runs target(*args, env, conn) in one process per entry of
+    `args_list` (forked as the ranks are, with the test's environment) and
+    returns, in order, the first thing each sent on `conn` (a test's
+    processes send (status, value): "ok", "error", "killed" before a rank
+    kills itself). Fails the test naming the processes that sent nothing
+    within `timeout_s`; every process is joined, or killed, at the end."""
+    ctx = _context()
+    pipes = [ctx.Pipe() for _ in args_list]
+    procs = [ctx.Process(target=target, args=(*args, dict(os.environ), pipe[1]), daemon=True)
+             for args, pipe in zip(args_list, pipes)]
+    for p in procs:
+        p.start()
+    try:
+        answers = {}
+        deadline = time.monotonic() + timeout_s
+        while len(answers) < len(procs) and time.monotonic() < deadline:
+            for i, (receiving, _) in enumerate(pipes):
+                if i not in answers and receiving.poll(0.05):
+                    answers[i] = receiving.recv()
+        missing = [i for i in range(len(procs)) if i not in answers]
+        assert not missing, f"processes {missing} did not answer; got {answers}"
+    finally:
+        for p in procs:
+            p.join(timeout=20)
+            if p.is_alive():
+                p.kill()
+    return [answers[i] for i in range(len(procs))]

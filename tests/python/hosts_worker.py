@@ -329,11 +329,13 @@ def case_p2p_mismatch(out):
         out["later"] = f"{type(e).__name__}: {e}"
 
 
-def case_shrink_after_loss(out):
+def _go_on_after_loss(out, how):
     """The last rank kills itself (SIGKILL) in a loop of allreduces; the
-    others see it, shrink the default group, and run 1,000 allreduces on the
-    shrunk group and on a group of the same ranks made after it: the test
-    compares them bit for bit and reads the routes."""
+    others see it, go on with a group of themselves (`how`: "shrink", a
+    shrunk group; "reconfigure", the default group re-formed in place from
+    their handles, exchanged through the default store) and run 1,000
+    allreduces on it and on a group of the same ranks made after it: the
+    test compares them bit for bit and reads the routes."""
     import signal
 
     lost = WORLD - 1
@@ -346,62 +348,42 @@ def case_shrink_after_loss(out):
         except Exception as e:  # noqa: BLE001
             out["raised"] = f"{type(e).__name__}: {e}"
             break
-    shrunk = dist.shrink_group([lost])
+    if how == "shrink":
+        group = dist.shrink_group([lost])
+    else:
+        store = dist.distributed_c10d._get_default_store()
+        mine = dist._get_reconfigure_handle()
+        store.set(f"test-handle/{RANK}", mine)
+        handles = [store.get(f"test-handle/{r}").decode() for r in range(lost)]
+        dist._reconfigure(uuid=3, handles=handles).wait()
+        group = dist.group.WORLD
     apart = dist.new_group(list(range(WORLD - 1)))
-    tpcomm.reset_stats(shrunk)
+    tpcomm.reset_stats(group)
     differ = []
     g = torch.Generator().manual_seed(RANK)
     for n in range(1000):
         x = torch.randn(257 + n % 5, generator=g)
         a, b = x.clone(), x.clone()
-        dist.all_reduce(a, group=shrunk)
+        dist.all_reduce(a, group=group)
         dist.all_reduce(b, group=apart)
         if not torch.equal(a, b):
             differ.append(n)
     out["differ"] = differ
-    out["stats"] = tpcomm.stats(shrunk)
-    out["shrunk"] = (shrunk.rank(), shrunk.size(), dist.get_process_group_ranks(shrunk))
+    out["stats"] = tpcomm.stats(group)
+    # A shrunk group's ranks; a reconfigured one's rank is its handle's
+    # place in the list.
+    out["shrunk"] = (group.rank(), group.size(),
+                     dist.get_process_group_ranks(group) if how == "shrink"
+                     else handles.index(mine))
     dist.destroy_process_group(apart)
+
+
+def case_shrink_after_loss(out):
+    _go_on_after_loss(out, "shrink")
 
 
 def case_reconfigure_after_loss(out):
-    """As shrink_after_loss, the default group re-formed in place instead:
-    the survivors' handles through the default store, dist._reconfigure,
-    then 1,000 allreduces on it and on a group of the same ranks made
-    after it."""
-    import signal
-
-    lost = WORLD - 1
-    out["raised"] = None
-    for i in range(100000):
-        if RANK == lost and i == 100:
-            os.kill(os.getpid(), signal.SIGKILL)
-        try:
-            dist.all_reduce(torch.full((1024,), float(i)))
-        except Exception as e:  # noqa: BLE001
-            out["raised"] = f"{type(e).__name__}: {e}"
-            break
-    store = dist.distributed_c10d._get_default_store()
-    mine = dist._get_reconfigure_handle()
-    store.set(f"test-handle/{RANK}", mine)
-    handles = [store.get(f"test-handle/{r}").decode() for r in range(lost)]
-    dist._reconfigure(uuid=3, handles=handles).wait()
-    apart = dist.new_group(list(range(WORLD - 1)))
-    tpcomm.reset_stats(dist.group.WORLD)
-    differ = []
-    g = torch.Generator().manual_seed(RANK)
-    for n in range(1000):
-        x = torch.randn(257 + n % 5, generator=g)
-        a, b = x.clone(), x.clone()
-        dist.all_reduce(a)
-        dist.all_reduce(b, group=apart)
-        if not torch.equal(a, b):
-            differ.append(n)
-    out["differ"] = differ
-    out["stats"] = tpcomm.stats(dist.group.WORLD)
-    # A list of handles: each member's rank is its handle's place in it.
-    out["shrunk"] = (dist.get_rank(), dist.get_world_size(), handles.index(mine))
-    dist.destroy_process_group(apart)
+    _go_on_after_loss(out, "reconfigure")
 
 
 def case_window_across_hosts(out):

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import _context, error_message
+from harness import error_message, first_answers
 
 N = 96  # elements of each rank's window
 
@@ -236,19 +236,7 @@ def _lose_peer(rank, port, env, conn):
 def test_a_wait_on_a_peer_that_exited_ends_at_once_naming_it():
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
-    ctx = _context()
-    pipes = [ctx.Pipe() for _ in range(2)]
-    procs = [ctx.Process(target=_lose_peer, args=(r, store.port, dict(os.environ), pipes[r][1]),
-                         daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        answers = [pipes[r][0].recv() if pipes[r][0].poll(120) else None for r in range(2)]
-    finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
+    answers = first_answers(_lose_peer, [(r, store.port) for r in range(2)], timeout_s=120)
     assert answers[1] is not None and answers[1][0] == "killed", answers
     assert answers[0] is not None and answers[0][0] == "ok", answers
     failure, at = answers[0][1]

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from harness import _context, error_message
+from harness import error_message, first_answers
 
 # Not marked torch_version: these run on the newest torch only (2.15, which
 # has dist._reconfigure); test_backend_hooks.py checks that a build against
@@ -108,26 +108,9 @@ def test_survivors_and_a_joiner_form_a_group_from_their_handles(monkeypatch):
     monkeypatch.setenv("TPCOMM_CPU_SHM", "1")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
-    ctx = _context()
     roles = [("first", r) for r in range(FIRST)] + [("joiner", 0)]
-    pipes = [ctx.Pipe() for _ in roles]
-    procs = [ctx.Process(target=_member, args=(role, r, store.port, dict(os.environ), pipe[1]),
-                         daemon=True) for (role, r), pipe in zip(roles, pipes)]
-    for p in procs:
-        p.start()
-    try:
-        answers = {}
-        deadline = time.monotonic() + 180
-        while len(answers) < len(roles) and time.monotonic() < deadline:
-            for i in range(len(roles)):
-                if i not in answers and pipes[i][0].poll(0.05):
-                    answers[i] = pipes[i][0].recv()
-        assert len(answers) == len(roles), f"members did not answer; got {answers}"
-    finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
+    answers = dict(enumerate(first_answers(
+        _member, [(role, r, store.port) for role, r in roles])))
     for i, (status, value) in answers.items():
         print(f"member {i}: {status}: {value}")
     for i, (status, value) in answers.items():

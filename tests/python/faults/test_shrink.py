@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import _context, error_message
+from harness import error_message, first_answers
 
 SIZE = 4
 LOST = 2
@@ -171,26 +171,8 @@ def test_survivors_shrink_and_go_on_on_shared_memory(default, how, monkeypatch):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=60))
     keys_before = _ours(store.list_keys())
-    ctx = _context()
-    pipes = [ctx.Pipe() for _ in range(SIZE)]
-    procs = [ctx.Process(target=_survive, args=(r, store.port, default, how, dict(os.environ), pipes[r][1]), daemon=True)
-             for r in range(SIZE)]
-    for p in procs:
-        p.start()
-    try:
-        answers = {}
-        deadline = time.monotonic() + 180
-        while len(answers) < SIZE and time.monotonic() < deadline:
-            for r in range(SIZE):
-                if r not in answers and pipes[r][0].poll(0.05):
-                    answers[r] = pipes[r][0].recv()
-        missing = [r for r in range(SIZE) if r not in answers]
-        assert not missing, f"ranks {missing} did not answer; got {answers}"
-    finally:
-        for p in procs:
-            p.join(timeout=20)
-            if p.is_alive():
-                p.kill()
+    answers = dict(enumerate(first_answers(
+        _survive, [(r, store.port, default, how) for r in range(SIZE)])))
     for r, (status, value) in answers.items():
         assert status == ("killed" if r == LOST else "ok"), (r, value)
     killed_at = answers[LOST][1]
