@@ -240,7 +240,15 @@ class ShmGroup {
   struct Signature;
   Header& header() const;
   Control& control(int r) const;
+  // Rank r's slots (kSlots x bufferBytes).
+  char* slots(int r) const;
+  // Where rank r's chunk `chunk` of the call under way lies: its slot
+  // (chunk % kSlots), at the place the call's chunk size gives it there.
   char* slot(int r, uint64_t chunk) const;
+  // Sets the bytes of a slot each chunk of this call uses, at its start
+  // (every rank of the call agrees on them, or the call's first step
+  // throws before anything is read).
+  void beginCall(size_t slotBytes) { slotBytes_ = slotBytes; }
   // Every rank's slot of `chunk` from byteOffset on, in rank order, but
   // `own` in this rank's place where given (valid until this thread's next
   // call).
@@ -288,6 +296,7 @@ class ShmGroup {
   int memoryBinding_ = -1;
   uint64_t steps_ = 0;
   uint64_t chunks_ = 0;
+  size_t slotBytes_ = 0;  // beginCall's: 0 or a whole slot sits at the slot's start
   std::atomic<int64_t> timeoutMs_{0};
   std::atomic<int64_t> spinUs_{0};
   std::atomic<bool> yield_{true};

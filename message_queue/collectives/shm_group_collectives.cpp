@@ -62,6 +62,7 @@ void ShmGroup::allreduceAddRmsNorm(const void* in, size_t rows, DType dtype, con
   const int n = options_.size;
   const int me = options_.rank;
   const size_t chunkRows = options_.bufferBytes / rowBytes;
+  beginCall(std::min(chunkRows, rows) * rowBytes);
   const bool twoPhase = n > 1 && rows * rowBytes >= options_.twoPhaseMinBytes;
   ReduceSpec sum;
   for (size_t first = 0; first < rows; first += chunkRows) {
@@ -111,6 +112,7 @@ void ShmGroup::allreduce(const void* in, void* out, size_t count, DType dtype,
   const int n = options_.size;
   const size_t esize = dtypeBytes(dtype);
   if (count == 0) return step(sig);
+  beginCall(std::min<size_t>(options_.bufferBytes, count * esize));
   if (n > 1 && count * esize >= options_.twoPhaseMinBytes) {
     return allreducePipelined(static_cast<const char*>(in), static_cast<char*>(out), count, dtype,
                               spec, sig);
@@ -263,6 +265,7 @@ void ShmGroup::allgather(const void* in, size_t bytes, const std::vector<void*>&
   const Signature sig(static_cast<int>(Op::kAllgather), 0, 0, 0, bytes, Signature::ofPart(part));
   if (bytes == 0) return step(sig);
   const size_t chunk = options_.bufferBytes;
+  beginCall(std::min(chunk, bytes));
   for (size_t offset = 0; offset < bytes; offset += chunk) {
     const size_t m = std::min(chunk, bytes - offset);
     const uint64_t k = chunks_++;
@@ -303,6 +306,7 @@ void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, siz
                " ranks");
   ReduceSpec reduce = spec;
   reduce.premultiply = false;
+  beginCall(options_.bufferBytes);  // the pieces span the slot
   const size_t mine = options_.rank * piece * esize;  // this rank's piece in every slot
   for (size_t offset = 0; offset < count; offset += piece) {
     const size_t m = std::min(piece, count - offset);
@@ -331,6 +335,7 @@ void ShmGroup::broadcast(void* data, size_t bytes, int root) {
   const Signature sig(static_cast<int>(Op::kBroadcast), 0, 0, root, bytes);
   if (bytes == 0) return step(sig);
   const size_t chunk = options_.bufferBytes;
+  beginCall(std::min(chunk, bytes));
   for (size_t offset = 0; offset < bytes; offset += chunk) {
     const size_t m = std::min(chunk, bytes - offset);
     const uint64_t k = chunks_++;

@@ -26,6 +26,9 @@ constexpr size_t kSlots = 2;
 // allreduce, which moves (n + 1) / n of a slice, gives every thread work
 // as the copies do, whatever the number of ranks.
 constexpr size_t kSplitBytes = 256 << 10;
+// A call whose chunk fills at most half a slot takes the next place in the
+// slot with every chunk (ShmGroup::slot), from chunks of this size on.
+constexpr size_t kMovingMinBytes = 4 << 10;
 
 enum class Op : uint8_t {
   kBarrier = 1,

@@ -165,6 +165,29 @@ TEST(ShmGroup, DefaultBuffersLargeAllreduceBothAlgorithms) {
   for (int code : runRanks(3, o, body)) EXPECT_EQ(code, 0);
 }
 
+// runRanks' `meanwhile`: rank 1 of three stopped for 0-2 ms every 0-2 ms
+// until every rank ended (reaped after).
+void holdingRankOneBack(std::vector<pid_t>& pids) {
+  std::atomic<bool> running{true};
+  std::thread stopper([&] {
+    unsigned seed = 7;
+    while (running.load()) {
+      seed = seed * 1103515245u + 12345u;
+      std::this_thread::sleep_for(std::chrono::microseconds(seed % 2000));
+      ::kill(pids[1], SIGSTOP);
+      std::this_thread::sleep_for(std::chrono::microseconds((seed >> 11) % 2000));
+      ::kill(pids[1], SIGCONT);
+    }
+  });
+  for (pid_t p : {pids[0], pids[2], pids[1]}) {
+    ::siginfo_t info;
+    ::waitid(P_PID, p, &info, WEXITED | WNOWAIT);
+  }
+  running = false;
+  stopper.join();
+  ::kill(pids[1], SIGCONT);
+}
+
 // The two-phase allreduce's pipeline (shm_group.hpp: a rank copies in chunk
 // j into the slot its peers may still copy chunk j - 2 out of) with one rank
 // stopped and resumed at arbitrary points: every call still gives the
@@ -208,28 +231,66 @@ TEST(ShmGroup, APipelinedAllreduceWithARankHeldBackAtRandomPointsGivesTheReferen
     }
     return 0;
   };
-  std::atomic<bool> running{true};
-  const auto meanwhile = [&](std::vector<pid_t>& pids) {
-    // Rank 1 stopped for 0-2 ms every 0-2 ms until the ranks end.
-    std::thread stopper([&] {
-      unsigned seed = 7;
-      while (running.load()) {
-        seed = seed * 1103515245u + 12345u;
-        std::this_thread::sleep_for(std::chrono::microseconds(seed % 2000));
-        ::kill(pids[1], SIGSTOP);
-        std::this_thread::sleep_for(std::chrono::microseconds((seed >> 11) % 2000));
-        ::kill(pids[1], SIGCONT);
+  for (int code : runRanks(3, o, body, holdingRankOneBack)) EXPECT_EQ(code, 0);
+}
+
+// Calls whose chunks fill at most half a slot move on through it, a place
+// per chunk (ShmGroup::slot): 400 calls of sizes drawn alike on every rank
+// (one-phase and two-phase allreduces, all-gathers, broadcasts, from a few
+// lines to several chunks), rank 1 held back at random points, each checked
+// against its reference: a place that two chunks in flight share, or that
+// ranks compute differently, gives wrong sums or bytes.
+TEST(ShmGroup, CallsMovingThroughTheSlotsGiveTheReferenceWithARankHeldBack) {
+  ShmGroupOptions o;
+  o.bufferBytes = 64 << 10;
+  o.twoPhaseMinBytes = 16 << 10;
+  o.spin = 0us;  // more ranks than cores here: sleep at once
+  o.timeout = 60s;
+  const auto body = [](ShmGroup& g) {
+    const int n = g.options().size, me = g.options().rank;
+    unsigned seed = 11;
+    for (int call = 0; call < 400; ++call) {
+      seed = seed * 1103515245u + 12345u;
+      // 64 B to 96 KiB: most below half a slot (32 KiB), some past a chunk.
+      const size_t bytes = 64 + (seed >> 8) % (call % 5 == 4 ? 96 << 10 : 32 << 10);
+      const size_t count = bytes / 4;
+      if (call % 3 != 2) {
+        ReduceSpec sum;
+        std::vector<char> in, out(count * 4, 0x5a);
+        makeInput(DType::kFloat32, me + call, count, in, false);
+        std::vector<float> expect(count, 0.0f);
+        for (int r = 0; r < n; ++r) {
+          std::vector<char> theirs;
+          makeInput(DType::kFloat32, r + call, count, theirs, false);
+          const float* x = reinterpret_cast<const float*>(theirs.data());
+          for (size_t i = 0; i < count; ++i) expect[i] = r == 0 ? x[i] : expect[i] + x[i];
+        }
+        g.allreduce(in.data(), out.data(), count, DType::kFloat32, sum);
+        CHILD_CHECK(std::memcmp(out.data(), expect.data(), count * 4) == 0,
+                    "call %d: allreduce of %zu bytes differs from the reference", call, bytes);
+        continue;
       }
-    });
-    for (pid_t p : {pids[0], pids[2], pids[1]}) {  // every rank done (reaped after)
-      ::siginfo_t info;
-      ::waitid(P_PID, p, &info, WEXITED | WNOWAIT);
+      std::vector<char> mine(bytes);
+      for (size_t i = 0; i < bytes; ++i) mine[i] = static_cast<char>(me * 31 + call + i);
+      std::vector<std::vector<char>> gathered(n, std::vector<char>(bytes, 0));
+      std::vector<void*> outs;
+      for (auto& v : gathered) outs.push_back(v.data());
+      g.allgather(mine.data(), bytes, outs);
+      const int root = call % n;
+      std::vector<char> data = me == root ? mine : std::vector<char>(bytes, 0);
+      g.broadcast(data.data(), bytes, root);
+      for (size_t i = 0; i < bytes; ++i) {
+        for (int r = 0; r < n; ++r) {
+          CHILD_CHECK(gathered[r][i] == static_cast<char>(r * 31 + call + i),
+                      "call %d: all_gather of %zu bytes, rank %d's byte %zu", call, bytes, r, i);
+        }
+        CHILD_CHECK(data[i] == static_cast<char>(root * 31 + call + i),
+                    "call %d: broadcast of %zu bytes from %d, byte %zu", call, bytes, root, i);
+      }
     }
-    running = false;
-    stopper.join();
-    ::kill(pids[1], SIGCONT);
+    return 0;
   };
-  for (int code : runRanks(3, o, body, meanwhile)) EXPECT_EQ(code, 0);
+  for (int code : runRanks(3, o, body, holdingRankOneBack)) EXPECT_EQ(code, 0);
 }
 
 // Every phase of a large chunk (copy in, reduce, copy out) is split among
