@@ -247,9 +247,9 @@ char* ShmGroup::slot(int r, uint64_t chunk) const {
   // per chunk of its parity: a line is written again only after the whole
   // buffer (kSlots x bufferBytes) was, when the peers that read it have
   // let it go. Rewriting a line a peer's core has just read waits for that
-  // copy to be invalidated: on a 2-core AMD EPYC (Zen 4) writing 64 KiB
-  // that the peer had read took 7.4 us in the same two places each time,
-  // 1.7 in 32 places in turn. Safe, since chunks of one parity are two
+  // copy to be invalidated (`python -m tpcomm.bench cpu --reuse`; 2-core
+  // AMD EPYC Zen 4: 64 KiB written in 9.7 us into the same two places each
+  // time, 4.0 us into 32 in turn). Safe, since chunks of one parity are two
   // apart, with a step between (the header comment's protocol): a call's
   // chunks all share one place, and any chunk may overlap the one two
   // before it.

@@ -57,6 +57,12 @@
 // own slice only, the only part of slot (j - 1) % 2 its peers do not read.
 // That needs a rank's slice to be the same part of every chunk: one slice
 // size serves every chunk of a call, its shorter last one included.
+// A call whose chunks fill at most half a slot puts chunk k at place
+// (k / 2) mod P of slot k % 2 (P places of the call's chunk size fit a
+// slot): consecutive chunks still lie in different slots, every chunk of a
+// call at one place (the pipeline above needs that), and a line is rewritten
+// only after the rank's whole buffer was (ShmGroup::slot).
+//
 // Flags are never reset: step numbers only grow, so a stale value cannot
 // pass a wait.
 //

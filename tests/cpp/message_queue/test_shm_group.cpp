@@ -234,12 +234,11 @@ TEST(ShmGroup, APipelinedAllreduceWithARankHeldBackAtRandomPointsGivesTheReferen
   for (int code : runRanks(3, o, body, holdingRankOneBack)) EXPECT_EQ(code, 0);
 }
 
-// Calls whose chunks fill at most half a slot move on through it, a place
-// per chunk (ShmGroup::slot): 400 calls of sizes drawn alike on every rank
-// (one-phase and two-phase allreduces, all-gathers, broadcasts, from a few
-// lines to several chunks), rank 1 held back at random points, each checked
-// against its reference: a place that two chunks in flight share, or that
-// ranks compute differently, gives wrong sums or bytes.
+// Calls whose chunks fill at most half a slot move on through it, a place per chunk
+// (ShmGroup::slot): 400 calls of sizes drawn alike on every rank (one-phase and two-phase
+// allreduces, reduce-scatters, all-gathers, broadcasts, from a few lines to several chunks), rank
+// 1 held back at random points, each checked against its reference: a place that two chunks in
+// flight share, or that ranks compute differently, gives wrong sums or bytes.
 TEST(ShmGroup, CallsMovingThroughTheSlotsGiveTheReferenceWithARankHeldBack) {
   ShmGroupOptions o;
   o.bufferBytes = 64 << 10;
@@ -270,6 +269,24 @@ TEST(ShmGroup, CallsMovingThroughTheSlotsGiveTheReferenceWithARankHeldBack) {
                     "call %d: allreduce of %zu bytes differs from the reference", call, bytes);
         continue;
       }
+      // A reduce-scatter of n pieces of count / n floats a rank.
+      const size_t piece = std::max<size_t>(1, count / n);
+      std::vector<char> full;
+      makeInput(DType::kFloat32, me + call, piece * n, full, false);
+      std::vector<const void*> ins;
+      for (int p = 0; p < n; ++p) ins.push_back(full.data() + p * piece * 4);
+      std::vector<float> scattered(piece, -1.0f), expect(piece, 0.0f);
+      ReduceSpec sum;
+      g.reduceScatter(ins, scattered.data(), piece, DType::kFloat32, sum);
+      for (int r = 0; r < n; ++r) {
+        std::vector<char> theirs;
+        makeInput(DType::kFloat32, r + call, piece * n, theirs, false);
+        const float* x = reinterpret_cast<const float*>(theirs.data()) + me * piece;
+        for (size_t i = 0; i < piece; ++i) expect[i] = r == 0 ? x[i] : expect[i] + x[i];
+      }
+      CHILD_CHECK(std::memcmp(scattered.data(), expect.data(), piece * 4) == 0,
+                  "call %d: reduce_scatter of %zu floats a rank differs from the reference", call,
+                  piece);
       std::vector<char> mine(bytes);
       for (size_t i = 0; i < bytes; ++i) mine[i] = static_cast<char>(me * 31 + call + i);
       std::vector<std::vector<char>> gathered(n, std::vector<char>(bytes, 0));

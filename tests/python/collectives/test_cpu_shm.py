@@ -815,6 +815,7 @@ def test_cpu_benchmark_runs_and_prints_its_tables():
     for extra, expect in ((["--dtype", "bfloat16", "--threads", "2"], "on/thr"),
                           (["--dtypes"], "bf16/f32"), (["--paths"], "coordinator"),
                           (["--late"], "late rank in its call"),
+                          (["--reuse"], "     64 KB   32     2 MB"),
                           (["--bound"], "of the bandwidth bound"),
                           (["--scaling", "--thread-counts", "1", "2"], "best/1t")):
         out = subprocess.run([sys.executable, "-m", "tpcomm.bench", "cpu", "--world-sizes", "2",
