@@ -18,7 +18,7 @@ namespace tpcomm::mq {
 namespace {
 
 constexpr uint64_t kMagic = 0x7470636f6d6d7332ULL;  // "tpcomms2"
-constexpr uint32_t kVersion = 4;                    // 4: the pipelined two-phase allreduce
+constexpr uint32_t kVersion = 5;  // 4: the pipelined two-phase allreduce; 5: places in a slot
 constexpr int kMaxRanks = 1024;
 constexpr auto kSleepSlice = std::chrono::milliseconds(10);
 constexpr int kPausePolls = 8;  // rounds of 16 polls before the first sched_yield
@@ -242,21 +242,26 @@ char* ShmGroup::slots(int r) const {
 }
 
 char* ShmGroup::slot(int r, uint64_t chunk) const {
-  char* base = slots(r) + chunk % kSlots * options_.bufferBytes;
-  // A chunk that fills at most half a slot moves on through it, one place
-  // per chunk of its parity: a line is written again only after the whole
-  // buffer (kSlots x bufferBytes) was, when the peers that read it have
-  // let it go. Rewriting a line a peer's core has just read waits for that
-  // copy to be invalidated (`python -m tpcomm.bench cpu --reuse`; 2-core
-  // AMD EPYC Zen 4: 64 KiB written in 9.7 us into the same two places each
-  // time, 4.0 us into 32 in turn). Safe, since chunks of one parity are two
-  // apart, with a step between (the header comment's protocol): a call's
-  // chunks all share one place, and any chunk may overlap the one two
-  // before it.
-  const size_t used = slotBytes_;
-  if (used < kMovingMinBytes || used > options_.bufferBytes / 2) return base;
-  const size_t stride = alignUp(used, kPage);
-  return base + (chunk / kSlots) % (options_.bufferBytes / stride) * stride;
+  return slots(r) + chunk % kSlots * options_.bufferBytes + place_;
+}
+
+void ShmGroup::beginCall(size_t slotBytes) {
+  // A call whose chunks fill at most half a slot takes the next place of
+  // its size (chunks of one parity, k / 2, count the calls), so calls of
+  // one size write a line again only after they went through every place
+  // of both slots, when the peers that read it have let it go. Rewriting a
+  // line a peer's core has just read waits for that copy to be invalidated
+  // (`python -m tpcomm.bench cpu --reuse`; 2-core AMD EPYC Zen 4: 64 KiB
+  // written in 9.7 us into the same two places each time, 4.0 us into 32
+  // in turn). Safe, since chunks of one parity are two apart, with a step
+  // between (the header comment's protocol): any chunk may overlap the
+  // one two before it. A call of several chunks fills more than half a
+  // slot and stays at the start.
+  place_ = 0;
+  const size_t window = std::min<size_t>(options_.bufferBytes, kMovingWindowBytes);
+  if (slotBytes < kMovingMinBytes || slotBytes > window / 2) return;
+  const size_t stride = alignUp(slotBytes, slotBytes < kPage ? kLine : kPage);
+  place_ = chunks_ / kSlots % (window / stride) * stride;
 }
 
 void ShmGroup::setReduceIsa(ReduceIsa isa) {

@@ -57,11 +57,12 @@
 // own slice only, the only part of slot (j - 1) % 2 its peers do not read.
 // That needs a rank's slice to be the same part of every chunk: one slice
 // size serves every chunk of a call, its shorter last one included.
-// A call whose chunks fill at most half a slot puts chunk k at place
-// (k / 2) mod P of slot k % 2 (P places of the call's chunk size fit a
-// slot): consecutive chunks still lie in different slots, every chunk of a
-// call at one place (the pipeline above needs that), and a line is rewritten
-// only after the rank's whole buffer was (ShmGroup::slot).
+// A call whose chunks fill at most half a slot starts at place
+// (k / 2) mod P of its slots, k its first chunk (P places of the call's
+// chunk size fit the slot's first MiB; ShmGroup::beginCall): consecutive
+// chunks still lie in different slots and every chunk of a call at one
+// place (the pipeline above needs that), and calls of one size rewrite a
+// line only after they went through the places of both slots.
 //
 // Flags are never reset: step numbers only grow, so a stale value cannot
 // pass a wait.
@@ -249,12 +250,13 @@ class ShmGroup {
   // Rank r's slots (kSlots x bufferBytes).
   char* slots(int r) const;
   // Where rank r's chunk `chunk` of the call under way lies: its slot
-  // (chunk % kSlots), at the place the call's chunk size gives it there.
+  // (chunk % kSlots), at the call's place there (beginCall).
   char* slot(int r, uint64_t chunk) const;
-  // Sets the bytes of a slot each chunk of this call uses, at its start
+  // At a call's start, from the bytes of a slot each of its chunks uses
   // (every rank of the call agrees on them, or the call's first step
-  // throws before anything is read).
-  void beginCall(size_t slotBytes) { slotBytes_ = slotBytes; }
+  // throws before anything is read): the call's place in the slots, the
+  // same for every chunk of the call (the pipeline needs that).
+  void beginCall(size_t slotBytes);
   // Every rank's slot of `chunk` from byteOffset on, in rank order, but
   // `own` in this rank's place where given (valid until this thread's next
   // call).
@@ -302,7 +304,7 @@ class ShmGroup {
   int memoryBinding_ = -1;
   uint64_t steps_ = 0;
   uint64_t chunks_ = 0;
-  size_t slotBytes_ = 0;  // beginCall's: 0 or a whole slot sits at the slot's start
+  size_t place_ = 0;  // beginCall's: the call's chunks' offset in their slots
   std::atomic<int64_t> timeoutMs_{0};
   std::atomic<int64_t> spinUs_{0};
   std::atomic<bool> yield_{true};

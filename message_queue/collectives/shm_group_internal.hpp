@@ -26,9 +26,14 @@ constexpr size_t kSlots = 2;
 // allreduce, which moves (n + 1) / n of a slice, gives every thread work
 // as the copies do, whatever the number of ranks.
 constexpr size_t kSplitBytes = 256 << 10;
-// A call whose chunk fills at most half a slot takes the next place in the
-// slot with every chunk (ShmGroup::slot), from chunks of this size on.
+// A call whose chunk fills at most half a slot takes the next place in its
+// slot (ShmGroup::beginCall), from chunks of kMovingMinBytes on, within the
+// first kMovingWindowBytes of the slot: two slots of it a rank outgrow a
+// core's L2 (the lines a peer read have left it when they are written
+// again) and a group's buffers stay within a last-level cache even where
+// TPCOMM_CPU_SHM_BUFFER_BYTES is large.
 constexpr size_t kMovingMinBytes = 4 << 10;
+constexpr size_t kMovingWindowBytes = 1 << 20;
 
 enum class Op : uint8_t {
   kBarrier = 1,
