@@ -1,17 +1,21 @@
 #pragma once
 // What the forked-process tests of the shared-memory collectives share
-// (test_shm_group.cpp, test_shm_group_lifecycle.cpp): a group of forked
-// ranks over one fresh region, deterministic inputs, the rank-order
-// reference, and a check that makes a child exit non-zero.
+// (test_shm_group.cpp, test_shm_group_places.cpp,
+// test_shm_group_lifecycle.cpp): a group of forked ranks over one fresh
+// region, deterministic inputs, the rank-order reference, a check that makes
+// a child exit non-zero, and a rank held back at random points.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <csignal>
 #include <cstring>
 #include <functional>
+#include <thread>
 #include <vector>
 
 #include "message_queue/collectives/shm_group.hpp"
@@ -241,6 +245,29 @@ inline void reference(DType d, const ReduceSpec& spec, int size, size_t count, b
       return 1;                               \
     }                                         \
   } while (0)
+
+// runRanks' `meanwhile`: rank 1 of three stopped for 0-2 ms every 0-2 ms
+// until every rank ended (reaped after).
+inline void holdingRankOneBack(std::vector<pid_t>& pids) {
+  std::atomic<bool> running{true};
+  std::thread stopper([&] {
+    unsigned seed = 7;
+    while (running.load()) {
+      seed = seed * 1103515245u + 12345u;
+      std::this_thread::sleep_for(std::chrono::microseconds(seed % 2000));
+      ::kill(pids[1], SIGSTOP);
+      std::this_thread::sleep_for(std::chrono::microseconds((seed >> 11) % 2000));
+      ::kill(pids[1], SIGCONT);
+    }
+  });
+  for (pid_t p : {pids[0], pids[2], pids[1]}) {
+    ::siginfo_t info;
+    ::waitid(P_PID, p, &info, WEXITED | WNOWAIT);
+  }
+  running = false;
+  stopper.join();
+  ::kill(pids[1], SIGCONT);
+}
 
 inline ShmGroupOptions smallBuffers(uint64_t twoPhase) {
   ShmGroupOptions o;
