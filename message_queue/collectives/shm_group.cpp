@@ -260,7 +260,7 @@ void ShmGroup::beginCall(size_t slotBytes) {
   place_ = 0;
   const size_t window = std::min<size_t>(options_.bufferBytes, kMovingWindowBytes);
   if (slotBytes < kMovingMinBytes || slotBytes > window / 2) return;
-  const size_t stride = alignUp(slotBytes, slotBytes < kPage ? kLine : kPage);
+  const size_t stride = alignUp(slotBytes, kPage);
   place_ = chunks_ / kSlots % (window / stride) * stride;
 }
 

@@ -34,6 +34,7 @@ constexpr size_t kSplitBytes = 256 << 10;
 // TPCOMM_CPU_SHM_BUFFER_BYTES is large.
 constexpr size_t kMovingMinBytes = 4 << 10;
 constexpr size_t kMovingWindowBytes = 1 << 20;
+static_assert(kMovingMinBytes >= kPage, "a moving call's places are whole pages");
 
 enum class Op : uint8_t {
   kBarrier = 1,

@@ -13,6 +13,7 @@ that round.
 import os
 import statistics
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -84,10 +85,8 @@ def _worker(rank, world, port, sizes, rounds, path, results):
 
 
 def run(rounds=2000, sizes=SIZES):
-    fd_dir = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    import tempfile
-
-    with tempfile.NamedTemporaryFile(dir=fd_dir, prefix="tpcomm-reuse-") as f:
+    where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.NamedTemporaryFile(dir=where, prefix="tpcomm-reuse-") as f:
         got = run_ranks(_worker, 2, lambda r: (sizes, rounds, f.name), 1800)
     if got is None:
         print("a rank failed", file=sys.stderr)
