@@ -15,9 +15,11 @@
 #include <torch/csrc/profiler/combined_traceback.h>
 #include <torch/csrc/distributed/c10d/FlightRecorder.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <string_view>
 #include <thread>
 
 #include "common/error.hpp"
@@ -141,7 +143,8 @@ std::string recorderLayoutProblem(void* instance) {
 }
 
 const char* flightOpName(const char* op) {
-  static const std::map<std::string, const char*> names = {
+  // Compared as C strings: a lookup per call that allocates nothing.
+  static constexpr std::pair<const char*, const char*> kNames[] = {
       {"allreduce", "all_reduce"},
       {"allreduce_sparse", "all_reduce"},
       {"all_reduce_add_rms_norm", "all_reduce"},
@@ -152,14 +155,21 @@ const char* flightOpName(const char* op) {
       {"all_to_all_single", "all_to_all"},
       {"barrier", "all_reduce_barrier"},
   };
-  auto it = names.find(op);
-  return it == names.end() ? op : it->second;
+  for (const auto& [from, to] : kNames) {
+    if (std::strcmp(op, from) == 0) return to;
+  }
+  return op;
 }
 
-std::string FlightCall::routed() const {
+void FlightName::writeTo(std::string& out) const {
+  out.assign(name);
+  if (route != nullptr) out.append(" tpcomm/").append(route);
+}
+
+FlightName FlightCall::routed() const {
   const auto& route = coord::RouteStats::lastRoute();
   if (!id.id || p2p || !route) return {};
-  return name + " tpcomm/" + coord::statsRouteName(*route);
+  return FlightName{name, coord::statsRouteName(*route)};
 }
 
 FlightRecord& FlightRecord::get() {
@@ -185,6 +195,16 @@ FlightRecord::FlightRecord() {
     return;
   }
   recorder_ = found;
+  {
+    // The ring's whole size at once (torch's default of 2,000 entries is
+    // about 1 MB): filling it then moves no entry, where torch grows it an
+    // entry at a time, moving every entry as it doubles. A larger
+    // TORCH_FR_BUFFER_SIZE is left to grow as torch grows it.
+    constexpr size_t kReservedEntries = 4096;
+    Recorder& r = recorder(found);
+    std::lock_guard<std::mutex> lock(r.mutex_);
+    r.entries_.reserve(std::min(r.max_entries_, kReservedEntries));
+  }
   const auto set = [](const char* name) {
     const char* v = std::getenv(name);
     return v != nullptr && *v != '\0';
@@ -219,64 +239,69 @@ void FlightRecord::recordGroup(const std::string& name, const std::string& desc,
 }
 
 FlightId FlightRecord::record(size_t pgId, const std::string& name, const std::string& desc,
-                              size_t collectiveSeq, size_t p2pSeq, std::string profilingName,
+                              size_t collectiveSeq, size_t p2pSeq, std::string_view profilingName,
                               c10::ArrayRef<at::Tensor> inputs, c10::ArrayRef<at::Tensor> outputs,
                               std::chrono::milliseconds timeout, bool isP2P) {
   if (recorder_ == nullptr) return {};
   Recorder& r = recorder(recorder_);
   // Without stacks every entry shares one empty traceback (no allocation).
   static const auto empty = torch::CapturedTraceback::gather(false, false, false);
-  auto traceback = stacks_ ? torch::CapturedTraceback::gather(true, true, false) : empty;
+  std::shared_ptr<torch::CapturedTraceback> traceback;
+  if (stacks_) traceback = torch::CapturedTraceback::gather(true, true, false);
   // The thread's name, read once per thread (a system call each time).
   static thread_local const std::string threadName = c10::getThreadName();
   const c10::time_t now = c10::getTime();
-  Recorder::Entry e{0,
-                    0,
-                    pgId,
-                    {name, desc},
-                    collectiveSeq,
-                    p2pSeq,
-                    isP2P ? p2pSeq : collectiveSeq,
-                    std::move(profilingName),
-                    std::move(traceback),
-                    nullptr,
-                    nullptr,
-                    now,
-                    timeout.count(),
-                    isP2P,
-                    std::nullopt,
-                    now,
-                    std::nullopt,
-                    {},
-                    {},
-                    {},
-                    {},
-                    {},
-                    std::this_thread::get_id(),
-                    threadName,
-                    false};
+  const std::thread::id thread = std::this_thread::get_id();
+  std::lock_guard<std::mutex> lock(r.mutex_);
+  const size_t next = r.next_++;
+  // Once the ring is full, the slot's strings and vectors are reused as
+  // they are (assigned, cleared and refilled within their capacity): a call
+  // allocates and frees nothing here. Every field is set.
+  Recorder::Entry& e =
+      r.entries_.size() < r.max_entries_ ? r.entries_.emplace_back() : r.entries_[next];
+  if (r.next_ == r.max_entries_) r.next_ = 0;
+  e.id_ = r.id_;
+  e.reset_epoch_ = r.reset_epoch_;
+  e.pg_id_ = pgId;
+  std::get<0>(e.pg_name_).assign(name);
+  std::get<1>(e.pg_name_).assign(desc);
+  e.collective_seq_id_ = collectiveSeq;
+  e.p2p_seq_id_ = p2pSeq;
+  e.op_id_ = isP2P ? p2pSeq : collectiveSeq;
+  e.profiling_name_.assign(profilingName.data(), profilingName.size());
+  if (stacks_) {
+    e.traceback_ = std::move(traceback);
+  } else if (e.traceback_ != empty) {
+    e.traceback_ = empty;  // a slot that held another entry's (no counting when it is the same)
+  }
+  e.start_ = nullptr;
+  e.end_ = nullptr;
+  e.time_created_ = now;
+  e.timeout_ms_ = timeout.count();
+  e.isP2P_ = isP2P;
+  e.duration_ = std::nullopt;
+  e.time_discovered_started_ = now;
+  e.time_discovered_completed_ = std::nullopt;
+  e.input_dims_.clear();
+  e.input_dtypes_.clear();
+  e.output_dims_.clear();
+  e.output_dtypes_.clear();
+  e.sizes_.clear();
   for (const auto& t : inputs) {
     if (!t.defined()) continue;  // refused by the call's checks, after this
     e.input_dtypes_.push_back(t.scalar_type());
     e.input_dims_.push_back(t.dim());
-    e.sizes_.insert(e.sizes_.end(), t.sizes().begin(), t.sizes().end());
+    e.sizes_.append(t.sizes().begin(), t.sizes().end());
   }
   for (const auto& t : outputs) {
     if (!t.defined()) continue;
     e.output_dtypes_.push_back(t.scalar_type());
     e.output_dims_.push_back(t.dim());
-    e.sizes_.insert(e.sizes_.end(), t.sizes().begin(), t.sizes().end());
+    e.sizes_.append(t.sizes().begin(), t.sizes().end());
   }
-  std::lock_guard<std::mutex> lock(r.mutex_);
-  e.id_ = r.id_;
-  e.reset_epoch_ = r.reset_epoch_;
-  const size_t next = r.next_++;
-  if (r.entries_.size() < r.max_entries_) {
-    r.entries_.emplace_back(std::move(e));
-  } else {
-    r.entries_[next] = std::move(e);
-  }
-  if (r.next_ == r.max_entries_) r.next_ = 0;
+  e.thread_id_ = thread;
+  e.thread_name_.assign(threadName);
+  e.retired_ = false;
   return FlightId{r.id_++, r.reset_epoch_};
 }
 
@@ -296,21 +321,22 @@ Recorder::Entry* entryOf(Recorder& r, const FlightId& id) {
 
 }  // namespace
 
-void FlightRecord::rename(const FlightId& id, std::string profilingName) {
+void FlightRecord::rename(const FlightId& id, const FlightName& profilingName) {
   if (recorder_ == nullptr || !id.id || profilingName.empty()) return;
   Recorder& r = recorder(recorder_);
   std::lock_guard<std::mutex> lock(r.mutex_);
-  if (Recorder::Entry* e = entryOf(r, id)) e->profiling_name_ = std::move(profilingName);
+  if (Recorder::Entry* e = entryOf(r, id)) profilingName.writeTo(e->profiling_name_);
 }
 
-void FlightRecord::retire(const FlightId& id, std::string profilingName) {
+void FlightRecord::retire(const FlightId& id, const FlightName& profilingName) {
   if (recorder_ == nullptr || !id.id) return;
+  const c10::time_t now = c10::getTime();
   Recorder& r = recorder(recorder_);
   std::lock_guard<std::mutex> lock(r.mutex_);
   Recorder::Entry* e = entryOf(r, id);
   if (e == nullptr) return;
-  if (!profilingName.empty()) e->profiling_name_ = std::move(profilingName);
-  e->time_discovered_completed_ = c10::getTime();
+  if (!profilingName.empty()) profilingName.writeTo(e->profiling_name_);
+  e->time_discovered_completed_ = now;
   e->retired_ = true;
 }
 

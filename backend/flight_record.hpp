@@ -13,13 +13,16 @@
 //
 // Cost: one entry per call under the recorder's mutex, without a Python
 // stack unless TPCOMM_FR_STACKS=1 (torch's own entries gather one); nothing
-// when TORCH_FR_BUFFER_SIZE=0.
+// when TORCH_FR_BUFFER_SIZE=0. Once the ring is full an entry is written
+// over the one it replaces, into the strings and vectors that one had: a
+// call allocates nothing.
 
 #include <chrono>
 #include <cstdint>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -35,6 +38,16 @@ struct FlightId {
 // the names torchfrtrace knows.
 const char* flightOpName(const char* op);
 
+// A profiling name to write into an entry, without building a string first:
+// `name`, and " tpcomm/<route>" after it where a route is set. Empty when
+// `name` is.
+struct FlightName {
+  std::string_view name;
+  const char* route = nullptr;  // a static string (coord::statsRouteName)
+  bool empty() const { return name.empty(); }
+  void writeTo(std::string& out) const;
+};
+
 // One call's entry, as the backend's run() keeps it. torchfrtrace (torch
 // 2.11) reads only entries named "nccl:<op>" or "xccl:<op>": tpcomm's take
 // the first form, the group's description says tpcomm, and the route follows
@@ -46,7 +59,8 @@ struct FlightCall {
   bool p2p = false;
   // The name with the route this thread's last call took, once the
   // coordinator chose it; empty for point to point or when none is known.
-  std::string routed() const;
+  // It refers to `name`: used while this FlightCall lives.
+  FlightName routed() const;
 };
 
 // Empty when `instance` (a c10d::FlightRecorder<c10::Event>) holds what its
@@ -71,15 +85,15 @@ class FlightRecord {
   // One call started (scheduled and started at once: tpcomm runs or issues
   // it in the caller's thread).
   FlightId record(size_t pgId, const std::string& name, const std::string& desc,
-                  size_t collectiveSeq, size_t p2pSeq, std::string profilingName,
+                  size_t collectiveSeq, size_t p2pSeq, std::string_view profilingName,
                   c10::ArrayRef<at::Tensor> inputs, c10::ArrayRef<at::Tensor> outputs,
                   std::chrono::milliseconds timeout, bool isP2P);
   // The call's route became known: its profiling name becomes `name` (an
   // empty one changes nothing).
-  void rename(const FlightId& id, std::string profilingName);
+  void rename(const FlightId& id, const FlightName& profilingName);
   // The call completed. A call that failed is left started.
   // A non-empty `profilingName` (the route now known) replaces its name.
-  void retire(const FlightId& id, std::string profilingName = {});
+  void retire(const FlightId& id, const FlightName& profilingName = {});
 
   // This process's global rank (names its dump file: flight_dump.hpp).
   void setRank(int rank);

@@ -76,6 +76,57 @@ def test_every_call_is_recorded_with_agreeing_sequence_ids(route):
             assert p2p == []
 
 
+def _wrapping(ctx):
+    """Four different calls, five times, through a ring of 6 entries: each
+    slot is written over by a call of another kind (other sizes, dtypes,
+    name, point to point or not) each time round."""
+    made = []
+    for i in range(5):
+        t = torch.full((3, 5), float(i + ctx.rank))
+        dist.all_reduce(t)
+        made.append(("nccl:all_reduce tpcomm/cpu_shm", [[3, 5]], ["Float"], [[3, 5]], ["Float"],
+                     False))
+        x = torch.ones(7, dtype=torch.bfloat16)
+        out = torch.empty(7 * ctx.world_size, dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(out, x)
+        made.append(("nccl:_all_gather_base tpcomm/cpu_shm", [[7]], ["BFloat16"],
+                     [[7 * ctx.world_size]], ["BFloat16"], False))
+        if ctx.rank == 0:
+            dist.send(torch.ones(2, 2, 2, dtype=torch.int64), 1)
+            made.append(("nccl:send 0->1", [[2, 2, 2]], ["Long"], [], [], True))
+        else:
+            dist.recv(torch.empty(2, 2, 2, dtype=torch.int64), 0)
+            made.append(("nccl:recv 1<-0", [], [], [[2, 2, 2]], ["Long"], True))
+        dist.barrier()
+        made.append(("nccl:all_reduce_barrier tpcomm/cpu_shm", None, None, None, None, False))
+    dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
+    got = [(e["profiling_name"], e["input_sizes"], e["input_dtypes"], e["output_sizes"],
+            e["output_dtypes"], e["is_p2p"], e["state"], e["collective_seq_id"], e["p2p_seq_id"])
+           for e in _our_entries(dump)]
+    return made, got
+
+
+def test_a_full_ring_holds_each_calls_own_entry():
+    # Once the ring is full an entry is written over the one before it, into
+    # that one's strings and vectors: nothing of the older call may remain.
+    group = Group(2, env={"TPCOMM_CPU_SHM": "1", "TORCH_FR_BUFFER_SIZE": "6"})
+    try:
+        results = group.run(_wrapping)
+    finally:
+        group.close()
+    for made, got in results:
+        assert len(got) == 6, got
+        for (name, *tensors, p2p), entry in zip(made[-6:], got):
+            assert entry[0] == name and entry[5] == p2p and entry[6] == "completed", (name, entry)
+            if tensors[0] is not None:  # (a barrier's tensor is tpcomm's own)
+                assert list(entry[1:5]) == tensors, (name, entry)
+        # The last six calls: round 4's send or recv and barrier, round 5's
+        # four (3 collectives and 1 point to point a round); each entry has
+        # both counters as they stood.
+        assert [e[7] for e in got] == [11, 12, 13, 14, 14, 15], got
+        assert [e[8] for e in got] == [4, 4, 4, 4, 5, 5], got
+
+
 def _unwaited(ctx):
     """An isend and an irecv nobody waits on (small and past the first part):
     their entries retire when they complete."""

@@ -43,21 +43,44 @@ def iters_for(nbytes, quick):
     return max(2, iters // 4) if quick else iters
 
 
-def best_interleaved(calls, iters, rounds, control):
-    """{key: seconds per call}: each call run `iters` times in a row, the
-    calls interleaved round after round (so they see the same machine load),
-    the slowest rank's time kept per round and the best round kept."""
+def best_interleaved(calls, iters, rounds, control, lead=True):
+    """{key: seconds per call}: each call run `iters` times in a row (an int,
+    or {key: int}), the calls interleaved round after round (so they see the
+    same machine load), the slowest rank's time kept per round and the best
+    round kept. With `lead`, one untimed call opens each block: the ranks
+    leave the barrier tens of us apart (loopback Gloo), and a first call that
+    waits for its peer would otherwise count that in a block of 2 us calls."""
     best = {key: float("inf") for key in calls}
     for _ in range(rounds):
         for key, fn in calls.items():
+            n = iters[key] if isinstance(iters, dict) else iters
             dist.barrier(group=control)
-            start = time.perf_counter()
-            for _ in range(iters):
+            if lead:
                 fn()
-            elapsed = torch.tensor([(time.perf_counter() - start) / iters])
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            elapsed = torch.tensor([(time.perf_counter() - start) / n])
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=control)
             best[key] = min(best[key], elapsed.item())
     return best
+
+
+def iters_by_time(calls, floor, control, block_s=2e-3, most=5000):
+    """{key: iterations}: enough that a block of the call lasts block_s (at
+    least `floor`, at most `most`), from the slowest rank's time of a few
+    calls, the same on every rank."""
+    iters = {}
+    for key, fn in calls.items():
+        dist.barrier(group=control)
+        fn()  # (the barrier's skew, as in best_interleaved)
+        start = time.perf_counter()
+        for _ in range(5):
+            fn()
+        took = torch.tensor([(time.perf_counter() - start) / 5])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=control)
+        iters[key] = max(floor, min(most, int(block_s / max(took.item(), 1e-9))))
+    return iters
 
 
 def _call(op, group, world, nbytes, dtype=torch.float32):
@@ -104,7 +127,8 @@ def _worker(rank, world, port, max_mib, quick, rounds, dtype, threads, ops, resu
             calls = {p: _call(op, g, world, nbytes, dtype) for p, g in groups.items()}
             for fn in calls.values():
                 fn()  # warm-up
-            best = best_interleaved(calls, iters_for(nbytes, quick), rounds, control)
+            iters = iters_by_time(calls, iters_for(nbytes, quick), control)
+            best = best_interleaved(calls, iters, rounds, control)
             rows.append((op, nbytes, best))
     if rank == 0:
         default = tpcomm.describe(groups["tpcomm shm on"])["cpu_shm"]["threads"]
