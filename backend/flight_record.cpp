@@ -255,8 +255,9 @@ FlightId FlightRecord::record(size_t pgId, const std::string& name, const std::s
   std::lock_guard<std::mutex> lock(r.mutex_);
   const size_t next = r.next_++;
   // Once the ring is full, the slot's strings and vectors are reused as
-  // they are (assigned, cleared and refilled within their capacity): a call
-  // allocates and frees nothing here. Every field is set.
+  // they are (assigned, cleared and refilled): a call allocates only where
+  // its entry needs more room than the slot's last one had. Every field is
+  // set.
   Recorder::Entry& e =
       r.entries_.size() < r.max_entries_ ? r.entries_.emplace_back() : r.entries_[next];
   if (r.next_ == r.max_entries_) r.next_ = 0;

@@ -14,8 +14,8 @@
 // Cost: one entry per call under the recorder's mutex, without a Python
 // stack unless TPCOMM_FR_STACKS=1 (torch's own entries gather one); nothing
 // when TORCH_FR_BUFFER_SIZE=0. Once the ring is full an entry is written
-// over the one it replaces, into the strings and vectors that one had: a
-// call allocates nothing.
+// over the one it replaces, into the strings and vectors that one had
+// (allocating only where it needs more room than that one had).
 
 #include <chrono>
 #include <cstdint>
