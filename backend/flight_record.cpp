@@ -32,6 +32,16 @@ namespace {
 
 using Recorder = c10d::FlightRecorder<c10::Event>;
 
+// FlightRecord::record writes every field of an entry by name, over the
+// entry a slot held before. A field torch adds would keep the older entry's
+// value there: torch 2.11-2.15's entry has 25 fields, 512 bytes on x86-64,
+// and a torch whose entry differs stops the build here until record() sets
+// the new field.
+#if defined(__x86_64__)
+static_assert(sizeof(Recorder::Entry) == 512,
+              "torch's FlightRecorder::Entry changed: set its new fields in FlightRecord::record");
+#endif
+
 constexpr const char* kInstanceSymbol = "_ZZN4c10d14FlightRecorderIN3c105EventEE3getEvE8instance";
 
 // The address of the local (unexported) data symbol `name` in the loaded
@@ -238,6 +248,41 @@ void FlightRecord::recordGroup(const std::string& name, const std::string& desc,
   r.pg_name_to_ranks_[{name, desc}] = ranks;
 }
 
+namespace {
+
+// A call's tensors as its entry keeps them, read before the recorder's mutex
+// is taken (reading a tensor's sizes may throw); one per thread, so that
+// reading them allocates nothing once warm.
+struct CallTensorsRecord {
+  c10::SmallVector<int64_t, 4> inputDims;
+  std::vector<c10::ScalarType> inputDtypes;
+  c10::SmallVector<int64_t, 4> outputDims;
+  std::vector<c10::ScalarType> outputDtypes;
+  c10::SmallVector<int64_t, 8> sizes;
+
+  void read(c10::ArrayRef<at::Tensor> inputs, c10::ArrayRef<at::Tensor> outputs) {
+    inputDims.clear();
+    inputDtypes.clear();
+    outputDims.clear();
+    outputDtypes.clear();
+    sizes.clear();
+    for (const auto& t : inputs) {
+      if (!t.defined()) continue;  // refused by the call's checks, after this
+      inputDtypes.push_back(t.scalar_type());
+      inputDims.push_back(t.dim());
+      sizes.append(t.sizes().begin(), t.sizes().end());
+    }
+    for (const auto& t : outputs) {
+      if (!t.defined()) continue;
+      outputDtypes.push_back(t.scalar_type());
+      outputDims.push_back(t.dim());
+      sizes.append(t.sizes().begin(), t.sizes().end());
+    }
+  }
+};
+
+}  // namespace
+
 FlightId FlightRecord::record(size_t pgId, const std::string& name, const std::string& desc,
                               size_t collectiveSeq, size_t p2pSeq, std::string_view profilingName,
                               c10::ArrayRef<at::Tensor> inputs, c10::ArrayRef<at::Tensor> outputs,
@@ -250,19 +295,24 @@ FlightId FlightRecord::record(size_t pgId, const std::string& name, const std::s
   if (stacks_) traceback = torch::CapturedTraceback::gather(true, true, false);
   // The thread's name, read once per thread (a system call each time).
   static thread_local const std::string threadName = c10::getThreadName();
+  static thread_local CallTensorsRecord tensors;
+  tensors.read(inputs, outputs);
   const c10::time_t now = c10::getTime();
   const std::thread::id thread = std::this_thread::get_id();
   std::lock_guard<std::mutex> lock(r.mutex_);
-  const size_t next = r.next_++;
   // Once the ring is full, the slot's strings and vectors are reused as
-  // they are (assigned, cleared and refilled): a call allocates only where
-  // its entry needs more room than the slot's last one had. Every field is
-  // set.
+  // they are (assigned over): a call allocates only where its entry needs
+  // more room than the slot's last one had. The slot, the ring's next index
+  // and the id are claimed together first, as torch's record() does, so
+  // that an assignment failing below (out of memory) leaves the ring in
+  // step. Every field is set (the static_assert above guards the list).
   Recorder::Entry& e =
-      r.entries_.size() < r.max_entries_ ? r.entries_.emplace_back() : r.entries_[next];
-  if (r.next_ == r.max_entries_) r.next_ = 0;
-  e.id_ = r.id_;
-  e.reset_epoch_ = r.reset_epoch_;
+      r.entries_.size() < r.max_entries_ ? r.entries_.emplace_back() : r.entries_[r.next_];
+  if (++r.next_ == r.max_entries_) r.next_ = 0;
+  const FlightId id{r.id_++, r.reset_epoch_};
+  e.id_ = *id.id;
+  e.reset_epoch_ = *id.epoch;
+  e.retired_ = false;
   e.pg_id_ = pgId;
   std::get<0>(e.pg_name_).assign(name);
   std::get<1>(e.pg_name_).assign(desc);
@@ -283,27 +333,14 @@ FlightId FlightRecord::record(size_t pgId, const std::string& name, const std::s
   e.duration_ = std::nullopt;
   e.time_discovered_started_ = now;
   e.time_discovered_completed_ = std::nullopt;
-  e.input_dims_.clear();
-  e.input_dtypes_.clear();
-  e.output_dims_.clear();
-  e.output_dtypes_.clear();
-  e.sizes_.clear();
-  for (const auto& t : inputs) {
-    if (!t.defined()) continue;  // refused by the call's checks, after this
-    e.input_dtypes_.push_back(t.scalar_type());
-    e.input_dims_.push_back(t.dim());
-    e.sizes_.append(t.sizes().begin(), t.sizes().end());
-  }
-  for (const auto& t : outputs) {
-    if (!t.defined()) continue;
-    e.output_dtypes_.push_back(t.scalar_type());
-    e.output_dims_.push_back(t.dim());
-    e.sizes_.append(t.sizes().begin(), t.sizes().end());
-  }
+  e.input_dims_.assign(tensors.inputDims.begin(), tensors.inputDims.end());
+  e.input_dtypes_.assign(tensors.inputDtypes.begin(), tensors.inputDtypes.end());
+  e.output_dims_.assign(tensors.outputDims.begin(), tensors.outputDims.end());
+  e.output_dtypes_.assign(tensors.outputDtypes.begin(), tensors.outputDtypes.end());
+  e.sizes_.assign(tensors.sizes.begin(), tensors.sizes.end());
   e.thread_id_ = thread;
   e.thread_name_.assign(threadName);
-  e.retired_ = false;
-  return FlightId{r.id_++, r.reset_epoch_};
+  return id;
 }
 
 namespace {

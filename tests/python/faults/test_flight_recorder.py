@@ -77,15 +77,19 @@ def test_every_call_is_recorded_with_agreeing_sequence_ids(route):
 
 
 def _wrapping(ctx):
-    """Four different calls, five times, through a ring of 6 entries: each
-    slot is written over by a call of another kind (other sizes, dtypes,
-    name, point to point or not) each time round."""
-    made = []
+    """Four different tpcomm calls and one of Gloo's (the reference group),
+    five times, through a ring of 8 entries: each slot is written over by a
+    call of another kind (other sizes, dtypes, name, point to point or not,
+    tpcomm's or Gloo's) each time round; rank 1 then leaves a receive
+    waiting on its last slot."""
+    made = []  # every recorded call in order: tpcomm's as expected, Gloo's as None
     for i in range(5):
         t = torch.full((3, 5), float(i + ctx.rank))
         dist.all_reduce(t)
         made.append(("nccl:all_reduce tpcomm/cpu_shm", [[3, 5]], ["Float"], [[3, 5]], ["Float"],
                      False))
+        dist.all_reduce(torch.ones(2), group=ctx.ref)
+        made.append(None)
         x = torch.ones(7, dtype=torch.bfloat16)
         out = torch.empty(7 * ctx.world_size, dtype=torch.bfloat16)
         dist.all_gather_into_tensor(out, x)
@@ -99,32 +103,57 @@ def _wrapping(ctx):
             made.append(("nccl:recv 1<-0", [], [], [[2, 2, 2]], ["Long"], True))
         dist.barrier()
         made.append(("nccl:all_reduce_barrier tpcomm/cpu_shm", None, None, None, None, False))
+    pending = None
+    if ctx.rank == 1:
+        got = torch.zeros(3)
+        pending = dist.irecv(got, 0)  # rank 0 sends only after this rank's dump
+        made.append(("nccl:recv 1<-0", [], [], [[3]], ["Float"], True))
     dump = pickle.loads(torch._C._distributed_c10d._dump_fr_trace())
-    got = [(e["profiling_name"], e["input_sizes"], e["input_dtypes"], e["output_sizes"],
-            e["output_dtypes"], e["is_p2p"], e["state"], e["collective_seq_id"], e["p2p_seq_id"])
-           for e in _our_entries(dump)]
-    return made, got
+    dist.barrier(group=ctx.ref)
+    if ctx.rank == 0:
+        dist.send(torch.ones(3), 1)
+    else:
+        pending.wait()
+    entries = [(e["process_group"][0], e["profiling_name"], e["input_sizes"], e["input_dtypes"],
+                e["output_sizes"], e["output_dtypes"], e["is_p2p"], e["state"],
+                e["collective_seq_id"], e["p2p_seq_id"], e.get("time_discovered_completed_ns"))
+               for e in dump["entries"]]
+    return made, entries
 
 
 def test_a_full_ring_holds_each_calls_own_entry():
     # Once the ring is full an entry is written over the one before it, into
-    # that one's strings and vectors: nothing of the older call may remain.
-    group = Group(2, env={"TPCOMM_CPU_SHM": "1", "TORCH_FR_BUFFER_SIZE": "6"})
+    # that one's strings and vectors: nothing of the older call may remain,
+    # whether tpcomm or torch (Gloo) wrote it.
+    group = Group(2, env={"TPCOMM_CPU_SHM": "1", "TORCH_FR_BUFFER_SIZE": "8"})
     try:
         results = group.run(_wrapping)
     finally:
         group.close()
-    for made, got in results:
-        assert len(got) == 6, got
-        for (name, *tensors, p2p), entry in zip(made[-6:], got):
-            assert entry[0] == name and entry[5] == p2p and entry[6] == "completed", (name, entry)
+    for rank, (made, entries) in enumerate(results):
+        assert len(entries) == 8, entries
+        for want, entry in zip(made[-8:], entries):
+            if want is None:
+                assert entry[0] != "0" and entry[1] == "gloo:all_reduce", entry
+                # (its state is torch's to keep: Gloo's entries stay "scheduled")
+                assert entry[2:6] == ([[2]], ["Float"], [[2]], ["Float"]), entry
+                continue
+            name, *tensors, p2p = want
+            assert entry[0] == "0" and entry[1] == name and entry[6] == p2p, (want, entry)
             if tensors[0] is not None:  # (a barrier's tensor is tpcomm's own)
-                assert list(entry[1:5]) == tensors, (name, entry)
-        # The last six calls: round 4's send or recv and barrier, round 5's
-        # four (3 collectives and 1 point to point a round); each entry has
-        # both counters as they stood.
-        assert [e[7] for e in got] == [11, 12, 13, 14, 14, 15], got
-        assert [e[8] for e in got] == [4, 4, 4, 4, 5, 5], got
+                assert list(entry[2:6]) == tensors, (want, entry)
+        ours = [e for e in entries if e[0] == "0"]
+        # Rank 1's last entry is its receive, still waiting when it dumped:
+        # started, with no completion time (its slot held a completed call).
+        done = ours[:-1] if rank == 1 else ours
+        assert all(e[7] == "completed" and e[10] is not None for e in done), ours
+        if rank == 1:
+            assert ours[-1][7] == "started" and ours[-1][10] is None, ours[-1]
+        # Each entry has both counters as they stood: 3 collectives and 1
+        # send or recv a round; the last 8 calls begin in round 4.
+        want_ids = ([(11, 3), (11, 4), (12, 4), (13, 4), (14, 4), (14, 5), (15, 5)] if rank == 0
+                    else [(11, 4), (12, 4), (13, 4), (14, 4), (14, 5), (15, 5), (15, 6)])
+        assert [(e[8], e[9]) for e in ours] == want_ids, ours
 
 
 def _unwaited(ctx):
