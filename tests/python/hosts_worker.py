@@ -16,6 +16,7 @@ import tpcomm  # noqa: F401  (registers the backend)
 
 RANK = int(os.environ.get("RANK", "0"))
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+GONE = set()  # ranks a case ends on purpose (SIGKILL): no result comes from them
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64]
 
@@ -350,6 +351,7 @@ def _go_on_after_loss(out, how):
     import signal
 
     lost = WORLD - 1
+    GONE.add(lost)  # (no result of it to wait for)
     out["raised"] = None
     for i in range(100000):
         if RANK == lost and i == 100:
@@ -413,6 +415,9 @@ def case_window_across_hosts(out):
     expected = torch.full((n,), float(RANK))
     expected[16 * left:16 * left + 16] = 100.0 + left
     out["ring"] = torch.equal(mine, expected)
+    # Rank 1's next put lands in rank 2's window as it comes (a receiving
+    # thread writes it): not before rank 2 has read the ring's.
+    dist.barrier()
     big = torch.randn((5 << 20) // 4, generator=torch.Generator().manual_seed(7))
     if RANK == 1:
         window.put(big, 2, 1000, False)
@@ -473,6 +478,19 @@ def case_window_across_hosts(out):
 CASES = {name[len("case_"):]: fn for name, fn in globals().items() if name.startswith("case_")}
 
 
+def _wait_for_every_rank(outdir, timeout_s):
+    """Returns once every rank has written its result (or its error), or
+    after timeout_s: rank 0's process holds the store, and a rank still
+    reading its peers' positions from it after a failed call (to say what
+    happened) read a broken pipe instead when rank 0 had already ended."""
+    deadline = time.monotonic() + timeout_s
+    names = [(f"rank{r}.pt", f"rank{r}.err") for r in range(WORLD) if r not in GONE]
+    while time.monotonic() < deadline:
+        if all(any(os.path.exists(os.path.join(outdir, n)) for n in pair) for pair in names):
+            return
+        time.sleep(0.01)
+
+
 def main():
     case, outdir = sys.argv[1], sys.argv[2]
     out = {"rank": RANK}
@@ -481,6 +499,7 @@ def main():
         dist.init_process_group("tpcomm", init_method="env://", timeout=timeout)
         CASES[case](out)
         torch.save(out, os.path.join(outdir, f"rank{RANK}.pt"))
+        _wait_for_every_rank(outdir, timeout.total_seconds())
         dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(outdir, f"rank{RANK}.err"), "w") as f:
