@@ -68,19 +68,10 @@ def best_interleaved(calls, iters, rounds, control, lead=True):
 
 def iters_by_time(calls, floor, control, block_s=2e-3, most=5000):
     """{key: iterations}: enough that a block of the call lasts block_s (at
-    least `floor`, at most `most`), from the slowest rank's time of a few
-    calls, the same on every rank."""
-    iters = {}
-    for key, fn in calls.items():
-        dist.barrier(group=control)
-        fn()  # (the barrier's skew, as in best_interleaved)
-        start = time.perf_counter()
-        for _ in range(5):
-            fn()
-        took = torch.tensor([(time.perf_counter() - start) / 5])
-        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=control)
-        iters[key] = max(floor, min(most, int(block_s / max(took.item(), 1e-9))))
-    return iters
+    least `floor`, at most `most`), from the slowest rank's time of a block
+    of 5 calls, the same on every rank."""
+    took = best_interleaved(calls, 5, 1, control)
+    return {key: max(floor, min(most, int(block_s / max(t, 1e-9)))) for key, t in took.items()}
 
 
 def _call(op, group, world, nbytes, dtype=torch.float32):
