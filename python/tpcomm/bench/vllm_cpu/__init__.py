@@ -58,8 +58,9 @@ def add_arguments(parser):
                         help="vLLM's OpenAI server with concurrent clients: tokens/s, p50/p99 "
                              "latency (tpcomm/bench/vllm_cpu/serve.py); with --check its end-to-end "
                              "test")
-    parser.add_argument("--requests", type=_positive, default=48,
-                        help="with --serve: completions per round (default 48)")
+    parser.add_argument("--requests", type=_positive, default=384,
+                        help="with --serve: completions per round (default 384: some 10 s a round "
+                             "at width 256 on 2 cores; 48 made rounds of about a second)")
     parser.add_argument("--clients", type=_positive, default=12,
                         help="with --serve: concurrent clients (default 12)")
     parser.add_argument("--load", type=int, default=0,
