@@ -159,6 +159,9 @@ def _patch(chosen, log, version):
             log.info("tpcomm: group %s (%d ranks): collectives on backend %s through "
                      "torch.distributed", unique_name, self.world_size,
                      _backend_name(device_group))
+        if renamed and chosen == "tpcomm" and self.world_size > 1 \
+                and _backend_name(device_group) == "tpcomm":
+            _all_reduce_as_op(self, unique_name)
         if os.environ.get(PROFILE_ENV) and shared:
             _profile(self, unique_name)
 
@@ -192,6 +195,30 @@ def _patch(chosen, log, version):
         queue.create_from_process_group = staticmethod(create_from_process_group)
         if not hasattr(parallel_state, "GroupCoordinator"):
             raise _moved("vllm.distributed.parallel_state has no GroupCoordinator", version)
+
+
+def _all_reduce_as_op(communicator, unique_name):
+    """Under torch.compile (vLLM's default on CPU) dynamo turns
+    torch.distributed.all_reduce into torch's functional collective, which in
+    a compiled graph costs some 30 us a call on 2 cores (a Work, its
+    registry, wait_tensor) against 8 for tpcomm's op torch.ops.tpcomm.all_reduce
+    (one opaque out-of-place call into the group's backend): the model's
+    graphs call the op. Eager calls keep torch.distributed's direct route
+    (3 us)."""
+    import torch
+
+    from tpcomm import _C, _ops
+
+    name = _ops.unique_name("vllm-" + unique_name)
+    _C.register_op_group(name, communicator.device_group)  # a weak reference
+    eager, op = communicator.all_reduce, torch.ops.tpcomm.all_reduce
+
+    def all_reduce(input_):
+        if torch.compiler.is_compiling():
+            return op(input_, name)
+        return eager(input_)
+
+    communicator.all_reduce = all_reduce
 
 
 def _patch_single_reader(shm_broadcast, parallel_state, version):

@@ -11,7 +11,9 @@ The model is the offline benchmark's random Llama, prompts are token ids
 same tokens. Printed per way: the median tokens/s over rounds and its
 spread (max/min), p50 and p99 request latency (over every request of every
 round), the workers' share of model-step time in the tensor-parallel
-all-reduce, and whether its tokens equal vLLM's own path's.
+all-reduce, whether its tokens equal vLLM's own path's, and how many cores
+its API server, engine core and workers kept busy while the clients ran
+(their CPU time from /proc over the round's seconds: where the machine went).
 
 `--serve --check` is the end-to-end test of the server: vLLM's own path and
 tpcomm, one round, the same tokens, and the tpcomm server's workers say
@@ -181,6 +183,36 @@ def _busy(count):
             for _ in range(count)]
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+# A server's processes by their name (/proc/PID/comm; vLLM names its own).
+_KINDS = (("VLLM::Worker", "workers"), ("VLLM::EngineCor", "engine core"))
+
+
+def _cpu_by_kind(session):
+    """{kind: (processes, CPU seconds so far)} of the processes in the
+    server's session (the API server, its engine core and workers): user +
+    system time of every thread, from /proc."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+            fields = stat[stat.rindex(")") + 2:].split()
+            if int(fields[3]) != session:  # the session id
+                continue
+            with open(f"/proc/{entry}/comm") as f:
+                comm = f.read().strip()
+        except (OSError, ValueError):
+            continue  # gone meanwhile
+        kind = "API server" if int(entry) == session else next(
+            (k for prefix, k in _KINDS if comm.startswith(prefix)), "others")
+        n, cpu = out.get(kind, (0, 0.0))
+        out[kind] = (n + 1, cpu + (int(fields[11]) + int(fields[12])) / _TICK)
+    return out
+
+
 def _one_round(way, model, args, log):
     server, load = _Server(way, model, args, log), []
     try:
@@ -190,9 +222,10 @@ def _one_round(way, model, args, log):
         # Warm-up: a full batch of concurrent requests (first allocations,
         # every batch size the measured phase sees), not measured.
         _clients(server, prompts[:args.clients], 4, args.clients, args.timeout)
-        before = _read_profile(server.profile)
+        before, cpu_before = _read_profile(server.profile), _cpu_by_kind(server.proc.pid)
         tokens, latencies, seconds = _clients(server, prompts, args.tokens, args.clients,
                                               args.timeout)
+        cpu_after = _cpu_by_kind(server.proc.pid)
         time.sleep(0.2)  # the workers write their totals after each step
         after = _read_profile(server.profile)
         kernels = _vllm_kernels(server.proc.pid)
@@ -225,6 +258,13 @@ def _one_round(way, model, args, log):
             "tokens_per_s": sum(map(len, tokens)) / seconds,
             "all_reduce_share": sum(shares) / len(shares) if shares else None,
             "tpcomm_calls": sum(delta(r, "tpcomm_calls") for r in after), "log": output,
+            # A worker's model step (execute_model), averaged over the workers.
+            "step_s": statistics.mean(delta(r, "step_s") / delta(r, "steps") for r in after
+                                      if delta(r, "steps") > 0) if after else None,
+            "worker_steps": statistics.mean(delta(r, "steps") for r in after) if after else 0,
+            # Cores each kind of process kept busy while the clients ran.
+            "cpu": {k: (n, (cpu - cpu_before.get(k, (0, 0.0))[1]) / seconds)
+                    for k, (n, cpu) in cpu_after.items()},
             "kernels": kernels}
 
 
@@ -318,13 +358,27 @@ def serve(args, model, log):
         line = _waits_line(rounds[way])
         if line:
             print(f"{way}'s waits: {line}")
+    print(f"Cores kept busy while the clients ran ({os.cpu_count()} online), median over rounds, "
+          "by the server's processes (/proc):")
+    for way in args.ways:
+        kinds = sorted({k for x in rounds[way] for k in x["cpu"]})
+        line = f"{way:>11}: " + ", ".join(
+            f"{k} {statistics.median(x['cpu'].get(k, (0, 0.0))[1] for x in rounds[way]):.2f}"
+            for k in kinds)
+        steps = [x["step_s"] for x in rounds[way] if x["step_s"]]
+        if steps:
+            count = statistics.median(x["worker_steps"] for x in rounds[way])
+            line += (f"; a worker's model step {1e3 * statistics.median(steps):.2f} ms, "
+                     f"{count:.0f} steps a round")
+        print(line)
     print(f"The servers' output: {log}")
     return rounds
 
 
 def check(args, model, log):
-    """vLLM's own path and tpcomm, one round each: the same tokens, and the
-    tpcomm server's tensor-parallel group on tpcomm."""
+    """vLLM's own path and tpcomm, one round each: the same tokens, the
+    tpcomm server's tensor-parallel group on tpcomm, and each server's two
+    workers found busy in its session's CPU account."""
     args.rounds, args.ways = 1, ["vllm-shm", "tpcomm"]
     rounds = serve(args, model, log)
     own, ours = rounds["vllm-shm"][0], rounds["tpcomm"][0]
@@ -337,6 +391,11 @@ def check(args, model, log):
             problems.append(f"the tpcomm server's worker {rank}: tpcomm's path runs on CPUs "
                             f"{sorted(cpus)}, its OpenMP threads on {sorted(want)} "
                             "(VLLM_CPU_OMP_THREADS_BIND)")
+    for name, run in (("vLLM's own", own), ("tpcomm", ours)):
+        workers, busy = run["cpu"].get("workers", (0, 0.0))
+        if workers != 2 or busy <= 0:
+            problems.append(f"{name} server: {workers} worker processes found in its session "
+                            f"(/proc), busy {busy:.2f} cores: TP=2 has two")
     total = sum(map(len, own["tokens"]))
     if total != args.requests * args.tokens:
         problems.append(f"vLLM's own server generated {total} tokens, not "
