@@ -200,24 +200,34 @@ def _child(args):
                                 "tpcomm_calls": through_tpcomm}), flush=True)
 
 
+def _process_tree(root=None):
+    """{pid: (name, the fields of /proc/PID/stat after the name)} of process
+    `root` (default this one) and its descendants (a vLLM's engine core and
+    workers); fields[1] is the parent, [11] and [12] user and system ticks."""
+    stats = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                head, tail = f.read().rsplit(")", 1)
+            fields = tail.split()
+            stats[int(pid)] = (head.split("(", 1)[1], fields, int(fields[1]))
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+    mine = {root or os.getpid()}
+    while True:
+        more = {p for p, (_, _, parent) in stats.items() if parent in mine} - mine
+        if not more:
+            break
+        mine |= more
+    return {p: stats[p][:2] for p in mine if p in stats}
+
+
 def _vllm_kernels(root=None):
     """The kernel libraries vLLM loaded in process `root` (default this one)
     and its descendants (the workers), read from their memory maps: vLLM's
     import of the AVX2 one "fails" after loading it."""
-    parents = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-    mine, seen = {root or os.getpid()}, set()
-    while True:
-        more = {p for p, parent in parents.items() if parent in mine} - mine
-        if not more:
-            break
-        mine |= more
-    for pid in mine:
+    seen = set()
+    for pid in _process_tree(root):
         try:
             with open(f"/proc/{pid}/maps") as f:
                 maps = f.read()

@@ -32,8 +32,9 @@ import tempfile
 import threading
 import time
 
-from tpcomm.bench.vllm_cpu.offline import (_prompts, _read_profile, _tokens_match, _vllm_kernels,
-                                           _vllm_version, _way_env, plugin_problems)
+from tpcomm.bench.vllm_cpu.offline import (_process_tree, _prompts, _read_profile, _tokens_match,
+                                           _vllm_kernels, _vllm_version, _way_env,
+                                           plugin_problems)
 
 
 def _free_port():
@@ -184,30 +185,18 @@ def _busy(count):
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
-# A server's processes by their name (/proc/PID/comm; vLLM names its own).
+# A server's processes by their name (/proc/PID/stat; vLLM names its own).
 _KINDS = (("VLLM::Worker", "workers"), ("VLLM::EngineCor", "engine core"))
 
 
-def _cpu_by_kind(session):
-    """{kind: (processes, CPU seconds so far)} of the processes in the
-    server's session (the API server, its engine core and workers): user +
-    system time of every thread, from /proc."""
+def _cpu_by_kind(server_pid):
+    """{kind: (processes, CPU seconds so far)} of the server's processes (the
+    API server, its engine core and workers): user + system time of every
+    thread, from /proc."""
     out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-            fields = stat[stat.rindex(")") + 2:].split()
-            if int(fields[3]) != session:  # the session id
-                continue
-            with open(f"/proc/{entry}/comm") as f:
-                comm = f.read().strip()
-        except (OSError, ValueError):
-            continue  # gone meanwhile
-        kind = "API server" if int(entry) == session else next(
-            (k for prefix, k in _KINDS if comm.startswith(prefix)), "others")
+    for pid, (name, fields) in _process_tree(server_pid).items():
+        kind = "API server" if pid == server_pid else next(
+            (k for prefix, k in _KINDS if name.startswith(prefix)), "others")
         n, cpu = out.get(kind, (0, 0.0))
         out[kind] = (n + 1, cpu + (int(fields[11]) + int(fields[12])) / _TICK)
     return out
@@ -378,7 +367,7 @@ def serve(args, model, log):
 def check(args, model, log):
     """vLLM's own path and tpcomm, one round each: the same tokens, the
     tpcomm server's tensor-parallel group on tpcomm, and each server's two
-    workers found busy in its session's CPU account."""
+    workers found busy in its CPU account."""
     args.rounds, args.ways = 1, ["vllm-shm", "tpcomm"]
     rounds = serve(args, model, log)
     own, ours = rounds["vllm-shm"][0], rounds["tpcomm"][0]
@@ -394,7 +383,7 @@ def check(args, model, log):
     for name, run in (("vLLM's own", own), ("tpcomm", ours)):
         workers, busy = run["cpu"].get("workers", (0, 0.0))
         if workers != 2 or busy <= 0:
-            problems.append(f"{name} server: {workers} worker processes found in its session "
+            problems.append(f"{name} server: {workers} worker processes found below it "
                             f"(/proc), busy {busy:.2f} cores: TP=2 has two")
     total = sum(map(len, own["tokens"]))
     if total != args.requests * args.tokens:
