@@ -25,7 +25,8 @@
 #   lscpu.txt     lscpu and numactl --hardware (or /sys's nodes)
 #   cpu.txt       the 16 cores (TPCOMM_DEVICE_CPU=0: not run): placement and
 #                 kernel-level tests, bench cpu --scaling at 2, 4 and 8 ranks
-#   hosts.txt     bench cpu --hosts 4 (TPCOMM_DEVICE_HOSTS=0: not run)
+#   hosts.txt     bench cpu --hosts 4 (TPCOMM_DEVICE_HOSTS=0: not run; needs `ip`:
+#                 carry .iproute/, this machine's /usr/sbin/ip and its libraries)
 #
 #   bash tests/gpu/device_speed.sh
 set -uo pipefail
@@ -76,7 +77,7 @@ if [[ "${TPCOMM_DEVICE_CPU:-1}" == 1 ]]; then
   # Many cores and NUMA nodes (issue 53): the placement read back from /proc
   # and every reduction level, then the scaling against Gloo and the memory
   # bandwidth (2 ranks x 1-8 threads; 4 and 8 ranks x 1-2).
-  step cpu 60 "$py" -m pytest -q -rs -p no:cacheprovider tests/python/collectives/test_cpu_shm.py \
+  step cpu 120 "$py" -m pytest -q -rs -p no:cacheprovider tests/python/collectives/test_cpu_shm.py \
     -k "node or kernel_level or pinned"
   step cpu 120 "$py" -m tpcomm.bench cpu --scaling --world-sizes 2 --thread-counts 1 2 4 8 \
     --quick --rounds 2
@@ -87,6 +88,10 @@ if [[ "${TPCOMM_DEVICE_CPU:-1}" == 1 ]]; then
     --world-sizes 2 --thread-counts 8 --quick --rounds 2
 fi
 if [[ "${TPCOMM_DEVICE_HOSTS:-1}" == 1 ]]; then
+  # The device image has no iproute2: carry .iproute/ (this machine's ip
+  # binary and the libraries ldd names for it that the image lacks).
+  [[ -x .iproute/ip ]] && export PATH="$PWD/.iproute:$PATH" \
+    LD_LIBRARY_PATH="$PWD/.iproute${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   step hosts 120 "$py" -m tpcomm.bench cpu --hosts 4 --ranks-per-host 2 --max-mib 16 --rounds 2
 fi
 tail -n 40 "$out/car.txt"
