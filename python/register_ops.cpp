@@ -225,6 +225,18 @@ at::Tensor allReduceCpu(const at::Tensor& tensor, c10::string_view groupName) {
   return out;
 }
 
+// The sum over the group written into `tensor` (a non-contiguous one through
+// a contiguous copy).
+void allReduceInPlaceCpu(at::Tensor& tensor, c10::string_view groupName) {
+  const WithoutGil released;
+  auto [group, backend] = opGroups().find(groupName);
+  std::vector<at::Tensor> tensors{tensor.is_contiguous() ? tensor : tensor.contiguous()};
+  c10d::AllreduceOptions opts;
+  opts.asyncOp = false;  // waited for here: no Work for a call done in this thread
+  finish(backend ? backend->allreduce(tensors, opts) : group->allreduce(tensors, opts));
+  if (!tensors[0].is_same(tensor)) tensor.copy_(tensors[0]);
+}
+
 at::Tensor allGatherCpu(const at::Tensor& tensor, int64_t dim, int64_t worldSize,
                         c10::string_view groupName) {
   const WithoutGil released;
@@ -363,6 +375,7 @@ void registerOps(py::module_& m) {
           auto* lib = new torch::Library(torch::Library::IMPL, "tpcomm", c10::DispatchKey::CPU,
                                          __FILE__, __LINE__);
           lib->impl("all_reduce", TORCH_FN(allReduceCpu));
+          lib->impl("all_reduce_", TORCH_FN(allReduceInPlaceCpu));
           lib->impl("all_gather", TORCH_FN(allGatherCpu));
           lib->impl("reduce_scatter", TORCH_FN(reduceScatterCpu));
           lib->impl("all_reduce_add_rms_norm", TORCH_FN(allReduceAddRmsNormCpu));

