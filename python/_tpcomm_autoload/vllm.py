@@ -12,7 +12,10 @@ variable TPCOMM_VLLM:
                        expert-parallel groups); their all-reduces, gathers and
                        all-gathers go through tpcomm, not vLLM's own CPU
                        shared memory; the tensor-parallel group's message
-                       queue is tpcomm's.
+                       queue is tpcomm's, and so are the multiprocessing
+                       executor's queues (each step to the workers, their
+                       answers back) where every reader is on this host
+                       (vllm_queue.py).
     TPCOMM_VLLM=gloo   for comparison: the groups stay on Gloo, and vLLM's CPU
                        shared memory is off too (every collective through
                        torch.distributed on Gloo).
@@ -193,8 +196,28 @@ def _patch(chosen, log, version):
                                                           timeout=seconds)
 
         queue.create_from_process_group = staticmethod(create_from_process_group)
+        _patch_executor_queues(version)
         if not hasattr(parallel_state, "GroupCoordinator"):
             raise _moved("vllm.distributed.parallel_state has no GroupCoordinator", version)
+
+
+def _patch_executor_queues(version):
+    """The multiprocessing executor's queues (each step to the workers, their
+    answers back) on tpcomm's ring where every reader is on this host
+    (vllm_queue.py); vLLM's own for the rest."""
+    try:
+        from vllm.v1.executor import multiproc_executor
+    except ImportError as e:
+        raise _moved(f"vllm.v1.executor.multiproc_executor does not import ({e})", version)
+    if not hasattr(multiproc_executor, "MessageQueue") \
+            or not hasattr(multiproc_executor.MessageQueue, "create_from_handle"):
+        raise _moved("vLLM's multiprocessing executor has no MessageQueue with "
+                     "create_from_handle", version)
+    from _tpcomm_autoload.vllm_queue import executor_queue
+
+    if getattr(multiproc_executor.MessageQueue, "_tpcomm", False):
+        return  # already (a second register in this process)
+    multiproc_executor.MessageQueue = executor_queue(multiproc_executor.MessageQueue)
 
 
 def _all_reduce_as_op(communicator, unique_name):

@@ -298,12 +298,16 @@ def _tokens_match(a, b):
 
 def plugin_problems(own, ours, run):
     """What says the plugin did not do its part: tpcomm's `run` (a run or a
-    server) must log its tensor-parallel group on tpcomm and count its
-    collectives; vLLM's own must not load the plugin."""
+    server) must log its tensor-parallel group on tpcomm and its executor's
+    queue on tpcomm's ring, and count its collectives; vLLM's own must not
+    load the plugin."""
     problems = []
     if "tpcomm: group tp" not in ours["log"] or "backend tpcomm" not in ours["log"]:
         problems.append(f"the tpcomm {run}'s log does not say that group tp runs on backend "
                         "tpcomm (was the plugin loaded? pip show tpcomm; TPCOMM_VLLM=1)")
+    if "a queue of vLLM's executor is tpcomm's" not in ours["log"]:
+        problems.append(f"the tpcomm {run}'s log does not say that vLLM's executor sends its "
+                        "steps through tpcomm's ring")
     if ours["tpcomm_calls"] <= 0:
         problems.append(f"tpcomm's counters of the tensor-parallel group saw no call in the "
                         f"tpcomm {run}")
