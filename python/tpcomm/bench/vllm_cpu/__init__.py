@@ -5,6 +5,8 @@ on CPU, each in a module of its own below this one:
                    shared-memory path, Gloo, tpcomm; --check, the end-to-end
                    test (the model, prompts and ways every other one uses)
     serve.py       --serve: vLLM's OpenAI server with concurrent clients
+    kill.py        --serve --kill-worker: a worker killed under load
+    queues.py      --queues: the executor's queues, vLLM's and tpcomm's ring
     hosts.py       --hosts 2: across two simulated hosts
 
 Run through `bash python/run.sh vllm-cpu [args]`, which makes vLLM's CPU
@@ -63,6 +65,12 @@ def add_arguments(parser):
                              "at width 256 on 2 cores; 48 made rounds of about a second)")
     parser.add_argument("--clients", type=_positive, default=12,
                         help="with --serve: concurrent clients (default 12)")
+    parser.add_argument("--queues", action="store_true",
+                        help="vLLM's executor queues against tpcomm's ring in their place: a "
+                             "step's round trip, engine and 2 workers (queues.py)")
+    parser.add_argument("--kill-worker", action="store_true",
+                        help="with --serve: kill one worker under load, per way and round: how "
+                             "long until the requests fail and the server exits (kill.py)")
     parser.add_argument("--load", type=int, default=0,
                         help="with --serve: processes that keep a core busy each while the "
                              "clients run (a machine the server does not have alone)")
@@ -82,7 +90,7 @@ def add_arguments(parser):
 def run(args):
     # Imported here: `python -m tpcomm.bench.vllm_cpu.hosts` (a host's part)
     # imports this package first.
-    from tpcomm.bench.vllm_cpu import hosts, serve
+    from tpcomm.bench.vllm_cpu import hosts, kill, queues, serve
 
     missing = offline._missing()
     if missing:
@@ -93,6 +101,8 @@ def run(args):
                          "--hosts 2")
     if args.hosts:
         return hosts.run(args)
+    if args.queues:
+        return queues.queues(args)
     offline.prepare(args)
     with tempfile.TemporaryDirectory(prefix="tpcomm-vllm-") as folder:
         model = os.path.join(folder, "model")
@@ -101,8 +111,11 @@ def run(args):
         open(log, "w").close()
         if args.serve:
             if args.check:
-                return serve.check(args, model, log)
-            serve.serve(args, model, log)
+                return serve.check(args, model, log) or kill.check(args, model, log)
+            if args.kill_worker:
+                kill.kill(args, model, log)
+            else:
+                serve.serve(args, model, log)
             return 0
         if args.check:
             return offline.check(args, model, log)
