@@ -6,8 +6,9 @@ worker) and receives each worker's answer through one more (a queue per
 worker). Its readers poll in Python, yielding the core, for a second after
 each message before they wait on a socket. tpcomm's ring polls in C++ and
 then sleeps on a futex that the writer wakes only when someone sleeps:
-a step's round trip (one broadcast to 2 workers, both answering) took 30 us
-against 88 on 2 cores (AMD EPYC Zen 4, docs/vllm.md).
+a step's round trip (one broadcast to 2 workers, both answering) took 34 us
+against 101 on 2 cores (AMD EPYC Zen 4; python -m tpcomm.bench vllm-cpu
+--queues, docs/vllm.md).
 
 `executor_queue(vllm_queue)` gives the class the plugin puts in the
 executor's module in place of vLLM's MessageQueue: it makes a tpcomm ring
