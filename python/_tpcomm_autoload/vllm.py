@@ -15,7 +15,8 @@ variable TPCOMM_VLLM:
                        queue is tpcomm's, and so are the multiprocessing
                        executor's queues (each step to the workers, their
                        answers back) where every reader is on this host
-                       (vllm_queue.py).
+                       (vllm_queue.py; TPCOMM_VLLM_EXECUTOR_QUEUES=0 keeps
+                       vLLM's).
     TPCOMM_VLLM=gloo   for comparison: the groups stay on Gloo, and vLLM's CPU
                        shared memory is off too (every collective through
                        torch.distributed on Gloo).
@@ -36,6 +37,8 @@ import time
 ENV = "TPCOMM_VLLM"
 # Where per-worker time in collectives is written (bench vllm-cpu): a folder.
 PROFILE_ENV = "TPCOMM_VLLM_PROFILE"
+# 0: the executor keeps vLLM's own queues (tpcomm's rings by default).
+QUEUES_ENV = "TPCOMM_VLLM_EXECUTOR_QUEUES"
 
 _MODES = {"1": "tpcomm", "on": "tpcomm", "true": "tpcomm", "tpcomm": "tpcomm",
           "gloo": "gloo", "": None, "0": None, "off": None, "false": None}
@@ -141,6 +144,9 @@ def _patch(chosen, log, version):
     from vllm.distributed import parallel_state
     from vllm.distributed.device_communicators import cpu_communicator, shm_broadcast
 
+    # Everything the patches need is found before any is made.
+    executor = _executor_module(version) if chosen == "tpcomm" else None
+
     communicator = getattr(cpu_communicator, "CpuCommunicator", None)
     if communicator is None or not hasattr(communicator, "_all_group_ranks_share_shm_group_name"):
         raise _moved("vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator "
@@ -196,28 +202,30 @@ def _patch(chosen, log, version):
                                                           timeout=seconds)
 
         queue.create_from_process_group = staticmethod(create_from_process_group)
-        _patch_executor_queues(version)
+        if os.environ.get(QUEUES_ENV, "1").strip().lower() in ("0", "off", "false"):
+            log.info("tpcomm: %s=%s: vLLM's executor keeps its own queues", QUEUES_ENV,
+                     os.environ[QUEUES_ENV])
+        elif not getattr(executor.MessageQueue, "_tpcomm", False):
+            from _tpcomm_autoload.vllm_queue import executor_queue
+
+            executor.MessageQueue = executor_queue(executor.MessageQueue)
         if not hasattr(parallel_state, "GroupCoordinator"):
             raise _moved("vllm.distributed.parallel_state has no GroupCoordinator", version)
 
 
-def _patch_executor_queues(version):
-    """The multiprocessing executor's queues (each step to the workers, their
-    answers back) on tpcomm's ring where every reader is on this host
-    (vllm_queue.py); vLLM's own for the rest."""
+def _executor_module(version):
+    """vLLM's multiprocessing executor's module, whose MessageQueue makes its
+    queues (each step to the workers, their answers back): the plugin puts
+    tpcomm's rings there where every reader is on this host
+    (vllm_queue.py), vLLM's own for the rest."""
     try:
         from vllm.v1.executor import multiproc_executor
     except ImportError as e:
         raise _moved(f"vllm.v1.executor.multiproc_executor does not import ({e})", version)
-    if not hasattr(multiproc_executor, "MessageQueue") \
-            or not hasattr(multiproc_executor.MessageQueue, "create_from_handle"):
+    if not hasattr(getattr(multiproc_executor, "MessageQueue", None), "create_from_handle"):
         raise _moved("vLLM's multiprocessing executor has no MessageQueue with "
                      "create_from_handle", version)
-    from _tpcomm_autoload.vllm_queue import executor_queue
-
-    if getattr(multiproc_executor.MessageQueue, "_tpcomm", False):
-        return  # already (a second register in this process)
-    multiproc_executor.MessageQueue = executor_queue(multiproc_executor.MessageQueue)
+    return multiproc_executor
 
 
 def _all_reduce_as_op(communicator, unique_name):

@@ -26,10 +26,16 @@ import os
 # streams through; vLLM's own queue sizes chunks for its largest message).
 _CHUNK_BYTES = 1 << 20
 _CHUNKS = 8
-# A wait with no deadline (vLLM's None, an idle server's workers) waits in
-# slices of this many seconds; each slice notices the writer's exit and
-# shutdown() at once (the ring's own checks), so nothing waits on a dead peer.
-_SLICE_S = 3600.0
+# A read with no deadline (vLLM's None, an idle server's workers) waits this
+# long (a year: the most the ring takes); the writer's exit and shutdown()
+# end it at once (the ring's own checks), so nothing waits on a dead peer.
+# One call, not a loop of shorter ones: a read that timed out part of the
+# way through a message that wraps the ring cannot be resumed.
+_NO_DEADLINE_S = 3.0e7
+# Where a reader in this process attached to vLLM's own queue (its engine
+# did not make rings: the plugin was not loaded there), this process's
+# queues are vLLM's too, so that the engine can attach to its answers.
+_state = {"vllm_peer": False}
 
 
 def _bound():
@@ -117,12 +123,24 @@ class _Queue:
         timeout = self._bound if timeout is None else timeout
         if not self._ready:
             self.wait_until_ready(timeout)
-        parts, tensors, _ = self._dumper.dump(obj)  # CPU tensors out of band
         try:
+            parts, tensors, _ = self._dumper.dump(obj)  # CPU tensors out of band
             if tensors:
                 self._writer.write_frame(parts, tensors, timeout)
             else:
                 self._writer.write(parts, timeout)
+        except TimeoutError:
+            # Part of the message may be in the ring: no reader may take
+            # what follows for a message; they hear PeerLostError instead.
+            self._writer.shutdown()
+            raise
+        except self._C.PeerLostError as e:
+            # Shut down (by vLLM's shutdown, on either end): dropped, as
+            # vLLM's own queue drops it; the next dequeue of every reader
+            # raises. A reader that died still raises here.
+            if self.shutting_down or "was shut down" in str(e):
+                return
+            raise
         finally:
             self._dumper.clear()
 
@@ -132,13 +150,8 @@ class _Queue:
         PeerLostError at once)."""
         if self._reader is None:
             raise RuntimeError("dequeue is for a reader; this end of the tpcomm ring writes")
-        while True:
-            try:
-                return self._reader.read_object(_SLICE_S if timeout is None else timeout,
-                                                self._pickle.loads_object)
-            except TimeoutError:
-                if timeout is not None:
-                    raise
+        return self._reader.read_object(_NO_DEADLINE_S if timeout is None else timeout,
+                                        self._pickle.loads_object)
 
     def shutdown(self):
         """Wakes every waiter on this ring; later calls raise PeerLostError."""
@@ -158,7 +171,8 @@ def executor_queue(vllm_queue):
                     max_chunk_bytes=None, max_chunks=None, connect_ip=None,
                     enable_shm_tensor_arena=False, **kwargs):
             if (n_reader != n_local_reader or n_local_reader < 1 or enable_shm_tensor_arena
-                    or kwargs or local_reader_ranks not in (None, list(range(n_local_reader)))):
+                    or kwargs or local_reader_ranks not in (None, list(range(n_local_reader)))
+                    or _state["vllm_peer"]):
                 given = {k: v for k, v in (("max_chunk_bytes", max_chunk_bytes),
                                            ("max_chunks", max_chunks),
                                            ("connect_ip", connect_ip)) if v is not None}
@@ -168,13 +182,14 @@ def executor_queue(vllm_queue):
             queue = _Queue.writer(n_local_reader)
             logging.getLogger("vllm.plugins.tpcomm").info(
                 "tpcomm: a queue of vLLM's executor is tpcomm's shared-memory ring (%s)",
-                queue.export_handle())
+                queue.export_handle())  # says how many readers: the workers, or the engine
             return queue
 
         @staticmethod
         def create_from_handle(handle, rank):
             if isinstance(handle, Handle):
                 return _Queue.attach(handle, rank)
+            _state["vllm_peer"] = True
             return vllm_queue.create_from_handle(handle, rank)
 
     return ExecutorQueue

@@ -16,7 +16,15 @@ import numpy as np
 import pytest
 import torch
 
+from _tpcomm_autoload import vllm_queue
 from _tpcomm_autoload.vllm_queue import Handle, executor_queue
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process_state(monkeypatch):
+    # Whether this process attached to vLLM's own queue (it then makes
+    # vLLM's queues only): each test starts as a fresh process does.
+    monkeypatch.setitem(vllm_queue._state, "vllm_peer", False)
 
 
 class StandIn:
@@ -160,7 +168,38 @@ def test_vllms_own_queue_takes_readers_on_other_hosts_the_arena_and_its_own_hand
     arena = Queue(2, 2, enable_shm_tensor_arena=True)
     assert isinstance(arena, StandIn) and arena.kwargs["enable_shm_tensor_arena"] is True
     assert isinstance(Queue(2, 2, [1, 0]), StandIn)  # readers in another order
+    assert isinstance(Queue(1, 1), vllm_queue._Queue)
+    # A worker whose engine sent a handle of vLLM's queue (the plugin not
+    # loaded there) answers through vLLM's queue too, which that engine reads.
     assert Queue.create_from_handle("a handle of vLLM's", 1) == ("vLLM's", "a handle of vLLM's", 1)
+    assert isinstance(Queue(1, 1), StandIn)
+
+
+def test_a_write_that_times_out_part_way_ends_the_ring_and_shutdown_drops_later_writes():
+    from tpcomm import _C
+
+    # The reader takes nothing: a message of 12 MiB fills the ring's 8 MiB
+    # and the write times out part of the way through it. The reader must
+    # then hear PeerLostError, never the first part of a message.
+    writer = Queue(1, 1)
+    reader = Queue.create_from_handle(writer.export_handle(), 0)
+    writer.wait_until_ready(timeout=10)
+    with pytest.raises(TimeoutError):
+        writer.enqueue(bytes(12 << 20), timeout=0.3)
+    with pytest.raises(_C.PeerLostError):
+        reader.dequeue(timeout=10)
+    # vLLM shuts a worker's answer queue down from the engine's end (its
+    # reader) while the worker may still answer: the answer is dropped, as
+    # vLLM's own queue drops it, and the reader's next read raises.
+    writer = Queue(1, 1)
+    reader = Queue.create_from_handle(writer.export_handle(), 0)
+    writer.wait_until_ready(timeout=10)
+    writer.enqueue("before")
+    reader.shutdown()
+    writer.enqueue("after")  # no error
+    assert reader.dequeue(timeout=10) == "before"  # what was sent before is still read
+    with pytest.raises(_C.PeerLostError):
+        reader.dequeue(timeout=10)
 
 
 def test_misuse_of_an_executor_queue_is_refused_naming_it():

@@ -305,9 +305,13 @@ def plugin_problems(own, ours, run):
     if "tpcomm: group tp" not in ours["log"] or "backend tpcomm" not in ours["log"]:
         problems.append(f"the tpcomm {run}'s log does not say that group tp runs on backend "
                         "tpcomm (was the plugin loaded? pip show tpcomm; TPCOMM_VLLM=1)")
-    if "a queue of vLLM's executor is tpcomm's" not in ours["log"]:
+    # The engine's queue to its 2 workers (each worker's answers: 1 reader).
+    ring = "a queue of vLLM's executor is tpcomm's shared-memory ring (2 readers,"
+    if ring not in ours["log"]:
         problems.append(f"the tpcomm {run}'s log does not say that vLLM's executor sends its "
-                        "steps through tpcomm's ring")
+                        "steps to its 2 workers through tpcomm's ring")
+    if "a queue of vLLM's executor is tpcomm's" in own["log"]:
+        problems.append(f"vLLM's own {run} logged tpcomm's rings although TPCOMM_VLLM was unset")
     if ours["tpcomm_calls"] <= 0:
         problems.append(f"tpcomm's counters of the tensor-parallel group saw no call in the "
                         f"tpcomm {run}")
