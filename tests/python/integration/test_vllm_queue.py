@@ -19,6 +19,8 @@ import torch
 from _tpcomm_autoload import vllm_queue
 from _tpcomm_autoload.vllm_queue import Handle, executor_queue
 
+pytestmark = pytest.mark.torch_version  # .ci/run runs these on torch 2.11 too
+
 
 @pytest.fixture(autouse=True)
 def _fresh_process_state(monkeypatch):

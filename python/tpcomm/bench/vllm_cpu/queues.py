@@ -36,15 +36,13 @@ def _queue_type(way):
 
 
 def _worker(way, handle, rank, conn):
-    import time as clock
-
     queue = _queue_type(way)
     steps = queue.create_from_handle(handle, rank)
     answers = queue(1, 1)
     conn.send(answers.export_handle())
     steps.wait_until_ready()
     answers.wait_until_ready()
-    cpu = clock.process_time()
+    cpu = time.process_time()
     count = 0
     while True:
         step = steps.dequeue(indefinite=True)
@@ -52,7 +50,7 @@ def _worker(way, handle, rank, conn):
             break
         answers.enqueue(_answer(step, rank))
         count += 1
-    conn.send((count, clock.process_time() - cpu))
+    conn.send((count, time.process_time() - cpu))
 
 
 def _round(way, workers, seconds):
