@@ -153,6 +153,12 @@ const std::vector<SettingInfo> kSettingTable = {
      "How long a message-queue wait polls (yielding the core) before it sleeps on a futex: "
      "busy round trips never pay a wake-up, an idle reader costs no CPU. 0: a fixed 4,000 "
      "polls."},
+    {"TPCOMM_MQ_SPIN_ADAPT", "bool", "1",
+     "Whether a message-queue reader polls only while polling pays: once fewer than half of "
+     "its last 16 waits that found no message were met while polling (messages a model step "
+     "apart, say), its waits poll a few times and sleep, and every 8th polls fully to notice "
+     "when messages come quickly again (a poll that meets one restores polling). 0: every wait "
+     "polls TPCOMM_MQ_SPIN_US."},
     {"TPCOMM_FR_STACKS", "bool", "0",
      "tpcomm's entries in torch's flight recorder (TORCH_FR_BUFFER_SIZE) carry the caller's "
      "Python stack, as torch's own do (about a microsecond per call)."},
@@ -278,6 +284,8 @@ Settings Settings::parse(const Lookup& lookup) {
   if (auto v = lookup("TPCOMM_MQ_SPIN_US")) {
     s.mqSpinUs = parseInt("TPCOMM_MQ_SPIN_US", *v, 0, 10000000);
   }
+  if (auto v = lookup("TPCOMM_MQ_SPIN_ADAPT"))
+    s.mqSpinAdapt = parseBool("TPCOMM_MQ_SPIN_ADAPT", *v);
   if (auto v = lookup("TPCOMM_CPU_SHM_SPIN_US")) {
     s.cpuShmSpinUs = parseInt("TPCOMM_CPU_SHM_SPIN_US", *v, -1, 1000000);
   }

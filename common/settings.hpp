@@ -109,6 +109,9 @@ struct Settings {
   // TPCOMM_MQ_SPIN_US: how long a message-queue wait polls before it sleeps
   // on a futex (0: a fixed 4,000 polls).
   int64_t mqSpinUs = 200;
+  // TPCOMM_MQ_SPIN_ADAPT: a reader's waits poll only while recent waits
+  // were met polling (message_queue/ring/ring.hpp, SpinLearner).
+  bool mqSpinAdapt = true;
   // TPCOMM_FR_STACKS: tpcomm's entries in torch's flight recorder carry the
   // caller's Python stack (as torch's own entries do; about a microsecond
   // per call).

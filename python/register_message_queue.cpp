@@ -298,6 +298,9 @@ void registerMessageQueue(py::module_& m) {
       .def(
           "set_spin_us", [](mq::Reader& r, int64_t us) { r.setSpin(toSpin(us)); }, py::arg("us"),
           kSpinDoc)
+      .def_property_readonly("polls_briefly", &mq::Reader::pollsBriefly,
+                             "Whether this reader's waits now poll briefly and sleep, its recent "
+                             "messages having come later than its spin (TPCOMM_MQ_SPIN_ADAPT).")
       .def("shutdown", &mq::Reader::shutdown);
 
   py::class_<mq::Arena, std::shared_ptr<mq::Arena>>(

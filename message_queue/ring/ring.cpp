@@ -28,6 +28,29 @@ constexpr uint64_t kMaxMessageBytes = 1ull << 40;
 
 std::chrono::microseconds defaultSpin() { return std::chrono::microseconds(settings().mqSpinUs); }
 
+std::chrono::microseconds SpinLearner::next(std::chrono::microseconds spin) {
+  probing_ = false;
+  if (!enabled_ || spin.count() == 0 || !brief_) return spin;
+  if (++sinceProbe_ < kProbeEvery) return std::min(spin, kBrief);
+  sinceProbe_ = 0;
+  probing_ = true;
+  return spin;
+}
+
+void SpinLearner::record(bool atOnce, bool polled) {
+  if (!enabled_ || atOnce) return;
+  if (brief_) {
+    // Only a whole spin tells whether polling would meet the messages.
+    if (probing_ && polled) brief_ = false;
+    return;
+  }
+  ++waits_;
+  polled_ += polled ? 1 : 0;
+  if (waits_ < kWindow) return;
+  brief_ = polled_ * 2 < waits_;
+  waits_ = polled_ = sinceProbe_ = 0;
+}
+
 namespace {
 
 // After a publish or consume: wakes sleepers when some sleep, or always for
@@ -156,7 +179,10 @@ void Writer::shutdown() { wakeEveryone(segment_->header()); }
 
 // ---------------------------------------------------------------- Reader
 Reader::Reader(const std::string& name, uint32_t index)
-    : segment_(Segment::attach(name)), index_(index), spin_(defaultSpin()) {
+    : segment_(Segment::attach(name)),
+      index_(index),
+      spin_(defaultSpin()),
+      learner_(settings().mqSpinAdapt) {
   Segment& s = *segment_;
   TPCOMM_CHECK(index < s.geometry().numReaders, kInvalidUsage, "message queue ", name,
                ": reader index ", index, " is out of range for ", s.geometry().numReaders,
@@ -194,11 +220,13 @@ void Reader::awaitPublished(uint64_t seq, Clock::time_point deadline) {
   Segment& s = *segment_;
   Header& h = s.header();
   const int32_t writerPid = h.writerPid;
-  s.wait(
+  const auto outcome = s.wait(
       h.publishedWord, h.publishedSleepers,
       [&] { return h.published.load(std::memory_order_acquire) > seq; },
-      [&] { return processAlive(writerPid); }, remaining(deadline), spin_,
+      [&] { return processAlive(writerPid); }, remaining(deadline), learner_.next(spin_),
       "waiting for the writer");
+  learner_.record(outcome == Segment::WaitOutcome::kAtOnce,
+                  outcome == Segment::WaitOutcome::kPolled);
 }
 
 Reader::Checked Reader::checkedHeader(uint64_t seq) {

@@ -68,6 +68,37 @@ class Segment;
 // How long a wait polls before it sleeps: TPCOMM_MQ_SPIN_US.
 std::chrono::microseconds defaultSpin();
 
+// How long a reader's next wait polls, learnt from how its waits ended.
+// Polling pays when the message comes within the spin (no wake-up on the
+// round trip); when it comes a model step later it only takes the core from
+// whatever else runs there, and the wait sleeps anyway. So: of the last
+// kWindow waits that found no message at once, if fewer than half were met
+// while polling, waits poll briefly (kBrief) and sleep; every kProbeEvery-th
+// wait then polls the whole spin, and one that is met polling restores
+// polling. Waits that find their message at once say nothing either way.
+// TPCOMM_MQ_SPIN_ADAPT=0 (or a spin of 0) turns it off.
+class SpinLearner {
+ public:
+  static constexpr uint32_t kWindow = 16;
+  static constexpr uint32_t kProbeEvery = 8;
+  static constexpr std::chrono::microseconds kBrief{1};
+
+  explicit SpinLearner(bool enabled) : enabled_(enabled) {}
+  // The spin for the next wait, given the configured one.
+  std::chrono::microseconds next(std::chrono::microseconds spin);
+  // How the wait that next() was asked for ended.
+  void record(bool atOnce, bool polled);
+  bool brief() const { return brief_; }
+
+ private:
+  bool enabled_;
+  bool brief_ = false;
+  bool probing_ = false;  // the current wait polls fully while brief_
+  uint32_t waits_ = 0;    // waits in the window that found no message at once
+  uint32_t polled_ = 0;   // of those, met while polling
+  uint32_t sinceProbe_ = 0;
+};
+
 // Creates the segment. Readers attach by name; once all have attached the
 // writer closes the descriptor they attach through (waitForReaders).
 class Writer {
@@ -132,7 +163,10 @@ class Reader {
   void readInPlace(std::chrono::milliseconds timeout,
                    const std::function<void(const char* data, uint64_t bytes)>& use,
                    const std::function<char*(uint64_t bytes)>& allocate = {});
+  // How long this end's waits poll at most (SpinLearner shortens them).
   void setSpin(std::chrono::microseconds spin) { spin_ = spin; }
+  // Whether the waits now poll briefly (SpinLearner).
+  bool pollsBriefly() const { return learner_.brief(); }
   void shutdown();
 
  private:
@@ -153,6 +187,7 @@ class Reader {
   std::unique_ptr<Segment> segment_;
   uint32_t index_;
   std::chrono::microseconds spin_;
+  SpinLearner learner_;
 };
 
 }  // namespace tpcomm::mq

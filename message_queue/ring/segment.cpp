@@ -127,11 +127,12 @@ char* Segment::chunkData(uint64_t seq) {
          (seq % geometry_.numChunks) * geometry_.chunkBytes;
 }
 
-void Segment::wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
-                   const std::function<bool()>& ready, const std::function<bool()>& peerAlive,
-                   std::chrono::milliseconds timeout, std::chrono::microseconds spin,
-                   const char* what) {
-  if (ready()) return;
+Segment::WaitOutcome Segment::wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
+                                   const std::function<bool()>& ready,
+                                   const std::function<bool()>& peerAlive,
+                                   std::chrono::milliseconds timeout,
+                                   std::chrono::microseconds spin, const char* what) {
+  if (ready()) return WaitOutcome::kAtOnce;
   Header& h = header();
   const auto start = std::chrono::steady_clock::now();
   const auto deadline = start + timeout;
@@ -146,7 +147,7 @@ void Segment::wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
   // pays a wake-up; idle: sleep, costing no CPU.
   if (pollUntil(ready, std::min(start + spin, deadline),
                 spin.count() == 0 ? kLegacyPauseRounds : kPauseRounds, checkShutdown)) {
-    return;
+    return WaitOutcome::kPolled;
   }
   // Shutdown and a detaching reader bump the word too: they end a sleep.
   const auto readyOrShutdown = [&] {
@@ -154,7 +155,7 @@ void Segment::wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
   };
   while (true) {
     checkShutdown();
-    if (ready()) return;
+    if (ready()) return WaitOutcome::kSlept;
     TPCOMM_CHECK(peerAlive() || ready(), kPeerLost, "message queue ", name_,
                  ": a peer process died while ", what);
     const auto now = std::chrono::steady_clock::now();
@@ -165,7 +166,7 @@ void Segment::wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
                 std::min<std::chrono::microseconds>(left + std::chrono::milliseconds(1),
                                                     kSleepSlice)) &&
         ready()) {
-      return;
+      return WaitOutcome::kSlept;
     }
   }
 }

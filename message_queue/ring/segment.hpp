@@ -10,8 +10,8 @@
 #include <string>
 
 #include "message_queue/region/futex.hpp"  // processAlive (0: not attached yet; kDetached: gone)
-#include "message_queue/ring/ring.hpp"
 #include "message_queue/region/shared_region.hpp"
+#include "message_queue/ring/ring.hpp"
 
 namespace tpcomm::mq {
 
@@ -83,12 +83,15 @@ class Segment {
   // memory stays until the last process unmaps it). Idempotent.
   void closeForAttach();
 
+  // How a wait ended.
+  enum class WaitOutcome { kAtOnce, kPolled, kSlept };
   // Waits until ready() is true: polls for `spin` (0: a fixed 4,000 polls),
   // then sleeps on `word`, counted in `sleepers`. Throws Timeout (with
   // `what`), or PeerLost when shutdown is set or peerAlive() says no.
-  void wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
-            const std::function<bool()>& ready, const std::function<bool()>& peerAlive,
-            std::chrono::milliseconds timeout, std::chrono::microseconds spin, const char* what);
+  WaitOutcome wait(std::atomic<uint32_t>& word, std::atomic<uint32_t>& sleepers,
+                   const std::function<bool()>& ready, const std::function<bool()>& peerAlive,
+                   std::chrono::milliseconds timeout, std::chrono::microseconds spin,
+                   const char* what);
 
  private:
   Segment(std::string name, std::unique_ptr<SharedRegion> region, Geometry geometry);

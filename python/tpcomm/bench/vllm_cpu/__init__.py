@@ -63,11 +63,21 @@ def add_arguments(parser):
     parser.add_argument("--requests", type=_positive, default=384,
                         help="with --serve: completions per round (default 384: some 10 s a round "
                              "at width 256 on 2 cores; 48 made rounds of about a second)")
+    parser.add_argument("--starts", type=_positive, default=1,
+                        help="with --serve: bring every way's server up this many times, "
+                             "--rounds rounds each (default 1)")
+    parser.add_argument("--apart", action="store_true",
+                        help="with --serve: a fresh server per way and round, one at a time "
+                             "(default: every way's server up at once, the rounds alternating "
+                             "between them)")
     parser.add_argument("--clients", type=_positive, default=12,
                         help="with --serve: concurrent clients (default 12)")
     parser.add_argument("--queues", action="store_true",
                         help="vLLM's executor queues against tpcomm's ring in their place: a "
                              "step's round trip, engine and 2 workers (queues.py)")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="with --queues: each worker sleeps this long before it answers, as "
+                             "a model step keeps the engine waiting (default 0)")
     parser.add_argument("--kill-worker", action="store_true",
                         help="with --serve: kill one worker under load, per way and round: how "
                              "long until the requests fail and the server exits (kill.py)")

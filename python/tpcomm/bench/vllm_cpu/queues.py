@@ -6,11 +6,18 @@ Per way, the time of one round trip (a step sent, every worker's answer
 received) and the CPU time each process took per round trip (polling
 included), rounds interleaved. The step is a decode step's worth of
 scheduler output for 12 requests; the answer a few sampled token ids.
-Every answer is checked against the step it answers."""
+Every answer is checked against the step it answers. With --step-ms each
+worker sleeps that long before it answers, as a model step keeps the
+engine waiting: then the engine's waits outlast the ring's polling, which
+tpcomm's readers learn to skip ("tpcomm's ring" against "fixed polling",
+TPCOMM_MQ_SPIN_ADAPT=0)."""
 
 import multiprocessing
+import os
 import statistics
 import time
+
+WAYS = ("vllm", "tpcomm", "tpcomm-fixed")
 
 
 def _step(i):
@@ -35,7 +42,7 @@ def _queue_type(way):
     return executor_queue(MessageQueue)
 
 
-def _worker(way, handle, rank, conn):
+def _worker(way, handle, rank, step_s, conn):
     queue = _queue_type(way)
     steps = queue.create_from_handle(handle, rank)
     answers = queue(1, 1)
@@ -48,12 +55,19 @@ def _worker(way, handle, rank, conn):
         step = steps.dequeue(indefinite=True)
         if step is None:
             break
+        if step_s:
+            time.sleep(step_s)
         answers.enqueue(_answer(step, rank))
         count += 1
     conn.send((count, time.process_time() - cpu))
 
 
-def _round(way, workers, seconds):
+def _engine(way, workers, seconds, step_s, conn):
+    """One round in a process of its own (its settings read afresh)."""
+    conn.send(_round(way, workers, seconds, step_s))
+
+
+def _round(way, workers, seconds, step_s):
     context = multiprocessing.get_context("spawn")
     queue = _queue_type(way)
     steps = queue(workers, workers)
@@ -61,7 +75,7 @@ def _round(way, workers, seconds):
     for rank in range(workers):
         mine, theirs = context.Pipe()
         procs.append(context.Process(target=_worker, args=(way, steps.export_handle(), rank,
-                                                           theirs), daemon=True))
+                                                           step_s, theirs), daemon=True))
         procs[-1].start()
         pipes.append(mine)
     try:
@@ -73,7 +87,7 @@ def _round(way, workers, seconds):
         steps.wait_until_ready()
         for a in answers:
             a.wait_until_ready()
-        for i in range(200):  # warm-up, checked too
+        for i in range(200 if not step_s else 50):  # warm-up, checked too
             steps.enqueue(_step(i))
             for rank, a in enumerate(answers):
                 if a.dequeue(timeout=60) != _answer(_step(i), rank):
@@ -104,18 +118,50 @@ def _round(way, workers, seconds):
             "cpu_us": [1e6 * cpu / count] + [1e6 * c / count for _, c in theirs]}
 
 
+def _spawned_round(way, workers, seconds, step_s):
+    """A round run by an engine process of its own: "tpcomm-fixed" is
+    tpcomm's ring with TPCOMM_MQ_SPIN_ADAPT=0 there and in its workers."""
+    context = multiprocessing.get_context("spawn")
+    mine, theirs = context.Pipe()
+    saved = os.environ.get("TPCOMM_MQ_SPIN_ADAPT")
+    os.environ["TPCOMM_MQ_SPIN_ADAPT"] = "0" if way == "tpcomm-fixed" else "1"
+    try:
+        # Not a daemon: it starts the workers.
+        engine = context.Process(target=_engine, args=(way.replace("-fixed", ""), workers,
+                                                       seconds, step_s, theirs))
+        engine.start()
+    finally:
+        if saved is None:
+            os.environ.pop("TPCOMM_MQ_SPIN_ADAPT")
+        else:
+            os.environ["TPCOMM_MQ_SPIN_ADAPT"] = saved
+    try:
+        deadline = time.monotonic() + seconds + 300
+        while not mine.poll(0.5):
+            if not engine.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"{way}: the round's engine did not report (exit code "
+                                   f"{engine.exitcode}; its error is printed above)")
+        return mine.recv()
+    finally:
+        engine.join(60)
+        if engine.is_alive():
+            engine.kill()
+
+
 def queues(args):
-    ways = ("vllm", "tpcomm")
-    results = {w: [] for w in ways}
+    step_ms = getattr(args, "step_ms", 0.0) or 0.0
+    results = {w: [] for w in WAYS}
     seconds = 2.0
     for r in range(args.rounds):
-        for way in (ways if r % 2 == 0 else ways[::-1]):
-            results[way].append(_round(way, 2, seconds))
+        for way in (WAYS if r % 2 == 0 else WAYS[::-1]):
+            results[way].append(_spawned_round(way, 2, seconds, step_ms / 1e3))
     print(f"vLLM's executor queues, 1 engine and 2 workers, a step broadcast and both answers "
-          f"back; median of {args.rounds} interleaved round(s) of {seconds:.0f} s")
+          f"back" + (f", each worker answering {step_ms:g} ms after the step (a sleep)"
+                     if step_ms else "")
+          + f"; median of {args.rounds} interleaved round(s) of {seconds:.0f} s")
     print(f"{'queue':>14} | {'us a round trip':>15} | CPU us a round trip: engine, workers")
-    names = {"vllm": "vLLM's", "tpcomm": "tpcomm's ring"}
-    for way in ways:
+    names = {"vllm": "vLLM's", "tpcomm": "tpcomm's ring", "tpcomm-fixed": "fixed polling"}
+    for way in WAYS:
         runs = results[way]
         cpu = [statistics.median(x["cpu_us"][i] for x in runs) for i in range(3)]
         print(f"{names[way]:>14} | {statistics.median(x['us'] for x in runs):15.1f} | "

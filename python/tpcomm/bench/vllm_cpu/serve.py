@@ -4,12 +4,15 @@ server runs it: the API server and the engine core share the machine with
 the two workers, and concurrent clients send completions.
 
 Each way (vLLM's own shared-memory path, Gloo, tpcomm; as in the offline
-benchmark, offline.py) is a fresh server, rounds alternated.
+benchmark, offline.py) is a server of its own. Every way's server is up at
+once, all idle but the one the clients load, and the rounds alternate
+between them (--starts brings them all up again that many times).
 The model is the offline benchmark's random Llama, prompts are token ids
 (--skip-tokenizer-init) and every completion returns its token ids
 (`return_token_ids`), greedy and `ignore_eos`, so every way must give the
-same tokens. Printed per way: the median tokens/s over rounds and its
-spread (max/min), p50 and p99 request latency (over every request of every
+same tokens. Printed per way: the median tokens/s over rounds, its
+spread (max/min) and the median of its rounds' ratios to vLLM's own
+round beside them ("paired"), p50 and p99 request latency (over every request of every
 round), the workers' share of model-step time in the tensor-parallel
 all-reduce, whether its tokens equal vLLM's own path's, and how many cores
 its API server, engine core and workers kept busy while the clients ran
@@ -202,19 +205,38 @@ def _cpu_by_kind(server_pid):
     return out
 
 
-def _one_round(way, model, args, log):
-    server, load = _Server(way, model, args, log), []
+def _start(way, model, args, log):
+    """A ready server of `way`, warmed up: a full batch of concurrent
+    requests (first allocations, every batch size the rounds see)."""
+    server = _Server(way, model, args, log)
     try:
         server.wait_ready(args.timeout)
-        load = _busy(getattr(args, "load", 0))
+        prompts = _prompts(args.clients, args.prompt_len)
+        _clients(server, prompts, 4, args.clients, args.timeout)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _idle_cpu(servers):
+    """CPU seconds so far of every process of the idle `servers`."""
+    return sum(cpu for x in servers for _, cpu in _cpu_by_kind(x.proc.pid).values())
+
+
+def _one_round(server, args, idle=()):
+    """One measured round on a running server: every prompt from the
+    clients, with the server's CPU and its workers' totals read before and
+    after, and the CPU the `idle` servers took meanwhile."""
+    load = _busy(getattr(args, "load", 0))
+    try:
         prompts = _prompts(args.requests, args.prompt_len)
-        # Warm-up: a full batch of concurrent requests (first allocations,
-        # every batch size the measured phase sees), not measured.
-        _clients(server, prompts[:args.clients], 4, args.clients, args.timeout)
         before, cpu_before = _read_profile(server.profile), _cpu_by_kind(server.proc.pid)
+        idle_before = _idle_cpu(idle)
         tokens, latencies, seconds = _clients(server, prompts, args.tokens, args.clients,
                                               args.timeout)
         cpu_after = _cpu_by_kind(server.proc.pid)
+        idle_cores = (_idle_cpu(idle) - idle_before) / seconds
         time.sleep(0.2)  # the workers write their totals after each step
         after = _read_profile(server.profile)
         kernels = _vllm_kernels(server.proc.pid)
@@ -222,8 +244,6 @@ def _one_round(way, model, args, log):
         for p in load:
             p.kill()
             p.wait()
-        server.stop()
-    output = server.output()
 
     def delta(r, key):
         return after[r][key] - before.get(r, {}).get(key, 0.0)
@@ -246,7 +266,7 @@ def _one_round(way, model, args, log):
             "placement": _placement(server.env, after),
             "tokens_per_s": sum(map(len, tokens)) / seconds,
             "all_reduce_share": sum(shares) / len(shares) if shares else None,
-            "tpcomm_calls": sum(delta(r, "tpcomm_calls") for r in after), "log": output,
+            "tpcomm_calls": sum(delta(r, "tpcomm_calls") for r in after),
             # A worker's model step (execute_model), averaged over the workers.
             "step_s": statistics.mean(delta(r, "step_s") / delta(r, "steps") for r in after
                                       if delta(r, "steps") > 0) if after else None,
@@ -254,6 +274,7 @@ def _one_round(way, model, args, log):
             # Cores each kind of process kept busy while the clients ran.
             "cpu": {k: (n, (cpu - cpu_before.get(k, (0, 0.0))[1]) / seconds)
                     for k, (n, cpu) in cpu_after.items()},
+            "idle_cores": idle_cores,
             "kernels": kernels}
 
 
@@ -301,16 +322,81 @@ def _percentile(values, q):
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
 
 
+_SERVER_GIB = 6  # what a server of the benchmark's model holds, its KV cache included
+
+
+def _available_gib():
+    with open("/proc/meminfo") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return int(fields["MemAvailable"].split()[0]) / (1 << 20)
+
+
+def _start_all(ways, model, args, log):
+    """One running server per way, brought up one after another."""
+    servers = {}
+    try:
+        for way in ways:
+            free = _available_gib()
+            if free < _SERVER_GIB:
+                raise RuntimeError(
+                    f"--serve keeps a server of every way up at once: {len(servers)} are up and "
+                    f"{free:.1f} GiB of memory is left, under the {_SERVER_GIB} GiB one more "
+                    f"needs; run fewer --ways at a time, or --apart (a fresh server per way "
+                    f"and round, one at a time)")
+            servers[way] = _start(way, model, args, log)
+    except BaseException:
+        _stop_all(servers)
+        raise
+    return servers
+
+
+def _stop_all(servers):
+    for server in servers.values():
+        server.stop()
+
+
+def _show(label, way, x):
+    print(f"  {label} {way:>11}: {x['tokens_per_s']:8.1f} tok/s, "
+          f"p50 {1e3 * _percentile(x['latencies'], 0.5):.0f} ms, "
+          f"p99 {1e3 * _percentile(x['latencies'], 0.99):.0f} ms", flush=True)
+
+
 def serve(args, model, log):
+    """Every way's server up at once, idle but one: the rounds alternate the
+    clients' load between running servers, seconds apart, so that a slow
+    spell of the machine falls on every way alike (a fresh server per round
+    put a minute between two ways' rounds). --starts brings them all up
+    again that many times (a server's start moved its rate by up to 20%).
+    With `args.apart` (--apart, and the check) a fresh server per way and
+    round instead, one at a time."""
     rounds = {w: [] for w in args.ways}
-    for r in range(args.rounds):
-        order = args.ways if r % 2 == 0 else tuple(reversed(args.ways))
-        for way in order:
-            rounds[way].append(_one_round(way, model, args, log))
-            last = rounds[way][-1]
-            print(f"  round {r + 1} {way:>11}: {last['tokens_per_s']:8.1f} tok/s, "
-                  f"p50 {1e3 * _percentile(last['latencies'], 0.5):.0f} ms, "
-                  f"p99 {1e3 * _percentile(last['latencies'], 0.99):.0f} ms", flush=True)
+    starts = 1 if getattr(args, "apart", False) else getattr(args, "starts", 1)
+    for start in range(starts):
+        if getattr(args, "apart", False):
+            for r in range(args.rounds):
+                for way in args.ways if r % 2 == 0 else tuple(reversed(args.ways)):
+                    server = _start(way, model, args, log)
+                    try:
+                        x = _one_round(server, args)
+                    finally:
+                        server.stop()
+                    x["log"] = server.output()
+                    rounds[way].append(x)
+                    _show(f"round {r + 1}", way, x)
+            break
+        servers = _start_all(args.ways, model, args, log)
+        try:
+            for r in range(args.rounds):
+                n = start * args.rounds + r
+                for way in args.ways if n % 2 == 0 else tuple(reversed(args.ways)):
+                    idle = [v for w, v in servers.items() if w != way]
+                    rounds[way].append(_one_round(servers[way], args, idle))
+                    _show(f"start {start + 1} round {r + 1}", way, rounds[way][-1])
+        finally:
+            _stop_all(servers)
+        for way, server in servers.items():
+            for x in rounds[way][start * args.rounds:]:
+                x["log"] = server.output()
     first = next(iter(rounds.values()))[0]
     level = getattr(args, "cpu_level", None)
     print(f"\n{'as on a CPU with ' + level + ' and no AVX-512 (--cpu-level): ' if level else ''}"
@@ -321,13 +407,15 @@ def serve(args, model, log):
           f"{args.requests} completions from {args.clients} concurrent clients x {args.tokens} "
           f"new tokens, {args.layers} layers of width {args.hidden}, {args.dtype}, greedy; "
           f"{args.rounds} alternated rounds"
+          + (", a fresh server each" if getattr(args, "apart", False) else
+             " on running servers" + (f", {starts} starts" if starts > 1 else ""))
           + (f"; {args.load} busy processes beside the server"
              if getattr(args, "load", 0) else ""))
     reference = rounds.get("vllm-shm")
     ref_median = statistics.median(x["tokens_per_s"] for x in reference) if reference else None
     head = (f"{'way':>11} | {'median tok/s':>12} | {'x vLLM shm':>10} | {'spread':>6} | "
-            f"{'p50 ms':>7} | {'p99 ms':>7} | {'all-reduce share':>16} | {'= vLLM shm':>10} | "
-            f"rounds (tok/s)")
+            f"{'paired':>6} | {'p50 ms':>7} | {'p99 ms':>7} | {'all-reduce share':>16} | "
+            f"{'= vLLM shm':>10} | rounds (tok/s)")
     print(head)
     print("-" * len(head))
     for way in args.ways:
@@ -339,7 +427,12 @@ def serve(args, model, log):
         share = f"{100 * min(shares):.1f}-{100 * max(shares):.1f}%" if shares else "-"
         same = (all(x["tokens"] == reference[0]["tokens"] for x in runs) if reference else "-")
         ratio = f"{median / ref_median:.2f}" if ref_median else "-"
+        # The median of each round's rate over vLLM's own in the same round
+        # (seconds apart): what a slow spell of the machine moves least.
+        paired = (f"{statistics.median(x['tokens_per_s'] / y['tokens_per_s'] for x, y in zip(runs, reference)):.2f}"
+                  if reference else "-")
         print(f"{way:>11} | {median:12.1f} | {ratio:>10} | {max(rates) / min(rates):6.2f} | "
+              f"{paired:>6} | "
               f"{1e3 * _percentile(latencies, 0.5):7.0f} | "
               f"{1e3 * _percentile(latencies, 0.99):7.0f} | {share:>16} | {str(same):>10} | "
               + ", ".join(f"{x:.0f}" for x in rates))
@@ -359,6 +452,9 @@ def serve(args, model, log):
             count = statistics.median(x["worker_steps"] for x in rounds[way])
             line += (f"; a worker's model step {1e3 * statistics.median(steps):.2f} ms, "
                      f"{count:.0f} steps a round")
+        idle = [x["idle_cores"] for x in rounds[way] if x.get("idle_cores") is not None]
+        if len(args.ways) > 1 and not getattr(args, "apart", False) and idle:
+            line += f"; the idle servers meanwhile {statistics.median(idle):.3f}"
         print(line)
     print(f"The servers' output: {log}")
     return rounds
@@ -368,7 +464,7 @@ def check(args, model, log):
     """vLLM's own path and tpcomm, one round each: the same tokens, the
     tpcomm server's tensor-parallel group on tpcomm, and each server's two
     workers found busy in its CPU account."""
-    args.rounds, args.ways = 1, ["vllm-shm", "tpcomm"]
+    args.rounds, args.starts, args.apart, args.ways = 1, 1, True, ["vllm-shm", "tpcomm"]
     rounds = serve(args, model, log)
     own, ours = rounds["vllm-shm"][0], rounds["tpcomm"][0]
     problems = plugin_problems(own, ours, "server")
