@@ -196,8 +196,9 @@ def test_vllms_openai_server_on_tpcomm_answers_with_its_own_servers_tokens():
     # The table: both ways, their p50/p99 latencies and token equality.
     rows = {line.split("|")[0].strip(): line for line in done.stdout.splitlines()
             if line.count("|") >= 8}
-    assert {"vllm-shm", "tpcomm"} <= set(rows), done.stdout
-    assert rows["tpcomm"].split("|")[7].strip() == "True", done.stdout
+    assert {"vllm-shm", "tpcomm", "way"} <= set(rows), done.stdout
+    head = [c.strip() for c in rows["way"].split("|")]
+    assert rows["tpcomm"].split("|")[head.index("= vLLM shm")].strip() == "True", done.stdout
     # One of the tpcomm server's workers killed under load: the requests
     # fail and the server exits (kill.py; no hang).
     assert "OK: a worker of the tpcomm server killed under load" in done.stdout, out[-6000:]
