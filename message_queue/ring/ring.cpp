@@ -38,7 +38,11 @@ std::chrono::microseconds SpinLearner::next(std::chrono::microseconds spin) {
 }
 
 void SpinLearner::record(bool atOnce, bool polled) {
-  if (!enabled_ || atOnce) return;
+  if (!enabled_) return;
+  if (atOnce) {
+    if (probing_) sinceProbe_ = kProbeEvery - 1;  // the probe learnt nothing: the next wait probes
+    return;
+  }
   if (brief_) {
     // Only a whole spin tells whether polling would meet the messages.
     if (probing_ && polled) brief_ = false;

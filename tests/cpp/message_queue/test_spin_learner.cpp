@@ -102,7 +102,7 @@ TEST(SpinLearner, AReaderStopsPollingForSlowMessagesAndResumesForFastOnes) {
   writer.waitForReaders(5s);
   writer.setSpin(kSpin);
   reader.setSpin(kSpin);
-  const uint32_t slow = SpinLearner::kWindow + 4;
+  const uint32_t slow = 2 * SpinLearner::kWindow;
   const uint32_t fast = 2000;
   std::atomic<uint32_t> read{0};
   std::thread sender([&] {
