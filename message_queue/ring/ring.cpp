@@ -30,7 +30,8 @@ std::chrono::microseconds defaultSpin() { return std::chrono::microseconds(setti
 
 std::chrono::microseconds SpinLearner::next(std::chrono::microseconds spin) {
   probing_ = false;
-  if (!enabled_ || spin.count() == 0 || !brief_) return spin;
+  active_ = enabled_ && spin.count() > 0;  // spin 0 (the fixed polls) is never learnt from
+  if (!active_ || !brief_) return spin;
   if (++sinceProbe_ < kProbeEvery) return std::min(spin, kBrief);
   sinceProbe_ = 0;
   probing_ = true;
@@ -38,7 +39,7 @@ std::chrono::microseconds SpinLearner::next(std::chrono::microseconds spin) {
 }
 
 void SpinLearner::record(bool atOnce, bool polled) {
-  if (!enabled_) return;
+  if (!active_) return;
   if (atOnce) {
     if (probing_) sinceProbe_ = kProbeEvery - 1;  // the probe learnt nothing: the next wait probes
     return;

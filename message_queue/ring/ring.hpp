@@ -92,6 +92,7 @@ class SpinLearner {
 
  private:
   bool enabled_;
+  bool active_ = false;  // the last next() may shorten waits (enabled, spin > 0)
   bool brief_ = false;
   bool probing_ = false;  // the current wait polls fully while brief_
   uint32_t waits_ = 0;    // waits in the window that found no message at once

@@ -80,6 +80,13 @@ TEST(SpinLearner, OffOrSpinZeroLeavesTheSpinAsConfigured) {
   ASSERT_TRUE(on.brief());
   // Spin 0 is the fixed 4,000 polls: never shortened.
   for (int i = 0; i < 20; ++i) EXPECT_EQ(on.next(std::chrono::microseconds(0)).count(), 0);
+  // ... nor learnt from: waits at spin 0 that slept leave a polling learner polling.
+  SpinLearner zero(true);
+  for (int i = 0; i < 100; ++i) {
+    zero.next(std::chrono::microseconds(0));
+    zero.record(false, false);
+  }
+  EXPECT_FALSE(zero.brief());
 }
 
 std::vector<char> payload(uint32_t k) {

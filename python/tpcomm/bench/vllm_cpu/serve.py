@@ -361,6 +361,37 @@ def _show(label, way, x):
           f"p99 {1e3 * _percentile(x['latencies'], 0.99):.0f} ms", flush=True)
 
 
+def _rounds_apart(args, model, log, rounds):
+    """Each round a fresh server per way, one at a time."""
+    for r in range(args.rounds):
+        for way in args.ways if r % 2 == 0 else tuple(reversed(args.ways)):
+            server = _start(way, model, args, log)
+            try:
+                x = _one_round(server, args)
+            finally:
+                server.stop()
+            x["log"] = server.output()
+            rounds[way].append(x)
+            _show(f"round {r + 1}", way, x)
+
+
+def _rounds_together(args, model, log, rounds, start):
+    """Every way's server up at once, the rounds alternating between them."""
+    servers = _start_all(args.ways, model, args, log)
+    try:
+        for r in range(args.rounds):
+            n = start * args.rounds + r
+            for way in args.ways if n % 2 == 0 else tuple(reversed(args.ways)):
+                idle = [v for w, v in servers.items() if w != way]
+                rounds[way].append(_one_round(servers[way], args, idle))
+                _show(f"start {start + 1} round {r + 1}", way, rounds[way][-1])
+    finally:
+        _stop_all(servers)
+    for way, server in servers.items():
+        for x in rounds[way][start * args.rounds:]:
+            x["log"] = server.output()
+
+
 def serve(args, model, log):
     """Every way's server up at once, idle but one: the rounds alternate the
     clients' load between running servers, seconds apart, so that a slow
@@ -370,33 +401,13 @@ def serve(args, model, log):
     With `args.apart` (--apart, and the check) a fresh server per way and
     round instead, one at a time."""
     rounds = {w: [] for w in args.ways}
-    starts = 1 if getattr(args, "apart", False) else getattr(args, "starts", 1)
+    apart = getattr(args, "apart", False)
+    starts = 1 if apart else getattr(args, "starts", 1)
     for start in range(starts):
-        if getattr(args, "apart", False):
-            for r in range(args.rounds):
-                for way in args.ways if r % 2 == 0 else tuple(reversed(args.ways)):
-                    server = _start(way, model, args, log)
-                    try:
-                        x = _one_round(server, args)
-                    finally:
-                        server.stop()
-                    x["log"] = server.output()
-                    rounds[way].append(x)
-                    _show(f"round {r + 1}", way, x)
-            break
-        servers = _start_all(args.ways, model, args, log)
-        try:
-            for r in range(args.rounds):
-                n = start * args.rounds + r
-                for way in args.ways if n % 2 == 0 else tuple(reversed(args.ways)):
-                    idle = [v for w, v in servers.items() if w != way]
-                    rounds[way].append(_one_round(servers[way], args, idle))
-                    _show(f"start {start + 1} round {r + 1}", way, rounds[way][-1])
-        finally:
-            _stop_all(servers)
-        for way, server in servers.items():
-            for x in rounds[way][start * args.rounds:]:
-                x["log"] = server.output()
+        if apart:
+            _rounds_apart(args, model, log, rounds)
+        else:
+            _rounds_together(args, model, log, rounds, start)
     first = next(iter(rounds.values()))[0]
     level = getattr(args, "cpu_level", None)
     print(f"\n{'as on a CPU with ' + level + ' and no AVX-512 (--cpu-level): ' if level else ''}"
@@ -407,7 +418,7 @@ def serve(args, model, log):
           f"{args.requests} completions from {args.clients} concurrent clients x {args.tokens} "
           f"new tokens, {args.layers} layers of width {args.hidden}, {args.dtype}, greedy; "
           f"{args.rounds} alternated rounds"
-          + (", a fresh server each" if getattr(args, "apart", False) else
+          + (", a fresh server each" if apart else
              " on running servers" + (f", {starts} starts" if starts > 1 else ""))
           + (f"; {args.load} busy processes beside the server"
              if getattr(args, "load", 0) else ""))
@@ -429,8 +440,10 @@ def serve(args, model, log):
         ratio = f"{median / ref_median:.2f}" if ref_median else "-"
         # The median of each round's rate over vLLM's own in the same round
         # (seconds apart): what a slow spell of the machine moves least.
-        paired = (f"{statistics.median(x['tokens_per_s'] / y['tokens_per_s'] for x, y in zip(runs, reference)):.2f}"
-                  if reference else "-")
+        paired = "-"
+        if reference:
+            ratios = [x['tokens_per_s'] / y['tokens_per_s'] for x, y in zip(runs, reference)]
+            paired = f"{statistics.median(ratios):.2f}"
         print(f"{way:>11} | {median:12.1f} | {ratio:>10} | {max(rates) / min(rates):6.2f} | "
               f"{paired:>6} | "
               f"{1e3 * _percentile(latencies, 0.5):7.0f} | "
@@ -453,7 +466,7 @@ def serve(args, model, log):
             line += (f"; a worker's model step {1e3 * statistics.median(steps):.2f} ms, "
                      f"{count:.0f} steps a round")
         idle = [x["idle_cores"] for x in rounds[way] if x.get("idle_cores") is not None]
-        if len(args.ways) > 1 and not getattr(args, "apart", False) and idle:
+        if len(args.ways) > 1 and not apart and idle:
             line += f"; the idle servers meanwhile {statistics.median(idle):.3f}"
         print(line)
     print(f"The servers' output: {log}")
